@@ -38,6 +38,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 import llama_cpp  # noqa: E402
 from llama_cpp import _internals  # noqa: E402
+from llama_cpp import _logger as _llama_logger  # noqa: E402
 
 
 class ContextOverflow(ValueError):
@@ -73,6 +74,8 @@ def _init_backend() -> None:
     global _backend_initialized
     with _backend_init_lock:
         if not _backend_initialized:
+            # llama-cpp-python prints llama.cpp's log to stderr unless its logger says otherwise
+            _llama_logger.set_verbose(log.isEnabledFor(logging.DEBUG))
             llama_cpp.llama_backend_init()
             _backend_initialized = True
 

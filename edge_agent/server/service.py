@@ -160,11 +160,25 @@ class EdgeService:
 
         thread = threading.Thread(target=work, name="edge-generate", daemon=True)
         thread.start()
+        m = self.metrics
+        last = None
         try:
             while True:
                 event = await events.get()
                 if isinstance(event, BaseException):
                     raise event
+                t = time.perf_counter()
+                if isinstance(event, Finish):
+                    m.prompt_tokens.inc(event.prompt_tokens)
+                    m.cached_prompt_tokens.inc(event.cached_tokens)
+                    m.e2e.observe(t - job.arrived)
+                else:
+                    m.generation_tokens.inc()
+                    if last is None:
+                        m.ttft.observe(t - job.arrived)
+                    else:
+                        m.itl.observe(t - last)
+                    last = t
                 yield event
                 if isinstance(event, Finish):
                     return

@@ -1,0 +1,143 @@
+"""Edge agent overhead: tokens/s and time to first token through the agent's HTTP API versus
+llama-cpp-python called directly, same model, same prompts, same run.
+
+    .venv/bin/python bench/edge_overhead.py [--tokens 128] [--requests 8] [--threads 2]
+
+Rows: one stream at a time, and 4 requests in flight. The direct side mirrors the agent's
+slots: `--parallel` llama.cpp contexts, each driven by its own thread (llama-cpp-python's
+`Llama` is not thread-safe, so one object cannot serve two requests at once). Prints a table
+and the agent/direct ratios; the goal is >= 0.97x throughput and < 15 ms TTFT overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx  # noqa: E402
+
+from tests.conftest import Agent  # noqa: E402
+
+TOPICS = ["the ocean", "a lighthouse", "mountains", "a robot", "the moon", "a train", "coffee",
+          "winter", "a library", "bees", "a volcano", "the desert", "a violin", "rain", "chess", "a city"]
+
+
+def prompts(n: int, offset: int) -> list[str]:
+    return [f"Write a long, detailed story about {TOPICS[(i + offset) % len(TOPICS)]} "
+            f"(version {i + offset})." for i in range(n)]
+
+
+def direct_one(llm, prompt: str, max_tokens: int) -> tuple[float, int, float]:
+    start = time.perf_counter()
+    first = None
+    n = 0
+    for chunk in llm.create_completion(prompt, max_tokens=max_tokens, temperature=0.0, stream=True):
+        if chunk["choices"][0]["text"] or n == 0:
+            first = first or time.perf_counter()
+        n += 1
+    end = time.perf_counter()
+    return (first or end) - start, n, end - start
+
+
+def agent_one(url: str, prompt: str, max_tokens: int) -> tuple[float, int, float]:
+    body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first = None
+    n = 0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and first is None:
+                first = time.perf_counter()
+            if chunk.get("usage"):
+                n = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    return (first or end) - start, n, end - start
+
+
+def run_load(fn, slots: list, items: list[str], concurrency: int) -> dict:
+    """Run ``items`` with ``concurrency`` in flight; each worker owns one slot."""
+    free = list(slots)
+    lock = threading.Lock()
+
+    def job(prompt):
+        with lock:
+            slot = free.pop()
+        try:
+            return fn(slot, prompt)
+        finally:
+            with lock:
+                free.append(slot)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(job, items))
+    wall = time.perf_counter() - start
+    tokens = sum(r[1] for r in results)
+    return {"tok_s": tokens / wall, "ttft_ms": statistics.median(r[0] for r in results) * 1000,
+            "tokens": tokens}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--n-ctx", type=int, default=1024)
+    args = ap.parse_args()
+
+    from llama_cpp import Llama
+
+    from model_distribution.catalog import Catalog
+
+    home = Path(tempfile.mkdtemp(prefix="cascade-bench-"))
+    path = str(Catalog(home).get("smollm2-135m").path)
+    rows = []
+    for concurrency in (1, 4):
+        parallel = 1 if concurrency == 1 else 2
+        threads = max(1, args.threads // parallel)
+        items = prompts(args.requests, offset=concurrency * 100)
+        warm = prompts(1, offset=999)[0]
+        llms = [Llama(model_path=path, n_ctx=args.n_ctx, n_threads=threads, n_batch=256, verbose=False)
+                for _ in range(parallel)]
+        for llm in llms:
+            direct_one(llm, warm, 8)
+        direct = run_load(lambda llm, p: direct_one(llm, p, args.tokens), llms, items, concurrency)
+        del llms
+        agent = Agent(home, "--parallel", str(parallel), "--threads", str(threads),
+                      "--n-ctx", str(args.n_ctx), "--max-waiting", "64").wait_healthy()
+        try:
+            for _ in range(parallel):
+                agent_one(agent.url, warm, 8)
+            via = run_load(lambda url, p: agent_one(url, p, args.tokens), [agent.url] * parallel, items,
+                           concurrency)
+        finally:
+            agent.stop()
+        rows.append((concurrency, parallel, threads, direct, via))
+
+    print(f"\nSmolLM2-135M-Instruct Q4_1, {args.requests} requests x {args.tokens} tokens, greedy\n")
+    print(f"{'in flight':>9} {'slots x thr':>11} | {'direct tok/s':>12} {'agent tok/s':>11} {'ratio':>6} | "
+          f"{'direct TTFT ms':>14} {'agent TTFT ms':>13} {'overhead ms':>11}")
+    for concurrency, parallel, threads, d, a in rows:
+        print(f"{concurrency:>9} {f'{parallel} x {threads}':>11} | {d['tok_s']:>12.1f} {a['tok_s']:>11.1f} "
+              f"{a['tok_s'] / d['tok_s']:>6.3f} | {d['ttft_ms']:>14.1f} {a['ttft_ms']:>13.1f} "
+              f"{a['ttft_ms'] - d['ttft_ms']:>11.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

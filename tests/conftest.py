@@ -1,0 +1,83 @@
+"""Shared fixtures: real edge agents in subprocesses on loopback ports, real models."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Agent:
+    """A `cascade edge run` process."""
+
+    def __init__(self, home: Path, *args: str, env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = home / f"agent-{self.port}.log"
+        full_env = {**os.environ, "CASCADE_HOME": str(home), "OMP_WAIT_POLICY": "passive", **(env or {})}
+        self._log_file = open(self.log, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cascade.cli", "--log-level", "WARNING", "edge", "run",
+             "--port", str(self.port), *args],
+            env=full_env, cwd=REPO, stdout=self._log_file, stderr=subprocess.STDOUT)
+
+    def wait_healthy(self, timeout_s: float = 120) -> Agent:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"agent exited ({self.proc.returncode}):\n{self.log.read_text()}")
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(self.log.read_text())
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log_file.close()
+
+
+@pytest.fixture(scope="session")
+def agent(tmp_path_factory):
+    """One agent for the API tests: two slots, one thread each (this machine has 2 cores)."""
+    a = Agent(tmp_path_factory.mktemp("edge-home"), "--parallel", "2", "--threads", "1",
+              "--n-ctx", "1024", "--max-waiting", "16").wait_healthy()
+    yield a
+    a.stop()
+
+
+@pytest.fixture(scope="session")
+def client(agent):
+    import openai
+
+    return openai.OpenAI(base_url=f"{agent.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path(tmp_path_factory) -> str:
+    from model_distribution.catalog import Catalog
+
+    return str(Catalog(tmp_path_factory.mktemp("catalog")).get("smollm2-135m").path)
