@@ -12,6 +12,7 @@ and the agent/direct ratios; the goal is >= 0.97x throughput and < 15 ms TTFT ov
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -29,13 +30,12 @@ import httpx  # noqa: E402
 
 from tests.conftest import Agent  # noqa: E402
 
-TOPICS = ["the ocean", "a lighthouse", "mountains", "a robot", "the moon", "a train", "coffee",
-          "winter", "a library", "bees", "a volcano", "the desert", "a violin", "rain", "chess", "a city"]
-
 
 def prompts(n: int, offset: int) -> list[str]:
-    return [f"Write a long, detailed story about {TOPICS[(i + offset) % len(TOPICS)]} "
-            f"(version {i + offset})." for i in range(n)]
+    """Counting prompts: the model keeps counting, so every request generates all its tokens
+    (a story prompt often ends at EOS after a few tokens and measures nothing)."""
+    return [", ".join(str(k) for k in range(10 * (i + offset), 10 * (i + offset) + 4)) + ","
+            for i in range(n)]
 
 
 def direct_one(llm, prompt: str, max_tokens: int) -> tuple[float, int, float]:
@@ -43,20 +43,28 @@ def direct_one(llm, prompt: str, max_tokens: int) -> tuple[float, int, float]:
     first = None
     n = 0
     for chunk in llm.create_completion(prompt, max_tokens=max_tokens, temperature=0.0, stream=True):
-        if chunk["choices"][0]["text"] or n == 0:
+        choice = chunk["choices"][0]
+        if choice["finish_reason"] is None or choice["text"]:  # the last chunk may carry no token
             first = first or time.perf_counter()
-        n += 1
+            n += 1
     end = time.perf_counter()
     return (first or end) - start, n, end - start
 
 
+_http = threading.local()
+
+
 def agent_one(url: str, prompt: str, max_tokens: int) -> tuple[float, int, float]:
+    """One streamed completion over a kept-alive connection (one client per thread), as an app
+    using the openai package would send it."""
+    client = getattr(_http, "client", None) or httpx.Client(timeout=300)
+    _http.client = client
     body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     first = None
     n = 0
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+    with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
@@ -69,19 +77,49 @@ def agent_one(url: str, prompt: str, max_tokens: int) -> tuple[float, int, float
     return (first or end) - start, n, end - start
 
 
+class FifoSlots:
+    """Slots handed out strictly first come, first served, as the agent's queue does
+    (queue.Queue lets a thread that just put a slot back take it again ahead of waiters)."""
+
+    def __init__(self, slots: list):
+        self._free = list(slots)
+        self._waiters: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+
+    def get(self):
+        with self._lock:
+            if self._free and not self._waiters:
+                return self._free.pop()
+            box: list = []
+            ready = threading.Event()
+            self._waiters.append((box, ready))
+        ready.wait()
+        return box[0]
+
+    def put(self, slot) -> None:
+        with self._lock:
+            if self._waiters:
+                box, ready = self._waiters.popleft()
+                box.append(slot)
+                ready.set()
+            else:
+                self._free.append(slot)
+
+
 def run_load(fn, slots: list, items: list[str], concurrency: int) -> dict:
-    """Run ``items`` with ``concurrency`` in flight; each worker owns one slot."""
-    free = list(slots)
-    lock = threading.Lock()
+    """Run ``items`` with ``concurrency`` in flight; a request holds one of ``slots`` while it
+    runs, and waits FIFO for one when all are taken."""
+    free = FifoSlots(slots)
 
     def job(prompt):
-        with lock:
-            slot = free.pop()
+        arrived = time.perf_counter()
+        slot = free.get()
         try:
-            return fn(slot, prompt)
+            waited = time.perf_counter() - arrived
+            ttft, n, total = fn(slot, prompt)
+            return ttft + waited, n, total + waited
         finally:
-            with lock:
-                free.append(slot)
+            free.put(slot)
 
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
@@ -96,7 +134,6 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--n-ctx", type=int, default=1024)
     args = ap.parse_args()
 
@@ -106,36 +143,40 @@ def main() -> int:
 
     home = Path(tempfile.mkdtemp(prefix="cascade-bench-"))
     path = str(Catalog(home).get("smollm2-135m").path)
+    cores = os.cpu_count() or 1
+    # (requests in flight, slots, decode threads, prompt threads); the first is the agent's default
+    configs = [(1, 1, max(1, cores - 1), cores), (1, 1, cores, cores), (4, 2, 1, 1)]
     rows = []
-    for concurrency in (1, 4):
-        parallel = 1 if concurrency == 1 else 2
-        threads = max(1, args.threads // parallel)
-        items = prompts(args.requests, offset=concurrency * 100)
+    for concurrency, parallel, threads, threads_batch in configs:
+        items = prompts(args.requests, offset=len(rows) * 100)
         warm = prompts(1, offset=999)[0]
-        llms = [Llama(model_path=path, n_ctx=args.n_ctx, n_threads=threads, n_batch=256, verbose=False)
-                for _ in range(parallel)]
+        llms = [Llama(model_path=path, n_ctx=args.n_ctx, n_threads=threads, n_threads_batch=threads_batch,
+                      n_batch=256, verbose=False) for _ in range(parallel)]
         for llm in llms:
             direct_one(llm, warm, 8)
         direct = run_load(lambda llm, p: direct_one(llm, p, args.tokens), llms, items, concurrency)
         del llms
         agent = Agent(home, "--parallel", str(parallel), "--threads", str(threads),
-                      "--n-ctx", str(args.n_ctx), "--max-waiting", "64").wait_healthy()
+                      "--threads-batch", str(threads_batch), "--n-ctx", str(args.n_ctx),
+                      "--max-waiting", "64").wait_healthy()
         try:
             for _ in range(parallel):
                 agent_one(agent.url, warm, 8)
-            via = run_load(lambda url, p: agent_one(url, p, args.tokens), [agent.url] * parallel, items,
+            via = run_load(lambda url, p: agent_one(url, p, args.tokens), [agent.url] * concurrency, items,
                            concurrency)
         finally:
             agent.stop()
-        rows.append((concurrency, parallel, threads, direct, via))
+        rows.append((concurrency, f"{parallel} x {threads}/{threads_batch}", direct, via))
 
-    print(f"\nSmolLM2-135M-Instruct Q4_1, {args.requests} requests x {args.tokens} tokens, greedy\n")
-    print(f"{'in flight':>9} {'slots x thr':>11} | {'direct tok/s':>12} {'agent tok/s':>11} {'ratio':>6} | "
+    print(f"\nSmolLM2-135M-Instruct Q4_1, {args.requests} requests x {args.tokens} tokens, greedy, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, {cores} cores\n")
+    print(f"{'in flight':>9} {'slots x thr':>13} | {'direct tok/s':>12} {'agent tok/s':>11} {'ratio':>6} | "
           f"{'direct TTFT ms':>14} {'agent TTFT ms':>13} {'overhead ms':>11}")
-    for concurrency, parallel, threads, d, a in rows:
-        print(f"{concurrency:>9} {f'{parallel} x {threads}':>11} | {d['tok_s']:>12.1f} {a['tok_s']:>11.1f} "
+    for concurrency, shape, d, a in rows:
+        print(f"{concurrency:>9} {shape:>13} | {d['tok_s']:>12.1f} {a['tok_s']:>11.1f} "
               f"{a['tok_s'] / d['tok_s']:>6.3f} | {d['ttft_ms']:>14.1f} {a['ttft_ms']:>13.1f} "
               f"{a['ttft_ms'] - d['ttft_ms']:>11.1f}")
+    print("\nslots x thr: agent slots (direct: llama-cpp-python contexts) x decode/prompt threads each")
     return 0
 
 

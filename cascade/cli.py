@@ -17,7 +17,7 @@ def _edge_overrides(args) -> dict:
     return {
         "server": {"host": args.host, "port": args.port, "api_key": args.api_key},
         "model": {"name": args.model, "n_ctx": args.n_ctx, "threads": args.threads,
-                  "parallel": args.parallel},
+                  "threads_batch": args.threads_batch, "parallel": args.parallel},
         "queue": {"max_waiting": args.max_waiting},
     }
 
@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", help="catalogue name or path to a .gguf file")
     run.add_argument("--api-key", help="require this bearer key on /v1")
     run.add_argument("--n-ctx", type=int)
-    run.add_argument("--threads", type=int)
+    run.add_argument("--threads", type=int, help="decode threads per slot (0: auto)")
+    run.add_argument("--threads-batch", type=int, help="prompt threads per slot (0: one per core)")
     run.add_argument("--parallel", type=int, help="requests generated at once (slots)")
     run.add_argument("--max-waiting", type=int, help="queued requests before 429")
     run.set_defaults(func=cmd_edge_run)

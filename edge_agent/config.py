@@ -29,7 +29,8 @@ class ModelConfig:
     backend: str = "llama.cpp"
     n_ctx: int = 2048
     n_batch: int = 256
-    threads: int = 0  # per slot; 0: one per core
+    threads: int = 0  # decode threads per slot; 0: cores - 1 on machines of up to 4 cores, else all
+    threads_batch: int = 0  # prompt threads per slot; 0: one per core
     parallel: int = 1  # slots: requests generated at the same time, each with its own context
     search_paths: list[Path] = field(default_factory=list)  # more folders with .gguf files
 

@@ -33,7 +33,7 @@ def load_backends(config: EdgeConfig, catalog: Catalog) -> tuple[ModelInfo, list
     path = catalog.ensure_ready(info)
     m = config.model
     backend_config = LlamaCppConfig(path=str(path), name=info.name, n_ctx=m.n_ctx, n_batch=m.n_batch,
-                                    n_threads=m.threads)
+                                    n_threads=m.threads, n_threads_batch=m.threads_batch)
     backends: list[Backend] = []
     for _ in range(m.parallel):
         b = LlamaCppBackend(backend_config, quantization=info.quantization)
