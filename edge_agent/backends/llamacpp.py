@@ -132,8 +132,15 @@ class LlamaCppBackend(Backend):
             n_ctx=self._ctx.n_ctx(), n_vocab=vocab,
             chat_template=not self._template.is_transcript, quantization=self._quantization,
         )
+        self._warm_up()
         log.info("loaded %s (%s, n_ctx=%d, threads=%d/%d)", self.config.name, self.config.path,
                  self.description.n_ctx, n_threads, n_threads_batch)
+
+    def _warm_up(self) -> None:
+        """One decode so the first request does not pay for first-touch of the weights."""
+        self._decode([self._bos if self._bos >= 0 else 0])
+        self._ctx.kv_cache_clear()
+        self._kv_tokens = []
 
     def unload(self) -> None:
         for part in (self._batch, self._ctx, self._model):
