@@ -26,13 +26,13 @@ def cmd_edge_run(args) -> int:
     from cascade.config import ConfigError
     from edge_agent import daemon
     from edge_agent.config import EdgeConfig
+    from model_distribution.catalog import ModelNotFound
 
     try:
-        config = EdgeConfig.load(args.config, _edge_overrides(args))
-    except ConfigError as e:
+        daemon.run(EdgeConfig.load(args.config, _edge_overrides(args)))
+    except (ConfigError, ModelNotFound) as e:
         print(f"cascade: {e}", file=sys.stderr)
         return 2
-    daemon.run(config)
     return 0
 
 

@@ -42,6 +42,7 @@ v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
 
 @router.get("/healthz")
+@router.get("/health")
 async def healthz(request: Request):
     svc = service(request)
     return {"status": "ok", "tier": "edge", "model": svc.model_id,
@@ -54,14 +55,23 @@ async def metrics(request: Request):
                              media_type=CONTENT_TYPE_LATEST)
 
 
-@v1.get("/models")
-async def list_models(request: Request) -> ModelList:
+def _model_card(request: Request) -> ModelCard:
     svc = service(request)
     d = svc.description
-    card = ModelCard(id=svc.model_id, created=request.app.state.started,
+    return ModelCard(id=svc.model_id, created=request.app.state.started,
                      meta={"format": "gguf", "quantization": d.quantization, "n_ctx": d.n_ctx,
                            "architecture": d.architecture, "chat_template": d.chat_template})
-    return ModelList(data=[card])
+
+
+@v1.get("/models")
+async def list_models(request: Request) -> ModelList:
+    return ModelList(data=[_model_card(request)])
+
+
+@v1.get("/models/{model:path}")
+async def get_model(request: Request, model: str) -> ModelCard:
+    service(request).check_model(model)
+    return _model_card(request)
 
 
 @v1.post("/chat/completions")

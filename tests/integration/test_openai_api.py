@@ -13,6 +13,10 @@ def test_models_and_health(agent, client):
     assert [m.id for m in models.data] == [MODEL]
     health = httpx.get(f"{agent.url}/healthz").json()
     assert health["status"] == "ok" and health["slots"]["total"] == 2
+    assert httpx.get(f"{agent.url}/health").status_code == 200
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
 
 
 def test_chat_completion(client):
