@@ -1,0 +1,169 @@
+"""Which KV blocks each request holds, prefix reuse through chained block hashes, and the
+integrity check the tests run after every step."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from cloud_tier.engine.block_pool import BlockPool, KVBlock
+from cloud_tier.engine.request import Request
+
+
+@dataclass(frozen=True)
+class KVCacheBlocks:
+    """A value object handed between the scheduler and the KV cache manager."""
+
+    blocks: tuple[KVBlock, ...] = ()
+
+    def get_block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of which served from the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+def model_salt(model_identity: str) -> int:
+    """The root of every hash chain: KV computed by another model or version never matches."""
+    return int.from_bytes(hashlib.sha256(model_identity.encode()).digest()[:8], "little")
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 model_identity: str = ""):
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.salt = model_salt(model_identity)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    # -- prefix cache --------------------------------------------------------------------
+
+    def _block_hashes(self, request: Request) -> list[int]:
+        """Extend ``request.block_hashes`` over its full blocks (parent hash, then tokens)."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        for i in range(len(hashes), request.num_tokens // bs):
+            parent = hashes[i - 1] if i else self.salt
+            hashes.append(hash((parent, tuple(request.token_ids[i * bs:(i + 1) * bs]))))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The longest cached prefix of the request's tokens, in whole blocks, and its length.
+        At least one token is always left to compute, since the last one gives the logits."""
+        if not self.enable_prefix_caching:
+            return KVCacheBlocks(), 0
+        bs = self.block_size
+        hashes = self._block_hashes(request)
+        hits: list[KVBlock] = []
+        parent = self.salt
+        for i in range((request.num_tokens - 1) // bs):
+            block = self.pool.lookup(hashes[i], parent, tuple(request.token_ids[i * bs:(i + 1) * bs]))
+            if block is None:
+                break
+            hits.append(block)
+            parent = hashes[i]
+        self.stats.queries += request.num_tokens
+        self.stats.hits += len(hits) * bs
+        return KVCacheBlocks(tuple(hits)), len(hits) * bs
+
+    # -- allocation ----------------------------------------------------------------------
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: KVCacheBlocks | None = None) -> KVCacheBlocks | None:
+        """Make room for ``num_new_tokens`` more tokens of ``request`` (after the prefix-cache hits
+        in ``new_computed_blocks``, when it is first scheduled). Returns the newly allocated
+        blocks, or None (and changes nothing) if they do not fit."""
+        held = self.req_blocks.get(request.request_id, [])
+        computed = new_computed_blocks.blocks if new_computed_blocks else ()
+        num_computed = request.num_computed_tokens + len(computed) * self.block_size
+        total = num_computed + num_new_tokens
+        num_new_blocks = max(0, self.blocks_for_tokens(total) - len(held) - len(computed))
+        # hits that sit in the free queue stop being allocatable once we take them
+        num_free_hits = sum(1 for b in computed if b.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free - num_free_hits:
+            return None
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        self.pool.touch(computed)
+        blocks.extend(computed)
+        new = self.pool.get_new_blocks(num_new_blocks)
+        blocks.extend(new)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, blocks, min(total, request.num_tokens))
+        return KVCacheBlocks(tuple(new))
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+        """Register the blocks that are full once this step has run, so later requests reuse
+        them (the step writes a layer's K/V before any attention reads it)."""
+        bs = self.block_size
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        end = num_tokens // bs
+        if end <= start:
+            return
+        hashes = self._block_hashes(request)
+        for i in range(start, end):
+            parent = hashes[i - 1] if i else self.salt
+            self.pool.cache(blocks[i], hashes[i], parent, tuple(request.token_ids[i * bs:(i + 1) * bs]))
+        self._num_cached_blocks[request.request_id] = end
+
+    def free(self, request: Request) -> None:
+        """Return a request's blocks; its tail goes first in the eviction order, since a prefix
+        is more likely to be shared than a suffix."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self._num_cached_blocks.pop(request.request_id, None)
+        self.pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+
+    # -- invariants ----------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """free + in use == total; every ref count equals the block tables that hold the block;
+        the free queue holds exactly the blocks with no reference; the hash index is consistent."""
+        pool = self.pool
+        held: dict[int, int] = {}
+        for blocks in self.req_blocks.values():
+            for b in blocks:
+                held[b.block_id] = held.get(b.block_id, 0) + 1
+        in_use = [b for b in pool.blocks if b.ref_cnt > 0]
+        assert len(in_use) + pool.num_free == pool.num_blocks, (len(in_use), pool.num_free, pool.num_blocks)
+        for b in pool.blocks:
+            assert b.ref_cnt == held.get(b.block_id, 0), f"{b}: held by {held.get(b.block_id, 0)} tables"
+            assert (b.ref_cnt == 0) == (b.block_id in pool.free_queue), f"{b}: free queue mismatch"
+        for h, b in pool.cached.items():
+            assert b.block_hash == h, f"{b}: cached under a stale hash"
+        cached_free = sum(1 for b in pool.free_queue.values() if b.block_hash is not None)
+        assert cached_free <= len(pool.cached)

@@ -1,0 +1,78 @@
+"""The one mutable record per request, owned by one component at a time (nano-vllm Sequence).
+
+Progress is a counter: ``num_computed_tokens`` catches up to ``num_tokens``. A prefill node
+advances it to the prompt length; a decode node adopts the request from there.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from cloud_tier.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3  # EOS, a stop token or a stop string
+    FINISHED_LENGTH = 4  # max_tokens or the model's context
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
+
+
+@dataclass(eq=False)  # a mutable record: equal only to itself
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0  # lower is served first
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens served from the prefix cache (-1: not looked up)
+    num_preemptions: int = 0
+    token_ids: list[int] = field(init=False)  # prompt + output, appended as tokens are sampled
+    block_hashes: list = field(default_factory=list)  # chained hashes of full blocks, filled lazily
+
+    def __post_init__(self):
+        if not self.prompt_token_ids:
+            raise ValueError("a request needs at least one prompt token")
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def sort_key(self) -> tuple[int, float]:
+        return (self.priority, self.arrival_time)

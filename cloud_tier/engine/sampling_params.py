@@ -1,0 +1,55 @@
+"""Per-request sampling and stopping parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops (vLLM's field names and meanings)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's and top-k
+    repetition_penalty: float = 1.0  # > 1 discourages tokens seen in prompt or output
+    presence_penalty: float = 0.0  # OpenAI: on tokens present in the output
+    frequency_penalty: float = 0.0  # OpenAI: by count in the output
+    include_stop_str_in_output: bool = False
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 or positive, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+        if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
+            raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
+        object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)

@@ -1,0 +1,225 @@
+"""The scheduler: which requests run this step, and how many tokens each (continuous batching
+with a token budget, chunked prefill, FCFS with priorities, preemption by recompute).
+
+``schedule()`` returns a plain dataclass and ``update()`` consumes the sampled tokens, so the
+scheduler is tested without torch. Each policy is a separate pass: running requests first
+(decodes and unfinished prefill chunks), then waiting ones with what is left of the budget.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from cloud_tier.engine.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from cloud_tier.engine.request import Request, RequestStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128  # requests in one batch
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # cap on one request's prefill chunk; 0: the budget
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
+            raise ValueError("max_num_seqs, max_num_batched_tokens >= 1 and max_model_len >= 2")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("without chunked prefill the token budget must cover max_model_len")
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+
+    @property
+    def start(self) -> int:
+        """Position of the first token computed this step."""
+        return self.request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the known tokens, so a new token is sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: list[Request] = []  # sorted by (priority, arrival)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.num_tokens >= self.config.max_model_len:
+            raise ValueError(f"prompt of {request.num_tokens} tokens does not fit max_model_len "
+                             f"{self.config.max_model_len}")
+        if self.kv.blocks_for_tokens(request.num_tokens + 1) > self.kv.num_blocks:
+            raise ValueError("prompt does not fit the whole KV cache")
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside (abort, a stop string matched) and free their blocks."""
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+            self._finish(req, status)
+            done.append(req)
+        return done
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _chunk(self, request: Request, budget: int, num_hit: int = 0) -> int:
+        """Tokens to compute for ``request`` this step (a whole prompt, a chunk of it, or 1)."""
+        n = request.num_tokens - request.num_computed_tokens - num_hit
+        if self.config.long_prefill_token_threshold:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return min(n, budget)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        for req in sorted(self.running, key=Request.sort_key):
+            if budget <= 0:
+                break
+            if req not in self.running:  # preempted earlier in this pass
+                continue
+            n = self._chunk(req, budget)
+            while self.kv.allocate_slots(req, n) is None:
+                victim = max(self.running, key=Request.sort_key)
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is req:
+                    n = 0
+                    break
+            if n:
+                out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_ids(req.request_id)))
+                budget -= n
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            computed: KVCacheBlocks | None = None
+            num_hit = 0
+            if req.num_computed_tokens == 0:
+                computed, num_hit = self.kv.get_computed_blocks(req)
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit
+            n = req.num_tokens - req.num_computed_tokens - num_hit
+            if n > budget and not self.config.enable_chunked_prefill:
+                break
+            n = self._chunk(req, budget, num_hit)
+            if self.kv.allocate_slots(req, n, computed) is None:
+                break  # no room: it stays first in line (FCFS), nothing behind it jumps ahead
+            self.waiting.pop(0)
+            req.num_computed_tokens += num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_ids(req.request_id)))
+            budget -= n
+
+    # -- after the step ------------------------------------------------------------------
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance the counters of what ran, append sampled tokens, finish what has to stop."""
+        finished = []
+        for s in out.scheduled:
+            req = s.request
+            if req.is_finished:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += s.num_new_tokens
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.append_token(token)
+            status = self._stop_status(req, token)
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+                finished.append(req)
+        return finished
+
+    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        p = req.sampling_params
+        if (not p.ignore_eos and token in req.eos_token_ids) or token in p.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _enqueue(self, request: Request) -> None:
+        keys = [r.sort_key() for r in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, request.sort_key()), request)
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: drop the KV, requeue (its arrival time keeps it at the front).
+        The one place that decides how a request gives its memory back, so swap-out can be
+        added here."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(request)
+        log.debug("preempted %s", request.request_id)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+
