@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cascade.stops import TextReleaser
 from edge_agent.backends.base import (
     Backend,
     Finish,
     GenerationOptions,
     ModelDescription,
-    TextReleaser,
     TokenEvent,
     TopToken,
 )

@@ -1,4 +1,4 @@
-from edge_agent.backends.base import TextReleaser
+from cascade.stops import TextReleaser
 
 
 def feed(releaser, pieces):
@@ -41,3 +41,10 @@ def test_multibyte_characters_split_across_tokens():
 def test_earliest_stop_string_wins():
     r = TextReleaser(stop=("cd", "b"))
     assert r.push(b"abcd") == "a"
+
+
+def test_text_api_and_keeping_the_stop_string():
+    r = TextReleaser(stop=("</s>",), include_stop=True)
+    assert r.push_text("hello </") == "hello "
+    assert r.push_text("s> tail") == "</s>"
+    assert r.stopped and r.push_text("more") == ""

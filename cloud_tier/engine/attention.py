@@ -1,0 +1,124 @@
+"""Paged attention: K/V live in fixed-size blocks; each request reads its own through its block
+table. One function (``paged_attention``) is the whole op, so a fused kernel can replace it.
+
+Per step the runner builds ``AttentionMetadata`` once; every layer then writes its new K/V into
+the cache first and reads after, so a block filled earlier in the same step is visible (the
+prefix cache relies on that). Decodes (one query token each) run as one batched SDPA over
+gathered, padded contexts; prefill chunks run one SDPA each with a causal mask offset by the
+tokens already computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first row of this chunk in the flat batch
+    query_len: int
+    context_len: int  # tokens of the request in the cache after this step
+    slots: torch.Tensor  # [context_len] flat cache slots of positions 0..context_len-1
+    masks: dict[int | None, torch.Tensor | None]  # sliding window (None: full) -> bool mask or None (plain causal)
+
+
+@dataclass
+class DecodeGroup:
+    rows: torch.Tensor  # [B] rows of the flat batch
+    slots: torch.Tensor  # [B, L] flat cache slots, padded
+    masks: dict[int | None, torch.Tensor]  # sliding window -> [B, 1, 1, L] bool
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [N] where each new token's K/V is written
+    decode: DecodeGroup | None
+    prefills: list[PrefillChunk]
+
+    @classmethod
+    def build(cls, chunks: list[tuple[int, int, list[int]]], block_size: int, windows: set[int | None],
+              device: torch.device) -> AttentionMetadata:
+        """``chunks``: per request in batch order (num_computed_before, num_new, block_ids)."""
+        slot_mapping, prefills, decode_rows, decode_tables, decode_lens = [], [], [], [], []
+        row = 0
+        for start, n, block_ids in chunks:
+            table = torch.tensor(block_ids, dtype=torch.long)
+            pos = torch.arange(start, start + n)
+            slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
+            ctx = start + n
+            if n == 1:
+                decode_rows.append(row)
+                decode_tables.append(block_ids)
+                decode_lens.append(ctx)
+            else:
+                all_pos = torch.arange(ctx)
+                slots = (table[all_pos // block_size] * block_size + all_pos % block_size).to(device)
+                masks = {w: _prefill_mask(n, ctx, w, device) for w in windows}
+                prefills.append(PrefillChunk(row, n, ctx, slots, masks))
+            row += n
+        decode = None
+        if decode_rows:
+            decode = _decode_group(decode_rows, decode_tables, decode_lens, block_size, windows, device)
+        return cls(torch.cat(slot_mapping).to(device), decode, prefills)
+
+
+def _prefill_mask(q_len: int, ctx: int, window: int | None, device) -> torch.Tensor | None:
+    if ctx == q_len and (window is None or window >= ctx):
+        return None  # plain causal attention over the chunk itself
+    q_pos = torch.arange(ctx - q_len, ctx, device=device)[:, None]
+    k_pos = torch.arange(ctx, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= q_pos - k_pos < window
+    return mask
+
+
+def _decode_group(rows, tables, lens, block_size, windows, device) -> DecodeGroup:
+    max_blocks = max(len(t) for t in tables)
+    padded = torch.zeros(len(tables), max_blocks, dtype=torch.long)
+    for i, t in enumerate(tables):
+        padded[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+    slots = (padded[:, :, None] * block_size + torch.arange(block_size)).reshape(len(tables), -1)
+    lens_t = torch.tensor(lens)[:, None]
+    k_pos = torch.arange(slots.shape[1])[None, :]
+    masks = {}
+    for w in windows:
+        m = k_pos < lens_t
+        if w is not None:
+            m &= (lens_t - 1) - k_pos < w
+        masks[w] = m[:, None, None, :].to(device)
+    return DecodeGroup(torch.tensor(rows, device=device), slots.to(device), masks)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    window: int | None = None) -> torch.Tensor:
+    """q [N, H, D], k/v [N, KVH, D] for the new tokens; caches [slots, KVH, D]. Returns [N, H, D]."""
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    gqa = q.shape[1] != k.shape[1]
+    if meta.decode is not None and not meta.prefills:
+        return _decode(q, k_cache, v_cache, meta.decode, scale, window, gqa)
+    out = torch.empty_like(q)
+    if meta.decode is not None:
+        out[meta.decode.rows] = _decode(q[meta.decode.rows], k_cache, v_cache, meta.decode, scale, window, gqa)
+    for p in meta.prefills:
+        qp = q[p.start:p.start + p.query_len].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        kp = k_cache[p.slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
+        vp = v_cache[p.slots].transpose(0, 1).unsqueeze(0)
+        mask = p.masks[window]
+        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None,
+                                           scale=scale, enable_gqa=gqa)
+        out[p.start:p.start + p.query_len] = o[0].transpose(0, 1)
+    return out
+
+
+def _decode(q, k_cache, v_cache, group: DecodeGroup, scale, window, gqa) -> torch.Tensor:
+    kd = k_cache[group.slots].transpose(1, 2)  # [B, KVH, L, D]
+    vd = v_cache[group.slots].transpose(1, 2)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=group.masks[window],
+                                       scale=scale, enable_gqa=gqa)  # [B, H, 1, D]
+    return o.squeeze(2)

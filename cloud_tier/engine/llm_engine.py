@@ -1,0 +1,199 @@
+"""The engine: ``schedule() -> execute(batch) -> update(output)`` per step, plus the offline
+``generate`` that runs steps until every prompt is done.
+
+    engine = LLMEngine.from_model("smollm2-135m", dtype="float32")
+    outs = engine.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cloud_tier.engine.config import EngineConfig
+from cloud_tier.engine.detokenizer import IncrementalDetokenizer
+from cloud_tier.engine.kv_cache_manager import KVCacheManager
+from cloud_tier.engine.model_runner import ModelRunner
+from cloud_tier.engine.models.loader import load_model, read_config
+from cloud_tier.engine.outputs import RequestOutput
+from cloud_tier.engine.request import Request, RequestStatus
+from cloud_tier.engine.sampling_params import SamplingParams
+from cloud_tier.engine.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+
+def resolve_model_dir(model: str) -> Path:
+    """An HF-style directory for ``model``: itself if it is one, else the GGUF (a catalogue name
+    or a path) converted once into ``$CASCADE_HOME/engine/models``."""
+    path = Path(model).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    from cascade.config import cascade_home
+    from cloud_tier.engine.models.gguf_convert import ensure_hf_dir
+    from model_distribution.catalog import Catalog
+
+    catalog = Catalog(cascade_home())
+    gguf = catalog.ensure_ready(catalog.get(model))
+    return ensure_hf_dir(gguf, cascade_home() / "engine" / "models")
+
+
+@dataclass
+class _Tracked:
+    """The engine's output-side state of one request."""
+
+    request: Request
+    detok: IncrementalDetokenizer
+    output: RequestOutput
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_dir = resolve_model_dir(config.model)
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.device = torch.device(config.device)
+        hf_config = read_config(self.model_dir)
+        self.max_model_len = min(config.max_model_len, hf_config.get("max_position_embeddings", config.max_model_len))
+        self.model = load_model(self.model_dir, config.torch_dtype, self.device, self.max_model_len)
+        self.tokenizer = _load_tokenizer(self.model_dir)
+        self.eos_token_ids = _eos_ids(self.model_dir, self.tokenizer, hf_config)
+        per_block = ModelRunner.bytes_per_block(self.model, config.block_size, config.torch_dtype)
+        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // per_block)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 model_identity=f"{self.model_dir.name}:{config.dtype}")
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
+            long_prefill_token_threshold=config.long_prefill_token_threshold), self.kv)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_dtype,
+                                  self.device, config.seed)
+        self._tracked: dict[str, _Tracked] = {}
+        log.info("engine ready: %s (%s, %s), %d KV blocks of %d tokens (%.0f MiB)", self.model_dir.name,
+                 config.dtype, config.device, num_blocks, config.block_size, num_blocks * per_block / 2**20)
+
+    @classmethod
+    def from_model(cls, model: str, **kwargs) -> LLMEngine:
+        """``model``: a catalogue name (``smollm2-135m``), a .gguf path or an HF directory;
+        ``kwargs``: any EngineConfig field."""
+        return cls(EngineConfig(model=model, **kwargs))
+
+    # -- requests ------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0,
+                    arrival_time: float | None = None) -> str:
+        """Queue a prompt (text, or token ids); returns its request id."""
+        params = params or SamplingParams()
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        vocab = self.model.config["vocab_size"]
+        if not token_ids or any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be non-empty and in [0, {vocab})")
+        request_id = request_id or uuid.uuid4().hex
+        req = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids, priority=priority,
+                      arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+        self.scheduler.add_request(req)
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        out = RequestOutput(request_id, list(token_ids), arrival_time=req.arrival_time,
+                            logprobs=[] if params.logprobs is not None else None)
+        self._tracked[request_id] = _Tracked(req, detok, out)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+        self._forget(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One batch: returns an output for every request that got tokens or finished."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        result = self.runner.execute(scheduled)
+        self.scheduler.update(scheduled, result.sampled)
+        now = time.monotonic()
+        outputs = []
+        for s in scheduled.scheduled:
+            rid = s.request.request_id
+            tracked = self._tracked.get(rid)
+            if tracked is None or rid not in result.sampled:
+                continue
+            outputs.append(self._process(tracked, result.sampled[rid], result.logprobs.get(rid), now))
+        return outputs
+
+    def _process(self, t: _Tracked, token: int, logprobs, now: float) -> RequestOutput:
+        req, out = t.request, t.output
+        out.new_token_ids = [token]
+        out.token_ids.append(token)
+        out.delta_text = t.detok.add(token)
+        out.new_logprobs = [logprobs] if logprobs is not None else []
+        if out.logprobs is not None and logprobs is not None:
+            out.logprobs.append(logprobs)
+        if out.first_token_time is None:
+            out.first_token_time = now
+        if t.detok.stopped and not req.is_finished:
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+        if req.is_finished:
+            out.delta_text += t.detok.finish()
+            out.finished = True
+            out.finish_reason = req.status.finish_reason
+            out.num_cached_tokens = max(req.num_cached_tokens, 0)
+            self._forget(req.request_id)
+        out.text = t.detok.text
+        return out
+
+    def _forget(self, request_id: str) -> None:
+        self._tracked.pop(request_id, None)
+        self.runner.sampler.forget(request_id)
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Run ``prompts`` to completion as one continuous batch; outputs in prompt order."""
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    # -- introspection -------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+
+    def stats(self) -> dict:
+        return {"kv_blocks_total": self.kv.num_blocks, "kv_blocks_free": self.kv.num_free_blocks,
+                "kv_usage": self.kv.usage, "waiting": self.scheduler.num_waiting,
+                "running": self.scheduler.num_running, "preemptions": self.scheduler.num_preemptions,
+                "prefix_cache_queries": self.kv.stats.queries, "prefix_cache_hits": self.kv.stats.hits}
+
+
+def _load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _eos_ids(model_dir: Path, tokenizer, hf_config: dict) -> frozenset[int]:
+    ids: set[int] = set()
+    gen = model_dir / "generation_config.json"
+    for source in (json.loads(gen.read_text()) if gen.is_file() else {}, hf_config):
+        eos = source.get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

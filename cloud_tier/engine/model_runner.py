@@ -1,0 +1,66 @@
+"""Runs one scheduled step on the model: flattens the batch, builds the attention metadata,
+computes logits only where a token is sampled, and samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cloud_tier.engine.attention import AttentionMetadata
+from cloud_tier.engine.sampler import Sampler, TokenLogprobs
+from cloud_tier.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class ModelOutput:
+    sampled: dict[str, int]  # request id -> token, for requests that reached their last token
+    logprobs: dict[str, TokenLogprobs]
+    logits: dict[str, torch.Tensor] | None = None  # kept only when asked (parity tests)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device, seed: int = 0):
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+        num_layers, n_kv, head_dim = model.kv_shape
+        shape = (num_blocks * block_size, n_kv, head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                           torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+        self.windows = model.sliding_windows()
+        self.sampler = Sampler(seed, device)
+        self.keep_logits = False
+
+    @staticmethod
+    def bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
+        num_layers, n_kv, head_dim = model.kv_shape
+        return 2 * num_layers * block_size * n_kv * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        ids, positions, chunks, sample_rows, sample_reqs = [], [], [], [], []
+        row = 0
+        for s in out.scheduled:
+            req, start, n = s.request, s.start, s.num_new_tokens
+            ids.extend(req.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            chunks.append((start, n, s.block_ids))
+            row += n
+            if s.samples:
+                sample_rows.append(row - 1)
+                sample_reqs.append(req)
+        dev = self.device
+        meta = AttentionMetadata.build(chunks, self.block_size, self.windows, dev)
+        hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
+                            self.kv_caches, meta)
+        if not sample_reqs:
+            return ModelOutput({}, {})
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)]).float()
+        result = self.sampler(logits, sample_reqs)
+        sampled = {r.request_id: t for r, t in zip(sample_reqs, result.token_ids, strict=True)}
+        logprobs = {r.request_id: lp for r, lp in zip(sample_reqs, result.logprobs, strict=True) if lp is not None}
+        kept = {r.request_id: logits[i].cpu() for i, r in enumerate(sample_reqs)} if self.keep_logits else None
+        return ModelOutput(sampled, logprobs, kept)

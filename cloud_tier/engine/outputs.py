@@ -1,0 +1,28 @@
+"""What the engine hands back for each request, step by step and at the end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cloud_tier.engine.sampler import TokenLogprobs
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)  # generated so far
+    text: str = ""  # released so far (stop strings cut)
+    new_token_ids: list[int] = field(default_factory=list)  # this step's
+    delta_text: str = ""  # this step's
+    logprobs: list[TokenLogprobs] | None = None
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_cached_tokens: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)

@@ -1,0 +1,123 @@
+"""Token sampling for a batch: penalties, greedy, temperature, top-k, top-p, min-p, per-request
+seeds, and logprobs of the model's own distribution (before any of that processing)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cloud_tier.engine.request import Request
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    def __init__(self, seed: int = 0, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+        self.generator = torch.Generator(self.device).manual_seed(seed)  # for unseeded requests
+        self._seeded: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._seeded.pop(request_id, None)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+        """``logits`` [B, V] float32, one row per request in ``requests``."""
+        params = [r.sampling_params for r in requests]
+        raw_logprobs = None
+        if any(p.logprobs is not None for p in params):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if any(p.needs_penalties for p in params):
+            logits = logits.clone()
+            for i, r in enumerate(requests):
+                if r.sampling_params.needs_penalties:
+                    _apply_penalties(logits[i], r, self.device)
+        tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        if greedy:
+            idx = torch.tensor(greedy, device=logits.device)
+            tokens[idx] = logits[idx].argmax(dim=-1)
+        rand = [i for i, p in enumerate(params) if not p.greedy]
+        if rand:
+            probs = _processed_probs(logits[rand], [params[i] for i in rand])
+            tokens[torch.tensor(rand, device=logits.device)] = self._draw(probs, [requests[i] for i in rand])
+        token_list = tokens.tolist()
+        out_logprobs: list[TokenLogprobs | None] = [None] * len(requests)
+        if raw_logprobs is not None:
+            for i, p in enumerate(params):
+                if p.logprobs is not None:
+                    out_logprobs[i] = _token_logprobs(raw_logprobs[i], token_list[i], p.logprobs)
+        return SampleResult(token_list, out_logprobs)
+
+    def _draw(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        out = torch.empty(len(requests), dtype=torch.long, device=probs.device)
+        shared = []
+        for i, r in enumerate(requests):
+            seed = r.sampling_params.seed
+            if seed is None:
+                shared.append(i)
+                continue
+            g = self._seeded.get(r.request_id)
+            if g is None:
+                g = self._seeded[r.request_id] = torch.Generator(self.device).manual_seed(seed)
+            out[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+        if shared:
+            idx = torch.tensor(shared, device=probs.device)
+            out[idx] = torch.multinomial(probs[idx], 1, generator=self.generator)[:, 0]
+        return out
+
+
+def _apply_penalties(row: torch.Tensor, r: Request, device) -> None:
+    p = r.sampling_params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(r.token_ids)), dtype=torch.long, device=device)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    out_ids = r.output_token_ids
+    if out_ids and (p.presence_penalty or p.frequency_penalty):
+        ids, counts = torch.tensor(out_ids, dtype=torch.long, device=device).unique(return_counts=True)
+        row[ids] -= p.presence_penalty + p.frequency_penalty * counts.to(row.dtype)
+
+
+def _processed_probs(logits: torch.Tensor, params) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks, as probabilities."""
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=dev, dtype=logits.dtype)
+    logits = logits / temps[:, None]
+    top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+    if any(top_k) or any(x < 1.0 for x in top_p) or any(min_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[-1]
+        ranks = torch.arange(vocab, device=dev)[None, :]
+        k = torch.tensor([k or vocab for k in top_k], device=dev)[:, None]
+        drop = ranks >= k
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+        drop |= before > torch.tensor(top_p, device=dev, dtype=probs.dtype)[:, None]
+        drop |= probs < torch.tensor(min_p, device=dev, dtype=probs.dtype)[:, None] * probs[:, :1]
+        drop[:, 0] = False  # the most likely token always survives
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    return logits.softmax(dim=-1)
+
+
+def _token_logprobs(row: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    top: tuple[tuple[int, float], ...] = ()
+    if k > 0:
+        vals, ids = row.topk(k)
+        top = tuple(zip(ids.tolist(), vals.tolist(), strict=True))
+    return TokenLogprobs(token, float(row[token]), top)
