@@ -22,6 +22,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from cascade.generation import Finish, TokenEvent, TopToken
+
 
 @dataclass(frozen=True)
 class GenerationOptions:
@@ -46,36 +48,6 @@ class GenerationOptions:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
-
-
-@dataclass(frozen=True)
-class TopToken:
-    token_id: int
-    text: str
-    logprob: float
-    bytes: bytes
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """One generated token: its released text (may be "" while held back), its logprob and
-    alternatives, and its entropy (nats) for the cascade's confidence signals."""
-
-    token_id: int
-    text: str
-    piece: bytes
-    logprob: float
-    entropy: float
-    top: tuple[TopToken, ...] = ()
-
-
-@dataclass(frozen=True)
-class Finish:
-    finish_reason: str  # "stop" | "length" | "cancelled"
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0  # prompt tokens reused from the previous request's KV
-    text: str = ""  # trailing text released at the end (held back for a stop check)
 
 
 @dataclass(frozen=True)
@@ -125,3 +97,6 @@ class Backend(ABC):
     @abstractmethod
     def generate(self, prompt: str | Sequence[int], options: GenerationOptions,
                  cancel: threading.Event | None = None) -> Iterator[TokenEvent | Finish]: ...
+
+
+__all__ = ["Backend", "Finish", "GenerationOptions", "ModelDescription", "TokenEvent", "TopToken"]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cascade.chat_template import ChatTemplate
 from cascade.stops import TextReleaser
 from edge_agent.backends.base import (
     Backend,
@@ -28,7 +29,6 @@ from edge_agent.backends.base import (
     TokenEvent,
     TopToken,
 )
-from edge_agent.backends.chat_template import ChatTemplate
 
 log = logging.getLogger(__name__)
 

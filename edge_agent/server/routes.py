@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ValidationError
 
 from cascade import errors
+from cascade.api import parse_body, read_json
+from cascade.openai_format import DONE, ChatFormatter, CompletionFormatter
 from cascade.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from edge_agent.backends.base import Finish, TokenEvent
-from edge_agent.server.openai_format import DONE, ChatFormatter, CompletionFormatter
 from edge_agent.server.service import EdgeService, Job
 
 log = logging.getLogger(__name__)
@@ -77,7 +76,7 @@ async def get_model(request: Request, model: str) -> ModelCard:
 @v1.post("/chat/completions")
 async def chat_completions(request: Request):
     svc = service(request)
-    req = _parse(ChatCompletionRequest, await _read_json(request))
+    req = parse_body(ChatCompletionRequest, await read_json(request, request.app.state.config.server.max_body_bytes))
     job = svc.chat_job(req)
     fmt = ChatFormatter(svc.model_id, req.logprobs)
     return await _respond(request, svc, job, fmt, "chat", req.stream, req.include_usage_in_stream())
@@ -86,7 +85,7 @@ async def chat_completions(request: Request):
 @v1.post("/completions")
 async def completions(request: Request):
     svc = service(request)
-    req = _parse(CompletionRequest, await _read_json(request))
+    req = parse_body(CompletionRequest, await read_json(request, request.app.state.config.server.max_body_bytes))
     job = svc.completion_job(req)
     fmt = CompletionFormatter(svc.model_id, req.logprobs)
     return await _respond(request, svc, job, fmt, "completions", req.stream, req.include_usage_in_stream())
@@ -144,38 +143,3 @@ async def _cancel_on_disconnect(request: Request, job: Job) -> None:
             job.cancel.set()
             return
         await asyncio.sleep(0.25)
-
-
-async def _read_json(request: Request) -> dict:
-    limit = request.app.state.config.server.max_body_bytes
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise _too_large(limit)
-    try:
-        text = bytes(body).decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise errors.bad_request("The request body is not valid UTF-8.", None, "invalid_encoding") from e
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise errors.bad_request(f"The request body is not valid JSON: {e}.", None, "invalid_json") from e
-    if not isinstance(data, dict):
-        raise errors.bad_request("The request body must be a JSON object.", None, "invalid_json")
-    return data
-
-
-def _too_large(limit: int) -> errors.APIError:
-    return errors.APIError(413, f"The request body exceeds {limit} bytes.", "invalid_request_error",
-                           None, "request_too_large")
-
-
-def _parse(model: type[BaseModel], data: dict):
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise errors.validation_error(e.errors()) from e

@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from cascade import errors
+from cascade.chat_template import ChatTemplateError
 from cascade.protocol import ChatCompletionRequest, CompletionRequest
 from edge_agent.backends.base import Backend, Finish, GenerationOptions, TokenEvent
-from edge_agent.backends.chat_template import ChatTemplateError
 from edge_agent.config import EdgeConfig
 from edge_agent.server.metrics import EdgeMetrics
 from edge_agent.server.slots import QueueFull, SlotPool

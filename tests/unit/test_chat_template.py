@@ -1,6 +1,6 @@
 import pytest
 
-from edge_agent.backends.chat_template import ChatTemplate, ChatTemplateError
+from cascade.chat_template import ChatTemplate, ChatTemplateError
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+from cascade.generation import Finish, TokenEvent
 from cascade.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -22,7 +23,6 @@ from cascade.protocol import (
     new_id,
     now,
 )
-from edge_agent.backends.base import Finish, TokenEvent
 
 DONE = "data: [DONE]\n\n"
 
