@@ -67,6 +67,28 @@ def _size(n: int) -> str:
     return str(n)
 
 
+def cmd_cloud_worker(args) -> int:
+    from cascade.config import ConfigError
+    from cloud_tier.config import CloudConfig
+    from cloud_tier.worker import daemon
+    from model_distribution.catalog import ModelNotFound
+
+    overrides = {
+        "server": {"host": args.host, "port": args.port, "api_key": args.api_key},
+        "engine": {"model": args.model, "dtype": args.dtype, "device": args.device,
+                   "kv_cache_memory_bytes": args.kv_cache_bytes, "max_model_len": args.max_model_len,
+                   "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "threads": args.threads},
+        "worker": {"role": args.role},
+    }
+    try:
+        daemon.run(CloudConfig.load(args.config, overrides))
+    except (ConfigError, ModelNotFound, NotImplementedError) as e:
+        print(f"cascade: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def cmd_demo(args) -> int:
     from cascade import demo
 
@@ -98,6 +120,23 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--json", action="store_true")
     ls.add_argument("--path", action="append", help="another folder to search for .gguf files")
     ls.set_defaults(func=cmd_models_list)
+
+    cloud = sub.add_parser("cloud", help="the cloud tier").add_subparsers(dest="cloud_command", required=True)
+    worker = cloud.add_parser("worker", help="one engine behind an OpenAI-compatible API")
+    worker.add_argument("--config", help="cloud.toml (every key also from CASCADE_CLOUD_<SECTION>_<KEY>)")
+    worker.add_argument("--role", choices=["both", "prefill", "decode"])
+    worker.add_argument("--host")
+    worker.add_argument("--port", type=int)
+    worker.add_argument("--model", help="catalogue name, .gguf path or HF directory")
+    worker.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    worker.add_argument("--device", help="cpu, cuda, cuda:1 ...")
+    worker.add_argument("--api-key", help="require this bearer key on /v1")
+    worker.add_argument("--kv-cache-bytes", type=int, help="memory for KV blocks")
+    worker.add_argument("--max-model-len", type=int)
+    worker.add_argument("--max-num-seqs", type=int)
+    worker.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step")
+    worker.add_argument("--threads", type=int, help="torch threads (0: default)")
+    worker.set_defaults(func=cmd_cloud_worker)
 
     demo = sub.add_parser("demo", help="run the scripted end-to-end scenario on this machine")
     demo.add_argument("--port", type=int, default=0, help="edge agent port (0: a free one)")

@@ -88,24 +88,37 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> str:
-        """Queue a prompt (text, or token ids); returns its request id."""
+    def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                     request_id: str | None = None, priority: int = 0,
+                     arrival_time: float | None = None) -> Request:
+        """Tokenize and validate a prompt into a request record (raises ValueError). Safe to call
+        from another thread than the one stepping the engine."""
         params = params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.model.config["vocab_size"]
         if not token_ids or any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be non-empty and in [0, {vocab})")
-        request_id = request_id or uuid.uuid4().hex
-        req = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids, priority=priority,
-                      arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt is {len(token_ids)} tokens; this model's maximum context "
+                             f"length is {self.max_model_len} tokens")
+        return Request(request_id or uuid.uuid4().hex, token_ids, params, eos_token_ids=self.eos_token_ids,
+                       priority=priority,
+                       arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+
+    def add(self, req: Request) -> str:
+        """Queue a request made by ``make_request``."""
         self.scheduler.add_request(req)
+        params = req.sampling_params
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
-        out = RequestOutput(request_id, list(token_ids), arrival_time=req.arrival_time,
+        out = RequestOutput(req.request_id, list(req.prompt_token_ids), arrival_time=req.arrival_time,
                             logprobs=[] if params.logprobs is not None else None)
-        self._tracked[request_id] = _Tracked(req, detok, out)
-        return request_id
+        self._tracked[req.request_id] = _Tracked(req, detok, out)
+        return req.request_id
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0) -> str:
+        """Queue a prompt (text, or token ids); returns its request id."""
+        return self.add(self.make_request(prompt, params, request_id, priority))
 
     def abort(self, request_id: str) -> None:
         self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
@@ -143,8 +156,11 @@ class LLMEngine:
             out.logprobs.append(logprobs)
         if out.first_token_time is None:
             out.first_token_time = now
-        if t.detok.stopped and not req.is_finished:
-            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+        if t.detok.stopped:  # a stop string, even on the token that also hit max_tokens
+            if req.is_finished:
+                req.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
         if req.is_finished:
             out.delta_text += t.detok.finish()
             out.finished = True

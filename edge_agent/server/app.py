@@ -15,10 +15,11 @@ from fastapi import FastAPI
 
 from cascade.config import cascade_home
 from cascade.errors import install_error_handlers
+from cascade.tier_header import TierHeader
 from edge_agent.backends.base import Backend
 from edge_agent.config import EdgeConfig
 from edge_agent.server.metrics import EdgeMetrics
-from edge_agent.server.routes import TIER_HEADER, router, v1
+from edge_agent.server.routes import router, v1
 from edge_agent.server.service import EdgeService
 from model_distribution.catalog import PACKAGED, Catalog, ModelInfo
 
@@ -73,24 +74,3 @@ def build_app(config: EdgeConfig, catalog: Catalog | None = None) -> FastAPI:
     app.include_router(v1)
     app.add_middleware(TierHeader, tier="edge")
     return app
-
-
-class TierHeader:
-    """Pure ASGI middleware: every HTTP response says which tier answered. (Not
-    BaseHTTPMiddleware, which would get in the way of cancelling a stream on disconnect.)"""
-
-    def __init__(self, app, tier: str):
-        self.app = app
-        self.header = (TIER_HEADER.lower().encode(), tier.encode())
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def send_with_tier(message):
-            if message["type"] == "http.response.start":
-                headers = [h for h in message.get("headers", []) if h[0] != self.header[0]]
-                message = {**message, "headers": [*headers, self.header]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_tier)

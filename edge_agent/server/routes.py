@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cascade import errors
-from cascade.api import parse_body, read_json
-from cascade.openai_format import DONE, ChatFormatter, CompletionFormatter
+from cascade.api import openai_response, parse_body, read_json
+from cascade.openai_format import ChatFormatter, CompletionFormatter
 from cascade.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from edge_agent.backends.base import Finish, TokenEvent
 from edge_agent.server.service import EdgeService, Job
 
 log = logging.getLogger(__name__)
-
-TIER_HEADER = "X-Cascade-Tier"
 
 
 def service(request: Request) -> EdgeService:
@@ -94,52 +90,8 @@ async def completions(request: Request):
 async def _respond(request: Request, svc: EdgeService, job: Job, fmt, endpoint: str, stream: bool,
                    include_usage: bool):
     reservation = svc.admit()  # 429 now, before any byte of a response is sent
-    if stream:
-        return StreamingResponse(_stream(svc, job, reservation, fmt, endpoint, include_usage),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-    watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
-    try:
-        events: list[TokenEvent] = []
-        finish: Finish | None = None
-        async for ev in svc.run(job, reservation):
-            if isinstance(ev, Finish):
-                finish = ev
-            else:
-                events.append(ev)
-    finally:
-        watcher.cancel()
-    svc.metrics.requests.labels(endpoint=endpoint, status="200").inc()
-    return JSONResponse(fmt.response(events, finish).model_dump(exclude_none=True))
 
-
-async def _stream(svc: EdgeService, job: Job, reservation, fmt, endpoint: str, include_usage: bool):
-    status = "200"
-    try:
-        first = fmt.first_chunk()
-        if first:
-            yield first
-        async for ev in svc.run(job, reservation):
-            if isinstance(ev, Finish):
-                for chunk in fmt.final_chunks(ev, include_usage):
-                    yield chunk
-            elif (chunk := fmt.token_chunk(ev)) is not None:
-                yield chunk
-    except asyncio.CancelledError:
-        status = "499"  # the client went away; generation is stopped, the slot freed
-        raise
-    except Exception as e:  # after the first byte, the only way to tell the client is in-band
-        log.exception("generation failed mid-stream")
-        status = "500"
-        yield errors.APIError(500, f"generation failed: {e}", "server_error").sse()
-    finally:
+    def count(status: str) -> None:
         svc.metrics.requests.labels(endpoint=endpoint, status=status).inc()
-    yield DONE
 
-
-async def _cancel_on_disconnect(request: Request, job: Job) -> None:
-    while not job.cancel.is_set():
-        if await request.is_disconnected():
-            job.cancel.set()
-            return
-        await asyncio.sleep(0.25)
+    return await openai_response(request, svc.run(job, reservation), fmt, stream, include_usage, count)

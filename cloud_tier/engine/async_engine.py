@@ -1,0 +1,131 @@
+"""The engine for servers: one background thread steps the engine; callers on an asyncio loop
+add requests and read each one's outputs as an async stream."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+
+from cloud_tier.engine.llm_engine import LLMEngine
+from cloud_tier.engine.outputs import RequestOutput
+from cloud_tier.engine.request import Request
+from cloud_tier.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed; requests in flight cannot finish."""
+
+
+class AsyncLLMEngine:
+    """Owns the engine thread. Only that thread touches the engine's scheduler and model; other
+    threads talk to it through an inbox, so the engine needs no locks of its own."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._inbox: deque[tuple[str, object]] = deque()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopping = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    async def generate(self, prompt: str | Sequence[int], params: SamplingParams,
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Validate (ValueError before anything is queued), then stream the request's outputs.
+        Stopping the iteration early aborts the request."""
+        req = self.prepare(prompt, params, request_id, priority)
+        async for out in self.stream(req):
+            yield out
+
+    def prepare(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None,
+                priority: int = 0) -> Request:
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped: {self.error}")
+        return self.engine.make_request(prompt, params, request_id, priority)
+
+    async def stream(self, req: Request) -> AsyncIterator[RequestOutput]:
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[req.request_id] = (asyncio.get_running_loop(), queue)
+        self._send("add", req)
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(req.request_id, None)
+            if not finished:
+                self._send("abort", req.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._send("abort", request_id)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    # -- engine thread -------------------------------------------------------------------
+
+    def _send(self, kind: str, payload: object) -> None:
+        self._inbox.append((kind, payload))
+        self._wake.set()
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, queue = target
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            kind, payload = self._inbox.popleft()
+            if kind == "add":
+                try:
+                    self.engine.add(payload)
+                except ValueError as e:
+                    self._deliver(payload.request_id, e)
+            else:
+                self.engine.abort(payload)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_inbox()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out.request_id, _snapshot(out))
+        except BaseException as e:  # every waiting stream learns of it; nothing hangs
+            log.exception("engine loop failed")
+            self.error = e
+            for rid in list(self._streams):
+                self._deliver(rid, EngineDeadError(f"the engine stopped: {e}"))
+
+
+def _snapshot(out: RequestOutput) -> RequestOutput:
+    """A copy another thread may read while the engine keeps appending to the original."""
+    return dataclasses.replace(out, token_ids=list(out.token_ids), new_token_ids=list(out.new_token_ids),
+                               logprobs=None if out.logprobs is None else list(out.logprobs),
+                               new_logprobs=list(out.new_logprobs))

@@ -1,0 +1,352 @@
+"""GGUF -> a Hugging Face model directory, converted once and cached.
+
+The edge ships GGUF files; the engine (and vLLM, and transformers) load plain HF directories.
+``ensure_hf_dir`` dequantizes a GGUF into float32 safetensors under HF parameter names, with an
+HF ``config.json`` rebuilt from the GGUF metadata and the tokenizer transformers builds from it.
+
+Cache layout, under ``cache_root`` (the caller passes e.g. ``$CASCADE_HOME/hf-models``)::
+
+    gguf-sha256.json            {resolved path: {size, mtime_ns, sha256, architecture}}
+    llama-<sha256[:16]>/        one directory per distinct GGUF content
+        config.json             LlamaConfig / Gemma3TextConfig, float32, no quantization_config
+        generation_config.json  bos/eos/pad; eos also lists the end-of-turn tokens llama.cpp stops on
+        model.safetensors       float32, HF names; no lm_head when the embeddings are tied
+        tokenizer.json, tokenizer_config.json, chat_template.jinja (when the GGUF has one)
+        cascade_gguf.json       provenance (source, sha256, converter version); written last
+
+Directories are named by content so that the same model under two paths converts once and an
+edited file never reuses a stale conversion. Hashing 250 MB takes ~0.4 s, so the digest is kept
+in ``gguf-sha256.json`` keyed by (path, size, mtime_ns): a cached call then reads no GGUF at all.
+Each directory is built in a temporary sibling and renamed into place, so a reader never sees a
+half-written one; two racing processes both convert and the first rename wins.
+
+Conversion reads the GGUF once with ``gguf.GGUFReader`` (slow on big vocabularies: ~5 s for
+SmolLM2, ~20 s for Gemma 3) and dequantizes with ``gguf.quants.dequantize``; transformers then
+parses the file again for the tokenizer (~6 s, ~35 s). It undoes llama.cpp's two storage tricks:
+Llama Q/K rows are permuted for its RoPE layout, and Gemma RMSNorm weights are stored as 1 + w.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from model_distribution.gguf_meta import GGUFMetadata, read_metadata
+
+log = logging.getLogger(__name__)
+
+CONVERTER_VERSION = 1  # bump when the output changes, so old conversions are rebuilt
+FINGERPRINTS = "gguf-sha256.json"
+MARKER = "cascade_gguf.json"
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", MARKER)
+
+# GGUF tensor names (without ".weight") -> HF parameter names, checked against the parameter
+# names of transformers' LlamaForCausalLM and Gemma3ForCausalLM.
+TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+}
+BLOCK_NAMES = {
+    "llama": {**_BLOCK_NAMES, "ffn_norm": "post_attention_layernorm"},
+    "gemma3": {
+        **_BLOCK_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+        "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+
+# End-of-turn tokens that llama.cpp also treats as end of generation (llama-vocab.cpp), listed
+# in generation_config.json so that the engine stops where the edge does.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>")
+
+
+def ensure_hf_dir(model_path: str | Path, cache_root: Path) -> Path:
+    """An HF model directory holding the model at ``model_path``, converting a GGUF on first use.
+
+    ``model_path`` is a .gguf file or an HF directory (one with config.json, returned as is).
+    """
+    model_path = Path(model_path)
+    if model_path.is_dir():
+        if not (model_path / "config.json").is_file():
+            raise ValueError(f"{model_path} is a directory without config.json, not an HF model")
+        return model_path
+    cache_root = Path(cache_root)
+    cache_root.mkdir(parents=True, exist_ok=True)
+    sha256, architecture = fingerprint(model_path, cache_root)
+    out_dir = cache_root / f"{architecture}-{sha256[:16]}"
+    if is_complete(out_dir):
+        return out_dir
+    start = time.monotonic()
+    log.info("converting %s to an HF directory at %s (once)", model_path, out_dir)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=cache_root))
+    try:
+        convert(model_path, tmp_dir, sha256)
+        _publish(tmp_dir, out_dir)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)  # gone already once published
+    log.info("converted %s in %.1f s", model_path.name, time.monotonic() - start)
+    return out_dir
+
+
+def is_complete(out_dir: Path) -> bool:
+    """Whether ``out_dir`` is a finished conversion by this converter version."""
+    if not all((out_dir / name).is_file() for name in REQUIRED_FILES):
+        return False
+    try:
+        return json.loads((out_dir / MARKER).read_text())["converter_version"] == CONVERTER_VERSION
+    except (ValueError, KeyError):
+        return False
+
+
+def fingerprint(path: Path, cache_root: Path) -> tuple[str, str]:
+    """(sha256, architecture) of the GGUF at ``path``, from the cache when size and mtime match."""
+    st = path.stat()
+    key = str(path.resolve())
+    index_path = cache_root / FINGERPRINTS
+    index = _read_json(index_path)
+    entry = index.get(key)
+    if entry and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns:
+        return entry["sha256"], entry["architecture"]
+    with open(path, "rb") as f:
+        sha256 = hashlib.file_digest(f, "sha256").hexdigest()
+    architecture = read_metadata(path).architecture
+    index[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256, "architecture": architecture}
+    _write_json_atomic(index_path, index)  # a racing writer may drop our entry: it is recomputed
+    return sha256, architecture
+
+
+def convert(gguf_path: Path, out_dir: Path, sha256: str) -> None:
+    """Write the HF files for the GGUF at ``gguf_path`` into the existing, empty ``out_dir``."""
+    import gguf
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    meta = read_metadata(gguf_path)
+    if meta.architecture not in HF_ARCHITECTURES:
+        raise ValueError(f"{gguf_path}: cannot convert architecture {meta.architecture!r} "
+                         f"(supported: {', '.join(HF_ARCHITECTURES)})")
+    reader = gguf.GGUFReader(gguf_path)
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+    config = build_config(meta, shapes)
+    save_file(convert_tensors(reader, config), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    del reader
+    _write_config(config, out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(str(out_dir))
+    _generation_config(config, tokenizer).save_pretrained(str(out_dir))
+    marker = {"source": gguf_path.name, "sha256": sha256, "converter_version": CONVERTER_VERSION}
+    (out_dir / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+# --- config ---------------------------------------------------------------------------------
+
+
+def build_config(meta: GGUFMetadata, shapes: dict[str, tuple[int, ...]]):
+    """The HF config for a GGUF with this metadata and these tensor shapes (HF order)."""
+    from transformers import Gemma3TextConfig, LlamaConfig
+
+    fields = _common_fields(meta, shapes)
+    if meta.architecture == "llama":
+        rotary_dims = _arch_value(meta, "rope.dimension_count", fields["head_dim"])
+        if rotary_dims != fields["head_dim"]:
+            raise ValueError(f"partial rotary embeddings ({rotary_dims} of {fields['head_dim']}) are not supported")
+        rope = {"rope_theta": _f32(_arch_value(meta, "rope.freq_base", 10_000.0)), **_rope_scaling(meta)}
+        return LlamaConfig(**fields, hidden_act="silu", rope_parameters={"rope_type": "default", **rope})
+    return Gemma3TextConfig(**fields, **_gemma3_fields(meta, fields))
+
+
+def _common_fields(meta: GGUFMetadata, shapes: dict[str, tuple[int, ...]]) -> dict:
+    heads = _arch_value(meta, "attention.head_count")
+    hidden = _arch_value(meta, "embedding_length")
+    tokens = meta.values
+    return {
+        "architectures": [HF_ARCHITECTURES[meta.architecture]],
+        "vocab_size": shapes["token_embd.weight"][0],
+        "hidden_size": hidden,
+        "intermediate_size": _arch_value(meta, "feed_forward_length"),
+        "num_hidden_layers": _arch_value(meta, "block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _arch_value(meta, "attention.head_count_kv", heads),
+        "head_dim": _arch_value(meta, "attention.key_length", hidden // heads),
+        "max_position_embeddings": _arch_value(meta, "context_length"),
+        "rms_norm_eps": _f32(_arch_value(meta, "attention.layer_norm_rms_epsilon")),
+        "bos_token_id": tokens.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": tokens.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": tokens.get("tokenizer.ggml.padding_token_id"),
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "dtype": "float32",
+    }
+
+
+def _gemma3_fields(meta: GGUFMetadata, common: dict) -> dict:
+    """Gemma 3 settings, with llama.cpp's defaults (llama-model.cpp) where the file is silent."""
+    layers = common["num_hidden_layers"]
+    pattern = _arch_value(meta, "attention.sliding_window_pattern", 6)  # every 6th layer is global
+    global_rope = {"rope_type": "default", "rope_theta": _f32(_arch_value(meta, "rope.freq_base", 1_000_000.0))}
+    local_theta = _f32(_arch_value(meta, "rope.freq_base_swa", 10_000.0))
+    # llama.cpp scales queries by 1/sqrt(head_dim), except for the 27B (62 layers): 1/sqrt(hidden/heads)
+    scalar = common["hidden_size"] // common["num_attention_heads"] if layers == 62 else common["head_dim"]
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": _arch_value(meta, "attention.sliding_window"),
+        "layer_types": ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)],
+        "rope_parameters": {
+            "full_attention": {**global_rope, **_rope_scaling(meta)},
+            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
+        },
+        "query_pre_attn_scalar": scalar,
+        "final_logit_softcapping": _arch_value(meta, "final_logit_softcapping", None),
+        "attn_logit_softcapping": _arch_value(meta, "attn_logit_softcapping", None),
+    }
+
+
+def _rope_scaling(meta: GGUFMetadata) -> dict:
+    kind = _arch_value(meta, "rope.scaling.type", "none")
+    if kind == "none":
+        return {}
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": _f32(_arch_value(meta, "rope.scaling.factor"))}
+    raise ValueError(f"rope scaling {kind!r} is not supported by the converter")
+
+
+_REQUIRED = object()
+
+
+def _arch_value(meta: GGUFMetadata, key: str, default=_REQUIRED):
+    full_key = f"{meta.architecture}.{key}"
+    if full_key in meta.array_lengths:
+        raise ValueError(f"{full_key} is a per-layer array; only uniform layers are supported")
+    if full_key in meta.values:
+        return meta.values[full_key]
+    if default is _REQUIRED:
+        raise ValueError(f"GGUF metadata lacks {full_key}")
+    return default
+
+
+def _f32(value: float) -> float:
+    """GGUF stores float32: 1e-05 reads back as 9.99999974e-06; recover the short decimal."""
+    return float(str(np.float32(value)))
+
+
+def _write_config(config, out_dir: Path) -> None:
+    """config.json as transformers 5 writes it, plus the keys transformers 4 (and vLLM on it) read."""
+    config.save_pretrained(str(out_dir))
+    path = out_dir / "config.json"
+    data = json.loads(path.read_text())
+    data["torch_dtype"] = "float32"
+    rope = data["rope_parameters"]
+    if config.model_type == "gemma3_text":
+        rope, data["rope_local_base_freq"] = rope["full_attention"], rope["sliding_attention"]["rope_theta"]
+        layer_types = data["layer_types"]
+        data["sliding_window_pattern"] = next(
+            (i + 1 for i, kind in enumerate(layer_types) if kind == "full_attention"), len(layer_types) + 1)
+    data["rope_theta"] = rope["rope_theta"]
+    data["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] != "default" else None
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _generation_config(config, tokenizer):
+    from transformers import GenerationConfig
+
+    vocab = tokenizer.backend_tokenizer
+    eos = [config.eos_token_id, *(vocab.token_to_id(t) for t in END_OF_TURN_TOKENS)]
+    eos = list(dict.fromkeys(i for i in eos if i is not None))
+    return GenerationConfig(bos_token_id=config.bos_token_id, pad_token_id=config.pad_token_id,
+                            eos_token_id=eos[0] if len(eos) == 1 else eos)
+
+
+# --- tensors --------------------------------------------------------------------------------
+
+
+def convert_tensors(reader, config) -> dict[str, torch.Tensor]:
+    """Every tensor of ``reader``, dequantized to float32, under its HF name."""
+    arch = {"llama": "llama", "gemma3_text": "gemma3"}[config.model_type]
+    tensors = {}
+    for t in reader.tensors:
+        name = hf_name(arch, t.name)
+        tensors[name] = _undo_llamacpp_layout(arch, t.name, _dequantize(t), config)
+    return tensors
+
+
+def hf_name(arch: str, gguf_name: str) -> str:
+    """The HF parameter name of the GGUF tensor ``gguf_name`` (e.g. blk.3.attn_q.weight)."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    if suffix == "weight":
+        if stem in TOP_LEVEL_NAMES:
+            return f"{TOP_LEVEL_NAMES[stem]}.weight"
+        prefix, layer, part = (stem.split(".", 2) + ["", ""])[:3]
+        if prefix == "blk" and layer.isdigit() and part in BLOCK_NAMES[arch]:
+            return f"model.layers.{layer}.{BLOCK_NAMES[arch][part]}.weight"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no known HF counterpart for {arch}")
+
+
+def _dequantize(t) -> torch.Tensor:
+    import gguf
+
+    values = gguf.quants.dequantize(t.data, t.tensor_type)
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml lists the fastest dim first
+    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))  # a copy: never the mmap
+
+
+def _undo_llamacpp_layout(arch: str, gguf_name: str, w: torch.Tensor, config) -> torch.Tensor:
+    part = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
+    if arch == "llama" and part == "attn_q":
+        return unpermute_rope_rows(w, config.num_attention_heads)
+    if arch == "llama" and part == "attn_k":
+        return unpermute_rope_rows(w, config.num_key_value_heads)
+    if arch == "gemma3" and gguf_name.endswith("norm.weight"):
+        return w - 1.0  # llama.cpp stores 1 + w; HF's Gemma3RMSNorm computes x * (1 + w)
+    return w
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (convert_hf_to_gguf.py ``LlamaModel.permute``).
+
+    Per head, llama.cpp interleaves the two rotary halves (rows 0, d/2, 1, d/2+1, ...) for its
+    GPT-J-style RoPE; HF rotates the first half against the second.
+    """
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+# --- files ----------------------------------------------------------------------------------
+
+
+def _publish(tmp_dir: Path, out_dir: Path) -> None:
+    """Rename the finished ``tmp_dir`` to ``out_dir``; a complete ``out_dir`` from a racer wins."""
+    try:
+        tmp_dir.rename(out_dir)
+        return
+    except OSError:
+        if is_complete(out_dir):
+            return
+    stale = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.stale")
+    out_dir.rename(stale)  # an incomplete or outdated directory: replace it
+    shutil.rmtree(stale, ignore_errors=True)
+    tmp_dir.rename(out_dir)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)

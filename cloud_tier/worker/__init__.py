@@ -1,0 +1,1 @@
+"""A single engine instance behind an OpenAI-compatible API (``cascade cloud worker``)."""

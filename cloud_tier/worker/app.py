@@ -1,0 +1,61 @@
+"""``build_app(config)``: one engine behind the OpenAI API. The lifespan loads the model and
+starts the engine thread; handlers read the service from ``app.state``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from cascade.errors import install_error_handlers
+from cascade.tier_header import TierHeader
+from cloud_tier.config import CloudConfig
+from cloud_tier.engine.async_engine import AsyncLLMEngine
+from cloud_tier.engine.config import EngineConfig
+from cloud_tier.engine.llm_engine import LLMEngine
+from cloud_tier.worker.metrics import WorkerMetrics
+from cloud_tier.worker.routes import router, v1
+from cloud_tier.worker.service import WorkerService
+
+
+def engine_config(config: CloudConfig) -> EngineConfig:
+    e = config.engine
+    return EngineConfig(model=e.model, dtype=e.dtype, device=e.device, block_size=e.block_size,
+                        kv_cache_memory_bytes=e.kv_cache_memory_bytes, max_model_len=e.max_model_len,
+                        max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+                        enable_prefix_caching=e.enable_prefix_caching,
+                        enable_chunked_prefill=e.enable_chunked_prefill, threads=e.threads)
+
+
+def served_names(model: str) -> tuple[str, set[str]]:
+    """The id clients use for the model, and the other names accepted for it."""
+    from model_distribution.catalog import PACKAGED
+
+    for p in PACKAGED:
+        if model.lower() in (p.name, *p.aliases):
+            return p.name, {*p.aliases, model}
+    return model, {model}
+
+
+def build_app(config: CloudConfig) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine = await asyncio.to_thread(LLMEngine, engine_config(config))
+        async_engine = AsyncLLMEngine(engine)
+        name, aliases = served_names(config.engine.model)
+        app.state.service = WorkerService(async_engine, name, aliases, WorkerMetrics())
+        try:
+            yield
+        finally:
+            async_engine.shutdown()
+
+    app = FastAPI(title="cascade cloud worker", lifespan=lifespan)
+    app.state.config = config
+    app.state.started = int(time.time())
+    install_error_handlers(app)
+    app.include_router(router)
+    app.include_router(v1)
+    app.add_middleware(TierHeader, tier="cloud")
+    return app

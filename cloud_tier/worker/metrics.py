@@ -1,0 +1,42 @@
+"""Prometheus metrics of one worker (its own registry), engine gauges refreshed at scrape."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TOKEN = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
+
+
+class WorkerMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("cascade_worker_requests_total", "Requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("cascade_worker_prompt_tokens_total", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter("cascade_worker_generation_tokens_total", "Generated tokens", registry=r)
+        self.ttft = Histogram("cascade_worker_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=_LATENCY, registry=r)
+        self.itl = Histogram("cascade_worker_inter_token_latency_seconds", "Between tokens", buckets=_TOKEN,
+                             registry=r)
+        self.e2e = Histogram("cascade_worker_request_duration_seconds", "Arrival to last token",
+                             buckets=_LATENCY, registry=r)
+        self.kv_blocks_total = Gauge("cascade_worker_kv_blocks_total", "KV cache blocks", registry=r)
+        self.kv_blocks_used = Gauge("cascade_worker_kv_blocks_used", "KV cache blocks in use or cached-free "
+                                    "excluded", registry=r)
+        self.waiting = Gauge("cascade_worker_requests_waiting", "Requests waiting", registry=r)
+        self.running = Gauge("cascade_worker_requests_running", "Requests running", registry=r)
+        self.preemptions = Gauge("cascade_worker_preemptions", "Preemptions so far", registry=r)
+        self.prefix_queries = Gauge("cascade_worker_prefix_cache_queries_tokens", "Prompt tokens looked up",
+                                    registry=r)
+        self.prefix_hits = Gauge("cascade_worker_prefix_cache_hits_tokens", "Prompt tokens found cached",
+                                 registry=r)
+
+    def refresh(self, stats: dict) -> None:
+        self.kv_blocks_total.set(stats["kv_blocks_total"])
+        self.kv_blocks_used.set(stats["kv_blocks_total"] - stats["kv_blocks_free"])
+        self.waiting.set(stats["waiting"])
+        self.running.set(stats["running"])
+        self.preemptions.set(stats["preemptions"])
+        self.prefix_queries.set(stats["prefix_cache_queries"])
+        self.prefix_hits.set(stats["prefix_cache_hits"])
