@@ -2,7 +2,10 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-EXTRAS ?= edge,models,dev
+EXTRAS ?= edge,cloud,models,dev
+# The CPU build of torch (pip's find-links on these machines holds it; a CUDA machine may
+# override TORCH_SPEC, e.g. TORCH_SPEC="torch==2.13.0" with a CUDA index).
+TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
 # OpenMP threads (llama.cpp, torch) spin-wait by default and collapse throughput on 2 cores.
@@ -31,7 +34,7 @@ $(PY):
 # the tree (~/.cache/cascade/wheels), which every later setup and CI run reuses.
 $(STAMP): pyproject.toml scripts/build-llama-wheel.sh | $(PY)
 	wheel_dir=$$(PYTHON=$(PY) bash scripts/build-llama-wheel.sh) && \
-	  $(PY) -m pip install -q --find-links "$$wheel_dir" -e ".[$(EXTRAS)]"
+	  $(PY) -m pip install -q --find-links "$$wheel_dir" "$(TORCH_SPEC)" -e ".[$(EXTRAS)]"
 	touch $@
 
 clean:

@@ -81,3 +81,24 @@ def smollm2_path(tmp_path_factory) -> str:
     from model_distribution.catalog import Catalog
 
     return str(Catalog(tmp_path_factory.mktemp("catalog")).get("smollm2-135m").path)
+
+
+@pytest.fixture(scope="session")
+def engine_home(tmp_path_factory):
+    """One $CASCADE_HOME for the engine tests, so each GGUF is converted once per session."""
+    home = tmp_path_factory.mktemp("cascade-home")
+    old = os.environ.get("CASCADE_HOME")
+    os.environ["CASCADE_HOME"] = str(home)
+    yield home
+    if old is None:
+        os.environ.pop("CASCADE_HOME", None)
+    else:
+        os.environ["CASCADE_HOME"] = old
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(engine_home):
+    from cloud_tier.engine import LLMEngine
+
+    return LLMEngine.from_model("smollm2-135m", dtype="float32", max_model_len=1024,
+                                max_num_batched_tokens=256, num_kv_blocks=512)

@@ -4,7 +4,7 @@ The edge ships GGUF files; the engine (and vLLM, and transformers) load plain HF
 ``ensure_hf_dir`` dequantizes a GGUF into float32 safetensors under HF parameter names, with an
 HF ``config.json`` rebuilt from the GGUF metadata and the tokenizer transformers builds from it.
 
-Cache layout, under ``cache_root`` (the caller passes e.g. ``$CASCADE_HOME/hf-models``)::
+Cache layout, under ``cache_root`` (the engine passes ``$CASCADE_HOME/engine/models``)::
 
     gguf-sha256.json            {resolved path: {size, mtime_ns, sha256, architecture}}
     llama-<sha256[:16]>/        one directory per distinct GGUF content
@@ -28,6 +28,7 @@ Llama Q/K rows are permuted for its RoPE layout, and Gemma RMSNorm weights are s
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -35,6 +36,7 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -91,6 +93,7 @@ def ensure_hf_dir(model_path: str | Path, cache_root: Path) -> Path:
     start = time.monotonic()
     log.info("converting %s to an HF directory at %s (once)", model_path, out_dir)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=cache_root))
+    tmp_dir.chmod(0o755)  # mkdtemp makes it private; other readers (vLLM in a container) need it
     try:
         convert(model_path, tmp_dir, sha256)
         _publish(tmp_dir, out_dir)
@@ -122,7 +125,8 @@ def fingerprint(path: Path, cache_root: Path) -> tuple[str, str]:
     with open(path, "rb") as f:
         sha256 = hashlib.file_digest(f, "sha256").hexdigest()
     architecture = read_metadata(path).architecture
-    index[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256, "architecture": architecture}
+    index[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256,
+                  "architecture": architecture}
     _write_json_atomic(index_path, index)  # a racing writer may drop our entry: it is recomputed
     return sha256, architecture
 
@@ -161,9 +165,10 @@ def build_config(meta: GGUFMetadata, shapes: dict[str, tuple[int, ...]]):
     if meta.architecture == "llama":
         rotary_dims = _arch_value(meta, "rope.dimension_count", fields["head_dim"])
         if rotary_dims != fields["head_dim"]:
-            raise ValueError(f"partial rotary embeddings ({rotary_dims} of {fields['head_dim']}) are not supported")
-        rope = {"rope_theta": _f32(_arch_value(meta, "rope.freq_base", 10_000.0)), **_rope_scaling(meta)}
-        return LlamaConfig(**fields, hidden_act="silu", rope_parameters={"rope_type": "default", **rope})
+            raise ValueError(f"partial rotary ({rotary_dims} of {fields['head_dim']} dims) is not supported")
+        theta = _f32(_arch_value(meta, "rope.freq_base", 10_000.0))
+        rope = {"rope_type": "default", "rope_theta": theta, **_rope_scaling(meta)}
+        return LlamaConfig(**fields, hidden_act="silu", rope_parameters=rope)
     return Gemma3TextConfig(**fields, **_gemma3_fields(meta, fields))
 
 
@@ -194,16 +199,17 @@ def _gemma3_fields(meta: GGUFMetadata, common: dict) -> dict:
     """Gemma 3 settings, with llama.cpp's defaults (llama-model.cpp) where the file is silent."""
     layers = common["num_hidden_layers"]
     pattern = _arch_value(meta, "attention.sliding_window_pattern", 6)  # every 6th layer is global
-    global_rope = {"rope_type": "default", "rope_theta": _f32(_arch_value(meta, "rope.freq_base", 1_000_000.0))}
+    global_theta = _f32(_arch_value(meta, "rope.freq_base", 1_000_000.0))
     local_theta = _f32(_arch_value(meta, "rope.freq_base_swa", 10_000.0))
-    # llama.cpp scales queries by 1/sqrt(head_dim), except for the 27B (62 layers): 1/sqrt(hidden/heads)
-    scalar = common["hidden_size"] // common["num_attention_heads"] if layers == 62 else common["head_dim"]
+    # llama.cpp scales queries by 1/sqrt(head_dim), but the 27B (62 layers) by 1/sqrt(hidden/heads)
+    scalar = common["head_dim"] if layers != 62 else common["hidden_size"] // common["num_attention_heads"]
+    kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
     return {
         "hidden_activation": "gelu_pytorch_tanh",
         "sliding_window": _arch_value(meta, "attention.sliding_window"),
-        "layer_types": ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)],
+        "layer_types": kinds,
         "rope_parameters": {
-            "full_attention": {**global_rope, **_rope_scaling(meta)},
+            "full_attention": {"rope_type": "default", "rope_theta": global_theta, **_rope_scaling(meta)},
             "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
         },
         "query_pre_attn_scalar": scalar,
@@ -248,12 +254,13 @@ def _write_config(config, out_dir: Path) -> None:
     data["torch_dtype"] = "float32"
     rope = data["rope_parameters"]
     if config.model_type == "gemma3_text":
-        rope, data["rope_local_base_freq"] = rope["full_attention"], rope["sliding_attention"]["rope_theta"]
-        layer_types = data["layer_types"]
-        data["sliding_window_pattern"] = next(
-            (i + 1 for i, kind in enumerate(layer_types) if kind == "full_attention"), len(layer_types) + 1)
+        rope, local = rope["full_attention"], rope["sliding_attention"]
+        data["rope_local_base_freq"] = local["rope_theta"]
+        kinds = data["layer_types"] + ["full_attention"]  # no global layer: a pattern past the end
+        data["sliding_window_pattern"] = kinds.index("full_attention") + 1
     data["rope_theta"] = rope["rope_theta"]
-    data["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] != "default" else None
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    data["rope_scaling"] = scaling if scaling["rope_type"] != "default" else None
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
@@ -325,17 +332,21 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def _publish(tmp_dir: Path, out_dir: Path) -> None:
-    """Rename the finished ``tmp_dir`` to ``out_dir``; a complete ``out_dir`` from a racer wins."""
-    try:
-        tmp_dir.rename(out_dir)
-        return
-    except OSError:
-        if is_complete(out_dir):
+    """Rename the finished ``tmp_dir`` to ``out_dir``. A complete ``out_dir`` (a racer's) wins;
+    an incomplete or outdated one is replaced."""
+    for attempt in range(2):
+        try:
+            tmp_dir.rename(out_dir)
             return
-    stale = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.stale")
-    out_dir.rename(stale)  # an incomplete or outdated directory: replace it
-    shutil.rmtree(stale, ignore_errors=True)
-    tmp_dir.rename(out_dir)
+        except OSError:
+            if is_complete(out_dir):
+                return
+            if attempt:
+                raise
+        stale = out_dir.with_name(f".{out_dir.name}.{uuid.uuid4().hex}.stale")
+        with contextlib.suppress(FileNotFoundError):  # a racer may have moved it already
+            out_dir.rename(stale)
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _read_json(path: Path) -> dict:
@@ -347,6 +358,8 @@ def _read_json(path: Path) -> dict:
 
 
 def _write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.fchmod(fd, 0o644)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+    os.replace(tmp, path)

@@ -1,0 +1,156 @@
+"""Engine behaviour on the real SmolLM2: prefix caching, preemption, sampling, stop strings,
+the incremental API, the async wrapper."""
+
+import asyncio
+
+import pytest
+
+from cloud_tier.engine import LLMEngine, SamplingParams
+from cloud_tier.engine.async_engine import AsyncLLMEngine
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+SYSTEM = ("You are a meticulous assistant for a logistics company. Answer questions about shipments, "
+          "warehouses and delivery windows precisely, cite the relevant policy section, and never "
+          "invent tracking numbers. ") * 8
+
+
+def run_to_end(engine, prompts, params):
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    while len(done) < len(ids):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        engine.check_integrity()
+    return [done[i] for i in ids]
+
+
+def shared_prefix_prompts(engine, n_prefix_tokens=256):
+    prefix_ids = engine.tokenizer.encode(SYSTEM)[:n_prefix_tokens]
+    assert len(prefix_ids) == n_prefix_tokens
+    tail_a = engine.tokenizer.encode(" Where is parcel 17?", add_special_tokens=False)
+    tail_b = engine.tokenizer.encode(" When does the Lyon warehouse open?", add_special_tokens=False)
+    return prefix_ids + tail_a, prefix_ids + tail_b
+
+
+def test_generate_api_with_text_and_token_ids(smollm2_engine):
+    outs = smollm2_engine.generate(["Hello", "Tell me about Paris"], SamplingParams(temperature=0.0, max_tokens=8))
+    assert [len(o.token_ids) for o in outs] == [8, 8]
+    assert all(o.text and o.finish_reason == "length" for o in outs)
+    by_ids = smollm2_engine.generate([smollm2_engine.tokenizer.encode("Hello")], SamplingParams(temperature=0.0, max_tokens=8))
+    assert by_ids[0].token_ids == outs[0].token_ids
+    assert outs[0].text == smollm2_engine.tokenizer.decode(outs[0].token_ids, skip_special_tokens=True)
+
+
+def test_second_request_with_shared_prefix_computes_only_new_blocks(smollm2_engine):
+    engine = smollm2_engine
+    engine.kv.reset_prefix_cache()
+    a, b = shared_prefix_prompts(engine)
+    run_to_end(engine, [a], GREEDY)
+    plans = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+    try:
+        (out_b,) = run_to_end(engine, [b], GREEDY)
+    finally:
+        engine.scheduler.schedule = schedule
+    (first,) = plans[0].scheduled
+    assert first.request.num_cached_tokens == 256 and out_b.num_cached_tokens == 256
+    assert first.num_new_tokens == len(b) - 256  # only the blocks after the shared prefix
+
+
+def test_outputs_are_identical_with_prefix_cache_on_and_off(smollm2_engine, engine_home):
+    a, b = shared_prefix_prompts(smollm2_engine)
+    prompts = [a, b, a]
+    with_cache = run_to_end(smollm2_engine, prompts, GREEDY)
+    assert with_cache[2].num_cached_tokens >= 256
+    off = LLMEngine.from_model("smollm2-135m", dtype="float32", max_model_len=1024, num_kv_blocks=512,
+                               enable_prefix_caching=False)
+    without = run_to_end(off, prompts, GREEDY)
+    assert [o.token_ids for o in with_cache] == [o.token_ids for o in without]
+    assert without[2].num_cached_tokens == 0
+
+
+def test_preemption_under_a_small_kv_budget_gives_the_same_outputs(smollm2_engine, engine_home):
+    prompts = [f"Write a list of {n} fruits:" for n in range(3, 11)]
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    reference = run_to_end(smollm2_engine, prompts, params)
+    small = LLMEngine.from_model("smollm2-135m", dtype="float32", max_model_len=1024, num_kv_blocks=14,
+                                 block_size=16, max_num_batched_tokens=128)
+    outs = run_to_end(small, prompts, params)
+    assert small.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
+    assert small.kv.num_free_blocks == 14
+
+
+def test_seed_reproducible_and_batch_independent(smollm2_engine):
+    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=11, max_tokens=12)
+    alone = smollm2_engine.generate(["Once upon a time"], p)[0].token_ids
+    other = SamplingParams(temperature=1.0, max_tokens=12)
+    batched = smollm2_engine.generate(["Once upon a time", "Hello", "Once upon a time"], [p, other, p])
+    assert batched[0].token_ids == alone and batched[2].token_ids == alone
+    seeds = [SamplingParams(temperature=1.0, seed=s, max_tokens=12) for s in (1, 2, 3)]
+    others = {tuple(o.token_ids) for o in smollm2_engine.generate(["Once upon a time"] * 3, seeds)}
+    assert len(others) > 1
+
+
+def test_stop_strings_and_stop_token_ids(smollm2_engine):
+    full = smollm2_engine.generate(["1, 2, 3,"], SamplingParams(temperature=0.0, max_tokens=12))[0]
+    assert "6" in full.text
+    cut = smollm2_engine.generate(["1, 2, 3,"], SamplingParams(temperature=0.0, max_tokens=12, stop=("6",)))[0]
+    assert cut.text == full.text[:full.text.index("6")] and cut.finish_reason == "stop"
+    kept = smollm2_engine.generate(["1, 2, 3,"], SamplingParams(temperature=0.0, max_tokens=12, stop=("6",),
+                                                                 include_stop_str_in_output=True))[0]
+    assert kept.text == full.text[:full.text.index("6") + 1]
+    stop_id = full.token_ids[2]
+    by_id = smollm2_engine.generate(["1, 2, 3,"], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=(stop_id,)))[0]
+    assert by_id.token_ids == full.token_ids[:3] and by_id.finish_reason == "stop"
+
+
+def test_logprobs_are_the_models_distribution(smollm2_engine):
+    out = smollm2_engine.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=4, logprobs=3))[0]
+    assert len(out.logprobs) == 4
+    for token, lp in zip(out.token_ids, out.logprobs, strict=True):
+        assert lp.token_id == token and lp.logprob <= 0
+        assert lp.top[0][0] == token and abs(lp.top[0][1] - lp.logprob) < 1e-6  # greedy = most likely
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+
+
+def test_abort_frees_the_request(smollm2_engine):
+    rid = smollm2_engine.add_request("Tell me a long story", SamplingParams(max_tokens=100))
+    smollm2_engine.step()
+    smollm2_engine.abort(rid)
+    assert not smollm2_engine.has_unfinished_requests()
+    smollm2_engine.check_integrity()
+    assert smollm2_engine.kv.num_free_blocks == smollm2_engine.kv.num_blocks
+
+
+def test_prompt_longer_than_the_context_is_refused(smollm2_engine):
+    with pytest.raises(ValueError, match="context"):
+        smollm2_engine.add_request([1] * 2000, GREEDY)
+
+
+def test_async_engine_streams_and_aborts_on_early_exit(smollm2_engine):
+    expected = smollm2_engine.generate(["The capital of France is"], GREEDY)[0]
+
+    async def scenario():
+        engine = AsyncLLMEngine(smollm2_engine)
+        try:
+            pieces = [o async for o in engine.generate("The capital of France is", GREEDY)]
+            assert pieces[-1].finished and pieces[-1].token_ids == expected.token_ids
+            assert "".join(p.delta_text for p in pieces) == expected.text
+            stream = engine.generate("Tell me a long story", SamplingParams(max_tokens=200))
+            async for _ in stream:
+                break
+            await stream.aclose()
+            for _ in range(50):
+                if not smollm2_engine.has_unfinished_requests():
+                    break
+                await asyncio.sleep(0.05)
+            assert not smollm2_engine.has_unfinished_requests()
+            with pytest.raises(ValueError):
+                async for _ in engine.generate([1] * 2000, GREEDY):
+                    pass
+        finally:
+            engine.shutdown()
+    asyncio.run(scenario())
