@@ -23,21 +23,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Agent:
-    """A `cascade edge run` process."""
+class Server:
+    """A `cascade ...` server process on a free loopback port."""
 
-    def __init__(self, home: Path, *args: str, env: dict | None = None):
+    def __init__(self, home: Path, command: list[str], *args: str, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = home / f"agent-{self.port}.log"
+        self.log = home / f"server-{self.port}.log"
         full_env = {**os.environ, "CASCADE_HOME": str(home), "OMP_WAIT_POLICY": "passive", **(env or {})}
         self._log_file = open(self.log, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cascade.cli", "--log-level", "WARNING", "edge", "run",
+            [sys.executable, "-m", "cascade.cli", "--log-level", "WARNING", *command,
              "--port", str(self.port), *args],
             env=full_env, cwd=REPO, stdout=self._log_file, stderr=subprocess.STDOUT)
 
-    def wait_healthy(self, timeout_s: float = 120) -> Agent:
+    def wait_healthy(self, timeout_s: float = 180) -> Server:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -58,6 +58,13 @@ class Agent:
             self.proc.kill()
             self.proc.wait()
         self._log_file.close()
+
+
+class Agent(Server):
+    """A `cascade edge run` process."""
+
+    def __init__(self, home: Path, *args: str, env: dict | None = None):
+        super().__init__(home, ["edge", "run"], *args, env=env)
 
 
 @pytest.fixture(scope="session")

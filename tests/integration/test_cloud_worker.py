@@ -1,0 +1,72 @@
+"""`cascade cloud worker --role both` through the official `openai` client."""
+
+import httpx
+import openai
+import pytest
+
+from cloud_tier.engine import SamplingParams
+from tests.conftest import Server
+
+MODEL = "smollm2-135m"
+QUESTION = [{"role": "user", "content": "Which city is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def worker(engine_home, smollm2_engine):  # the engine fixture has converted the model already
+    w = Server(engine_home, ["cloud", "worker"], "--role", "both", "--model", MODEL, "--max-model-len", "1024",
+               "--kv-cache-bytes", str(256 << 20)).wait_healthy()
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="module")
+def client(worker):
+    return openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_chat_streaming_and_not_agree(client):
+    r = client.chat.completions.with_raw_response.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
+    assert r.headers["x-cascade-tier"] == "cloud"
+    full = r.parse()
+    assert "Paris" in full.choices[0].message.content
+    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_greedy_output_equals_the_engine_alone(client, smollm2_engine):
+    prompt = "The history of the printing press"
+    served = client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0)
+    alone = smollm2_engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=32))[0]
+    assert served.choices[0].text == alone.text
+    assert served.usage.completion_tokens == len(alone.token_ids)
+
+
+def test_completion_stream_with_logprobs_and_stop(client):
+    parts = list(client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=16, temperature=0,
+                                           stop=["6"], logprobs=2, stream=True))
+    text = "".join(p.choices[0].text for p in parts if p.choices)
+    assert text.strip().startswith("4") and "6" not in text
+    assert parts[-1].choices[0].finish_reason == "stop"
+    assert any(p.choices and p.choices[0].logprobs and p.choices[0].logprobs.top_logprobs for p in parts)
+
+
+def test_errors_are_openai_shaped(worker, client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-17", messages=QUESTION)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="word " * 2000, max_tokens=4)
+    assert e.value.body["code"] == "context_length_exceeded"
+    r = httpx.post(f"{worker.url}/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+def test_health_and_metrics(worker, client):
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
+    health = httpx.get(f"{worker.url}/healthz").json()
+    assert health["tier"] == "cloud" and health["engine"]["kv_blocks_total"] > 0
+    text = httpx.get(f"{worker.url}/metrics").text
+    for name in ("cascade_worker_kv_blocks_total", "cascade_worker_prefix_cache_hits_tokens",
+                 "cascade_worker_generation_tokens_total", "cascade_worker_time_to_first_token_seconds_bucket"):
+        assert name in text
