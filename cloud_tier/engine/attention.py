@@ -3,8 +3,8 @@ table. One function (``paged_attention``) is the whole op, so a fused kernel can
 
 Per step the runner builds ``AttentionMetadata`` once; every layer then writes its new K/V into
 the cache first and reads after, so a block filled earlier in the same step is visible (the
-prefix cache relies on that). Decodes (one query token each) run as one batched SDPA over
-gathered, padded contexts; prefill chunks run one SDPA each with a causal mask offset by the
+prefix cache relies on that). Decodes (one query token each) run as a few batched SDPAs over
+gathered, padded contexts, bucketed by length; prefill chunks run one SDPA each with a causal mask offset by the
 tokens already computed.
 """
 
@@ -28,14 +28,15 @@ class PrefillChunk:
 @dataclass
 class DecodeGroup:
     rows: torch.Tensor  # [B] rows of the flat batch
-    slots: torch.Tensor  # [B, L] flat cache slots, padded
+    block_ids: torch.Tensor  # [B * max_blocks] block tables, padded with block 0, flattened
+    block_size: int
     masks: dict[int | None, torch.Tensor]  # sliding window -> [B, 1, 1, L] bool
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [N] where each new token's K/V is written
-    decode: DecodeGroup | None
+    decodes: list[DecodeGroup]  # decodes bucketed by context length, to pad less
     prefills: list[PrefillChunk]
 
     @classmethod
@@ -59,10 +60,11 @@ class AttentionMetadata:
                 masks = {w: _prefill_mask(n, ctx, w, device) for w in windows}
                 prefills.append(PrefillChunk(row, n, ctx, slots, masks))
             row += n
-        decode = None
-        if decode_rows:
-            decode = _decode_group(decode_rows, decode_tables, decode_lens, block_size, windows, device)
-        return cls(torch.cat(slot_mapping).to(device), decode, prefills)
+        groups = []
+        for bucket in _buckets(decode_lens):
+            groups.append(_decode_group([decode_rows[i] for i in bucket], [decode_tables[i] for i in bucket],
+                                        [decode_lens[i] for i in bucket], block_size, windows, device))
+        return cls(torch.cat(slot_mapping).to(device), groups, prefills)
 
 
 def _prefill_mask(q_len: int, ctx: int, window: int | None, device) -> torch.Tensor | None:
@@ -76,21 +78,31 @@ def _prefill_mask(q_len: int, ctx: int, window: int | None, device) -> torch.Ten
     return mask
 
 
+def _buckets(lens: list[int], per_bucket: int = 16, max_buckets: int = 4) -> list[list[int]]:
+    """Indices of ``lens`` split by length into a few buckets, so each padded decode batch
+    wastes little on its shorter members."""
+    if not lens:
+        return []
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    n = min(max_buckets, -(-len(lens) // per_bucket))
+    size = -(-len(order) // n)
+    return [order[i:i + size] for i in range(0, len(order), size)]
+
+
 def _decode_group(rows, tables, lens, block_size, windows, device) -> DecodeGroup:
     max_blocks = max(len(t) for t in tables)
     padded = torch.zeros(len(tables), max_blocks, dtype=torch.long)
     for i, t in enumerate(tables):
         padded[i, :len(t)] = torch.tensor(t, dtype=torch.long)
-    slots = (padded[:, :, None] * block_size + torch.arange(block_size)).reshape(len(tables), -1)
     lens_t = torch.tensor(lens)[:, None]
-    k_pos = torch.arange(slots.shape[1])[None, :]
+    k_pos = torch.arange(max_blocks * block_size)[None, :]
     masks = {}
     for w in windows:
         m = k_pos < lens_t
         if w is not None:
             m &= (lens_t - 1) - k_pos < w
         masks[w] = m[:, None, None, :].to(device)
-    return DecodeGroup(torch.tensor(rows, device=device), slots.to(device), masks)
+    return DecodeGroup(torch.tensor(rows, device=device), padded.flatten().to(device), block_size, masks)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -100,11 +112,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     gqa = q.shape[1] != k.shape[1]
-    if meta.decode is not None and not meta.prefills:
-        return _decode(q, k_cache, v_cache, meta.decode, scale, window, gqa)
     out = torch.empty_like(q)
-    if meta.decode is not None:
-        out[meta.decode.rows] = _decode(q[meta.decode.rows], k_cache, v_cache, meta.decode, scale, window, gqa)
+    for group in meta.decodes:
+        out[group.rows] = _decode(q[group.rows], k_cache, v_cache, group, scale, window, gqa)
     for p in meta.prefills:
         qp = q[p.start:p.start + p.query_len].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         kp = k_cache[p.slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
@@ -117,8 +127,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 
 def _decode(q, k_cache, v_cache, group: DecodeGroup, scale, window, gqa) -> torch.Tensor:
-    kd = k_cache[group.slots].transpose(1, 2)  # [B, KVH, L, D]
-    vd = v_cache[group.slots].transpose(1, 2)
+    b = q.shape[0]
+    kd = _gather_blocks(k_cache, group).view(b, -1, *k_cache.shape[1:]).transpose(1, 2)  # [B, KVH, L, D]
+    vd = _gather_blocks(v_cache, group).view(b, -1, *v_cache.shape[1:]).transpose(1, 2)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=group.masks[window],
                                        scale=scale, enable_gqa=gqa)  # [B, H, 1, D]
     return o.squeeze(2)
+
+
+def _gather_blocks(cache: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+    """Whole blocks (block_size x KVH x D contiguous) copied at once: much cheaper than
+    gathering token rows."""
+    per_block = group.block_size * cache.shape[1] * cache.shape[2]
+    return cache.view(-1, per_block).index_select(0, group.block_ids)

@@ -1,0 +1,137 @@
+"""Offline throughput: our engine vs HF transformers `generate` (static batches, left padding)
+vs vLLM's CPU build when one is installed, on ShareGPT prompts, same weights, same run.
+
+    .venv/bin/python bench/engine_throughput.py [--dtype bfloat16] [--num-prompts 200]
+        [--output-len 128] [--hf-prompts 32] [--vllm-python ~/.cache/cascade/vllm-venv/bin/python]
+
+Every system generates exactly --output-len tokens per prompt (EOS ignored), greedy. HF is run
+on the first --hf-prompts prompts only (it is slow); its rate is what is compared. vLLM runs in
+its own virtualenv (it pins its own torch) as a subprocess given the same HF directory our
+engine converted from the GGUF.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.sharegpt import sample_requests  # noqa: E402
+
+VLLM_SCRIPT = r"""
+import json, sys, time
+from vllm import LLM, SamplingParams
+args = json.loads(sys.argv[1])
+prompts = json.load(open(args["prompts"]))
+llm = LLM(model=args["model"], dtype=args["dtype"], max_model_len=2048, seed=0)
+params = SamplingParams(temperature=0.0, max_tokens=args["output_len"], ignore_eos=True)
+inputs = [{"prompt_token_ids": p} for p in prompts]
+llm.generate(inputs[:2], SamplingParams(max_tokens=4))
+start = time.perf_counter()
+outs = llm.generate(inputs, params)
+elapsed = time.perf_counter() - start
+print("RESULT " + json.dumps({"seconds": elapsed, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}))
+"""
+
+
+def run_ours(engine, prompts: list[list[int]], output_len: int) -> dict:
+    from cloud_tier.engine import SamplingParams
+
+    engine.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "tokens": sum(len(o.token_ids) for o in outs), "prompts": len(prompts),
+            "preemptions": engine.scheduler.num_preemptions}
+
+
+def run_hf(model_dir: Path, dtype: str, prompts: list[list[int]], output_len: int, batch: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    tokens = 0
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        group = prompts[i:i + batch]
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
+                                 min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
+        tokens += (out.shape[1] - width) * len(group)
+    return {"seconds": time.perf_counter() - start, "tokens": tokens, "prompts": len(prompts)}
+
+
+def run_vllm(python: str, model_dir: Path, dtype: str, prompts: list[list[int]], output_len: int) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+    args = json.dumps({"model": str(model_dir), "dtype": dtype, "prompts": f.name, "output_len": output_len})
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "OMP_WAIT_POLICY": "passive"}
+    proc = subprocess.run([python, "-c", VLLM_SCRIPT, args], capture_output=True, text=True, env=env,
+                          timeout=3600)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        return {"error": " | ".join(tail)[:400]}
+    return {**json.loads(line[len("RESULT "):]), "prompts": len(prompts)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--num-prompts", type=int, default=200)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--hf-prompts", type=int, default=32)
+    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--vllm-python", default=str(Path.home() / ".cache/cascade/vllm-venv/bin/python"))
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    from cloud_tier.engine import LLMEngine
+
+    engine = LLMEngine.from_model(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  kv_cache_memory_bytes=4 << 30)
+    sampled = sample_requests(args.num_prompts, args.seed, engine.tokenizer, max_prompt_tokens=1024)
+    prompts = [engine.tokenizer.encode(r.prompt) for r in sampled]
+    print(f"{len(prompts)} ShareGPT prompts, mean {sum(map(len, prompts)) / len(prompts):.0f} tokens; "
+          f"{args.output_len} output tokens each; {args.model} {args.dtype}; {os.cpu_count()} cores", flush=True)
+
+    results = {"cascade engine": run_ours(engine, prompts, args.output_len)}
+    print("cascade engine done", results["cascade engine"], flush=True)
+    if args.hf_prompts:
+        results[f"HF generate (batch {args.hf_batch})"] = run_hf(
+            engine.model_dir, args.dtype, prompts[:args.hf_prompts], args.output_len, args.hf_batch)
+    if Path(args.vllm_python).exists():
+        results["vLLM CPU"] = run_vllm(args.vllm_python, engine.model_dir, args.dtype, prompts, args.output_len)
+    else:
+        results["vLLM CPU"] = {"error": f"not installed ({args.vllm_python} missing)"}
+
+    ours = results["cascade engine"]["tokens"] / results["cascade engine"]["seconds"]
+    print(f"\n{'system':<24} {'prompts':>7} {'out tokens':>10} {'seconds':>8} {'out tok/s':>10} {'ours / it':>9}")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:<24} {'-':>7} {'-':>10} {'-':>8} {'-':>10} {'-':>9}   {r['error']}")
+            continue
+        rate = r["tokens"] / r["seconds"]
+        print(f"{name:<24} {r['prompts']:>7} {r['tokens']:>10} {r['seconds']:>8.1f} {rate:>10.1f} {ours / rate:>8.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
