@@ -75,11 +75,11 @@ class Reference:
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m", pytest.param("gemma3-270m", marks=pytest.mark.slow)])
-def converted(request, tmp_path_factory) -> Converted:
-    home = tmp_path_factory.mktemp(request.param)
-    catalog = Catalog(home)
+def converted(request, engine_home) -> Converted:
+    # the session's engine home: the engine tests then reuse this conversion instead of redoing it
+    catalog = Catalog(engine_home)
     gguf_path = catalog.ensure_ready(catalog.get(request.param))
-    cache_root = home / "engine-models"
+    cache_root = engine_home / "engine" / "models"
     start = time.monotonic()
     hf_dir = ensure_hf_dir(gguf_path, cache_root)
     return Converted(request.param, gguf_path, cache_root, hf_dir, time.monotonic() - start)
