@@ -26,19 +26,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.sharegpt import sample_requests  # noqa: E402
 
+# run as a file: vLLM starts its engine core with multiprocessing spawn, which needs a __main__ guard
 VLLM_SCRIPT = r"""
 import json, sys, time
 from vllm import LLM, SamplingParams
-args = json.loads(sys.argv[1])
-prompts = json.load(open(args["prompts"]))
-llm = LLM(model=args["model"], dtype=args["dtype"], max_model_len=2048, seed=0)
-params = SamplingParams(temperature=0.0, max_tokens=args["output_len"], ignore_eos=True)
-inputs = [{"prompt_token_ids": p} for p in prompts]
-llm.generate(inputs[:2], SamplingParams(max_tokens=4))
-start = time.perf_counter()
-outs = llm.generate(inputs, params)
-elapsed = time.perf_counter() - start
-print("RESULT " + json.dumps({"seconds": elapsed, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}))
+
+
+def main():
+    args = json.loads(sys.argv[1])
+    prompts = json.load(open(args["prompts"]))
+    llm = LLM(model=args["model"], dtype=args["dtype"], max_model_len=2048, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=args["output_len"], ignore_eos=True)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(inputs[:2], SamplingParams(max_tokens=4))
+    start = time.perf_counter()
+    outs = llm.generate(inputs, params)
+    elapsed = time.perf_counter() - start
+    print("RESULT " + json.dumps({"seconds": elapsed, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}))
+
+
+if __name__ == "__main__":
+    main()
 """
 
 
@@ -75,12 +83,14 @@ def run_hf(model_dir: Path, dtype: str, prompts: list[list[int]], output_len: in
 
 
 def run_vllm(python: str, model_dir: Path, dtype: str, prompts: list[list[int]], output_len: int) -> dict:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(prompts, f)
-    args = json.dumps({"model": str(model_dir), "dtype": dtype, "prompts": f.name, "output_len": output_len})
+    work = Path(tempfile.mkdtemp(prefix="vllm-bench-"))
+    (work / "prompts.json").write_text(json.dumps(prompts))
+    (work / "run_vllm.py").write_text(VLLM_SCRIPT)
+    args = json.dumps({"model": str(model_dir), "dtype": dtype, "prompts": str(work / "prompts.json"),
+                       "output_len": output_len})
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "OMP_WAIT_POLICY": "passive"}
-    proc = subprocess.run([python, "-c", VLLM_SCRIPT, args], capture_output=True, text=True, env=env,
-                          timeout=3600)
+    proc = subprocess.run([python, str(work / "run_vllm.py"), args], capture_output=True, text=True, env=env,
+                          timeout=3600, cwd=work)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
@@ -100,6 +110,7 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--vllm-python", default=str(Path.home() / ".cache/cascade/vllm-venv/bin/python"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--systems", default="ours,hf,vllm", help="comma-separated subset of ours,hf,vllm")
     args = ap.parse_args()
 
     from cloud_tier.engine import LLMEngine
@@ -112,25 +123,34 @@ def main() -> int:
     print(f"{len(prompts)} ShareGPT prompts, mean {sum(map(len, prompts)) / len(prompts):.0f} tokens; "
           f"{args.output_len} output tokens each; {args.model} {args.dtype}; {os.cpu_count()} cores", flush=True)
 
-    results = {"cascade engine": run_ours(engine, prompts, args.output_len)}
-    print("cascade engine done", results["cascade engine"], flush=True)
-    if args.hf_prompts:
+    systems = set(args.systems.split(","))
+    results = {}
+    if "ours" in systems:
+        results["cascade engine"] = run_ours(engine, prompts, args.output_len)
+        print("cascade engine done", results["cascade engine"], flush=True)
+    if "hf" in systems and args.hf_prompts:
         results[f"HF generate (batch {args.hf_batch})"] = run_hf(
             engine.model_dir, args.dtype, prompts[:args.hf_prompts], args.output_len, args.hf_batch)
-    if Path(args.vllm_python).exists():
-        results["vLLM CPU"] = run_vllm(args.vllm_python, engine.model_dir, args.dtype, prompts, args.output_len)
-    else:
-        results["vLLM CPU"] = {"error": f"not installed ({args.vllm_python} missing)"}
+    if "vllm" in systems:
+        if Path(args.vllm_python).exists():
+            results["vLLM CPU"] = run_vllm(args.vllm_python, engine.model_dir, args.dtype, prompts, args.output_len)
+        else:
+            results["vLLM CPU"] = {"error": f"not installed ({args.vllm_python} missing)"}
+    print_table(results)
+    return 0
 
-    ours = results["cascade engine"]["tokens"] / results["cascade engine"]["seconds"]
+
+def print_table(results: dict) -> None:
+    base = results.get("cascade engine")
+    ours = base["tokens"] / base["seconds"] if base else None
     print(f"\n{'system':<24} {'prompts':>7} {'out tokens':>10} {'seconds':>8} {'out tok/s':>10} {'ours / it':>9}")
     for name, r in results.items():
         if "error" in r:
             print(f"{name:<24} {'-':>7} {'-':>10} {'-':>8} {'-':>10} {'-':>9}   {r['error']}")
             continue
         rate = r["tokens"] / r["seconds"]
-        print(f"{name:<24} {r['prompts']:>7} {r['tokens']:>10} {r['seconds']:>8.1f} {rate:>10.1f} {ours / rate:>8.2f}x")
-    return 0
+        ratio = f"{ours / rate:>8.2f}x" if ours else f"{'-':>9}"
+        print(f"{name:<24} {r['prompts']:>7} {r['tokens']:>10} {r['seconds']:>8.1f} {rate:>10.1f} {ratio}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -19,6 +20,17 @@ from cascade.openai_format import DONE
 log = logging.getLogger(__name__)
 
 T = TypeVar("T", bound=BaseModel)
+
+
+def require_api_key(request: Request) -> None:
+    """A FastAPI dependency: when the app's ``config.server.api_key`` is set, the request must
+    carry ``Authorization: Bearer <key>`` (compared in constant time), else 401."""
+    expected = request.app.state.config.server.api_key
+    if not expected:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+        raise errors.unauthorized()
 
 
 async def read_json(request: Request, limit: int) -> dict:

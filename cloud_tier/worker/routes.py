@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import hmac
-
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cascade import errors
-from cascade.api import openai_response, parse_body, read_json
+from cascade.api import openai_response, parse_body, read_json, require_api_key
 from cascade.openai_format import ChatFormatter, CompletionFormatter
 from cascade.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from cloud_tier.worker.service import WorkerService
@@ -17,15 +15,6 @@ from cloud_tier.worker.service import WorkerService
 
 def service(request: Request) -> WorkerService:
     return request.app.state.service
-
-
-def require_api_key(request: Request) -> None:
-    expected = request.app.state.config.server.api_key
-    if not expected:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
-        raise errors.unauthorized()
 
 
 router = APIRouter()

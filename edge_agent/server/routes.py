@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from cascade import errors
-from cascade.api import openai_response, parse_body, read_json
+from cascade.api import openai_response, parse_body, read_json, require_api_key
 from cascade.openai_format import ChatFormatter, CompletionFormatter
 from cascade.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from edge_agent.server.service import EdgeService, Job
@@ -20,16 +18,6 @@ log = logging.getLogger(__name__)
 
 def service(request: Request) -> EdgeService:
     return request.app.state.service
-
-
-def require_api_key(request: Request) -> None:
-    expected = request.app.state.config.server.api_key
-    if not expected:
-        return
-    auth = request.headers.get("authorization", "")
-    scheme, _, token = auth.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
-        raise errors.unauthorized()
 
 
 router = APIRouter()
