@@ -28,7 +28,9 @@ class PrefillChunk:
 @dataclass
 class DecodeGroup:
     rows: torch.Tensor  # [B] rows of the flat batch
-    block_ids: torch.Tensor  # [B * max_blocks] block tables, padded with block 0, flattened
+    tables: torch.Tensor  # [B, max_blocks] block tables, padded with block 0
+    lens: torch.Tensor  # [B] context lengths (the new token included)
+    block_ids: torch.Tensor  # tables, flattened
     block_size: int
     masks: dict[int | None, torch.Tensor]  # sliding window -> [B, 1, 1, L] bool
 
@@ -38,10 +40,11 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [N] where each new token's K/V is written
     decodes: list[DecodeGroup]  # decodes bucketed by context length, to pad less
     prefills: list[PrefillChunk]
+    native: object | None = None  # the compiled CPU decode kernel, which reads blocks in place
 
     @classmethod
     def build(cls, chunks: list[tuple[int, int, list[int]]], block_size: int, windows: set[int | None],
-              device: torch.device) -> AttentionMetadata:
+              device: torch.device, native: object | None = None) -> AttentionMetadata:
         """``chunks``: per request in batch order (num_computed_before, num_new, block_ids)."""
         slot_mapping, prefills, decode_rows, decode_tables, decode_lens = [], [], [], [], []
         row = 0
@@ -61,10 +64,11 @@ class AttentionMetadata:
                 prefills.append(PrefillChunk(row, n, ctx, slots, masks))
             row += n
         groups = []
-        for bucket in _buckets(decode_lens):
+        buckets = [list(range(len(decode_lens)))] if native and decode_lens else _buckets(decode_lens)
+        for bucket in buckets:
             groups.append(_decode_group([decode_rows[i] for i in bucket], [decode_tables[i] for i in bucket],
                                         [decode_lens[i] for i in bucket], block_size, windows, device))
-        return cls(torch.cat(slot_mapping).to(device), groups, prefills)
+        return cls(torch.cat(slot_mapping).to(device), groups, prefills, native)
 
 
 def _prefill_mask(q_len: int, ctx: int, window: int | None, device) -> torch.Tensor | None:
@@ -102,7 +106,9 @@ def _decode_group(rows, tables, lens, block_size, windows, device) -> DecodeGrou
         if w is not None:
             m &= (lens_t - 1) - k_pos < w
         masks[w] = m[:, None, None, :].to(device)
-    return DecodeGroup(torch.tensor(rows, device=device), padded.flatten().to(device), block_size, masks)
+    padded = padded.to(device)
+    return DecodeGroup(torch.tensor(rows, device=device), padded, lens_t[:, 0].to(device), padded.flatten(),
+                       block_size, masks)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -114,7 +120,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q)
     for group in meta.decodes:
-        out[group.rows] = _decode(q[group.rows], k_cache, v_cache, group, scale, window, gqa)
+        if meta.native is not None:
+            o = meta.native.paged_decode(q[group.rows].float().contiguous(), k_cache, v_cache, group.tables,
+                                         group.lens, scale, window or -1, group.block_size)
+            out[group.rows] = o.to(q.dtype)
+        else:
+            out[group.rows] = _decode(q[group.rows], k_cache, v_cache, group, scale, window, gqa)
     for p in meta.prefills:
         qp = q[p.start:p.start + p.query_len].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         kp = k_cache[p.slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]

@@ -33,6 +33,11 @@ class ModelRunner:
         self.windows = model.sliding_windows()
         self.sampler = Sampler(seed, device)
         self.keep_logits = False
+        self.native_attention = None
+        if device.type == "cpu":
+            from cloud_tier.engine.kernels import paged_attention
+
+            self.native_attention = paged_attention.load()
 
     @staticmethod
     def bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -53,7 +58,7 @@ class ModelRunner:
                 sample_rows.append(row - 1)
                 sample_reqs.append(req)
         dev = self.device
-        meta = AttentionMetadata.build(chunks, self.block_size, self.windows, dev)
+        meta = AttentionMetadata.build(chunks, self.block_size, self.windows, dev, self.native_attention)
         hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
                             self.kv_caches, meta)
         if not sample_reqs:
