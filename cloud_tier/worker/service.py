@@ -105,7 +105,7 @@ class WorkerService:
             for i, token in enumerate(out.new_token_ids):
                 lp = out.new_logprobs[i] if i < len(out.new_logprobs) else None
                 piece = decode([token]).encode()
-                top = tuple(TopToken(t, decode([t]), v, decode([t]).encode()) for t, v in lp.top) if lp else ()
+                top = tuple(_top_token(decode, t, v) for t, v in lp.top) if lp else ()
                 m.generation_tokens.inc()
                 if last is None:
                     m.ttft.observe(now - job.arrived)
@@ -120,3 +120,8 @@ class WorkerService:
                 yield Finish(out.finish_reason or "stop", out.num_prompt_tokens, len(out.token_ids),
                              out.num_cached_tokens)
                 return
+
+
+def _top_token(decode, token_id: int, logprob: float) -> TopToken:
+    text = decode([token_id])
+    return TopToken(token_id, text, logprob, text.encode())

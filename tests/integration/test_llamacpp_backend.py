@@ -1,7 +1,7 @@
 import pytest
 
 from edge_agent.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
-from tests.integration.backend_contract import GREEDY, BackendContract, run
+from tests.integration.backend_contract import BackendContract, run
 
 
 @pytest.fixture(scope="module")
@@ -26,4 +26,3 @@ class TestLlamaCppBackend(BackendContract):
         again, f2 = run(backend, prompt)  # all but the last prompt token reused
         assert f2.cached_tokens == f2.prompt_tokens - 1
         assert [t.token_id for t in first] == [t.token_id for t in again]
-        assert GREEDY.temperature == 0
