@@ -39,7 +39,10 @@ class EngineSection:
 
 @dataclass
 class WorkerConfig:
-    role: str = "both"
+    role: str = "both"  # both: co-located prefill and decode; prefill | decode: one half of a pair
+    kv_host: str = ""  # where the KV receiver listens (decode, both); "": the server's host
+    kv_port: int = 0  # 0: any free port (reported in /healthz and /internal/load)
+    prefill_timeout_s: float = 120.0  # a decode worker's wait for a prefill and its KV
 
     def __post_init__(self):
         if self.role not in ROLES:

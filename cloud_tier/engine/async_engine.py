@@ -55,9 +55,45 @@ class AsyncLLMEngine:
         return self.engine.make_request(prompt, params, request_id, priority)
 
     async def stream(self, req: Request) -> AsyncIterator[RequestOutput]:
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[req.request_id] = (asyncio.get_running_loop(), queue)
+        queue = self._open(req.request_id)
         self._send("add", req)
+        async for out in self._iterate(req.request_id, queue):
+            yield out
+
+    async def adopt(self, req: Request, kv, logprobs=None, sampler_state: bytes | None = None,
+                    num_cached_tokens: int = 0) -> AsyncIterator[RequestOutput]:
+        """Take over a request prefilled elsewhere (see ``LLMEngine.adopt``); returns its stream
+        once its KV is in this engine's cache, so the caller may release the source's copy.
+        Raises KVCapacityError or ValueError (nothing adopted)."""
+        queue = self._open(req.request_id)
+        try:
+            await self.call(lambda e: self._adopt_on_engine(e, req, kv, logprobs, sampler_state,
+                                                            num_cached_tokens))
+        except BaseException:
+            self._streams.pop(req.request_id, None)
+            self._send("abort", req.request_id)  # in case it was adopted after its caller gave up
+            raise
+        return self._iterate(req.request_id, queue)
+
+    def _adopt_on_engine(self, engine: LLMEngine, req, kv, logprobs, sampler_state, num_cached) -> None:
+        out = engine.adopt(req, kv, logprobs, sampler_state, num_cached)
+        self._deliver(req.request_id, _snapshot(out))
+
+    async def call(self, fn):
+        """Run ``fn(engine)`` on the engine thread between steps; its result (or exception)."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped: {self.error}")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._send("call", (fn, loop, future))
+        return await future
+
+    def _open(self, request_id: str) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        return queue
+
+    async def _iterate(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:
@@ -69,9 +105,9 @@ class AsyncLLMEngine:
                 if finished:
                     return
         finally:
-            self._streams.pop(req.request_id, None)
+            self._streams.pop(request_id, None)
             if not finished:
-                self._send("abort", req.request_id)
+                self._send("abort", request_id)
 
     def abort(self, request_id: str) -> None:
         self._send("abort", request_id)
@@ -104,6 +140,14 @@ class AsyncLLMEngine:
                     self.engine.add(payload)
                 except ValueError as e:
                     self._deliver(payload.request_id, e)
+            elif kind == "call":
+                fn, loop, future = payload
+                try:
+                    result = fn(self.engine)
+                except Exception as e:  # the caller gets it; the engine goes on
+                    loop.call_soon_threadsafe(_settle, future, None, e)
+                else:
+                    loop.call_soon_threadsafe(_settle, future, result, None)
             else:
                 self.engine.abort(payload)
 
@@ -117,11 +161,25 @@ class AsyncLLMEngine:
                     continue
                 for out in self.engine.step():
                     self._deliver(out.request_id, _snapshot(out))
-        except BaseException as e:  # every waiting stream learns of it; nothing hangs
+        except BaseException as e:  # every waiting stream and call learns of it; nothing hangs
             log.exception("engine loop failed")
             self.error = e
             for rid in list(self._streams):
                 self._deliver(rid, EngineDeadError(f"the engine stopped: {e}"))
+            while self._inbox:
+                kind, payload = self._inbox.popleft()
+                if kind == "call":
+                    _, loop, future = payload
+                    loop.call_soon_threadsafe(_settle, future, None, EngineDeadError(f"the engine stopped: {e}"))
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if future.done():  # the caller gave up waiting
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def _snapshot(out: RequestOutput) -> RequestOutput:

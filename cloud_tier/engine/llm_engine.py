@@ -24,6 +24,7 @@ from cloud_tier.engine.model_runner import ModelRunner
 from cloud_tier.engine.models.loader import load_model, read_config
 from cloud_tier.engine.outputs import RequestOutput
 from cloud_tier.engine.request import Request, RequestStatus
+from cloud_tier.engine.sampler import TokenLogprobs
 from cloud_tier.engine.sampling_params import SamplingParams
 from cloud_tier.engine.scheduler import Scheduler, SchedulerConfig
 
@@ -43,6 +44,21 @@ def resolve_model_dir(model: str) -> Path:
     catalog = Catalog(cascade_home())
     gguf = catalog.ensure_ready(catalog.get(model))
     return ensure_hf_dir(gguf, cascade_home() / "engine" / "models")
+
+
+class KVCapacityError(RuntimeError):
+    """An adopted request's KV does not fit the free blocks right now."""
+
+
+@dataclass
+class KVHandoff:
+    """A request prefilled here for another worker: its record, first token's logprobs, seeded
+    random state, and its prompt's KV blocks (``ModelRunner.read_blocks`` layout)."""
+
+    request: Request
+    logprobs: list[TokenLogprobs]
+    sampler_state: bytes | None
+    kv: torch.Tensor
 
 
 @dataclass
@@ -77,6 +93,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_dtype,
                                   self.device, config.seed)
         self._tracked: dict[str, _Tracked] = {}
+        self._handoffs: dict[str, tuple[list[TokenLogprobs], bytes | None]] = {}
+        self.model_identity = f"{self.model_dir.name}:{config.dtype}"
         log.info("engine ready: %s (%s, %s), %d KV blocks of %d tokens (%.0f MiB)", self.model_dir.name,
                  config.dtype, config.device, num_blocks, config.block_size, num_blocks * per_block / 2**20)
 
@@ -122,7 +140,48 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+        self.release_kv(request_id)
         self._forget(request_id)
+
+    # -- disaggregation: hand a prefilled request over, or adopt one ----------------------
+
+    def export_kv(self, request_id: str) -> KVHandoff:
+        """What a decode worker needs to continue a request that finished here with status
+        FINISHED_TRANSFERRED (made with ``kv_transfer=True``). Its blocks stay held until
+        ``release_kv``."""
+        req = self.scheduler.held.get(request_id)
+        if req is None:
+            raise KeyError(f"request {request_id!r} holds no KV for a transfer")
+        logprobs, state = self._handoffs.get(request_id, ([], None))
+        return KVHandoff(req, logprobs, state, self.runner.read_blocks(self.kv.get_block_ids(request_id)))
+
+    def release_kv(self, request_id: str) -> None:
+        """Free the KV of a handed-over request (after the transfer, or when it failed)."""
+        self.scheduler.release(request_id)
+        self._handoffs.pop(request_id, None)
+
+    def adopt(self, req: Request, kv: torch.Tensor, logprobs: TokenLogprobs | None = None,
+              sampler_state: bytes | None = None, num_cached_tokens: int = 0) -> RequestOutput:
+        """Continue a request prefilled elsewhere: ``req`` carries its prompt and first token,
+        ``kv`` its prompt's blocks. Returns the output for the first token; later steps go on
+        from there. KVCapacityError (nothing changed) if the blocks do not fit now."""
+        if not self.scheduler.adopt(req):
+            raise KVCapacityError(f"{self.kv.blocks_for_tokens(req.num_prompt_tokens)} KV blocks needed, "
+                                  f"{self.kv.num_free_blocks} free")
+        try:
+            self.runner.write_blocks(self.kv.get_block_ids(req.request_id), kv)
+        except ValueError:
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
+            raise
+        req.num_cached_tokens = num_cached_tokens
+        if sampler_state is not None:
+            self.runner.sampler.set_state(req.request_id, sampler_state)
+        params = req.sampling_params
+        tracked = _Tracked(req, IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output),
+                           RequestOutput(req.request_id, list(req.prompt_token_ids), arrival_time=req.arrival_time,
+                                         logprobs=[] if params.logprobs is not None else None))
+        self._tracked[req.request_id] = tracked
+        return self._process(tracked, req.output_token_ids[0], logprobs, time.monotonic())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -158,9 +217,13 @@ class LLMEngine:
             out.first_token_time = now
         if t.detok.stopped:  # a stop string, even on the token that also hit max_tokens
             if req.is_finished:
+                self.scheduler.release(req.request_id)  # no transfer: it ends here
                 req.status = RequestStatus.FINISHED_STOPPED
             else:
                 self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+        if req.status == RequestStatus.FINISHED_TRANSFERRED:
+            self._handoffs[req.request_id] = (list(out.new_logprobs),
+                                              self.runner.sampler.get_state(req.request_id))
         if req.is_finished:
             out.delta_text += t.detok.finish()
             out.finished = True

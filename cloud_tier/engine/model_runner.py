@@ -44,6 +44,33 @@ class ModelRunner:
         num_layers, n_kv, head_dim = model.kv_shape
         return 2 * num_layers * block_size * n_kv * head_dim * torch.empty((), dtype=dtype).element_size()
 
+    def kv_block_shape(self) -> tuple[int, int, int, int]:
+        """(num_layers, block_size, num_kv_heads, head_dim): one block's K (or V) across layers."""
+        k = self.kv_caches[0][0]
+        return len(self.kv_caches), self.block_size, k.shape[1], k.shape[2]
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of these blocks' K and V, shaped (layers, 2, blocks, block_size, kv_heads,
+        head_dim), on the CPU: the payload of a KV transfer."""
+        idx = torch.tensor(block_ids, device=self.device)
+        _, bs, n_kv, hd = self.kv_block_shape()
+        out = torch.stack([torch.stack([k.view(-1, bs, n_kv, hd)[idx], v.view(-1, bs, n_kv, hd)[idx]])
+                           for k, v in self.kv_caches])
+        return out.cpu()
+
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Write a transfer's payload (``read_blocks``' layout) into these blocks."""
+        layers, bs, n_kv, hd = self.kv_block_shape()
+        expected = (layers, 2, len(block_ids), bs, n_kv, hd)
+        if tuple(kv.shape) != expected or kv.dtype != self.dtype:
+            raise ValueError(f"KV payload {tuple(kv.shape)} {kv.dtype} does not match this cache's "
+                             f"{expected} {self.dtype}")
+        idx = torch.tensor(block_ids, device=self.device)
+        kv = kv.to(self.device)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k.view(-1, bs, n_kv, hd)[idx] = kv[layer, 0]
+            v.view(-1, bs, n_kv, hd)[idx] = kv[layer, 1]
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         ids, positions, chunks, sample_rows, sample_reqs = [], [], [], [], []

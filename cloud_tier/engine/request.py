@@ -20,6 +20,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3  # EOS, a stop token or a stop string
     FINISHED_LENGTH = 4  # max_tokens or the model's context
     FINISHED_ABORTED = 5
+    FINISHED_TRANSFERRED = 6  # prefill done, first token sampled, KV kept for a decode worker
 
     @property
     def finished(self) -> bool:
@@ -27,7 +28,7 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
+        return {3: "stop", 4: "length", 5: "abort", 6: "transfer"}.get(int(self))
 
 
 @dataclass(eq=False)  # a mutable record: equal only to itself
@@ -42,6 +43,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache (-1: not looked up)
     num_preemptions: int = 0
+    kv_transfer: bool = False  # prefill only: stop after the first token and keep the KV to send
     token_ids: list[int] = field(init=False)  # prompt + output, appended as tokens are sampled
     block_hashes: list = field(default_factory=list)  # chained hashes of full blocks, filled lazily
 

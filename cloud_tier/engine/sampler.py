@@ -32,6 +32,15 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._seeded.pop(request_id, None)
 
+    def get_state(self, request_id: str) -> bytes | None:
+        """The random state of a seeded request, so another worker continues its sequence."""
+        g = self._seeded.get(request_id)
+        return None if g is None else bytes(g.get_state().numpy().tobytes())
+
+    def set_state(self, request_id: str, state: bytes) -> None:
+        g = self._seeded[request_id] = torch.Generator(self.device)
+        g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         """``logits`` [B, V] float32, one row per request in ``requests``."""
         params = [r.sampling_params for r in requests]

@@ -72,6 +72,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}  # prefilled for a decode worker: blocks kept until released
         self.num_preemptions = 0
 
     # -- requests in and out -------------------------------------------------------------
@@ -101,6 +102,28 @@ class Scheduler:
             self._finish(req, status)
             done.append(req)
         return done
+
+    def adopt(self, request: Request) -> bool:
+        """Take over a request prefilled elsewhere: its prompt's KV is about to be written into
+        the blocks allocated here, so it runs from ``num_computed_tokens == prompt length`` with
+        its first token already sampled. False (nothing changed) if the blocks do not fit."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.num_computed_tokens or request.num_output_tokens != 1:
+            raise ValueError("an adopted request has its first token and nothing computed yet")
+        if self.kv.allocate_slots(request, request.num_prompt_tokens) is None:
+            return False
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.status = RequestStatus.RUNNING
+        self.requests[request.request_id] = request
+        self.running.append(request)
+        return True
+
+    def release(self, request_id: str) -> None:
+        """Free the blocks of a request held for a KV transfer (no-op if not held)."""
+        req = self.held.pop(request_id, None)
+        if req is not None:
+            self.kv.free(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -185,6 +208,8 @@ class Scheduler:
                 continue
             req.append_token(token)
             status = self._stop_status(req, token)
+            if status is None and req.kv_transfer:
+                status = RequestStatus.FINISHED_TRANSFERRED
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
@@ -220,6 +245,9 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self.kv.free(request)
+        if status == RequestStatus.FINISHED_TRANSFERRED:
+            self.held[request.request_id] = request
+        else:
+            self.kv.free(request)
         self.requests.pop(request.request_id, None)
 

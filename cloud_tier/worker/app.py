@@ -7,16 +7,19 @@ import asyncio
 import time
 from contextlib import asynccontextmanager
 
+import httpx
 from fastapi import FastAPI
 
 from cascade.errors import install_error_handlers
 from cascade.tier_header import TierHeader
 from cloud_tier.config import CloudConfig
+from cloud_tier.disagg.decode import DecodeService
+from cloud_tier.disagg.prefill import PrefillService
 from cloud_tier.engine.async_engine import AsyncLLMEngine
 from cloud_tier.engine.config import EngineConfig
 from cloud_tier.engine.llm_engine import LLMEngine
 from cloud_tier.worker.metrics import WorkerMetrics
-from cloud_tier.worker.routes import router, v1
+from cloud_tier.worker.routes import internal, router, v1
 from cloud_tier.worker.service import WorkerService
 
 
@@ -45,10 +48,22 @@ def build_app(config: CloudConfig) -> FastAPI:
         engine = await asyncio.to_thread(LLMEngine, engine_config(config))
         async_engine = AsyncLLMEngine(engine)
         name, aliases = served_names(config.engine.model)
-        app.state.service = WorkerService(async_engine, name, aliases, WorkerMetrics())
+        role = config.worker.role
+        client = httpx.AsyncClient(timeout=httpx.Timeout(config.worker.prefill_timeout_s, connect=5.0),
+                                   limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+        prefill = PrefillService(async_engine, config.worker.prefill_timeout_s) if role in ("prefill", "both") else None
+        decode = None
+        if role in ("decode", "both"):
+            decode = DecodeService(async_engine, client, config.server.api_key)
+            await decode.start(config.worker.kv_host or config.server.host, config.worker.kv_port)
+        app.state.service = WorkerService(async_engine, name, aliases, WorkerMetrics(), role,
+                                          prefill=prefill, decode=decode)
         try:
             yield
         finally:
+            if decode is not None:
+                await decode.close()
+            await client.aclose()
             async_engine.shutdown()
 
     app = FastAPI(title="cascade cloud worker", lifespan=lifespan)
@@ -57,5 +72,6 @@ def build_app(config: CloudConfig) -> FastAPI:
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(v1)
+    app.include_router(internal)
     app.add_middleware(TierHeader, tier="cloud")
     return app

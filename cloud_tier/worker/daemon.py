@@ -14,8 +14,6 @@ def run(config: CloudConfig) -> None:
 
     from cloud_tier.worker.app import build_app
 
-    if config.worker.role != "both":
-        raise NotImplementedError(f"role {config.worker.role!r} is not available yet; use --role both")
     log.info("cloud worker (%s) on http://%s:%d, model %s", config.worker.role, config.server.host,
              config.server.port, config.engine.model)
     uvicorn.run(build_app(config), host=config.server.host, port=config.server.port,

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import json
+import logging
+
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 
 from cascade import errors
 from cascade.api import openai_response, parse_body, read_json, require_api_key
+from cascade.generation import event_to_wire
 from cascade.openai_format import ChatFormatter, CompletionFormatter
 from cascade.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from cloud_tier.disagg.decode import PrefillFailed
+from cloud_tier.disagg.protocol import GenerateRequest, PrefillRequest, WorkerLoadReport
 from cloud_tier.worker.service import WorkerService
+
+log = logging.getLogger(__name__)
 
 
 def service(request: Request) -> WorkerService:
@@ -19,6 +28,7 @@ def service(request: Request) -> WorkerService:
 
 router = APIRouter()
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+internal = APIRouter(prefix="/internal", dependencies=[Depends(require_api_key)])
 
 
 @router.get("/healthz")
@@ -27,8 +37,8 @@ async def healthz(request: Request):
     svc = service(request)
     if svc.engine.error is not None:
         raise errors.APIError(503, f"engine stopped: {svc.engine.error}", "server_error", code="engine_unavailable")
-    return {"status": "ok", "tier": "cloud", "role": request.app.state.config.worker.role,
-            "model": svc.model_id, "engine": svc.engine.stats()}
+    return {"status": "ok", "tier": "cloud", "role": svc.role, "model": svc.model_id,
+            "engine": svc.engine.stats(), "kv_address": svc.decode.address if svc.decode else None}
 
 
 @router.get("/metrics")
@@ -79,3 +89,68 @@ def _counter(svc: WorkerService, endpoint: str):
     def count(status: str) -> None:
         svc.metrics.requests.labels(endpoint=endpoint, status=status).inc()
     return count
+
+
+# -- the internal API the gateway and the other workers call ----------------------------------
+
+async def _body(request: Request, model):
+    raw = await request.body()
+    if len(raw) > request.app.state.config.server.max_body_bytes:
+        raise errors.APIError(413, "request body too large", "invalid_request_error", code="request_too_large")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise errors.validation_error(e.errors()) from e
+
+
+@internal.get("/load")
+async def load(request: Request) -> WorkerLoadReport:
+    svc = service(request)
+    st = svc.engine.stats()
+    return WorkerLoadReport(role=svc.role, model=svc.model_id, max_model_len=svc.max_model_len,
+                            block_size=svc.engine.engine.config.block_size, kv_blocks_total=st["kv_blocks_total"],
+                            kv_blocks_free=st["kv_blocks_free"], waiting=st["waiting"], running=st["running"],
+                            prefix_cache_queries=st["prefix_cache_queries"],
+                            prefix_cache_hits=st["prefix_cache_hits"],
+                            kv_address=svc.decode.address if svc.decode else None)
+
+
+@internal.post("/prefill")
+async def prefill(request: Request):
+    svc = service(request)
+    if svc.prefill is None:
+        raise errors.bad_request(f"this worker's role is {svc.role}: it does not prefill for others")
+    body = await _body(request, PrefillRequest)
+    resp = await svc.prefill.prefill(body)
+    return Response(resp.model_dump_json(), media_type="application/json")
+
+
+@internal.post("/generate")
+async def generate(request: Request):
+    """NDJSON generation events. A failure before the first event is an HTTP error (so the
+    gateway can retry elsewhere); after it, an ``{"error": ...}`` line ends the stream."""
+    svc = service(request)
+    body = await _body(request, GenerateRequest)
+    events = svc.generate(body)
+    try:
+        first = await anext(events)
+    except PrefillFailed as e:
+        await events.aclose()
+        status = 503 if e.code in ("no_capacity", "prefill_unreachable", "transfer_failed") else 502
+        raise errors.APIError(status, str(e), "server_error", code=e.code) from e
+    except BaseException:
+        await events.aclose()
+        raise
+    return StreamingResponse(_ndjson(first, events), media_type="application/x-ndjson")
+
+
+async def _ndjson(first, events):
+    try:
+        yield json.dumps(event_to_wire(first)) + "\n"
+        async for ev in events:
+            yield json.dumps(event_to_wire(ev)) + "\n"
+    except Exception as e:  # after the first byte the only way to say it is in-band
+        log.exception("generation failed mid-stream")
+        yield json.dumps({"error": {"message": f"generation failed: {e}", "code": "worker_error"}}) + "\n"
+    finally:
+        await events.aclose()

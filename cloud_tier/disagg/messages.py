@@ -1,0 +1,194 @@
+"""The prefill -> decode wire: typed messages and the one codec that frames them.
+
+A frame is ``b"CKV1"`` + a 1-byte ``MessageKind`` + a 4-byte big-endian body length + the body,
+the message's JSON (UTF-8). Decoding is strict: unknown fields, wrong types ("1" for 1, 1.0 for
+1, true for 1) and missing fields are rejected, so garbage never becomes a message.
+
+    frame = encode(TransferAck(request_id="r1", ok=True))
+    ack = decode(frame)                                  # or: await read_message(reader, TransferAck)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import math
+import struct
+import zlib
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+MAGIC = b"CKV1"
+_PREFIX = struct.Struct(">4sBI")  # magic, kind, body length
+PREFIX_SIZE = _PREFIX.size  # 9
+MAX_BODY = (1 << 32) - 1
+
+KVDtype = Literal["float32", "bfloat16", "float16"]
+DTYPE_SIZES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+AckCode = Literal["", "truncated", "corrupt", "bad_header", "model_mismatch", "no_capacity",
+                  "unknown_request", "error"]
+
+
+class CodecError(ValueError):
+    """A frame or its body is not a valid message of this wire."""
+
+
+class TruncatedError(CodecError):
+    """The stream ended before a whole frame arrived."""
+
+
+class _Message(BaseModel):
+    # Python construction stays lax (a frozenset of eos ids becomes a list); `decode` validates
+    # the wire strictly. -inf logprobs travel as JSON's -Infinity; bytes as (url-safe) base64.
+    model_config = ConfigDict(extra="forbid", ser_json_bytes="base64", val_json_bytes="base64",
+                              ser_json_inf_nan="constants")
+
+
+class TokenLogprobRecord(_Message):
+    """One sampled token's logprob and, when asked, the top alternatives as (token_id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
+class RequestRecord(_Message):
+    """The engine request handed from prefill to decode: what the decode worker needs to continue it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = []  # the first token, sampled by the prefill worker
+    sampling: dict[str, Any]  # SamplingParams fields
+    eos_token_ids: list[int] = []
+    priority: int = 0
+    logprobs: list[TokenLogprobRecord] = []  # of output_token_ids, when asked
+    sampler_state: bytes | None = None  # torch.Generator state of a seeded request
+    num_cached_tokens: int = 0  # prompt tokens the prefill worker took from its prefix cache
+    finish_reason: str | None = None  # set when the request already ended on the prefill worker
+
+
+class TransferHeader(_Message):
+    """Describes one request's KV payload: (num_layers, 2, num_blocks, block_size, num_kv_heads,
+    head_dim) elements of ``dtype``, ``nbytes`` long, sent raw after this frame (tcp) or left in
+    the shared-memory segment ``shm_name`` (shm). The sender fills transport, nbytes, checksum
+    and shm_name; a caller may build it with placeholders for them."""
+
+    request_id: str
+    model_identity: str  # the receiver refuses KV from another model/dtype
+    dtype: KVDtype
+    shape: list[Annotated[int, Field(ge=0)]]
+    nbytes: int = Field(ge=0)
+    checksum: str  # payload_checksum() of the payload
+    transport: Literal["tcp", "shm"]
+    shm_name: str | None = Field(default=None, pattern=r"^cascade-kv-[0-9a-f]{1,64}$")
+    record: RequestRecord
+
+    @model_validator(mode="after")
+    def _check(self) -> TransferHeader:
+        if self.transport == "shm" and self.shm_name is None:
+            raise ValueError("an shm transfer needs shm_name")
+        return self
+
+    @property
+    def expected_nbytes(self) -> int:
+        """The payload length ``shape`` and ``dtype`` imply."""
+        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+
+
+class TransferAck(_Message):
+    """The receiver's answer to one transfer. ``ok`` is False exactly when ``code`` is set."""
+
+    request_id: str
+    ok: bool
+    code: AckCode = ""
+    message: str = ""
+
+    @model_validator(mode="after")
+    def _check(self) -> TransferAck:
+        if self.ok != (self.code == ""):
+            raise ValueError(f"ok={self.ok} with code {self.code!r}: a failed ack needs a code, a good one none")
+        return self
+
+
+class MessageKind(enum.IntEnum):
+    REQUEST_RECORD = 1
+    TRANSFER_HEADER = 2
+    TRANSFER_ACK = 3
+
+
+_CLASS_OF_KIND: dict[MessageKind, type[_Message]] = {
+    MessageKind.REQUEST_RECORD: RequestRecord,
+    MessageKind.TRANSFER_HEADER: TransferHeader,
+    MessageKind.TRANSFER_ACK: TransferAck,
+}
+_KIND_OF_CLASS = {cls: kind for kind, cls in _CLASS_OF_KIND.items()}
+
+Message = RequestRecord | TransferHeader | TransferAck
+
+
+def encode(msg: Message) -> bytes:
+    """One frame holding ``msg``."""
+    kind = _KIND_OF_CLASS.get(type(msg))
+    if kind is None:
+        raise TypeError(f"{type(msg).__name__} is not a message of this wire")
+    body = msg.model_dump_json().encode()
+    if len(body) > MAX_BODY:
+        raise ValueError(f"{type(msg).__name__} body is {len(body)} bytes, over the frame limit")
+    return _PREFIX.pack(MAGIC, kind, len(body)) + body
+
+
+def decode(frame: bytes | bytearray | memoryview) -> Message:
+    """The message in exactly one whole frame; `CodecError` if it is not one."""
+    kind, length = _parse_prefix(bytes(frame[:PREFIX_SIZE]), max_len=MAX_BODY)
+    if len(frame) - PREFIX_SIZE != length:
+        raise CodecError(f"frame body is {len(frame) - PREFIX_SIZE} bytes, its prefix says {length}")
+    return _decode_body(kind, frame[PREFIX_SIZE:])
+
+
+async def read_message(reader: asyncio.StreamReader, expected: type[Message] | None = None,
+                       max_len: int = 64 << 20) -> Message:
+    """Read one frame from ``reader``. `TruncatedError` if the stream ends inside it, `CodecError`
+    if it is malformed, longer than ``max_len`` or not an ``expected`` message."""
+    prefix = await _read_exactly(reader, PREFIX_SIZE)
+    kind, length = _parse_prefix(prefix, max_len=max_len)
+    msg = _decode_body(kind, await _read_exactly(reader, length))
+    if expected is not None and not isinstance(msg, expected):
+        raise CodecError(f"expected a {expected.__name__}, got a {type(msg).__name__}")
+    return msg
+
+
+def payload_checksum(buf: bytes | bytearray | memoryview) -> str:
+    """CRC-32 of a payload as 8 hex digits: it catches transport corruption at ~3 GB/s, where
+    blake2b manages ~0.7 GB/s (100 MB on one core); it does not resist a malicious sender."""
+    return f"{zlib.crc32(buf):08x}"
+
+
+async def _read_exactly(reader: asyncio.StreamReader, n: int) -> bytes:
+    try:
+        return await reader.readexactly(n)
+    except asyncio.IncompleteReadError as e:
+        raise TruncatedError(f"stream ended after {len(e.partial)} of {n} bytes") from e
+
+
+def _parse_prefix(prefix: bytes, max_len: int) -> tuple[MessageKind, int]:
+    if len(prefix) < PREFIX_SIZE:
+        raise CodecError(f"frame is {len(prefix)} bytes, shorter than its {PREFIX_SIZE}-byte prefix")
+    magic, kind, length = _PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise CodecError(f"bad magic {magic!r}, expected {MAGIC!r}")
+    if kind not in _CLASS_OF_KIND:
+        raise CodecError(f"unknown message kind {kind}")
+    if length > max_len:
+        raise CodecError(f"frame body of {length} bytes is over the {max_len}-byte limit")
+    return MessageKind(kind), length
+
+
+def _decode_body(kind: MessageKind, body: bytes | bytearray | memoryview) -> Message:
+    cls = _CLASS_OF_KIND[kind]
+    try:
+        return cls.model_validate_json(bytes(body), strict=True)
+    except ValidationError as e:
+        # Covers invalid UTF-8 and JSON as well as schema violations.
+        raise CodecError(f"invalid {cls.__name__}: {e}") from e

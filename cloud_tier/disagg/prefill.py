@@ -1,0 +1,81 @@
+"""The prefill side: run a prompt (prefix cache and chunked prefill as usual), sample its first
+token, send the request's KV blocks and record to the decode worker, then free them here (they
+stay in this worker's prefix cache for the next prompt that shares them)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from cloud_tier.disagg.messages import RequestRecord, TransferHeader
+from cloud_tier.disagg.protocol import PrefillRequest, PrefillResponse
+from cloud_tier.disagg.records import logprob_record, params_of
+from cloud_tier.disagg.transport import (
+    KVSender,
+    ShmSender,
+    TcpSender,
+    TransferError,
+    tensor_payload,
+)
+from cloud_tier.engine.async_engine import AsyncLLMEngine
+from cloud_tier.engine.llm_engine import KVHandoff
+
+log = logging.getLogger(__name__)
+
+
+class PrefillService:
+    def __init__(self, engine: AsyncLLMEngine, timeout_s: float = 30.0):
+        self.engine = engine
+        self.senders: dict[str, KVSender] = {"tcp": TcpSender(timeout_s), "shm": ShmSender(timeout_s)}
+        self.transferred_bytes = 0
+        self.failed_transfers = 0
+
+    async def prefill(self, body: PrefillRequest) -> PrefillResponse:
+        rec = body.record
+        rid = rec.request_id
+        started = time.perf_counter()
+        try:
+            req = self.engine.prepare(rec.prompt_token_ids, params_of(rec), rid, rec.priority)
+        except (ValueError, TypeError) as e:
+            return PrefillResponse(request_id=rid, ok=False, code="bad_request", message=str(e))
+        req.kv_transfer = True
+        final = None
+        async for out in self.engine.stream(req):
+            final = out
+        prefill_ms = (time.perf_counter() - started) * 1e3
+        first = rec.model_copy(update={
+            "output_token_ids": list(final.token_ids),
+            "logprobs": [logprob_record(lp) for lp in final.new_logprobs],
+            "num_cached_tokens": max(req.num_cached_tokens, 0)})
+        if final.finish_reason != "transfer":  # it ended on its first token: nothing to hand over
+            first.finish_reason = final.finish_reason
+            return PrefillResponse(request_id=rid, ok=True, record=first, text=final.text, prefill_ms=prefill_ms)
+        try:
+            handoff: KVHandoff = await self.engine.call(lambda e: e.export_kv(rid))
+            first.sampler_state = handoff.sampler_state
+            return await self._send(body, first, handoff, prefill_ms)
+        finally:
+            self.engine.abort(rid)  # frees the held blocks, whatever happened (also if cancelled)
+
+    async def _send(self, body: PrefillRequest, record: RequestRecord, handoff: KVHandoff,
+                    prefill_ms: float) -> PrefillResponse:
+        rid = record.request_id
+        payload = tensor_payload(handoff.kv)
+        header = TransferHeader(request_id=rid, model_identity=self.engine.engine.model_identity,
+                                dtype=str(handoff.kv.dtype).removeprefix("torch."), shape=list(handoff.kv.shape),
+                                nbytes=payload.nbytes, checksum="", transport="tcp", record=record)  # the sender fills these
+        started = time.perf_counter()
+        try:
+            ack = await self.senders[body.transport].send(body.kv_target, header, payload)
+        except TransferError as e:
+            self.failed_transfers += 1
+            log.warning("KV transfer of %s to %s failed: %s", rid, body.kv_target, e)
+            return PrefillResponse(request_id=rid, ok=False, code="transfer_failed", message=str(e),
+                                   prefill_ms=prefill_ms)
+        transfer_ms = (time.perf_counter() - started) * 1e3
+        if ack.ok:
+            self.transferred_bytes += payload.nbytes
+        else:
+            self.failed_transfers += 1
+        return PrefillResponse(request_id=rid, ok=ack.ok, code=ack.code, message=ack.message, record=record,
+                               prefill_ms=prefill_ms, transfer_ms=transfer_ms, nbytes=payload.nbytes)

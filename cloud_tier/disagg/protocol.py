@@ -1,0 +1,62 @@
+"""The workers' internal HTTP API (gateway -> decode worker -> prefill worker): pydantic models
+sent and parsed as JSON with ``model_dump_json`` / ``model_validate_json`` (never ``dict``s).
+
+    POST /internal/generate  GenerateRequest -> NDJSON generation events (cascade.generation)
+    POST /internal/prefill   PrefillRequest  -> PrefillResponse (after the KV transfer is acked)
+    GET  /internal/load      -> WorkerLoadReport
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from cloud_tier.disagg.messages import RequestRecord
+
+Transport = Literal["tcp", "shm"]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", ser_json_bytes="base64", val_json_bytes="base64",
+                              ser_json_inf_nan="constants")
+
+
+class GenerateRequest(_Body):
+    """Run ``record`` here: prefilled by ``prefill_url`` (disaggregated) or locally (None)."""
+
+    record: RequestRecord
+    prefill_url: str | None = None
+    transport: Transport = "tcp"
+
+
+class PrefillRequest(_Body):
+    record: RequestRecord
+    kv_target: str  # host:port of the decode worker's KV receiver
+    transport: Transport = "tcp"
+
+
+class PrefillResponse(_Body):
+    request_id: str
+    ok: bool
+    code: str = ""  # "" | the ack's code | "transfer_failed" | "engine_error"
+    message: str = ""
+    record: RequestRecord | None = None  # with the first token; finish_reason set if it ended there
+    text: str = ""  # the released text, when it ended on the prefill worker
+    prefill_ms: float = 0.0
+    transfer_ms: float = 0.0
+    nbytes: int = 0
+
+
+class WorkerLoadReport(_Body):
+    role: str
+    model: str
+    max_model_len: int
+    block_size: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    waiting: int
+    running: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    kv_address: str | None = None

@@ -1,0 +1,369 @@
+"""KV transport: moves one request's KV payload from a prefill worker to a decode worker.
+
+Contract. ``KVSender.send(address, header, payload)`` moves one contiguous payload and the
+`TransferHeader` describing it to the `KVReceiver` at ``address`` and returns that receiver's
+`TransferAck`. The receiver validates the transfer completely (header, length, checksum) before
+its handler sees the payload, and the handler's ack goes back to the sender. A truncated or
+corrupt transfer never reaches the handler: the receiver answers ok=False with code "truncated"
+or "corrupt" when the connection still allows it. Any other outcome the sender cannot know (the
+receiver unreachable, the connection dropped, no ack within ``timeout_s``) raises
+`TransferError`: the KV may or may not have been adopted.
+
+Two transports, one receiver. ``tcp`` sends the header frame then the raw payload on one
+connection per transfer. ``shm`` (same host) copies the payload once into a shared-memory
+segment the sender owns and always unlinks, and sends only the header over TCP.
+
+    receiver = KVReceiver(adopt, model_identity="smollm2-135m/bfloat16")
+    await receiver.start()
+    ack = await TcpSender().send(receiver.address, header, tensor_payload(kv))
+"""
+
+from __future__ import annotations
+
+import _posixshmem
+import asyncio
+import logging
+import mmap
+import os
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from multiprocessing.shared_memory import SharedMemory
+from typing import TYPE_CHECKING, ClassVar
+
+from cloud_tier.disagg.messages import (
+    CodecError,
+    TransferAck,
+    TransferHeader,
+    TruncatedError,
+    encode,
+    payload_checksum,
+    read_message,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[TransferHeader, memoryview], Awaitable[TransferAck]]
+
+CHUNK = 4 << 20  # payload write/read granularity
+_READ_LIMIT = 1 << 20  # StreamReader buffer: pausing the socket at 2 MiB keeps reads large
+_THREADED_CHECKSUM_MIN = 1 << 20  # zlib.crc32 releases the GIL: hash big payloads off the loop
+
+
+class TransferError(ConnectionError):
+    """The transfer's outcome is unknown: the receiver was unreachable, the connection dropped,
+    or no ack came within the timeout."""
+
+
+class KVSender(ABC):
+    """Moves one request's KV payload to a `KVReceiver` and returns its ack (see the module
+    docstring for the contract)."""
+
+    transport: ClassVar[str]
+
+    def __init__(self, timeout_s: float = 30.0):
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = timeout_s
+
+    async def send(self, address: str, header: TransferHeader, payload) -> TransferAck:
+        """Send ``payload`` (any C-contiguous buffer: bytes, memoryview, `tensor_payload`) to the
+        receiver at ``address`` ("host:port"). The header's transport, nbytes, checksum and
+        shm_name are filled here; its dtype and shape must describe the payload."""
+        view = _byte_view(payload)
+        if view.nbytes != header.expected_nbytes:
+            raise ValueError(f"payload is {view.nbytes} bytes, header {header.dtype}{header.shape} "
+                             f"says {header.expected_nbytes}")
+        header = header.model_copy(update={"transport": self.transport, "nbytes": view.nbytes,
+                                           "checksum": await _checksum(view), "shm_name": None})
+        return await self._send(address, header, view)
+
+    @abstractmethod
+    async def _send(self, address: str, header: TransferHeader, payload: memoryview) -> TransferAck:
+        ...
+
+    async def _connect(self, address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        host, port = _split_address(address)
+        try:
+            return await asyncio.wait_for(asyncio.open_connection(host, port), self.timeout_s)
+        except (OSError, TimeoutError) as e:
+            raise TransferError(f"cannot reach the KV receiver at {address}: {e!r}") from e
+
+    def _ack_of(self, reading: asyncio.Task, address: str) -> TransferAck:
+        if not reading.done():
+            raise TransferError(f"no ack from {address} within {self.timeout_s}s")
+        if (exc := reading.exception()) is not None:
+            raise TransferError(f"no valid ack from {address}: {exc}") from exc
+        return reading.result()
+
+
+class TcpSender(KVSender):
+    """The header frame then the raw payload, on one TCP connection per transfer."""
+
+    transport = "tcp"
+
+    async def _send(self, address: str, header: TransferHeader, payload: memoryview) -> TransferAck:
+        reader, writer = await self._connect(address)
+        # The ack is read while the payload goes out: a receiver that refuses the header acks
+        # at once and closes without reading the payload.
+        reading = asyncio.create_task(read_message(reader, TransferAck))
+        writing = asyncio.create_task(self._write(writer, encode(header), payload))
+        try:
+            await asyncio.wait({reading, writing}, return_when=asyncio.FIRST_COMPLETED)
+            if not reading.done():
+                if isinstance(writing.exception(), TimeoutError):
+                    raise TransferError(f"{address} took no payload for {self.timeout_s}s")
+                # Written, or the connection broke (a refusal's ack may still be in flight).
+                await asyncio.wait({reading}, timeout=self.timeout_s)
+            return self._ack_of(reading, address)
+        finally:
+            reading.cancel()
+            writing.cancel()
+            await asyncio.gather(reading, writing, return_exceptions=True)
+            await _close(writer)
+
+    async def _write(self, writer: asyncio.StreamWriter, frame: bytes, payload: memoryview) -> None:
+        writer.write(frame)
+        for start in range(0, payload.nbytes, CHUNK):
+            writer.write(payload[start:start + CHUNK])
+            async with asyncio.timeout(self.timeout_s):
+                await writer.drain()
+        async with asyncio.timeout(self.timeout_s):
+            await writer.drain()
+
+
+class ShmSender(KVSender):
+    """Same host only: the payload is copied once into a shared-memory segment that this sender
+    creates and always unlinks after the ack or on any error; only the header crosses TCP."""
+
+    transport = "shm"
+
+    async def _send(self, address: str, header: TransferHeader, payload: memoryview) -> TransferAck:
+        reader, writer = await self._connect(address)
+        try:
+            # Created (and so registered with this process's resource tracker, which unlinks it
+            # should this process die) and unlinked by the sender; the receiver only maps it.
+            segment = SharedMemory(name=f"cascade-kv-{uuid.uuid4().hex}", create=True,
+                                   size=max(payload.nbytes, 1))
+            try:
+                segment.buf[:payload.nbytes] = payload
+                writer.write(encode(header.model_copy(update={"shm_name": segment.name})))
+                reading = asyncio.create_task(read_message(reader, TransferAck))
+                try:
+                    await asyncio.wait({reading}, timeout=self.timeout_s)
+                    return self._ack_of(reading, address)
+                finally:
+                    reading.cancel()
+                    await asyncio.gather(reading, return_exceptions=True)
+            finally:
+                segment.close()
+                segment.unlink()
+        finally:
+            await _close(writer)
+
+
+class KVReceiver:
+    """Accepts tcp and shm KV transfers, validates each completely and passes it to ``handler``,
+    whose ack goes back to the sender.
+
+    The payload view is valid only while the handler runs (for shm it maps the sender's
+    segment, unmapped right after the handler returns): copy out what you keep before
+    returning, e.g. ``payload_to_tensor(header, payload)`` into your KV blocks.
+
+    A transfer is refused before its payload with code "model_mismatch" (``model_identity`` is
+    set and differs) or "bad_header" (malformed, nbytes not shape x dtype, over ``max_nbytes``,
+    or no such shm segment). A sender that sends nothing for ``timeout_s`` is dropped.
+    """
+
+    def __init__(self, handler: Handler, model_identity: str | None = None,
+                 max_nbytes: int = 8 << 30, timeout_s: float = 30.0):
+        if max_nbytes < 0 or timeout_s <= 0:
+            raise ValueError("max_nbytes must be >= 0 and timeout_s > 0")
+        self.handler = handler
+        self.model_identity = model_identity
+        self.max_nbytes = max_nbytes
+        self.timeout_s = timeout_s
+        self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.Task] = set()
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        if self._server is not None:
+            raise RuntimeError("the receiver is already started")
+        self._server = await asyncio.start_server(self._serve, host, port, limit=_READ_LIMIT)
+
+    @property
+    def address(self) -> str:
+        """"host:port" of the bound socket."""
+        if self._server is None:
+            raise RuntimeError("the receiver is not started")
+        host, port = self._server.sockets[0].getsockname()[:2]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    async def close(self) -> None:
+        """Stop listening and abort transfers in flight (their senders get `TransferError`)."""
+        if self._server is None:
+            return
+        self._server.close()
+        for task in list(self._connections):
+            task.cancel()
+        await asyncio.gather(*self._connections, return_exceptions=True)
+        await self._server.wait_closed()
+        self._server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._connections.add(task)
+        try:
+            ack = await self._receive(reader)
+            if not ack.ok:
+                log.warning("refused KV transfer %r: %s: %s", ack.request_id, ack.code, ack.message)
+            writer.write(encode(ack))
+            async with asyncio.timeout(self.timeout_s):
+                await writer.drain()
+        except (OSError, TimeoutError) as e:
+            log.info("could not ack a KV transfer: %r", e)
+        finally:
+            self._connections.discard(task)
+            await _close(writer)
+
+    async def _receive(self, reader: asyncio.StreamReader) -> TransferAck:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                header = await read_message(reader, TransferHeader)
+        except (TruncatedError, TimeoutError) as e:
+            return _refusal("", "truncated", f"header: {e!r}")
+        except CodecError as e:
+            return _refusal("", "bad_header", str(e))
+        if (problem := self._check(header)) is not None:
+            return _refusal(header.request_id, *problem)
+        if header.transport == "tcp":
+            try:
+                payload = await self._read_payload(reader, header.nbytes)
+            except (TruncatedError, TimeoutError) as e:
+                return _refusal(header.request_id, "truncated", f"payload: {e!r}")
+            return await self._deliver(header, memoryview(payload))
+        try:
+            mapping = _map_segment(header.shm_name, header.nbytes)
+        except (OSError, ValueError) as e:
+            return _refusal(header.request_id, "bad_header", f"shm segment: {e!r}")
+        view = memoryview(mapping)[:header.nbytes]
+        try:
+            return await self._deliver(header, view)
+        finally:
+            view.release()
+            try:
+                mapping.close()  # never unlink: the sender owns the segment
+            except BufferError:
+                log.warning("the handler kept a view of shm segment %s; it stays mapped until "
+                            "that view is collected", header.shm_name)
+
+    def _check(self, header: TransferHeader) -> tuple[str, str] | None:
+        if self.model_identity is not None and header.model_identity != self.model_identity:
+            return "model_mismatch", (f"receiver holds {self.model_identity!r}, the KV is for "
+                                      f"{header.model_identity!r}")
+        if header.nbytes != header.expected_nbytes:
+            return "bad_header", (f"nbytes {header.nbytes} != {header.dtype}{header.shape} = "
+                                  f"{header.expected_nbytes}")
+        if header.nbytes > self.max_nbytes:
+            return "bad_header", f"nbytes {header.nbytes} over the {self.max_nbytes}-byte limit"
+        return None
+
+    async def _read_payload(self, reader: asyncio.StreamReader, nbytes: int) -> bytearray:
+        payload = bytearray(nbytes)
+        received = 0
+        with memoryview(payload) as view:
+            while received < nbytes:
+                async with asyncio.timeout(self.timeout_s):
+                    chunk = await reader.read(min(nbytes - received, CHUNK))
+                if not chunk:
+                    raise TruncatedError(f"stream ended after {received} of {nbytes} bytes")
+                view[received:received + len(chunk)] = chunk
+                received += len(chunk)
+        return payload
+
+    async def _deliver(self, header: TransferHeader, payload: memoryview) -> TransferAck:
+        checksum = await _checksum(payload)
+        if checksum != header.checksum:
+            return _refusal(header.request_id, "corrupt",
+                            f"checksum {checksum}, header says {header.checksum}")
+        try:
+            return await self.handler(header, payload)
+        except Exception as e:
+            log.exception("KV handler failed on request %r", header.request_id)
+            return _refusal(header.request_id, "error", f"handler failed: {e!r}")
+
+
+def payload_to_tensor(header: TransferHeader, payload: memoryview) -> torch.Tensor:
+    """The payload as a ``header.shape`` tensor of ``header.dtype``, sharing its memory (no copy):
+    copy from it before the handler returns."""
+    import torch  # here, not at the top: moving bytes needs no torch, and a sender-only process starts fast
+
+    if payload.nbytes != header.expected_nbytes:
+        raise ValueError(f"payload is {payload.nbytes} bytes, header says {header.expected_nbytes}")
+    dtype = getattr(torch, header.dtype)
+    if payload.nbytes == 0:
+        return torch.empty(header.shape, dtype=dtype)
+    return torch.frombuffer(payload, dtype=dtype).view(header.shape)
+
+
+def tensor_payload(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without copying (any dtype, bfloat16 included). The
+    view keeps the tensor alive."""
+    import torch
+
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"need a contiguous CPU tensor, got {t.device} contiguous={t.is_contiguous()}")
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def _refusal(request_id: str, code: str, message: str) -> TransferAck:
+    return TransferAck(request_id=request_id, ok=False, code=code, message=message)
+
+
+def _byte_view(payload) -> memoryview:
+    view = memoryview(payload)
+    if not view.c_contiguous:
+        raise ValueError("the payload must be one contiguous buffer")
+    return view.cast("B")
+
+
+async def _checksum(view: memoryview) -> str:
+    if view.nbytes >= _THREADED_CHECKSUM_MIN:
+        return await asyncio.to_thread(payload_checksum, view)
+    return payload_checksum(view)
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"address must be 'host:port', got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def _map_segment(name: str, nbytes: int) -> mmap.mmap:
+    # Mapped through _posixshmem rather than SharedMemory(name): before Python 3.13 attaching
+    # registers the segment with this process's resource tracker, which would warn of a leak and
+    # unlink it at exit; unregistering instead collides with the sender's own unregister when
+    # both share one tracker (one process, or multiprocessing children), a KeyError in the tracker.
+    fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    try:
+        size = os.fstat(fd).st_size
+        if size < nbytes:
+            raise ValueError(f"segment {name} is {size} bytes, the header says {nbytes}")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+async def _close(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+    try:
+        await writer.wait_closed()
+    except OSError:
+        pass  # the peer reset the connection: nothing is left to close

@@ -1,0 +1,235 @@
+"""API keys bound to tenants, kept in SQLite as sha256 hashes.
+
+A key reads ``csk-<key_id>-<secret>``: the 8-character ``key_id`` is public (listings, metrics,
+revocation) and selects the row; the whole key's hash is then compared in constant time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import re
+import secrets
+import sqlite3
+import string
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import sqlite_utils
+
+SCOPES = ("infer", "admin")
+KEY_PREFIX = "csk-"
+
+_TENANT_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_DEVICE_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+# token_urlsafe(32) is 43 characters of the URL-safe base64 alphabet
+_KEY_RE = re.compile(r"csk-([a-z0-9]{8})-([A-Za-z0-9_-]{43})")
+_KEY_ID_ALPHABET = string.ascii_lowercase + string.digits
+
+
+def _check_limit(name: str, value: float) -> None:
+    if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0 (0: no limit), not {value!r}")
+
+
+def _check_tenant(tenant: str) -> None:
+    if not (isinstance(tenant, str) and _TENANT_RE.fullmatch(tenant)):
+        raise ValueError(f"tenant names are 1-64 characters of [A-Za-z0-9_.-], not {tenant!r}")
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    key_id: str
+    tenant: str
+    device: str | None
+    scopes: frozenset[str]
+    rps: float  # this key's own limits; 0: none
+    tpm: float
+    created_at: float
+    revoked: bool = False
+
+    def __post_init__(self):
+        _check_tenant(self.tenant)
+        if self.device is not None and not _DEVICE_RE.fullmatch(self.device):
+            raise ValueError(f"device names are 1-128 characters of [A-Za-z0-9_.:-], "
+                             f"not {self.device!r}")
+        if not self.scopes:
+            raise ValueError("a key needs at least one scope")
+        if unknown := self.scopes - set(SCOPES):
+            raise ValueError(f"unknown scope(s) {sorted(unknown)}; known: {', '.join(SCOPES)}")
+        if self.device is not None and "admin" in self.scopes:
+            raise ValueError("device keys cannot be admin")
+        _check_limit("rps", self.rps)
+        _check_limit("tpm", self.tpm)
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    tenant: str
+    rps: float = 0.0  # 0: none
+    tpm: float = 0.0
+
+    def __post_init__(self):
+        _check_tenant(self.tenant)
+        _check_limit("tenant rps", self.rps)
+        _check_limit("tenant tpm", self.tpm)
+
+
+def _hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _row_to_key(row: dict) -> ApiKey:
+    return ApiKey(key_id=row["key_id"], tenant=row["tenant"], device=row["device"],
+                  scopes=frozenset(row["scopes"].split()), rps=row["rps"], tpm=row["tpm"],
+                  created_at=row["created_at"], revoked=bool(row["revoked"]))
+
+
+class KeyStore:
+    """API keys in SQLite (WAL), stored only as a hash; the plaintext is returned once by create().
+
+    Several processes may open the same file. verify() and tenant_limits() answer from a
+    per-process cache for up to ``cache_ttl_s``, so a revocation or a limit change made elsewhere
+    takes effect within that time (at once in the process that made it).
+    """
+
+    def __init__(self, path: Path | str, cache_ttl_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.cache_ttl_s = cache_ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        # key_id -> (sha256 hex, key, expires at); only live keys, so its size is bounded by them
+        self._keys: dict[str, tuple[str, ApiKey, float]] = {}
+        self._limits: dict[str, tuple[TenantLimits, float]] = {}
+        # isolation_level=None: no implicit transactions; writes use BEGIN IMMEDIATE below
+        conn = sqlite3.connect(str(path), timeout=10.0, isolation_level=None,
+                               check_same_thread=False)
+        self._db = sqlite_utils.Database(conn, execute_plugins=False)
+        self._db.enable_wal()
+        conn.execute("PRAGMA synchronous=NORMAL")
+        self._db["tenants"].create({"name": str, "rps": float, "tpm": float, "created_at": float},
+                                   pk="name", not_null={"rps", "tpm", "created_at"},
+                                   if_not_exists=True)
+        self._db["api_keys"].create(
+            {"key_id": str, "key_hash": str, "tenant": str, "device": str, "scopes": str,
+             "rps": float, "tpm": float, "created_at": float, "revoked": int},
+            pk="key_id", not_null={"key_hash", "tenant", "scopes", "rps", "tpm", "created_at",
+                                   "revoked"},
+            foreign_keys=[("tenant", "tenants", "name")], if_not_exists=True)
+        self._db["api_keys"].create_index(["tenant"], if_not_exists=True)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            conn = self._db.conn
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+
+    def create(self, tenant: str, device: str | None = None, scopes: Iterable[str] = ("infer",),
+               rps: float = 0.0, tpm: float = 0.0) -> tuple[str, ApiKey]:
+        """A new key for ``tenant`` (created with no limits if new). ``rps``/``tpm`` are the
+        key's own limits. Returns the plaintext, never stored, and the key's record."""
+        if isinstance(scopes, str):
+            scopes = (scopes,)
+        for _ in range(5):
+            key_id = "".join(secrets.choice(_KEY_ID_ALPHABET) for _ in range(8))
+            record = ApiKey(key_id=key_id, tenant=tenant, device=device,
+                            scopes=frozenset(scopes), rps=float(rps), tpm=float(tpm),
+                            created_at=time.time())  # validates
+            plaintext = f"{KEY_PREFIX}{key_id}-{secrets.token_urlsafe(32)}"
+            try:
+                with self._write() as conn:
+                    conn.execute("INSERT OR IGNORE INTO tenants (name, rps, tpm, created_at) "
+                                 "VALUES (?, 0, 0, ?)", (tenant, record.created_at))
+                    conn.execute(
+                        "INSERT INTO api_keys (key_id, key_hash, tenant, device, scopes, rps, "
+                        "tpm, created_at, revoked) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0)",
+                        (key_id, _hash(plaintext), tenant, device, " ".join(sorted(record.scopes)),
+                         record.rps, record.tpm, record.created_at))
+            except sqlite3.IntegrityError:
+                continue  # key_id taken (1 in 36^8 per existing key): draw another
+            return plaintext, record
+        raise RuntimeError("could not draw an unused key id")
+
+    def verify(self, presented: str) -> ApiKey | None:
+        """The live key ``presented`` is, or None (unknown, revoked or malformed)."""
+        m = _KEY_RE.fullmatch(presented) if isinstance(presented, str) else None
+        if m is None:
+            return None
+        key_id, digest, now = m.group(1), _hash(presented), self._clock()
+        hit = self._keys.get(key_id)
+        if hit is None or hit[2] <= now:
+            hit = self._load(key_id, now)
+            if hit is None:
+                return None
+        stored, key, _ = hit
+        return key if hmac.compare_digest(stored, digest) else None
+
+    def _load(self, key_id: str, now: float) -> tuple[str, ApiKey, float] | None:
+        with self._lock:
+            rows = list(self._db.query("SELECT * FROM api_keys WHERE key_id = ?", [key_id]))
+        if not rows or rows[0]["revoked"]:
+            self._keys.pop(key_id, None)
+            return None
+        hit = (rows[0]["key_hash"], _row_to_key(rows[0]), now + self.cache_ttl_s)
+        self._keys[key_id] = hit
+        return hit
+
+    def revoke(self, key_id: str) -> bool:
+        """Revoke a key (already revoked: still True). False when no key has this id."""
+        with self._write() as conn:
+            found = conn.execute("UPDATE api_keys SET revoked = 1 WHERE key_id = ?",
+                                 (key_id,)).rowcount > 0
+        self._keys.pop(key_id, None)
+        return found
+
+    def list(self, tenant: str | None = None) -> list[ApiKey]:
+        """Every key, revoked ones included, oldest first."""
+        where, params = ("WHERE tenant = ?", [tenant]) if tenant is not None else ("", [])
+        with self._lock:
+            rows = list(self._db.query(
+                f"SELECT * FROM api_keys {where} ORDER BY created_at, key_id", params))
+        return [_row_to_key(r) for r in rows]
+
+    def set_tenant_limits(self, tenant: str, rps: float | None = None,
+                          tpm: float | None = None) -> TenantLimits:
+        """Set a tenant's limits (None: leave as is), creating the tenant if new."""
+        TenantLimits(tenant, rps or 0.0, tpm or 0.0)  # validates the values given
+        with self._write() as conn:
+            conn.execute("INSERT OR IGNORE INTO tenants (name, rps, tpm, created_at) "
+                         "VALUES (?, 0, 0, ?)", (tenant, time.time()))
+            conn.execute("UPDATE tenants SET rps = coalesce(?, rps), tpm = coalesce(?, tpm) "
+                         "WHERE name = ?", (rps, tpm, tenant))
+        limits = self._read_limits(tenant)
+        self._limits[tenant] = (limits, self._clock() + self.cache_ttl_s)
+        return limits
+
+    def tenant_limits(self, tenant: str) -> TenantLimits:
+        """A tenant's limits (an unknown tenant has none), cached like verify()."""
+        now = self._clock()
+        hit = self._limits.get(tenant)
+        if hit is not None and hit[1] > now:
+            return hit[0]
+        limits = self._read_limits(tenant)
+        self._limits[tenant] = (limits, now + self.cache_ttl_s)
+        return limits
+
+    def _read_limits(self, tenant: str) -> TenantLimits:
+        _check_tenant(tenant)
+        with self._lock:
+            rows = list(self._db.query("SELECT rps, tpm FROM tenants WHERE name = ?", [tenant]))
+        return TenantLimits(tenant, rows[0]["rps"], rows[0]["tpm"]) if rows else TenantLimits(tenant)
