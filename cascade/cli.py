@@ -89,6 +89,28 @@ def cmd_cloud_worker(args) -> int:
     return 0
 
 
+def cmd_cloud_serve(args) -> int:
+    from cascade.config import ConfigError
+    from cloud_tier.config import CloudConfig
+    from cloud_tier.gateway import daemon
+    from model_distribution.catalog import ModelNotFound
+
+    overrides = {
+        "gateway": {"host": args.host, "port": args.port, "prefill": args.prefill, "decode": args.decode,
+                    "both": args.both, "workers": args.workers, "worker_threads": args.worker_threads,
+                    "kv_transport": args.kv_transport},
+        "server": {"api_key": args.worker_api_key},
+        "engine": {"model": args.model, "max_model_len": args.max_model_len,
+                   "kv_cache_memory_bytes": args.kv_cache_bytes},
+    }
+    try:
+        daemon.run(CloudConfig.load(args.config, overrides), args.config)
+    except (ConfigError, ModelNotFound, daemon.StartupError) as e:
+        print(f"cascade: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def cmd_demo(args) -> int:
     from cascade import demo
 
@@ -138,6 +160,26 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--threads", type=int, help="torch threads (0: default)")
     worker.set_defaults(func=cmd_cloud_worker)
 
+    serve = cloud.add_parser("serve", help="the gateway, with its prefill and decode workers")
+    serve.add_argument("--config", help="cloud.toml (every key also from CASCADE_CLOUD_<SECTION>_<KEY>)")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int, help="the gateway's port (default 8000)")
+    serve.add_argument("--prefill", type=int, help="prefill workers to start (default 1)")
+    serve.add_argument("--decode", type=int, help="decode workers to start (default 1)")
+    serve.add_argument("--both", type=int, help="co-located workers to start (default 0)")
+    serve.add_argument("--workers", help="comma-separated URLs of workers started elsewhere (starts none)")
+    serve.add_argument("--model", help="catalogue name, .gguf path or HF directory")
+    serve.add_argument("--worker-threads", type=int, help="torch threads per started worker (0: share the cores)")
+    serve.add_argument("--kv-transport", choices=["tcp", "shm", "auto"])
+    serve.add_argument("--max-model-len", type=int)
+    serve.add_argument("--kv-cache-bytes", type=int, help="memory for KV blocks, per worker")
+    serve.add_argument("--worker-api-key", help="the bearer key between the gateway and its workers")
+    serve.set_defaults(func=cmd_cloud_serve)
+
+    from cloud_tier.gateway.keys_cli import add_keys_parser
+
+    add_keys_parser(cloud)
+
     demo = sub.add_parser("demo", help="run the scripted end-to-end scenario on this machine")
     demo.add_argument("--port", type=int, default=0, help="edge agent port (0: a free one)")
     demo.set_defaults(func=cmd_demo)
@@ -148,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request to a worker is noise
     return args.func(args) or 0
 
 

@@ -50,10 +50,58 @@ class WorkerConfig:
 
 
 @dataclass
+class GatewayConfig:
+    """``cascade cloud serve``: the gateway, and the workers it starts (or finds at ``workers``)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: str = ""  # comma-separated worker URLs started elsewhere; "": start our own
+    prefill: int = 1  # workers to start, by role (when ``workers`` is empty)
+    decode: int = 1
+    both: int = 0
+    worker_threads: int = 0  # torch threads per started worker; 0: the cores shared out
+    kv_transport: str = "auto"  # tcp | shm | auto (shm when a pair is on this host)
+    db: str = ""  # keys and idempotency store; "": $CASCADE_HOME/cloud/gateway.db
+    # service-level objectives: admission rejects early what would miss the TTFT one
+    ttft_slo_s: float = 10.0
+    tpot_slo_s: float = 0.25
+    # admission control on the decode pool's KV blocks
+    kv_high_watermark: float = 0.9
+    max_queue: int = 64  # requests waiting for KV room; beyond it, 429
+    # routing (see cloud_tier/gateway/router.py)
+    route_alpha: float = 1.0
+    route_beta: float = 1.0
+    prefill_ms_per_token: float = 1.0
+    overload_percentile: float = 75.0
+    overload_min_tokens: int = 512
+    # caches
+    result_cache_entries: int = 4096
+    result_cache_bytes: int = 64 << 20
+    result_cache_ttl_s: float = 600.0
+    idempotency_ttl_s: float = 86400.0
+    health_interval_s: float = 0.5
+    request_timeout_s: float = 600.0
+    max_body_bytes: int = 4 << 20
+
+    def __post_init__(self):
+        if self.kv_transport not in ("tcp", "shm", "auto"):
+            raise ValueError(f"kv_transport must be tcp, shm or auto, got {self.kv_transport!r}")
+        if min(self.prefill, self.decode, self.both) < 0:
+            raise ValueError("worker counts must be >= 0")
+        if not self.workers and not (self.both or (self.prefill and self.decode)):
+            raise ValueError("start at least one prefill and one decode worker, or one 'both' worker")
+        if not 0 < self.kv_high_watermark <= 1:
+            raise ValueError("kv_high_watermark must be in (0, 1]")
+        if self.ttft_slo_s <= 0 or self.tpot_slo_s <= 0:
+            raise ValueError("SLOs must be positive")
+
+
+@dataclass
 class CloudConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     engine: EngineSection = field(default_factory=EngineSection)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
 
     @classmethod
     def load(cls, path=None, overrides=None, environ=None) -> CloudConfig:

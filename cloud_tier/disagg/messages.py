@@ -15,7 +15,7 @@ import enum
 import math
 import struct
 import zlib
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -37,6 +37,12 @@ class CodecError(ValueError):
 
 class TruncatedError(CodecError):
     """The stream ended before a whole frame arrived."""
+
+
+class ByteReader(Protocol):
+    """What `read_message` reads from: an `asyncio.StreamReader` or anything with its readexactly."""
+
+    async def readexactly(self, n: int) -> bytes: ...
 
 
 class _Message(BaseModel):
@@ -147,7 +153,7 @@ def decode(frame: bytes | bytearray | memoryview) -> Message:
     return _decode_body(kind, frame[PREFIX_SIZE:])
 
 
-async def read_message(reader: asyncio.StreamReader, expected: type[Message] | None = None,
+async def read_message(reader: ByteReader, expected: type[Message] | None = None,
                        max_len: int = 64 << 20) -> Message:
     """Read one frame from ``reader``. `TruncatedError` if the stream ends inside it, `CodecError`
     if it is malformed, longer than ``max_len`` or not an ``expected`` message."""

@@ -192,7 +192,9 @@ class KVReceiver:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
         if self._server is not None:
             raise RuntimeError("the receiver is already started")
-        self._server = await asyncio.start_server(self._serve, host, port, limit=_READ_LIMIT)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _Inbox(self._accept, self.timeout_s), host, port)
 
     @property
     def address(self) -> str:
@@ -213,26 +215,24 @@ class KVReceiver:
         await self._server.wait_closed()
         self._server = None
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
+    def _accept(self, inbox: _Inbox) -> None:
+        task = asyncio.get_running_loop().create_task(self._serve(inbox))
         self._connections.add(task)
+        task.add_done_callback(self._connections.discard)
+
+    async def _serve(self, inbox: _Inbox) -> None:
         try:
-            ack = await self._receive(reader)
+            ack = await self._receive(inbox)
             if not ack.ok:
                 log.warning("refused KV transfer %r: %s: %s", ack.request_id, ack.code, ack.message)
-            writer.write(encode(ack))
-            async with asyncio.timeout(self.timeout_s):
-                await writer.drain()
-        except (OSError, TimeoutError) as e:
-            log.info("could not ack a KV transfer: %r", e)
+            inbox.write(encode(ack))
         finally:
-            self._connections.discard(task)
-            await _close(writer)
+            inbox.close()  # after the ack is flushed
 
-    async def _receive(self, reader: asyncio.StreamReader) -> TransferAck:
+    async def _receive(self, inbox: _Inbox) -> TransferAck:
         try:
             async with asyncio.timeout(self.timeout_s):
-                header = await read_message(reader, TransferHeader)
+                header = await read_message(inbox, TransferHeader)
         except (TruncatedError, TimeoutError) as e:
             return _refusal("", "truncated", f"header: {e!r}")
         except CodecError as e:
@@ -240,10 +240,14 @@ class KVReceiver:
         if (problem := self._check(header)) is not None:
             return _refusal(header.request_id, *problem)
         if header.transport == "tcp":
+            payload = bytearray(header.nbytes)
             try:
-                payload = await self._read_payload(reader, header.nbytes)
-            except (TruncatedError, TimeoutError) as e:
-                return _refusal(header.request_id, "truncated", f"payload: {e!r}")
+                received = await inbox.readinto(memoryview(payload))
+            except TimeoutError as e:
+                return _refusal(header.request_id, "truncated", f"payload: {e}")
+            if received < header.nbytes:
+                return _refusal(header.request_id, "truncated",
+                                f"stream ended after {received} of {header.nbytes} payload bytes")
             return await self._deliver(header, memoryview(payload))
         try:
             mapping = _map_segment(header.shm_name, header.nbytes)
@@ -271,19 +275,6 @@ class KVReceiver:
             return "bad_header", f"nbytes {header.nbytes} over the {self.max_nbytes}-byte limit"
         return None
 
-    async def _read_payload(self, reader: asyncio.StreamReader, nbytes: int) -> bytearray:
-        payload = bytearray(nbytes)
-        received = 0
-        with memoryview(payload) as view:
-            while received < nbytes:
-                async with asyncio.timeout(self.timeout_s):
-                    chunk = await reader.read(min(nbytes - received, CHUNK))
-                if not chunk:
-                    raise TruncatedError(f"stream ended after {received} of {nbytes} bytes")
-                view[received:received + len(chunk)] = chunk
-                received += len(chunk)
-        return payload
-
     async def _deliver(self, header: TransferHeader, payload: memoryview) -> TransferAck:
         checksum = await _checksum(payload)
         if checksum != header.checksum:
@@ -294,6 +285,80 @@ class KVReceiver:
         except Exception as e:
             log.exception("KV handler failed on request %r", header.request_id)
             return _refusal(header.request_id, "error", f"handler failed: {e!r}")
+
+
+class _Inbox(asyncio.BufferedProtocol):
+    """One receiver connection that reads only on request, straight into the caller's buffer
+    (recv_into: no intermediate copies, never past what was asked, so no read-ahead to hand
+    over between the header frame and the payload)."""
+
+    def __init__(self, on_connect: Callable[[_Inbox], None], idle_timeout_s: float):
+        self._on_connect = on_connect
+        self._idle_timeout_s = idle_timeout_s
+        self._transport: asyncio.Transport | None = None
+        self._target: memoryview | None = None
+        self._filled = 0
+        self._done: asyncio.Future | None = None
+        self._eof = False
+
+    async def readexactly(self, n: int) -> bytes:
+        buf = bytearray(n)
+        got = await self.readinto(memoryview(buf))
+        if got < n:
+            raise asyncio.IncompleteReadError(bytes(buf[:got]), n)
+        return bytes(buf)
+
+    async def readinto(self, view: memoryview) -> int:
+        """Fill ``view``; fewer bytes only if the stream ended. `TimeoutError` if no byte came
+        for the idle timeout."""
+        if self._eof or not view.nbytes:
+            return 0
+        self._target, self._filled = view.cast("B"), 0
+        self._done = asyncio.get_running_loop().create_future()
+        self._transport.resume_reading()
+        try:
+            while not self._done.done():
+                before = self._filled
+                await asyncio.wait({self._done}, timeout=self._idle_timeout_s)
+                if not self._done.done() and self._filled == before:
+                    raise TimeoutError(f"no data for {self._idle_timeout_s}s after "
+                                       f"{self._filled} of {view.nbytes} bytes")
+            return self._filled
+        finally:
+            self._target = None
+            self._transport.pause_reading()
+
+    def write(self, data: bytes) -> None:
+        self._transport.write(data)
+
+    def close(self) -> None:
+        self._transport.close()
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        transport.pause_reading()
+        self._on_connect(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._target[self._filled:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._filled += nbytes
+        if self._filled == self._target.nbytes:
+            self._transport.pause_reading()
+            self._done.set_result(None)
+
+    def eof_received(self) -> bool:
+        self._end()
+        return True  # stay open: a truncated sender that half-closed still gets its ack
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end()
+
+    def _end(self) -> None:
+        self._eof = True
+        if self._done is not None and not self._done.done():
+            self._done.set_result(None)
 
 
 def payload_to_tensor(header: TransferHeader, payload: memoryview) -> torch.Tensor:

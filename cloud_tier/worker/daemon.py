@@ -17,4 +17,4 @@ def run(config: CloudConfig) -> None:
     log.info("cloud worker (%s) on http://%s:%d, model %s", config.worker.role, config.server.host,
              config.server.port, config.engine.model)
     uvicorn.run(build_app(config), host=config.server.host, port=config.server.port,
-                log_level=config.server.log_level, timeout_graceful_shutdown=5)
+                log_level=config.server.log_level, timeout_graceful_shutdown=5, access_log=False)

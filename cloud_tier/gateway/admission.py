@@ -1,0 +1,110 @@
+"""Admission control on the decode pool's KV blocks: a request is admitted only if its
+predicted peak KV (prompt + max_tokens, in blocks) fits under a worker's high watermark after
+what is already committed there. Otherwise it waits in a bounded line, but only if the drain
+rate says it will fit before its time-to-first-token deadline; else 429 + Retry-After now,
+rather than being served late. A request that could never fit is a 400."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from cascade import errors
+from cloud_tier.gateway.router import choose_decode, fits_ever
+from cloud_tier.gateway.workers import Worker, WorkerPool
+
+
+@dataclass
+class Ticket:
+    """Blocks committed on one worker until ``Admission.release``."""
+
+    worker: Worker
+    blocks: int
+    released: bool = False
+
+
+class Admission:
+    def __init__(self, pool: WorkerPool, high_watermark: float = 0.9, max_queue: int = 64,
+                 rng: random.Random | None = None, window_s: float = 30.0):
+        self.pool = pool
+        self.high_watermark = high_watermark
+        self.max_queue = max_queue
+        self.rng = rng or random.Random(0)
+        self.window_s = window_s
+        self.waiting = 0
+        self._released: deque[tuple[float, int]] = deque()  # (when, blocks) for the drain rate
+
+    def drain_rate(self) -> float:
+        """KV blocks given back per second, over the last window."""
+        now = time.monotonic()
+        while self._released and self._released[0][0] < now - self.window_s:
+            self._released.popleft()
+        if not self._released:
+            return 0.0
+        span = max(now - self._released[0][0], 1.0)
+        return sum(b for _, b in self._released) / span
+
+    async def admit(self, need_blocks: int, deadline_s: float, roles: tuple[str, ...]) -> Ticket:
+        ticket = self._try(need_blocks, roles)
+        if ticket is not None:
+            return ticket
+        deficit = self._deficit(need_blocks, roles)
+        rate = self.drain_rate()
+        estimate = deficit / rate if rate > 0 else None
+        if self.waiting >= self.max_queue:
+            raise _busy("The cloud tier's admission queue is full.", estimate or 1.0, "queue_full")
+        if estimate is not None and estimate > deadline_s:
+            raise _busy("Not enough KV cache free to start this request within the time-to-first-token "
+                        "objective.", estimate, "kv_capacity")
+        self.waiting += 1
+        try:
+            end = time.monotonic() + deadline_s
+            while time.monotonic() < end:
+                await asyncio.sleep(0.02)
+                ticket = self._try(need_blocks, roles)
+                if ticket is not None:
+                    return ticket
+        finally:
+            self.waiting -= 1
+        rate = self.drain_rate()
+        raise _busy("Not enough KV cache became free within the time-to-first-token objective.",
+                    self._deficit(need_blocks, roles) / rate if rate > 0 else deadline_s, "kv_capacity")
+
+    def release(self, ticket: Ticket) -> None:
+        if ticket.released:
+            return
+        ticket.released = True
+        ticket.worker.committed_blocks -= ticket.blocks
+        ticket.worker.in_flight -= 1
+        self._released.append((time.monotonic(), ticket.blocks))
+
+    def _try(self, need: int, roles: tuple[str, ...]) -> Ticket | None:
+        workers = self.pool.by_role(*roles)
+        if not workers:
+            raise errors.APIError(503, "No healthy cloud worker is available.", "server_error",
+                                  code="no_workers", headers={"Retry-After": "1"})
+        loads = [w.load() for w in workers]
+        if not fits_ever(loads, need, self.high_watermark):
+            raise errors.bad_request(
+                f"This request may need {need} KV blocks (prompt + max_tokens), more than any worker "
+                "can hold; lower max_tokens.", "max_tokens", "kv_capacity_exceeded")
+        choice = choose_decode(loads, need, self.high_watermark, self.rng)
+        if choice is None:
+            return None
+        worker = self.pool.workers[choice.worker_id]
+        worker.committed_blocks += need
+        worker.in_flight += 1
+        return Ticket(worker, need)
+
+    def _deficit(self, need: int, roles: tuple[str, ...]) -> float:
+        loads = [w.load() for w in self.pool.by_role(*roles)]
+        return max(0.0, min((w.kv_blocks_used + need - self.high_watermark * w.kv_blocks_total
+                             for w in loads), default=need))
+
+
+def _busy(message: str, retry_after_s: float, code: str) -> errors.APIError:
+    return errors.too_many_requests(message, max(1.0, math.ceil(min(retry_after_s, 3600.0))), code)

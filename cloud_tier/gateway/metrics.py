@@ -1,0 +1,52 @@
+"""The gateway's Prometheus metrics (its own registry): per tenant and per worker."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TPOT = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2)
+
+
+class GatewayMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("cascade_gateway_requests_total",
+                                "Requests by tenant, endpoint and outcome (ok, cache_hit, replay, 4xx, "
+                                "429_<reason>, 5xx, 499)", ["tenant", "endpoint", "outcome"], registry=r)
+        self.tokens_in = Counter("cascade_gateway_prompt_tokens_total", "Prompt tokens", ["tenant"], registry=r)
+        self.tokens_out = Counter("cascade_gateway_completion_tokens_total", "Generated tokens", ["tenant"],
+                                  registry=r)
+        self.goodput = Counter("cascade_gateway_goodput_requests_total",
+                               "Requests that met both the TTFT and the TPOT objectives", ["tenant"], registry=r)
+        self.ttft = Histogram("cascade_gateway_time_to_first_token_seconds", "Arrival to first token",
+                              ["tenant"], buckets=_LATENCY, registry=r)
+        self.tpot = Histogram("cascade_gateway_time_per_output_token_seconds", "Mean time between tokens",
+                              ["tenant"], buckets=_TPOT, registry=r)
+        self.cache = Counter("cascade_gateway_result_cache_total", "Result cache lookups", ["result"], registry=r)
+        self.worker_kv_total = Gauge("cascade_gateway_worker_kv_blocks_total", "KV blocks", ["worker", "role"],
+                                     registry=r)
+        self.worker_kv_used = Gauge("cascade_gateway_worker_kv_blocks_used", "KV blocks in use or committed",
+                                    ["worker", "role"], registry=r)
+        self.worker_queue = Gauge("cascade_gateway_worker_queue", "Requests waiting or in flight",
+                                  ["worker", "role"], registry=r)
+        self.worker_prefix_hit = Gauge("cascade_gateway_worker_prefix_hit_rate",
+                                       "Share of prompt tokens the worker found in its prefix cache",
+                                       ["worker", "role"], registry=r)
+        self.worker_healthy = Gauge("cascade_gateway_worker_healthy", "1 when the health check passes",
+                                    ["worker", "role"], registry=r)
+        self.admission_waiting = Gauge("cascade_gateway_admission_waiting", "Requests waiting for KV room",
+                                       registry=r)
+
+    def refresh(self, pool, admission) -> None:
+        for w in pool.workers.values():
+            labels = (w.url, w.role)
+            load = w.load()
+            self.worker_kv_total.labels(*labels).set(load.kv_blocks_total)
+            self.worker_kv_used.labels(*labels).set(load.kv_blocks_used)
+            self.worker_queue.labels(*labels).set(load.queue_len)
+            self.worker_healthy.labels(*labels).set(1 if w.healthy else 0)
+            r = w.report
+            if r is not None and r.prefix_cache_queries:
+                self.worker_prefix_hit.labels(*labels).set(r.prefix_cache_hits / r.prefix_cache_queries)
+        self.admission_waiting.set(admission.waiting)

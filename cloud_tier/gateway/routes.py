@@ -1,0 +1,137 @@
+"""Thin handlers of the gateway: the OpenAI API for tenants, admin endpoints, health, metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, Field
+
+from cascade import errors
+from cascade.api import openai_response, parse_body, read_json
+from cascade.openai_format import ChatFormatter, CompletionFormatter
+from cascade.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from cloud_tier.gateway.keys import ApiKey
+from cloud_tier.gateway.service import GatewayService
+
+
+def service(request: Request) -> GatewayService:
+    return request.app.state.service
+
+
+def _key(request: Request, scope: str = "infer") -> ApiKey:
+    return service(request).authenticate(request.headers.get("authorization", ""), scope)
+
+
+router = APIRouter()
+v1 = APIRouter(prefix="/v1")
+admin = APIRouter(prefix="/v1/admin")
+
+
+@router.get("/healthz")
+@router.get("/health")
+async def healthz(request: Request):
+    svc = service(request)
+    workers = {w.url: {"role": w.role, "healthy": w.healthy} for w in svc.pool.workers.values()}
+    if not any(w.healthy for w in svc.pool.workers.values()):
+        raise errors.APIError(503, "no healthy worker", "server_error", code="no_workers")
+    return {"status": "ok", "tier": "cloud", "role": "gateway", "model": svc.model_id, "workers": workers}
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    svc = service(request)
+    svc.metrics.refresh(svc.pool, svc.admission)
+    return PlainTextResponse(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _card(request: Request) -> ModelCard:
+    svc = service(request)
+    return ModelCard(id=svc.model_id, created=request.app.state.started,
+                     meta={"max_model_len": svc.builder.max_model_len})
+
+
+@v1.get("/models")
+async def list_models(request: Request) -> ModelList:
+    _key(request)
+    return ModelList(data=[_card(request)])
+
+
+@v1.get("/models/{model:path}")
+async def get_model(request: Request, model: str) -> ModelCard:
+    _key(request)
+    service(request).check_model(model)
+    return _card(request)
+
+
+async def _serve(request: Request, endpoint: str, schema, formatter):
+    svc = service(request)
+    key = _key(request)
+    try:
+        body = await read_json(request, svc.config.max_body_bytes)
+        req = parse_body(schema, body)
+        svc.check_model(req.model)
+    except errors.APIError:
+        svc.metrics.requests.labels(key.tenant, endpoint, "4xx").inc()
+        raise
+    events, headers = await svc.begin(key, endpoint, body, req, request.headers.get("idempotency-key"))
+    fmt = formatter(svc.model_id, req.logprobs)
+    resp = await openai_response(request, events, fmt, req.stream, req.include_usage_in_stream(), lambda _: None)
+    resp.headers.update(headers)
+    return resp
+
+
+@v1.post("/chat/completions")
+async def chat_completions(request: Request):
+    return await _serve(request, "chat", ChatCompletionRequest, ChatFormatter)
+
+
+@v1.post("/completions")
+async def completions(request: Request):
+    return await _serve(request, "completions", CompletionRequest, CompletionFormatter)
+
+
+# -- admin (scope "admin"; a key manages its own tenant) --------------------------------------
+
+class NewKey(BaseModel):
+    device: str | None = None
+    scopes: list[str] = ["infer"]
+    rps: float = Field(0.0, ge=0)
+    tpm: float = Field(0.0, ge=0)
+
+
+def _key_json(k: ApiKey) -> dict:
+    d = dataclasses.asdict(k)
+    d["scopes"] = sorted(k.scopes)
+    return d
+
+
+@admin.get("/keys")
+async def list_keys(request: Request):
+    key = _key(request, "admin")
+    return {"object": "list", "data": [_key_json(k) for k in service(request).keys.list(key.tenant)]}
+
+
+@admin.post("/keys")
+async def create_key(request: Request):
+    key = _key(request, "admin")
+    svc = service(request)
+    new = parse_body(NewKey, await read_json(request, svc.config.max_body_bytes))
+    try:
+        plaintext, record = svc.keys.create(key.tenant, new.device, new.scopes, new.rps, new.tpm)
+    except ValueError as e:
+        raise errors.bad_request(str(e)) from e
+    return {"key": plaintext, **_key_json(record)}
+
+
+@admin.get("/workers")
+async def workers(request: Request):
+    _key(request, "admin")
+    svc = service(request)
+    return {"object": "list", "data": [
+        {"url": w.url, "role": w.role, "healthy": w.healthy, "committed_blocks": w.committed_blocks,
+         "pending_prefill_tokens": w.pending_prefill_tokens, "in_flight": w.in_flight,
+         "load": w.report.model_dump() if w.report else None, "last_error": w.last_error}
+        for w in svc.pool.workers.values()]}
