@@ -79,7 +79,7 @@ class TransferHeader(_Message):
     """Describes one request's KV payload: (num_layers, 2, num_blocks, block_size, num_kv_heads,
     head_dim) elements of ``dtype``, ``nbytes`` long, sent raw after this frame (tcp) or left in
     the shared-memory segment ``shm_name`` (shm). The sender fills transport, nbytes, checksum
-    and shm_name; a caller may build it with placeholders for them."""
+    and shm_name; a caller builds it with placeholders for them (nbytes=0, checksum="")."""
 
     request_id: str
     model_identity: str  # the receiver refuses KV from another model/dtype
@@ -90,12 +90,6 @@ class TransferHeader(_Message):
     transport: Literal["tcp", "shm"]
     shm_name: str | None = Field(default=None, pattern=r"^cascade-kv-[0-9a-f]{1,64}$")
     record: RequestRecord
-
-    @model_validator(mode="after")
-    def _check(self) -> TransferHeader:
-        if self.transport == "shm" and self.shm_name is None:
-            raise ValueError("an shm transfer needs shm_name")
-        return self
 
     @property
     def expected_nbytes(self) -> int:

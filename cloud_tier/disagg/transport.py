@@ -222,10 +222,7 @@ class KVReceiver:
 
     async def _serve(self, inbox: _Inbox) -> None:
         try:
-            ack = await self._receive(inbox)
-            if not ack.ok:
-                log.warning("refused KV transfer %r: %s: %s", ack.request_id, ack.code, ack.message)
-            inbox.write(encode(ack))
+            inbox.write(encode(await self._receive(inbox)))
         finally:
             inbox.close()  # after the ack is flushed
 
@@ -268,6 +265,8 @@ class KVReceiver:
         if self.model_identity is not None and header.model_identity != self.model_identity:
             return "model_mismatch", (f"receiver holds {self.model_identity!r}, the KV is for "
                                       f"{header.model_identity!r}")
+        if header.transport == "shm" and header.shm_name is None:
+            return "bad_header", "an shm transfer without shm_name"
         if header.nbytes != header.expected_nbytes:
             return "bad_header", (f"nbytes {header.nbytes} != {header.dtype}{header.shape} = "
                                   f"{header.expected_nbytes}")
@@ -284,7 +283,8 @@ class KVReceiver:
             return await self.handler(header, payload)
         except Exception as e:
             log.exception("KV handler failed on request %r", header.request_id)
-            return _refusal(header.request_id, "error", f"handler failed: {e!r}")
+            return TransferAck(request_id=header.request_id, ok=False, code="error",
+                               message=f"handler failed: {e!r}")
 
 
 class _Inbox(asyncio.BufferedProtocol):
@@ -388,6 +388,8 @@ def tensor_payload(t: torch.Tensor) -> memoryview:
 
 
 def _refusal(request_id: str, code: str, message: str) -> TransferAck:
+    """The receiver's own refusal (the handler's are its business to log)."""
+    log.warning("refused KV transfer %r: %s: %s", request_id, code, message)
     return TransferAck(request_id=request_id, ok=False, code=code, message=message)
 
 

@@ -112,16 +112,19 @@ class KeyStore:
         self._db = sqlite_utils.Database(conn, execute_plugins=False)
         self._db.enable_wal()
         conn.execute("PRAGMA synchronous=NORMAL")
-        self._db["tenants"].create({"name": str, "rps": float, "tpm": float, "created_at": float},
-                                   pk="name", not_null={"rps", "tpm", "created_at"},
-                                   if_not_exists=True)
-        self._db["api_keys"].create(
-            {"key_id": str, "key_hash": str, "tenant": str, "device": str, "scopes": str,
-             "rps": float, "tpm": float, "created_at": float, "revoked": int},
-            pk="key_id", not_null={"key_hash", "tenant", "scopes", "rps", "tpm", "created_at",
-                                   "revoked"},
-            foreign_keys=[("tenant", "tenants", "name")], if_not_exists=True)
-        self._db["api_keys"].create_index(["tenant"], if_not_exists=True)
+        # sqlite-utils' create() reads then writes in a deferred transaction, which fails at
+        # once (no busy wait) when another process writes in between: take the lock first
+        with self._write():
+            self._db["tenants"].create(
+                {"name": str, "rps": float, "tpm": float, "created_at": float},
+                pk="name", not_null={"rps", "tpm", "created_at"}, if_not_exists=True)
+            self._db["api_keys"].create(
+                {"key_id": str, "key_hash": str, "tenant": str, "device": str, "scopes": str,
+                 "rps": float, "tpm": float, "created_at": float, "revoked": int},
+                pk="key_id",
+                not_null={"key_hash", "tenant", "scopes", "rps", "tpm", "created_at", "revoked"},
+                foreign_keys=[("tenant", "tenants", "name")], if_not_exists=True)
+            self._db["api_keys"].create_index(["tenant"], if_not_exists=True)
 
     def close(self) -> None:
         with self._lock:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
@@ -37,7 +38,7 @@ async def healthz(request: Request):
     svc = service(request)
     if svc.engine.error is not None:
         raise errors.APIError(503, f"engine stopped: {svc.engine.error}", "server_error", code="engine_unavailable")
-    return {"status": "ok", "tier": "cloud", "role": svc.role, "model": svc.model_id,
+    return {"status": "ok", "tier": "cloud", "role": svc.role, "model": svc.model_id, "pid": os.getpid(),
             "engine": svc.engine.stats(), "kv_address": svc.decode.address if svc.decode else None}
 
 

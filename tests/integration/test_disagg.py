@@ -1,0 +1,138 @@
+"""Prefill on one engine, decode on another: the KV and the request record cross a real
+transport, and the decode engine continues exactly where a co-located engine would."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cloud_tier.disagg.messages import RequestRecord, TransferAck, TransferHeader
+from cloud_tier.disagg.protocol import PrefillRequest
+from cloud_tier.disagg.records import logprob_record, logprobs_of, params_of, sampling_to_dict
+from cloud_tier.disagg.transport import (
+    KVReceiver,
+    ShmSender,
+    TcpSender,
+    payload_to_tensor,
+    tensor_payload,
+)
+from cloud_tier.engine import LLMEngine, SamplingParams
+from cloud_tier.engine.async_engine import AsyncLLMEngine
+
+PROMPTS = ["The capital of France is", "Write a short poem about the sea. " * 6]
+PARAMS = [SamplingParams(temperature=0, max_tokens=24, logprobs=2),
+          SamplingParams(temperature=0.8, seed=7, max_tokens=24)]
+
+
+@pytest.fixture(scope="module")
+def decode_engine(engine_home):
+    return LLMEngine.from_model("smollm2-135m", dtype="float32", max_model_len=1024,
+                                max_num_batched_tokens=256, num_kv_blocks=256)
+
+
+def _prefill(engine: LLMEngine, prompt: str, params: SamplingParams):
+    req = engine.make_request(prompt, params)
+    req.kv_transfer = True
+    engine.add(req)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].finish_reason == "transfer"
+    return req, engine.export_kv(req.request_id)
+
+
+def _run_to_end(engine: LLMEngine, first):
+    final = first
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out
+        engine.check_integrity()
+    return final
+
+
+def _handoff(prefill: LLMEngine, decode: LLMEngine, prompt: str, params: SamplingParams, transport: str):
+    """Prefill ``prompt`` on one engine, move it over ``transport``, adopt it on the other."""
+    req, handoff = _prefill(prefill, prompt, params)
+    record = RequestRecord(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                           output_token_ids=req.output_token_ids, sampling=sampling_to_dict(params),
+                           sampler_state=handoff.sampler_state,
+                           logprobs=[logprob_record(lp) for lp in handoff.logprobs])
+    adopted = {}
+
+    async def handler(header: TransferHeader, payload: memoryview) -> TransferAck:
+        rec = header.record
+        new = decode.make_request(rec.prompt_token_ids, params_of(rec), rec.request_id)
+        new.append_token(rec.output_token_ids[0])
+        lp = logprobs_of(rec.logprobs[0]) if rec.logprobs else None
+        adopted["first"] = decode.adopt(new, payload_to_tensor(header, payload).clone(), lp, rec.sampler_state)
+        return TransferAck(request_id=rec.request_id, ok=True)
+
+    async def move():
+        receiver = KVReceiver(handler, model_identity=prefill.model_identity)
+        await receiver.start()
+        try:
+            sender = TcpSender() if transport == "tcp" else ShmSender()
+            header = TransferHeader(request_id=req.request_id, model_identity=prefill.model_identity,
+                                    dtype="float32", shape=list(handoff.kv.shape), nbytes=0, checksum="",
+                                    transport="tcp", record=record)
+            return await sender.send(receiver.address, header, tensor_payload(handoff.kv))
+        finally:
+            await receiver.close()
+
+    ack = asyncio.run(move())
+    prefill.release_kv(req.request_id)
+    prefill.check_integrity()
+    assert ack.ok, ack
+    return adopted["first"]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("params", PARAMS, ids=["greedy", "seeded"])
+def test_handoff_over_a_transport_continues_like_one_engine(smollm2_engine, decode_engine, transport, params):
+    refs = smollm2_engine.generate(PROMPTS, params)
+    for prompt, ref in zip(PROMPTS, refs, strict=True):
+        first = _handoff(smollm2_engine, decode_engine, prompt, params, transport)
+        final = _run_to_end(decode_engine, first)
+        assert final.token_ids == ref.token_ids
+        assert final.text == ref.text
+        if params.logprobs is not None:
+            assert [lp.token_id for lp in final.logprobs] == ref.token_ids
+    assert decode_engine.kv.num_free_blocks == decode_engine.kv.num_blocks
+
+
+def test_adopt_refuses_what_does_not_fit_and_changes_nothing(smollm2_engine, engine_home):
+    small = LLMEngine.from_model("smollm2-135m", dtype="float32", max_model_len=1024, num_kv_blocks=4,
+                                 max_num_batched_tokens=256)
+    req, handoff = _prefill(smollm2_engine, "word " * 100, SamplingParams(temperature=0, max_tokens=4))
+    smollm2_engine.release_kv(req.request_id)
+    new = small.make_request(req.prompt_token_ids, SamplingParams(temperature=0, max_tokens=4), req.request_id)
+    new.append_token(req.output_token_ids[0])
+    from cloud_tier.engine.llm_engine import KVCapacityError
+
+    with pytest.raises(KVCapacityError):
+        small.adopt(new, handoff.kv)
+    small.check_integrity()
+    assert small.kv.num_free_blocks == 4 and not small.has_unfinished_requests()
+
+
+def test_prefill_worker_releases_the_kv_when_the_decode_target_is_dead(smollm2_engine):
+    from cloud_tier.disagg.prefill import PrefillService
+
+    async def go():
+        engine = AsyncLLMEngine(smollm2_engine)
+        try:
+            svc = PrefillService(engine, timeout_s=2)
+            record = RequestRecord(request_id="dead-target", prompt_token_ids=smollm2_engine.tokenizer.encode(
+                "Hello there, " * 20), sampling=sampling_to_dict(SamplingParams(temperature=0, max_tokens=8)))
+            resp = await svc.prefill(PrefillRequest(record=record, kv_target="127.0.0.1:9", transport="tcp"))
+            await engine.call(lambda e: None)  # the release is queued to the engine thread: let it run
+            stats = await engine.call(lambda e: (e.kv.num_free_blocks, e.kv.num_blocks, dict(e.scheduler.held)))
+            return resp, stats
+        finally:
+            engine.shutdown()
+
+    resp, (free, total, held) = asyncio.run(go())
+    assert not resp.ok and resp.code == "transfer_failed"
+    assert free == total and not held
+    smollm2_engine.check_integrity()
