@@ -5,7 +5,7 @@ the message's JSON (UTF-8). Decoding is strict: unknown fields, wrong types ("1"
 1, true for 1) and missing fields are rejected, so garbage never becomes a message.
 
     frame = encode(TransferAck(request_id="r1", ok=True))
-    ack = decode(frame)                                  # or: await read_message(reader, TransferAck)
+    ack = decode(frame)  # or, from a stream: await read_message(reader, TransferAck)
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ class TruncatedError(CodecError):
 
 
 class ByteReader(Protocol):
-    """What `read_message` reads from: an `asyncio.StreamReader` or anything with its readexactly."""
+    """What `read_message` reads from: an `asyncio.StreamReader`, or anything that has its
+    readexactly."""
 
     async def readexactly(self, n: int) -> bytes: ...
 
@@ -61,7 +62,8 @@ class TokenLogprobRecord(_Message):
 
 
 class RequestRecord(_Message):
-    """The engine request handed from prefill to decode: what the decode worker needs to continue it."""
+    """The engine request handed from prefill to decode: what the decode worker needs to
+    continue it."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -108,7 +110,8 @@ class TransferAck(_Message):
     @model_validator(mode="after")
     def _check(self) -> TransferAck:
         if self.ok != (self.code == ""):
-            raise ValueError(f"ok={self.ok} with code {self.code!r}: a failed ack needs a code, a good one none")
+            raise ValueError(f"ok={self.ok} with code {self.code!r}: a failed ack needs a code, "
+                             "a good one none")
         return self
 
 
@@ -143,7 +146,8 @@ def decode(frame: bytes | bytearray | memoryview) -> Message:
     """The message in exactly one whole frame; `CodecError` if it is not one."""
     kind, length = _parse_prefix(bytes(frame[:PREFIX_SIZE]), max_len=MAX_BODY)
     if len(frame) - PREFIX_SIZE != length:
-        raise CodecError(f"frame body is {len(frame) - PREFIX_SIZE} bytes, its prefix says {length}")
+        raise CodecError(f"frame body is {len(frame) - PREFIX_SIZE} bytes, "
+                         f"its prefix says {length}")
     return _decode_body(kind, frame[PREFIX_SIZE:])
 
 
@@ -174,7 +178,8 @@ async def _read_exactly(reader: asyncio.StreamReader, n: int) -> bytes:
 
 def _parse_prefix(prefix: bytes, max_len: int) -> tuple[MessageKind, int]:
     if len(prefix) < PREFIX_SIZE:
-        raise CodecError(f"frame is {len(prefix)} bytes, shorter than its {PREFIX_SIZE}-byte prefix")
+        raise CodecError(f"frame is {len(prefix)} bytes, "
+                         f"shorter than its {PREFIX_SIZE}-byte prefix")
     magic, kind, length = _PREFIX.unpack(prefix)
     if magic != MAGIC:
         raise CodecError(f"bad magic {magic!r}, expected {MAGIC!r}")

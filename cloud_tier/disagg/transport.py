@@ -28,7 +28,7 @@ import os
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
-from multiprocessing.shared_memory import SharedMemory
+from multiprocessing import resource_tracker
 from typing import TYPE_CHECKING, ClassVar
 
 from cloud_tier.disagg.messages import (
@@ -48,8 +48,7 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[TransferHeader, memoryview], Awaitable[TransferAck]]
 
-CHUNK = 4 << 20  # payload write/read granularity
-_READ_LIMIT = 1 << 20  # StreamReader buffer: pausing the socket at 2 MiB keeps reads large
+CHUNK = 4 << 20  # a tcp sender writes (and waits for the socket to drain) this much at a time
 _THREADED_CHECKSUM_MIN = 1 << 20  # zlib.crc32 releases the GIL: hash big payloads off the loop
 
 
@@ -71,8 +70,10 @@ class KVSender(ABC):
 
     async def send(self, address: str, header: TransferHeader, payload) -> TransferAck:
         """Send ``payload`` (any C-contiguous buffer: bytes, memoryview, `tensor_payload`) to the
-        receiver at ``address`` ("host:port"). The header's transport, nbytes, checksum and
-        shm_name are filled here; its dtype and shape must describe the payload."""
+        receiver at ``address`` ("host:port") and return its ack. The header's transport,
+        nbytes, checksum and shm_name are filled here; its dtype and shape must describe the
+        payload (ValueError if not). `TransferError` if the outcome is unknown, or an shm
+        payload could not be staged."""
         view = _byte_view(payload)
         if view.nbytes != header.expected_nbytes:
             raise ValueError(f"payload is {view.nbytes} bytes, header {header.dtype}{header.shape} "
@@ -143,14 +144,16 @@ class ShmSender(KVSender):
 
     async def _send(self, address: str, header: TransferHeader, payload: memoryview) -> TransferAck:
         reader, writer = await self._connect(address)
+        name = f"cascade-kv-{uuid.uuid4().hex}"
         try:
-            # Created (and so registered with this process's resource tracker, which unlinks it
-            # should this process die) and unlinked by the sender; the receiver only maps it.
-            segment = SharedMemory(name=f"cascade-kv-{uuid.uuid4().hex}", create=True,
-                                   size=max(payload.nbytes, 1))
             try:
-                segment.buf[:payload.nbytes] = payload
-                writer.write(encode(header.model_copy(update={"shm_name": segment.name})))
+                segment = _create_segment(name, max(payload.nbytes, 1))
+            except OSError as e:
+                raise TransferError(
+                    f"cannot stage {payload.nbytes} bytes in shared memory: {e}") from e
+            try:
+                segment[:payload.nbytes] = payload
+                writer.write(encode(header.model_copy(update={"shm_name": name})))
                 reading = asyncio.create_task(read_message(reader, TransferAck))
                 try:
                     await asyncio.wait({reading}, timeout=self.timeout_s)
@@ -159,8 +162,7 @@ class ShmSender(KVSender):
                     reading.cancel()
                     await asyncio.gather(reading, return_exceptions=True)
             finally:
-                segment.close()
-                segment.unlink()
+                _remove_segment(name, segment)
         finally:
             await _close(writer)
 
@@ -222,7 +224,12 @@ class KVReceiver:
 
     async def _serve(self, inbox: _Inbox) -> None:
         try:
-            inbox.write(encode(await self._receive(inbox)))
+            try:
+                ack = await self._receive(inbox)
+            except Exception as e:
+                log.exception("KV receiver failed on a transfer")
+                ack = TransferAck(request_id="", ok=False, code="error", message=repr(e))
+            inbox.write(encode(ack))
         finally:
             inbox.close()  # after the ack is flushed
 
@@ -364,7 +371,7 @@ class _Inbox(asyncio.BufferedProtocol):
 def payload_to_tensor(header: TransferHeader, payload: memoryview) -> torch.Tensor:
     """The payload as a ``header.shape`` tensor of ``header.dtype``, sharing its memory (no copy):
     copy from it before the handler returns."""
-    import torch  # here, not at the top: moving bytes needs no torch, and a sender-only process starts fast
+    import torch  # here, not at the top: moving bytes needs no torch (and starts faster)
 
     if payload.nbytes != header.expected_nbytes:
         raise ValueError(f"payload is {payload.nbytes} bytes, header says {header.expected_nbytes}")
@@ -380,7 +387,8 @@ def tensor_payload(t: torch.Tensor) -> memoryview:
     import torch
 
     if t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError(f"need a contiguous CPU tensor, got {t.device} contiguous={t.is_contiguous()}")
+        raise ValueError(f"need a contiguous CPU tensor, got {t.device} "
+                         f"contiguous={t.is_contiguous()}")
     flat = t.detach().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
@@ -413,11 +421,38 @@ def _split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+# Segments are handled with _posixshmem, as SharedMemory does, but not through SharedMemory: its
+# attach (before Python 3.13) registers the segment with the receiver's resource tracker, which
+# then warns of a leak and unlinks it at exit, and unregistering collides with the sender's own
+# unregister when both share a tracker (one process, or multiprocessing children). So only the
+# sender, which owns the segment, registers it: its tracker unlinks it should the sender die.
+
+
+def _create_segment(name: str, size: int) -> mmap.mmap:
+    """A new segment with its memory reserved up front: writing into tmpfs pages it cannot back
+    kills the process with SIGBUS (a container's /dev/shm is often 64 MB); posix_fallocate fails
+    with ENOSPC instead."""
+    fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+    resource_tracker.register("/" + name, "shared_memory")
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return mmap.mmap(fd, size)
+    except BaseException:
+        _posixshmem.shm_unlink("/" + name)
+        resource_tracker.unregister("/" + name, "shared_memory")
+        raise
+    finally:
+        os.close(fd)
+
+
+def _remove_segment(name: str, mapping: mmap.mmap) -> None:
+    mapping.close()
+    _posixshmem.shm_unlink("/" + name)
+    resource_tracker.unregister("/" + name, "shared_memory")
+
+
 def _map_segment(name: str, nbytes: int) -> mmap.mmap:
-    # Mapped through _posixshmem rather than SharedMemory(name): before Python 3.13 attaching
-    # registers the segment with this process's resource tracker, which would warn of a leak and
-    # unlink it at exit; unregistering instead collides with the sender's own unregister when
-    # both share one tracker (one process, or multiprocessing children), a KeyError in the tracker.
+    """The sender's segment, mapped without registering it (see above)."""
     fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
     try:
         size = os.fstat(fd).st_size
@@ -429,7 +464,10 @@ def _map_segment(name: str, nbytes: int) -> mmap.mmap:
 
 
 async def _close(writer: asyncio.StreamWriter) -> None:
-    writer.close()
+    if writer.transport.get_write_buffer_size():
+        writer.transport.abort()  # payload the receiver will not take: closing would wait on it
+    else:
+        writer.close()
     try:
         await writer.wait_closed()
     except OSError:

@@ -177,11 +177,13 @@ class GatewayService:
 
     async def _claim(self, flight: Flight, body: dict) -> dict | None:
         t, k = flight.tenant, flight.idem_key
-        claim = self.idempotency.claim(t, k, request_hash(flight.endpoint, body))
-        if claim.state == ClaimState.IN_PROGRESS:
-            claim = await self.idempotency.wait(t, k, self.config.request_timeout_s)
-            if claim.state == ClaimState.NEW:  # the first attempt failed and let go; this one runs
-                pass
+        rhash = request_hash(flight.endpoint, body)
+        try:
+            claim = self.idempotency.claim(t, k, rhash)
+            if claim.state == ClaimState.IN_PROGRESS:  # a duplicate in flight: wait for its result
+                claim = await self.idempotency.wait(t, k, self.config.request_timeout_s, request_hash=rhash)
+        except ValueError as e:
+            raise errors.bad_request(str(e), "Idempotency-Key", "invalid_idempotency_key") from e
         if claim.state == ClaimState.DONE:
             return claim.result
         if claim.state == ClaimState.MISMATCH:

@@ -1,0 +1,181 @@
+"""The cloud's Idempotency-Key store: per tenant, a key maps to the one response it produced.
+
+A row's life: ``claim`` writes it ``in_progress``; the claimant then ``complete``s it (``done``,
+the result stored for replays) or ``release``s it (``released``: free for the next claim). An
+``in_progress`` row whose lease has run out was left by a crashed gateway and is free too. Every
+row is deleted ``ttl_s`` after it was claimed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+
+log = logging.getLogger(__name__)
+
+MAX_KEY_LEN = 255
+
+
+class ClaimState(StrEnum):
+    NEW = "new"  # the caller owns the key: run the request, then complete() or release()
+    DONE = "done"  # replay ``result``
+    IN_PROGRESS = "in_progress"  # another caller is running it: wait()
+    MISMATCH = "mismatch"  # the key was used for a different request
+
+
+class _Row(StrEnum):
+    IN_PROGRESS = "in_progress"
+    DONE = "done"
+    RELEASED = "released"
+
+
+@dataclass(frozen=True)
+class Claim:
+    state: ClaimState
+    result: Any = None  # the stored result when state is DONE
+
+
+class IdempotencyStore:
+    """Per-tenant Idempotency-Key -> stored response, in SQLite (WAL). The first request with a
+    key claims it; a concurrent duplicate waits for the first to finish; a replay gets the stored
+    result; expired keys are collected. Several processes may share the file."""
+
+    def __init__(self, path: Path | str, ttl_s: float = 24 * 3600,
+                 clock: Callable[[], float] = time.time, lease_s: float = 600.0):
+        if not 0 < lease_s <= ttl_s:
+            raise ValueError(f"need 0 < lease_s <= ttl_s, got lease_s={lease_s} ttl_s={ttl_s}")
+        self.ttl_s = ttl_s
+        self.lease_s = lease_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        # isolation_level=None: no implicit transactions; writes use BEGIN IMMEDIATE below
+        conn = sqlite3.connect(str(path), timeout=10.0, isolation_level=None,
+                               check_same_thread=False)
+        self._db = sqlite_utils.Database(conn, execute_plugins=False)
+        self._db.enable_wal()
+        conn.execute("PRAGMA synchronous=NORMAL")
+        # sqlite-utils' create() reads then writes in a deferred transaction, which fails at
+        # once (no busy wait) when another process writes in between: take the lock first
+        with self._write():
+            self._db["idempotency"].create(
+                {"tenant": str, "key": str, "request_hash": str, "state": str, "result": str,
+                 "created_at": float, "updated_at": float},
+                pk=("tenant", "key"),
+                not_null={"request_hash", "state", "created_at", "updated_at"},
+                if_not_exists=True)
+            self._db["idempotency"].create_index(["created_at"], if_not_exists=True)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            conn = self._db.conn
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+
+    def _is_free(self, state: str, created_at: float, updated_at: float, now: float) -> bool:
+        return (state == _Row.RELEASED
+                or created_at + self.ttl_s <= now
+                or (state == _Row.IN_PROGRESS and updated_at + self.lease_s <= now))
+
+    def claim(self, tenant: str, key: str, request_hash: str) -> Claim:
+        """Claim ``key`` for a request whose canonical form hashes to ``request_hash``."""
+        if not 0 < len(key) <= MAX_KEY_LEN:
+            raise ValueError(f"an idempotency key is 1-{MAX_KEY_LEN} characters")
+        now = self._clock()
+        with self._write() as conn:
+            row = conn.execute(
+                "SELECT request_hash, state, result, created_at, updated_at FROM idempotency "
+                "WHERE tenant = ? AND key = ?", (tenant, key)).fetchone()
+            if row is None or self._is_free(row[1], row[3], row[4], now):
+                conn.execute(
+                    "INSERT OR REPLACE INTO idempotency (tenant, key, request_hash, state, "
+                    "result, created_at, updated_at) VALUES (?, ?, ?, ?, NULL, ?, ?)",
+                    (tenant, key, request_hash, _Row.IN_PROGRESS.value, now, now))
+                return Claim(ClaimState.NEW)
+        stored_hash, state, result = row[0], row[1], row[2]
+        if stored_hash != request_hash:
+            return Claim(ClaimState.MISMATCH)
+        if state == _Row.DONE:
+            return Claim(ClaimState.DONE, json.loads(result))
+        return Claim(ClaimState.IN_PROGRESS)
+
+    def complete(self, tenant: str, key: str, result: Any) -> None:
+        """Store the claimed request's JSON-serialisable ``result`` for replays."""
+        payload = json.dumps(result, separators=(",", ":"))  # fails before anything is written
+        with self._write() as conn:
+            stored = conn.execute(
+                "UPDATE idempotency SET state = ?, result = ?, updated_at = ? "
+                "WHERE tenant = ? AND key = ? AND state = ?",
+                (_Row.DONE.value, payload, self._clock(), tenant, key,
+                 _Row.IN_PROGRESS.value)).rowcount
+        if not stored:
+            log.warning("idempotency key %r of tenant %r was not in progress; result not stored",
+                        key, tenant)
+
+    def release(self, tenant: str, key: str) -> None:
+        """The claimed request failed: the next claim of ``key`` is new."""
+        with self._write() as conn:
+            conn.execute(
+                "UPDATE idempotency SET state = ?, updated_at = ? "
+                "WHERE tenant = ? AND key = ? AND state = ?",
+                (_Row.RELEASED.value, self._clock(), tenant, key, _Row.IN_PROGRESS.value))
+
+    async def wait(self, tenant: str, key: str, timeout_s: float, poll_s: float = 0.05, *,
+                   request_hash: str | None = None) -> Claim:
+        """Poll until the request running under ``key`` ends, then claim the key as a new caller
+        would: DONE (replay), NEW (it was released: the waiter now owns it and must complete()
+        or release() it) or MISMATCH (someone else claimed it for another request meanwhile).
+        IN_PROGRESS after ``timeout_s``. ``request_hash`` is the waiter's; by default the hash
+        of the request it waits for, which the waiter matched to get IN_PROGRESS."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        if request_hash is None:
+            with self._lock:
+                row = self._db.conn.execute(
+                    "SELECT request_hash FROM idempotency WHERE tenant = ? AND key = ?",
+                    (tenant, key)).fetchone()
+            if row is None:
+                raise LookupError(f"no claim of idempotency key {key!r} to wait for")
+            request_hash = row[0]
+        while True:
+            claim = self.claim(tenant, key, request_hash)
+            remaining = deadline - loop.time()
+            if claim.state != ClaimState.IN_PROGRESS or remaining <= 0:
+                return claim
+            await asyncio.sleep(min(poll_s, remaining))
+
+    def collect_expired(self) -> int:
+        """Delete the rows claimed more than ``ttl_s`` ago; returns how many."""
+        with self._write() as conn:
+            return conn.execute("DELETE FROM idempotency WHERE created_at <= ?",
+                                (self._clock() - self.ttl_s,)).rowcount
+
+    def stats(self) -> dict[str, int]:
+        """Rows by state: in_progress (abandoned ones included), done, released."""
+        counts = dict.fromkeys((s.value for s in _Row), 0)
+        with self._lock:
+            for row in self._db.query(
+                    "SELECT state, count(*) AS n FROM idempotency GROUP BY state"):
+                counts[row["state"]] = row["n"]
+        return counts
