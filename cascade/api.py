@@ -105,10 +105,10 @@ async def _collect(events: AsyncIterator) -> tuple[list[TokenEvent], Finish]:
 
 async def _watch_disconnect(request: Request, task: asyncio.Task) -> None:
     while not task.done():
+        await asyncio.sleep(0.25)  # first: most answers (a cache hit, a replay) never need a check
         if await request.is_disconnected():
             task.cancel()
             return
-        await asyncio.sleep(0.25)
 
 
 async def _sse(events: AsyncIterator, fmt, include_usage: bool, count: Callable[[str], None]):

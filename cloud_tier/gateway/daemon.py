@@ -3,8 +3,10 @@ loopback ports, or use ``workers`` started elsewhere, then serve the gateway unt
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -55,7 +57,8 @@ class WorkerProcesses:
                 cmd += ["--api-key", self.config.server.api_key]
             url = f"http://{host}:{port}"
             log.info("starting %s worker on %s (%d threads)", role, url, threads)
-            self.procs.append((url, subprocess.Popen(cmd, env={**os.environ, "OMP_WAIT_POLICY": "passive"})))
+            self.procs.append((url, subprocess.Popen(cmd, env={**os.environ, "OMP_WAIT_POLICY": "passive"},
+                                                     preexec_fn=_die_with_parent)))
             urls.append(url)
         self.wait_healthy()
         return urls
@@ -88,6 +91,18 @@ class WorkerProcesses:
                 p.wait()
 
 
+def _die_with_parent() -> None:
+    """In a started worker: SIGTERM when the gateway's process dies, even by SIGKILL (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run(config: CloudConfig, config_path: str | None = None) -> None:
     import uvicorn
 
@@ -95,6 +110,9 @@ def run(config: CloudConfig, config_path: str | None = None) -> None:
     from cloud_tier.gateway.app import build_app
 
     g = config.gateway
+    # uvicorn re-raises the SIGTERM it handled once it has shut down; with the default handler
+    # that would end this process before the workers it started are stopped
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     resolve_model_dir(config.engine.model)  # convert the model once, before the workers race for it
     children = WorkerProcesses(config, config_path)
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from fastapi import APIRouter, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
@@ -14,7 +14,7 @@ from cascade.api import openai_response, parse_body, read_json
 from cascade.openai_format import ChatFormatter, CompletionFormatter
 from cascade.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from cloud_tier.gateway.keys import ApiKey
-from cloud_tier.gateway.service import GatewayService
+from cloud_tier.gateway.service import GatewayService, render_stored, replay
 
 
 def service(request: Request) -> GatewayService:
@@ -76,9 +76,13 @@ async def _serve(request: Request, endpoint: str, schema, formatter):
     except errors.APIError:
         svc.metrics.requests.labels(key.tenant, endpoint, "4xx").inc()
         raise
-    events, headers = await svc.begin(key, endpoint, body, req, request.headers.get("idempotency-key"))
+    result, headers = await svc.begin(key, endpoint, body, req, request.headers.get("idempotency-key"))
     fmt = formatter(svc.model_id, req.logprobs)
-    resp = await openai_response(request, events, fmt, req.stream, req.include_usage_in_stream(), lambda _: None)
+    if isinstance(result, dict):  # a cache hit or a replay: nothing to wait for
+        if not req.stream:
+            return Response(render_stored(result, fmt), media_type="application/json", headers=headers)
+        result = replay(result)
+    resp = await openai_response(request, result, fmt, req.stream, req.include_usage_in_stream(), lambda _: None)
     resp.headers.update(headers)
     return resp
 

@@ -95,6 +95,15 @@ async def replay(stored: dict) -> AsyncIterator[TokenEvent | Finish]:
         yield event_from_wire(data)
 
 
+def render_stored(stored: dict, fmt) -> bytes:
+    """A stored result as a non-streamed body: rendered once, then only a fresh id and time."""
+    body = stored.get("json")
+    if body is None:
+        events = [event_from_wire(e) for e in stored["events"]]
+        body = stored["json"] = fmt.response(events[:-1], events[-1]).model_dump(exclude_none=True)
+    return json.dumps({**body, "id": fmt.id, "created": fmt.created}, separators=(",", ":")).encode()
+
+
 def request_hash(endpoint: str, body: dict) -> str:
     """What an Idempotency-Key is bound to: the request minus how it is delivered."""
     core = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
@@ -146,15 +155,16 @@ class GatewayService:
     # -- the pipeline --------------------------------------------------------------------
 
     async def begin(self, key: ApiKey, endpoint: str, body: dict, req, idem_key: str | None
-                    ) -> tuple[AsyncIterator, dict[str, str]]:
-        """The request's event stream and the response headers to add. Raises APIError (with
-        everything already settled) when it is not served."""
+                    ) -> tuple[AsyncIterator | dict, dict[str, str]]:
+        """The request's event stream, or the stored result of a cache hit or a replay, and the
+        response headers to add. Raises APIError (with everything already settled) when it is
+        not served."""
         flight = Flight(key.tenant, key, endpoint, time.perf_counter(), idem_key=idem_key)
         if idem_key:
             stored = await self._claim(flight, body)
             if stored is not None:
                 self._count(flight, "replay")
-                return replay(stored), {"X-Cascade-Idempotent-Replay": "true", "X-Cascade-Cache": "miss"}
+                return stored, {"X-Cascade-Idempotent-Replay": "true", "X-Cascade-Cache": "miss"}
         try:
             flight.cache_key = cache_key(key.tenant, self.model_id, endpoint, body)
             hit = self.cache.get(flight.cache_key) if flight.cache_key else None
@@ -164,7 +174,7 @@ class GatewayService:
                 if idem_key:
                     self.idempotency.complete(key.tenant, idem_key, hit)
                 self._count(flight, "cache_hit")
-                return replay(hit), {"X-Cascade-Cache": "hit"}
+                return hit, {"X-Cascade-Cache": "hit"}
             plan = self.builder.chat(req) if endpoint == "chat" else self.builder.completion(req)
             self._check_quota(flight, plan.max_total_tokens)
             flight.predicted_tokens = plan.max_total_tokens
