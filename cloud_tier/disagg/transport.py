@@ -307,6 +307,11 @@ class _Inbox(asyncio.BufferedProtocol):
         self._filled = 0
         self._done: asyncio.Future | None = None
         self._eof = False
+        # uvloop may ask for a buffer after reading was paused, with no read in progress:
+        # what arrives then waits here for the next readinto
+        self._scratch = memoryview(bytearray(64 << 10))
+        self._into_scratch = False
+        self._spill = bytearray()
 
     async def readexactly(self, n: int) -> bytes:
         buf = bytearray(n)
@@ -318,9 +323,14 @@ class _Inbox(asyncio.BufferedProtocol):
     async def readinto(self, view: memoryview) -> int:
         """Fill ``view``; fewer bytes only if the stream ended. `TimeoutError` if no byte came
         for the idle timeout."""
-        if self._eof or not view.nbytes:
-            return 0
-        self._target, self._filled = view.cast("B"), 0
+        view = view.cast("B")
+        taken = min(len(self._spill), view.nbytes)
+        if taken:
+            view[:taken] = self._spill[:taken]
+            del self._spill[:taken]
+        if self._eof or taken == view.nbytes:
+            return taken
+        self._target, self._filled = view, taken
         self._done = asyncio.get_running_loop().create_future()
         self._transport.resume_reading()
         try:
@@ -347,9 +357,16 @@ class _Inbox(asyncio.BufferedProtocol):
         self._on_connect(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self._target[self._filled:]
+        if self._target is not None and self._filled < self._target.nbytes:
+            return self._target[self._filled:]
+        self._into_scratch = True
+        return self._scratch
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._into_scratch:
+            self._into_scratch = False
+            self._spill += self._scratch[:nbytes]
+            return
         self._filled += nbytes
         if self._filled == self._target.nbytes:
             self._transport.pause_reading()

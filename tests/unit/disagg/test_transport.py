@@ -160,6 +160,26 @@ def test_one_receiver_serves_many_transfers_at_once(sender_cls):
 
 
 @pytest.mark.parametrize("sender_cls", SENDERS, ids=ids)
+def test_transfers_work_on_uvloop_as_the_workers_run_them(sender_cls):
+    """uvicorn runs the workers on uvloop, which may ask a paused protocol for a buffer."""
+    uvloop = pytest.importorskip("uvloop")
+    tensors = {f"r{i}": kv(seed=i, shape=(2, 2, 8, 16, 2, 8)) for i in range(4)}
+
+    async def go():
+        sink = Sink()
+        async with receiving(sink) as receiver:
+            acks = await asyncio.gather(*(
+                sender_cls().send(receiver.address, header_for(t, rid), tensor_payload(t))
+                for rid, t in tensors.items()))
+        return acks, sink
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        acks, sink = runner.run(go())
+    assert all(a.ok for a in acks), acks
+    assert all(same_bits(sink.tensors[rid], t) for rid, t in tensors.items())
+
+
+@pytest.mark.parametrize("sender_cls", SENDERS, ids=ids)
 def test_kv_of_another_model_is_refused_and_never_reaches_the_handler(sender_cls):
     t = kv(shape=(4, 2, 64, 16, 4, 64))  # 8 MiB: a tcp sender is still writing when refused
 
