@@ -11,17 +11,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import sqlite3
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-import sqlite_utils
+from sync.sqlite import SQLiteStore
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +44,7 @@ class Claim:
     result: Any = None  # the stored result when state is DONE
 
 
-class IdempotencyStore:
+class IdempotencyStore(SQLiteStore):
     """Per-tenant Idempotency-Key -> stored response, in SQLite (WAL). The first request with a
     key claims it; a concurrent duplicate waits for the first to finish; a replay gets the stored
     result; expired keys are collected. Several processes may share the file."""
@@ -59,15 +56,7 @@ class IdempotencyStore:
         self.ttl_s = ttl_s
         self.lease_s = lease_s
         self._clock = clock
-        self._lock = threading.Lock()
-        # isolation_level=None: no implicit transactions; writes use BEGIN IMMEDIATE below
-        conn = sqlite3.connect(str(path), timeout=10.0, isolation_level=None,
-                               check_same_thread=False)
-        self._db = sqlite_utils.Database(conn, execute_plugins=False)
-        self._db.enable_wal()
-        conn.execute("PRAGMA synchronous=NORMAL")
-        # sqlite-utils' create() reads then writes in a deferred transaction, which fails at
-        # once (no busy wait) when another process writes in between: take the lock first
+        super().__init__(path)
         with self._write():
             self._db["idempotency"].create(
                 {"tenant": str, "key": str, "request_hash": str, "state": str, "result": str,
@@ -76,22 +65,6 @@ class IdempotencyStore:
                 not_null={"request_hash", "state", "created_at", "updated_at"},
                 if_not_exists=True)
             self._db["idempotency"].create_index(["created_at"], if_not_exists=True)
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
-
-    @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            conn = self._db.conn
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield conn
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
 
     def _is_free(self, state: str, created_at: float, updated_at: float, now: float) -> bool:
         return (state == _Row.RELEASED

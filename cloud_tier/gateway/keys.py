@@ -13,14 +13,12 @@ import re
 import secrets
 import sqlite3
 import string
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import sqlite_utils
+from sync.sqlite import SQLiteStore
 
 SCOPES = ("infer", "admin")
 KEY_PREFIX = "csk-"
@@ -90,7 +88,7 @@ def _row_to_key(row: dict) -> ApiKey:
                   created_at=row["created_at"], revoked=bool(row["revoked"]))
 
 
-class KeyStore:
+class KeyStore(SQLiteStore):
     """API keys in SQLite (WAL), stored only as a hash; the plaintext is returned once by create().
 
     Several processes may open the same file. verify() and tenant_limits() answer from a
@@ -102,18 +100,10 @@ class KeyStore:
                  clock: Callable[[], float] = time.monotonic):
         self.cache_ttl_s = cache_ttl_s
         self._clock = clock
-        self._lock = threading.Lock()
         # key_id -> (sha256 hex, key, expires at); only live keys, so its size is bounded by them
         self._keys: dict[str, tuple[str, ApiKey, float]] = {}
         self._limits: dict[str, tuple[TenantLimits, float]] = {}
-        # isolation_level=None: no implicit transactions; writes use BEGIN IMMEDIATE below
-        conn = sqlite3.connect(str(path), timeout=10.0, isolation_level=None,
-                               check_same_thread=False)
-        self._db = sqlite_utils.Database(conn, execute_plugins=False)
-        self._db.enable_wal()
-        conn.execute("PRAGMA synchronous=NORMAL")
-        # sqlite-utils' create() reads then writes in a deferred transaction, which fails at
-        # once (no busy wait) when another process writes in between: take the lock first
+        super().__init__(path)
         with self._write():
             self._db["tenants"].create(
                 {"name": str, "rps": float, "tpm": float, "created_at": float},
@@ -125,22 +115,6 @@ class KeyStore:
                 not_null={"key_hash", "tenant", "scopes", "rps", "tpm", "created_at", "revoked"},
                 foreign_keys=[("tenant", "tenants", "name")], if_not_exists=True)
             self._db["api_keys"].create_index(["tenant"], if_not_exists=True)
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
-
-    @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            conn = self._db.conn
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield conn
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
 
     def create(self, tenant: str, device: str | None = None, scopes: Iterable[str] = ("infer",),
                rps: float = 0.0, tpm: float = 0.0) -> tuple[str, ApiKey]:
