@@ -63,7 +63,7 @@ def start(system: str, args, work: Path) -> tuple[subprocess.Popen, str, str | N
         env.update({"VLLM_CPU_KVCACHE_SPACE": "4"})
         proc = subprocess.Popen([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
                                  str(resolve_model_dir(MODEL)), "--served-model-name", MODEL, "--dtype", "float32",
-                                 "--max-model-len", "2048", "--port", str(port), "--disable-log-requests"],
+                                 "--max-model-len", "2048", "--port", str(port)],
                                 env=env, cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return proc, f"http://127.0.0.1:{port}", None
     cli = [sys.executable, "-m", "cascade.cli", "--log-level", "WARNING"]
@@ -104,6 +104,8 @@ def main() -> int:
             asyncio.run(run_benchmark(url, MODEL, requests[:2], load))  # warm-up
             result = asyncio.run(run_benchmark(url, MODEL, requests, load))
             tables.append(f"== {NAMES[system]}\n{format_table(result)}")
+        except (RuntimeError, TimeoutError, OSError) as e:
+            tables.append(f"== {NAMES[system]}: failed: {e}")
         finally:
             proc.terminate()
             try:
