@@ -1,0 +1,96 @@
+"""The one decision: which tier answers, and the reason code that names why.
+
+Precedence, first match wins:
+  1. ``mode: local``                 -> edge  "local"       (never leaves the device)
+  2. no upstream configured          -> edge  "edge_only"
+  3. escalation, in order:  ``mode: cloud`` "forced" > prompt too long "too_long" > app hint
+     "hint" > queue overflow "overflow" > learned difficulty "hard"
+  4. an escalation while the cloud is unavailable (circuit open): by the offline policy,
+     ``local`` -> edge "cloud_unavailable" degraded (if the prompt fits locally), else reject 503
+  5. otherwise                       -> edge  "easy", its answer checked for low confidence
+After a local answer (or its first K tokens): ``after_local`` escalates "low_confidence".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cascade.policy.confidence import Confidence, ConfidenceConfig, low_confidence
+from cascade.policy.hard import HardConfig, is_hard, too_long
+from cascade.policy.overflow import LoadSignals, overflows
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    hard: HardConfig = field(default_factory=HardConfig)
+    confidence: ConfidenceConfig = field(default_factory=ConfidenceConfig)
+    latency_budget_s: float = 0.0  # default per-request budget for the overflow rule; 0: none
+    default_mode: str = "auto"
+    default_offline: str = "local"
+
+
+@dataclass(frozen=True)
+class RequestSignals:
+    prompt_tokens: int
+    max_tokens: int
+    n_ctx: int
+    mode: str = "auto"  # auto | local | cloud
+    offline: str = "local"  # queue | local | fail
+    hint: str | None = None  # the app's own "easy" | "hard"
+    difficulty: float = 0.0  # DifficultyModel score in [0, 1]
+    load: LoadSignals | None = None
+    latency_budget_s: float | None = None
+    upstream: bool = True  # an upstream is configured
+    cloud_available: bool = True  # the back-pressure circuit lets a request through
+
+
+@dataclass(frozen=True)
+class Decision:
+    tier: str  # "edge" | "cloud" | "reject"
+    reason: str
+    degraded: bool = False
+    check_confidence: bool = False  # a local answer may still escalate on low confidence
+    status: int = 0  # for "reject": the HTTP status
+
+
+def escalation_reason(s: RequestSignals, config: PolicyConfig) -> str | None:
+    if s.mode == "cloud":
+        return "forced"
+    if too_long(s.prompt_tokens, s.max_tokens, s.n_ctx, config.hard):
+        return "too_long"
+    if s.hint == "hard":
+        return "hint"
+    if s.hint == "easy":
+        return None
+    budget = s.latency_budget_s if s.latency_budget_s is not None else config.latency_budget_s
+    if s.load is not None and overflows(s.load, budget):
+        return "overflow"
+    if is_hard(s.difficulty, config.hard):
+        return "hard"
+    return None
+
+
+def decide(s: RequestSignals, config: PolicyConfig) -> Decision:
+    if s.mode == "local":
+        return Decision("edge", "local")
+    if not s.upstream:
+        return Decision("edge", "edge_only")
+    reason = escalation_reason(s, config)
+    if reason is None:
+        return Decision("edge", "easy", check_confidence=s.mode == "auto" and config.confidence.enabled)
+    if s.cloud_available:
+        return Decision("cloud", reason)
+    fits_locally = s.prompt_tokens + 1 <= s.n_ctx
+    if s.offline == "local" and fits_locally:
+        return Decision("edge", "cloud_unavailable", degraded=True)
+    return Decision("reject", "cloud_unavailable", status=503)
+
+
+def after_local(conf: Confidence, config: ConfidenceConfig, cloud_available: bool) -> Decision | None:
+    """Escalate a local answer (or its first K tokens) whose confidence is too low; None keeps it.
+    With the cloud unavailable the local answer stands, marked degraded."""
+    if not low_confidence(conf, config):
+        return None
+    if cloud_available:
+        return Decision("cloud", "low_confidence")
+    return Decision("edge", "low_confidence_cloud_unavailable", degraded=True)

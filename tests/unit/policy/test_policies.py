@@ -1,0 +1,148 @@
+"""Decision tables for every policy and for their combination (which reason wins)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cascade.policy.backpressure import CircuitBreaker
+from cascade.policy.confidence import Confidence, ConfidenceConfig, low_confidence
+from cascade.policy.decide import Decision, PolicyConfig, RequestSignals, after_local, decide
+from cascade.policy.hard import DifficultyModel, HardConfig, features, fit, is_hard, too_long
+from cascade.policy.overflow import LoadSignals, overflows, predicted_latency_s
+
+IDLE = LoadSignals(waiting=0, free_slots=1, service_time_s=2.0, decode_tok_s=40.0, max_tokens=40)
+BUSY = LoadSignals(waiting=5, free_slots=0, service_time_s=2.0, decode_tok_s=40.0, max_tokens=40)
+CFG = PolicyConfig(hard=HardConfig(max_prompt_tokens=1000, threshold=0.7),
+                   confidence=ConfidenceConfig(window=4, min_mean_logprob=-1.0), latency_budget_s=5.0)
+
+
+def sig(**kw) -> RequestSignals:
+    base = dict(prompt_tokens=50, max_tokens=64, n_ctx=2048, load=IDLE)
+    return RequestSignals(**{**base, **kw})
+
+
+@pytest.mark.parametrize("signals,expected", [
+    (sig(), Decision("edge", "easy", check_confidence=True)),
+    (sig(mode="local", hint="hard", difficulty=0.99), Decision("edge", "local")),
+    (sig(upstream=False, difficulty=0.99), Decision("edge", "edge_only")),
+    (sig(mode="cloud"), Decision("cloud", "forced")),
+    (sig(mode="cloud", prompt_tokens=5000), Decision("cloud", "forced")),  # forced beats too_long
+    (sig(prompt_tokens=2000), Decision("cloud", "too_long")),  # prompt + max_tokens > n_ctx
+    (sig(prompt_tokens=1200), Decision("cloud", "too_long")),  # over the configured limit
+    (sig(prompt_tokens=1200, hint="hard", load=BUSY, difficulty=0.9), Decision("cloud", "too_long")),
+    (sig(hint="hard", load=BUSY, difficulty=0.9), Decision("cloud", "hint")),  # hint beats overflow
+    (sig(load=BUSY, difficulty=0.9), Decision("cloud", "overflow")),  # overflow beats hard
+    (sig(difficulty=0.9), Decision("cloud", "hard")),
+    (sig(difficulty=0.5), Decision("edge", "easy", check_confidence=True)),
+    (sig(hint="easy", difficulty=0.99, load=BUSY), Decision("edge", "easy", check_confidence=True)),
+    (sig(load=BUSY, latency_budget_s=60.0), Decision("edge", "easy", check_confidence=True)),  # own budget
+    (sig(mode="cloud", cloud_available=False), Decision("edge", "cloud_unavailable", degraded=True)),
+    (sig(difficulty=0.9, cloud_available=False, offline="fail"), Decision("reject", "cloud_unavailable", status=503)),
+    (sig(difficulty=0.9, cloud_available=False, offline="queue"), Decision("reject", "cloud_unavailable", status=503)),
+    (sig(prompt_tokens=3000, cloud_available=False), Decision("reject", "cloud_unavailable", status=503)),
+    (sig(difficulty=0.2, cloud_available=False), Decision("edge", "easy", check_confidence=True)),
+], ids=lambda v: v.reason if isinstance(v, Decision) else "")
+def test_decide(signals, expected):
+    assert decide(signals, CFG) == expected
+
+
+def test_no_confidence_check_without_thresholds_or_outside_auto():
+    assert decide(sig(), PolicyConfig()).check_confidence is False
+    assert decide(sig(mode="local"), CFG).check_confidence is False
+
+
+@pytest.mark.parametrize("prompt,max_tokens,n_ctx,limit,expected", [
+    (100, 100, 2048, 0, False), (2000, 100, 2048, 0, True), (1948, 100, 2048, 0, False),
+    (600, 10, 2048, 500, True), (500, 10, 2048, 500, False),
+])
+def test_too_long(prompt, max_tokens, n_ctx, limit, expected):
+    assert too_long(prompt, max_tokens, n_ctx, HardConfig(max_prompt_tokens=limit)) is expected
+
+
+@pytest.mark.parametrize("load,budget,expected", [
+    (IDLE, 5.0, False),  # 1 s of generation
+    (IDLE, 0.5, True),
+    (BUSY, 5.0, True),  # 6 x 2 s queued + 1 s
+    (BUSY, None, False), (BUSY, 0.0, False),  # no budget, no overflow
+])
+def test_overflow(load, budget, expected):
+    assert overflows(load, budget) is expected
+
+
+def test_predicted_latency_counts_the_queue_only_without_a_free_slot():
+    assert predicted_latency_s(IDLE) == pytest.approx(1.0)
+    assert predicted_latency_s(BUSY) == pytest.approx(13.0)
+
+
+@pytest.mark.parametrize("logprobs,entropies,config,expected", [
+    ([-0.1] * 4, [0.5] * 4, ConfidenceConfig(min_mean_logprob=-1.0), False),
+    ([-2.0] * 4, [0.5] * 4, ConfidenceConfig(min_mean_logprob=-1.0), True),
+    ([-0.1, -0.1, -5.0, -0.1], [0.5] * 4, ConfidenceConfig(min_token_logprob=-4.0), True),
+    ([-0.1, -0.1, -5.0, -0.1], [0.5] * 4, ConfidenceConfig(min_mean_logprob=-2.0), False),
+    ([-0.1] * 4, [3.0] * 4, ConfidenceConfig(max_mean_entropy=2.0), True),
+    ([-9.0] * 4, [9.0] * 4, ConfidenceConfig(), False),  # no thresholds: never
+    ([], [], ConfidenceConfig(min_mean_logprob=-1.0), False),  # nothing to judge
+])
+def test_low_confidence(logprobs, entropies, config, expected):
+    c = Confidence(window=4)
+    for lp, h in zip(logprobs, entropies, strict=True):
+        c.add(lp, h)
+    assert low_confidence(c, config) is expected
+
+
+def test_confidence_looks_only_at_the_first_k_tokens():
+    c = Confidence(window=2)
+    for lp in (-0.1, -0.1, -9.0):
+        c.add(lp, 0.0)
+    assert c.full and c.n == 2 and c.min_logprob == -0.1
+
+
+@pytest.mark.parametrize("mean,available,expected", [
+    (-0.1, True, None),
+    (-3.0, True, Decision("cloud", "low_confidence")),
+    (-3.0, False, Decision("edge", "low_confidence_cloud_unavailable", degraded=True)),
+])
+def test_after_local(mean, available, expected):
+    c = Confidence(window=4)
+    for _ in range(4):
+        c.add(mean, 0.1)
+    assert after_local(c, ConfidenceConfig(window=4, min_mean_logprob=-1.0), available) == expected
+
+
+def test_circuit_opens_on_429_until_retry_after_then_probes_once_and_closes_on_success():
+    now = [100.0]
+    cb = CircuitBreaker(clock=lambda: now[0])
+    assert cb.state == "closed" and cb.allow()
+    cb.failure("429", retry_after_s=5.0)
+    assert cb.state == "open" and not cb.allow() and cb.retry_after_s() == pytest.approx(5.0)
+    now[0] += 5.0
+    assert cb.state == "half_open"
+    assert cb.allow() and not cb.allow()  # one probe at a time
+    cb.success()
+    assert cb.state == "closed" and cb.allow()
+
+
+def test_circuit_backs_off_exponentially_without_retry_after():
+    now = [0.0]
+    cb = CircuitBreaker(base_backoff_s=1.0, max_backoff_s=8.0, clock=lambda: now[0])
+    waits = []
+    for _ in range(5):
+        cb.failure("unreachable")
+        waits.append(cb.retry_after_s())
+    assert waits == [1.0, 2.0, 4.0, 8.0, 8.0]
+
+
+def test_features_and_a_fitted_difficulty_model_separate_easy_from_hard():
+    easy = ["What is the capital of France?", "Say hello.", "What color is the sky?", "Name a fruit."] * 5
+    hard = ["Explain step by step why the integral of x^2 is x^3/3 and prove it.",
+            "Write a Python function `def merge(a, b):` that merges two sorted lists; analyze its complexity.",
+            "Compare and evaluate three designs for a distributed cache; explain the trade-offs.",
+            "Solve the equation 3x + 7 = 22 and explain each step."] * 5
+    rows = [features(t) for t in easy + hard]
+    model = fit(rows, [0] * len(easy) + [1] * len(hard))
+    assert max(model.score(features(t)) for t in easy) < min(model.score(features(t)) for t in hard)
+    assert DifficultyModel.from_json(model.to_json()) == model
+    assert is_hard(0.8, HardConfig(threshold=0.7)) and not is_hard(0.8, HardConfig())
+    assert math.isclose(DifficultyModel().score(features("x")), 0.5)
