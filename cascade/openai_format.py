@@ -49,13 +49,14 @@ class ChatFormatter:
         self.created = now()
         self.model = model
         self.logprobs = logprobs
+        self.cascade: dict | None = None  # set by the edge agent: goes on the final chunk / body
 
     def _chunk(self, delta: DeltaMessage, events: Sequence[TokenEvent] = (), finish: str | None = None,
                usage: Usage | None = None) -> str:
         lp = ChoiceLogprobs(content=[_token_logprob(e) for e in events]) if self.logprobs and events else None
         choice = ChatChunkChoice(delta=delta, logprobs=lp, finish_reason=finish)
         return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
-                                       choices=[choice], usage=usage))
+                                       choices=[choice], usage=usage, cascade=self.cascade if finish else None))
 
     def first_chunk(self) -> str:
         return self._chunk(DeltaMessage(role="assistant", content=""))
@@ -80,11 +81,12 @@ class ChatFormatter:
         choice = ChatChoice(message=ResponseMessage(content=text), logprobs=lp,
                             finish_reason=finish.finish_reason)
         return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice],
-                              usage=usage_of(finish))
+                              usage=usage_of(finish), cascade=self.cascade)
 
 
 class CompletionFormatter:
     def __init__(self, model: str, logprobs: int | None):
+        self.cascade: dict | None = None
         self.id = new_id("cmpl")
         self.created = now()
         self.model = model
@@ -109,7 +111,7 @@ class CompletionFormatter:
         choice = CompletionChoice(text=text, logprobs=self._logprobs(events) if events else None,
                                   finish_reason=finish)
         return sse(Completion(id=self.id, created=self.created, model=self.model, choices=[choice],
-                              usage=usage))
+                              usage=usage, cascade=self.cascade if finish else None))
 
     def first_chunk(self) -> str | None:
         return None
@@ -132,4 +134,4 @@ class CompletionFormatter:
         choice = CompletionChoice(text=text, logprobs=self._logprobs(events),
                                   finish_reason=finish.finish_reason)
         return Completion(id=self.id, created=self.created, model=self.model, choices=[choice],
-                          usage=usage_of(finish))
+                          usage=usage_of(finish), cascade=self.cascade)

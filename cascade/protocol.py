@@ -46,6 +46,8 @@ class CascadeOptions(BaseModel):
 
     mode: Literal["auto", "local", "cloud"] | None = None
     offline: Literal["queue", "local", "fail"] | None = None
+    hint: Literal["easy", "hard"] | None = None  # the app's own judgement of the request
+    latency_budget_s: Annotated[float, Field(gt=0)] | None = None  # for the overflow rule
 
 
 class _SamplingFields(BaseModel):
@@ -189,6 +191,7 @@ class ChatCompletion(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    cascade: dict[str, Any] | None = None  # which tier answered and why (edge agent)
 
 
 class DeltaMessage(BaseModel):
@@ -210,6 +213,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    cascade: dict[str, Any] | None = None  # on the final chunk
 
 
 class CompletionLogprobs(BaseModel):
@@ -235,6 +239,7 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    cascade: dict[str, Any] | None = None
 
 
 class ModelCard(BaseModel):

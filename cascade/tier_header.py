@@ -6,7 +6,8 @@ TIER_HEADER = "X-Cascade-Tier"
 
 
 class TierHeader:
-    """Pure ASGI middleware: every HTTP response says which tier answered. (Not
+    """Pure ASGI middleware: every HTTP response says which tier answered, unless the handler
+    already did (an edge agent relaying the cloud's answer). (Not
     BaseHTTPMiddleware, which would get in the way of cancelling a stream on disconnect.)"""
 
     def __init__(self, app, tier: str):
@@ -19,8 +20,9 @@ class TierHeader:
 
         async def send_with_tier(message):
             if message["type"] == "http.response.start":
-                headers = [h for h in message.get("headers", []) if h[0] != self.header[0]]
-                message = {**message, "headers": [*headers, self.header]}
+                headers = message.get("headers", [])
+                if not any(h[0].lower() == self.header[0] for h in headers):  # a handler may say another tier
+                    message = {**message, "headers": [*headers, self.header]}
             await send(message)
 
         await self.app(scope, receive, send_with_tier)

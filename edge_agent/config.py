@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,7 +58,34 @@ class QueueConfig:
 class UpstreamConfig:
     url: str = ""  # the cloud tier (any OpenAI-compatible base URL); empty: edge only
     api_key: str = ""
+    model: str = ""  # the model to ask for upstream; "": the name the app used
     timeout_s: float = 60.0
+
+
+@dataclass
+class CascadeConfig:
+    """When the agent escalates to ``[upstream]`` (see cascade/policy). Written by
+    ``cascade calibrate``; every key also from CASCADE_EDGE_CASCADE_<KEY>."""
+
+    mode: str = "auto"  # default per request: auto | local | cloud
+    offline: str = "local"  # when the cloud cannot be reached: queue | local | fail
+    device: str = ""  # this device's name, sent upstream as X-Cascade-Device
+    hold_tokens: int = 16  # K: tokens judged (and held back when streaming) before committing locally
+    min_mean_logprob: float = -math.inf  # low confidence: mean logprob of the first K tokens below this
+    min_token_logprob: float = -math.inf  # ... or any of them below this
+    max_mean_entropy: float = math.inf  # ... or their mean entropy (nats) above this
+    max_prompt_tokens: int = 0  # hard: prompts longer than this go up (0: only the context limits)
+    difficulty_threshold: float = 1.01  # hard: learned difficulty above this goes up (> 1: off)
+    difficulty_model: str = ""  # JSON written by `cascade calibrate`
+    latency_budget_s: float = 0.0  # overflow: default budget per request (0: none)
+
+    def __post_init__(self):
+        if self.mode not in ("auto", "local", "cloud"):
+            raise ValueError(f"mode must be auto, local or cloud, got {self.mode!r}")
+        if self.offline not in ("queue", "local", "fail"):
+            raise ValueError(f"offline must be queue, local or fail, got {self.offline!r}")
+        if self.hold_tokens < 1:
+            raise ValueError("hold_tokens must be >= 1")
 
 
 @dataclass
@@ -66,6 +94,7 @@ class EdgeConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
+    cascade: CascadeConfig = field(default_factory=CascadeConfig)
 
     @classmethod
     def load(cls, path=None, overrides=None, environ=None) -> EdgeConfig:

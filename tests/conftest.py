@@ -60,6 +60,14 @@ class Server:
         self._log_file.close()
 
 
+def create_key(home: Path, *args: str) -> str:
+    """`cascade cloud keys create ...` in ``home``: the new key (its last line of output)."""
+    out = subprocess.run([sys.executable, "-m", "cascade.cli", "cloud", "keys", "create", *args],
+                         env={**os.environ, "CASCADE_HOME": str(home)}, cwd=REPO, capture_output=True,
+                         text=True, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
 class Agent(Server):
     """A `cascade edge run` process."""
 

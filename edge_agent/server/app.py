@@ -18,9 +18,11 @@ from cascade.errors import install_error_handlers
 from cascade.tier_header import TierHeader
 from edge_agent.backends.base import Backend
 from edge_agent.config import EdgeConfig
+from edge_agent.server.escalation import Escalator
 from edge_agent.server.metrics import EdgeMetrics
 from edge_agent.server.routes import router, v1
 from edge_agent.server.service import EdgeService
+from edge_agent.upstream import Upstream
 from model_distribution.catalog import PACKAGED, Catalog, ModelInfo
 
 log = logging.getLogger(__name__)
@@ -60,10 +62,14 @@ def build_app(config: EdgeConfig, catalog: Catalog | None = None) -> FastAPI:
         info, backends = await asyncio.to_thread(load_backends, config, catalog)
         svc = EdgeService(config, backends, model_names(info), EdgeMetrics())
         svc.metrics.observe_queue(svc.pool)
+        upstream = Upstream(config.upstream, config.cascade.device) if config.upstream.url else None
         app.state.service = svc
+        app.state.escalator = Escalator(config.cascade, svc, upstream)
         try:
             yield
         finally:
+            if upstream is not None:
+                await upstream.close()
             svc.close()
 
     app = FastAPI(title="cascade edge agent", lifespan=lifespan)

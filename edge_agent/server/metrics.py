@@ -20,6 +20,11 @@ class EdgeMetrics:
         self.cached_prompt_tokens = Counter("cascade_edge_cached_prompt_tokens_total",
                                             "Prompt tokens reused from the slot's KV cache", registry=r)
         self.generation_tokens = Counter("cascade_edge_generation_tokens_total", "Tokens generated", registry=r)
+        self.decisions = Counter("cascade_edge_decisions_total", "Who answered (edge, cloud, reject) and why",
+                                 ["tier", "reason"], registry=r)
+        self.hold_back = Histogram("cascade_edge_hold_back_seconds",
+                                   "Time spent holding back the first K tokens to judge confidence",
+                                   buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10), registry=r)
         self.queue_waiting = Gauge("cascade_edge_queue_waiting", "Requests waiting for a slot", registry=r)
         self.slots_busy = Gauge("cascade_edge_slots_busy", "Slots generating now", registry=r)
         self.slots_total = Gauge("cascade_edge_slots_total", "Slots (parallel generations)", registry=r)

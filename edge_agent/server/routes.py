@@ -11,13 +11,18 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from cascade.api import openai_response, parse_body, read_json, require_api_key
 from cascade.openai_format import ChatFormatter, CompletionFormatter
 from cascade.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from edge_agent.server.service import EdgeService, Job
+from edge_agent.server.escalation import Escalator, Routed
+from edge_agent.server.service import EdgeService
 
 log = logging.getLogger(__name__)
 
 
 def service(request: Request) -> EdgeService:
     return request.app.state.service
+
+
+def escalator(request: Request) -> Escalator:
+    return request.app.state.escalator
 
 
 router = APIRouter()
@@ -28,8 +33,11 @@ v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 @router.get("/health")
 async def healthz(request: Request):
     svc = service(request)
+    up = escalator(request).upstream
     return {"status": "ok", "tier": "edge", "model": svc.model_id,
-            "slots": {"total": svc.pool.size, "busy": svc.pool.busy, "waiting": svc.pool.waiting}}
+            "slots": {"total": svc.pool.size, "busy": svc.pool.busy, "waiting": svc.pool.waiting},
+            "upstream": None if up is None else {"url": up.base_url, "circuit": up.breaker.state,
+                                                 "retry_after_s": round(up.breaker.retry_after_s(), 3)}}
 
 
 @router.get("/metrics")
@@ -60,26 +68,34 @@ async def get_model(request: Request, model: str) -> ModelCard:
 @v1.post("/chat/completions")
 async def chat_completions(request: Request):
     svc = service(request)
-    req = parse_body(ChatCompletionRequest, await read_json(request, request.app.state.config.server.max_body_bytes))
-    job = svc.chat_job(req)
-    fmt = ChatFormatter(svc.model_id, req.logprobs)
-    return await _respond(request, svc, job, fmt, "chat", req.stream, req.include_usage_in_stream())
+    body = await read_json(request, request.app.state.config.server.max_body_bytes)
+    req = parse_body(ChatCompletionRequest, body)
+    svc.check_model(req.model)
+    text = "\n".join(m.text() for m in req.messages)
+    routed = await escalator(request).route(req, "chat", body, lambda: svc.chat_job(req), text)
+    fmt = ChatFormatter(routed.model or svc.model_id, req.logprobs)
+    return await _respond(request, svc, routed, fmt, "chat", req.stream, req.include_usage_in_stream())
 
 
 @v1.post("/completions")
 async def completions(request: Request):
     svc = service(request)
-    req = parse_body(CompletionRequest, await read_json(request, request.app.state.config.server.max_body_bytes))
-    job = svc.completion_job(req)
-    fmt = CompletionFormatter(svc.model_id, req.logprobs)
-    return await _respond(request, svc, job, fmt, "completions", req.stream, req.include_usage_in_stream())
+    body = await read_json(request, request.app.state.config.server.max_body_bytes)
+    req = parse_body(CompletionRequest, body)
+    svc.check_model(req.model)
+    text = req.prompt if isinstance(req.prompt, str) else ""
+    routed = await escalator(request).route(req, "completions", body, lambda: svc.completion_job(req), text)
+    fmt = CompletionFormatter(routed.model or svc.model_id, req.logprobs)
+    return await _respond(request, svc, routed, fmt, "completions", req.stream, req.include_usage_in_stream())
 
 
-async def _respond(request: Request, svc: EdgeService, job: Job, fmt, endpoint: str, stream: bool,
+async def _respond(request: Request, svc: EdgeService, routed: Routed, fmt, endpoint: str, stream: bool,
                    include_usage: bool):
-    reservation = svc.admit()  # 429 now, before any byte of a response is sent
+    fmt.cascade = routed.cascade_field
 
     def count(status: str) -> None:
         svc.metrics.requests.labels(endpoint=endpoint, status=status).inc()
 
-    return await openai_response(request, svc.run(job, reservation), fmt, stream, include_usage, count)
+    resp = await openai_response(request, routed.events, fmt, stream, include_usage, count)
+    resp.headers.update(routed.headers)
+    return resp

@@ -45,6 +45,7 @@ class EdgeService:
         self.metrics = metrics
         self.pool: SlotPool[Backend] = SlotPool(backends, config.queue.max_waiting)
         self.description = backends[0].description
+        self.decode_tok_s = 0.0  # moving average of one slot's decode speed (0: not measured yet)
 
     @property
     def model_id(self) -> str:
@@ -161,7 +162,7 @@ class EdgeService:
         thread = threading.Thread(target=work, name="edge-generate", daemon=True)
         thread.start()
         m = self.metrics
-        last = None
+        first = last = None
         try:
             while True:
                 event = await events.get()
@@ -172,9 +173,13 @@ class EdgeService:
                     m.prompt_tokens.inc(event.prompt_tokens)
                     m.cached_prompt_tokens.inc(event.cached_tokens)
                     m.e2e.observe(t - job.arrived)
+                    if first is not None and last is not None and last > first and event.completion_tokens > 1:
+                        rate = (event.completion_tokens - 1) / (last - first)
+                        self.decode_tok_s = rate if not self.decode_tok_s else 0.8 * self.decode_tok_s + 0.2 * rate
                 else:
                     m.generation_tokens.inc()
                     if last is None:
+                        first = t
                         m.ttft.observe(t - job.arrived)
                     else:
                         m.itl.observe(t - last)

@@ -8,8 +8,6 @@ import concurrent.futures
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -17,7 +15,7 @@ import openai
 import pytest
 
 from cloud_tier.engine import SamplingParams
-from tests.conftest import REPO, Server
+from tests.conftest import Server, create_key
 
 MODEL = "smollm2-135m"
 QUESTION = [{"role": "user", "content": "Which city is the capital of France?"}]
@@ -25,13 +23,6 @@ QUESTION = [{"role": "user", "content": "Which city is the capital of France?"}]
 # admission control is reachable with short requests; a short TTFT objective so that a
 # request that cannot start is refused in seconds.
 SMALL_KV = str(16 << 20)
-
-
-def create_key(home, *args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "cascade.cli", "cloud", "keys", "create", *args],
-                         env={**os.environ, "CASCADE_HOME": str(home)}, cwd=REPO, capture_output=True,
-                         text=True, check=True)
-    return out.stdout.strip().splitlines()[-1]
 
 
 @pytest.fixture(scope="module")

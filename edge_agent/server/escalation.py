@@ -1,0 +1,189 @@
+"""Where a request is answered: the cascade's decision (cascade/policy) wired to the local
+backend and the upstream client. Routing happens before any byte goes to the app, so the
+headers (``X-Cascade-Tier``, ``X-Cascade-Reason``) are always true: a cloud request is started
+(and its refusal known) first, and in auto mode the local answer's first K tokens are held back
+and judged before anything of it is released."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from cascade import errors
+from cascade.generation import Finish, TokenEvent
+from cascade.policy.confidence import Confidence, ConfidenceConfig
+from cascade.policy.decide import Decision, PolicyConfig, RequestSignals, after_local, decide
+from cascade.policy.hard import DifficultyModel, HardConfig, features
+from cascade.policy.overflow import LoadSignals
+from edge_agent.config import CascadeConfig
+from edge_agent.server.service import EdgeService, Job
+from edge_agent.upstream import Upstream, UpstreamRefused, UpstreamUnavailable
+
+log = logging.getLogger(__name__)
+
+
+def policy_config(c: CascadeConfig) -> PolicyConfig:
+    model = DifficultyModel()
+    if c.difficulty_model:
+        model = DifficultyModel.from_json(json.loads(Path(c.difficulty_model).expanduser().read_text()))
+    return PolicyConfig(
+        hard=HardConfig(max_prompt_tokens=c.max_prompt_tokens, threshold=c.difficulty_threshold, model=model),
+        confidence=ConfidenceConfig(window=c.hold_tokens, min_mean_logprob=c.min_mean_logprob,
+                                    min_token_logprob=c.min_token_logprob, max_mean_entropy=c.max_mean_entropy),
+        latency_budget_s=c.latency_budget_s, default_mode=c.mode, default_offline=c.offline)
+
+
+@dataclass
+class Routed:
+    """A request's answer, as events, and who gives it and why."""
+
+    events: AsyncIterator[TokenEvent | Finish]
+    tier: str
+    reason: str
+    degraded: bool = False
+    model: str | None = None  # the cloud's model name when it answers
+    info: dict = field(default_factory=dict)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        h = {"X-Cascade-Tier": self.tier, "X-Cascade-Reason": self.reason}
+        if self.degraded:
+            h["X-Cascade-Degraded"] = "true"
+        return h
+
+    @property
+    def cascade_field(self) -> dict:
+        return {"tier": self.tier, "reason": self.reason, "degraded": self.degraded, **self.info}
+
+
+async def _chain(held: list, rest: AsyncIterator) -> AsyncIterator:
+    try:
+        for ev in held:
+            yield ev
+            if isinstance(ev, Finish):
+                return
+        async for ev in rest:
+            yield ev
+    finally:
+        await rest.aclose()
+
+
+class Escalator:
+    def __init__(self, config: CascadeConfig, service: EdgeService, upstream: Upstream | None):
+        self.config = config
+        self.policy = policy_config(config)
+        self.service = service
+        self.upstream = upstream
+
+    def signals(self, req, job: Job | None, prompt_text: str, prompt_tokens: int) -> RequestSignals:
+        opts = req.cascade
+        svc = self.service
+        pool = svc.pool
+        max_tokens = job.options.max_tokens if job else (req.token_limit() or 0)
+        load = LoadSignals(waiting=pool.waiting, free_slots=pool.size - pool.busy, service_time_s=pool.mean_service_s,
+                           decode_tok_s=svc.decode_tok_s, max_tokens=max_tokens)
+        return RequestSignals(
+            prompt_tokens=prompt_tokens, max_tokens=max_tokens, n_ctx=svc.description.n_ctx,
+            mode=(opts.mode if opts and opts.mode else self.config.mode),
+            offline=(opts.offline if opts and opts.offline else self.config.offline),
+            hint=opts.hint if opts else None,
+            difficulty=self.policy.hard.model.score(features(prompt_text)) if self.policy.hard.model.weights else 0.0,
+            load=load, latency_budget_s=opts.latency_budget_s if opts else None,
+            upstream=self.upstream is not None,
+            cloud_available=self.upstream.available if self.upstream else False)
+
+    async def route(self, req, endpoint: str, body: dict, make_job, prompt_text: str) -> Routed:
+        """``make_job()`` builds the local job (it raises 400 when the prompt cannot run here)."""
+        job, too_long_locally = None, None
+        try:
+            job = make_job()
+            n_prompt = len(job.prompt_tokens)
+        except errors.APIError as e:
+            if e.code != "context_length_exceeded" or self.upstream is None:
+                raise
+            too_long_locally, n_prompt = e, self.service.description.n_ctx
+        signals = self.signals(req, job, prompt_text, n_prompt)
+        decision = decide(signals, self.policy)
+        if decision.tier == "cloud":
+            try:
+                return await self._cloud(endpoint, body, decision.reason)
+            except UpstreamUnavailable as e:
+                decision = decide(replace(signals, cloud_available=False), self.policy)
+                log.warning("escalation failed (%s); %s: %s", e, decision.tier, decision.reason)
+        if decision.tier == "reject":
+            self._count(decision)
+            retry = self.upstream.breaker.retry_after_s() if self.upstream else 1.0
+            raise errors.APIError(decision.status, "The cloud tier cannot be reached and this request cannot be "
+                                  "answered on the device.", "server_error", code="cloud_unavailable",
+                                  headers={"Retry-After": str(max(1, round(retry))),
+                                           "X-Cascade-Reason": decision.reason})
+        if job is None:  # too long for this device, and kept here (mode local)
+            raise too_long_locally
+        return await self._local(job, decision, endpoint, body)
+
+    async def _cloud(self, endpoint: str, body: dict, reason: str, draft: str | None = None) -> Routed:
+        try:
+            esc = await self.upstream.escalate(endpoint, body, reason, draft)
+        except UpstreamRefused as e:
+            raise errors.APIError(e.status, f"The cloud tier refused the request: {e.body[:300]}",
+                                  code="upstream_refused") from e
+        self._count(Decision("cloud", reason))
+        return Routed(esc.events, "cloud", reason, model=esc.model or None)
+
+    async def _local(self, job: Job, decision: Decision, endpoint: str, body: dict) -> Routed:
+        svc = self.service
+        try:
+            reservation = svc.admit()
+        except errors.APIError:  # the queue is full: the cloud may take it instead
+            if decision.reason != "easy" or self.upstream is None or not self.upstream.available:
+                raise
+            try:
+                return await self._cloud(endpoint, body, "overflow")
+            except UpstreamUnavailable:
+                raise errors.too_many_requests("The edge agent's queue is full and the cloud cannot be "
+                                               "reached; retry later.", svc.pool.predicted_wait_s(),
+                                               "queue_full") from None
+        events = svc.run(job, reservation)
+        if not decision.check_confidence or self.upstream is None:
+            self._count(decision)
+            return Routed(events, "edge", decision.reason, decision.degraded)
+        started = time.perf_counter()
+        conf = Confidence(window=self.policy.confidence.window)
+        held: list = []
+        try:
+            async for ev in events:
+                held.append(ev)
+                if isinstance(ev, Finish):
+                    break
+                conf.add(ev.logprob, ev.entropy)
+                if conf.full:
+                    break
+        except BaseException:
+            await events.aclose()
+            raise
+        svc.metrics.hold_back.observe(time.perf_counter() - started)
+        info = {"confidence": conf.as_dict()}
+        after = after_local(conf, self.policy.confidence, self.upstream.available)
+        if after is not None and after.tier == "cloud":
+            draft = "".join(e.text for e in held if isinstance(e, TokenEvent))
+            try:
+                routed = await self._cloud(endpoint, body, after.reason, draft)
+            except UpstreamUnavailable as e:
+                log.warning("low-confidence escalation failed: %s; answering locally", e)
+                after = Decision("edge", "low_confidence_cloud_unavailable", degraded=True)
+            else:
+                await events.aclose()  # nothing of the local answer was released
+                routed.info = info
+                return routed
+        final = after or decision
+        self._count(final)
+        return Routed(_chain(held, events), "edge", final.reason, final.degraded, info=info)
+
+    def _count(self, d: Decision) -> None:
+        self.service.metrics.decisions.labels(d.tier, d.reason).inc()
+
+

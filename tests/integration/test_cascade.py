@@ -1,0 +1,146 @@
+"""The cascade end to end on loopback: a real edge agent (SmolLM2 Q4 on llama.cpp) in front of
+a real cloud tier (`cascade cloud serve --both 1`), through the official openai client."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import Agent, Server, create_key, free_port
+
+MODEL = "smollm2-135m"
+EASY = [{"role": "user", "content": "Which city is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def cloud(engine_home, smollm2_engine):
+    g = Server(engine_home, ["cloud", "serve"], "--both", "1", "--prefill", "0", "--decode", "0",
+               "--model", MODEL, "--max-model-len", "1024", "--kv-cache-bytes", str(64 << 20)).wait_healthy(300)
+    yield g
+    g.stop()
+
+
+def agent_env(cloud, key: str, **cascade) -> dict:
+    env = {"CASCADE_EDGE_UPSTREAM_URL": cloud.url if cloud else f"http://127.0.0.1:{free_port()}",
+           "CASCADE_EDGE_UPSTREAM_API_KEY": key, "CASCADE_EDGE_UPSTREAM_TIMEOUT_S": "60"}
+    env.update({f"CASCADE_EDGE_CASCADE_{k.upper()}": str(v) for k, v in cascade.items()})
+    return env
+
+
+@pytest.fixture(scope="module")
+def edge(engine_home, cloud):
+    key = create_key(engine_home, "--tenant", "fleet", "--device", "kiosk-1")
+    a = Agent(engine_home, "--n-ctx", "512", "--threads", "1",
+              env=agent_env(cloud, key, device="kiosk-1")).wait_healthy()
+    yield a
+    a.stop()
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def ask(server, messages=EASY, cascade=None, **kw):
+    extra = {"cascade": cascade} if cascade else None
+    return client(server).chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=kw.pop("max_tokens", 16), temperature=0, extra_body=extra, **kw)
+
+
+def test_an_easy_request_is_answered_on_the_edge(edge):
+    r = ask(edge)
+    assert (r.headers["x-cascade-tier"], r.headers["x-cascade-reason"]) == ("edge", "easy")
+    body = r.parse()
+    assert "Paris" in body.choices[0].message.content
+    assert body.model_extra["cascade"]["tier"] == "edge"
+
+
+def test_a_forced_request_is_answered_by_the_cloud_streamed_with_the_tier_in_the_last_chunk(edge, cloud):
+    r = ask(edge, cascade={"mode": "cloud"})
+    assert (r.headers["x-cascade-tier"], r.headers["x-cascade-reason"]) == ("cloud", "forced")
+    stream = client(edge).chat.completions.create(model=MODEL, messages=EASY, max_tokens=16, temperature=0,
+                                                  stream=True, extra_body={"cascade": {"mode": "cloud"}})
+    chunks = list(stream)
+    final = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert final.model_extra["cascade"] == {"tier": "cloud", "reason": "forced", "degraded": False}
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r.parse().choices[0].message.content
+    hard = ask(edge, cascade={"hint": "hard"})
+    assert hard.headers["x-cascade-reason"] == "hint" and hard.headers["x-cascade-tier"] == "cloud"
+
+
+def test_local_mode_never_leaves_the_device(edge):
+    r = ask(edge, cascade={"mode": "local", "hint": "hard"})
+    assert (r.headers["x-cascade-tier"], r.headers["x-cascade-reason"]) == ("edge", "local")
+
+
+def test_a_prompt_too_long_for_the_device_goes_to_the_cloud(edge):
+    long = [{"role": "user", "content": "Summarize: " + "the quick brown fox jumps over the lazy dog. " * 60}]
+    r = ask(edge, long, max_tokens=8)  # ~600 tokens > the agent's 512-token context
+    assert (r.headers["x-cascade-tier"], r.headers["x-cascade-reason"]) == ("cloud", "too_long")
+    with pytest.raises(openai.BadRequestError):  # kept local, it cannot run here
+        ask(edge, long, cascade={"mode": "local"}, max_tokens=8)
+
+
+def test_low_confidence_stream_switches_to_the_cloud_before_releasing_anything(engine_home, cloud):
+    key = create_key(engine_home, "--tenant", "fleet", "--device", "kiosk-2")
+    # every token has logprob < 0: with this threshold the first K tokens always fail
+    a = Agent(engine_home, "--threads", "1", env=agent_env(cloud, key, min_mean_logprob="0.0",
+                                                            hold_tokens="4")).wait_healthy()
+    try:
+        body = {"model": MODEL, "messages": EASY, "max_tokens": 16, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{a.url}/v1/chat/completions", json=body, timeout=120) as r:
+            assert (r.headers["x-cascade-tier"], r.headers["x-cascade-reason"]) == ("cloud", "low_confidence")
+            chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        streamed = "".join((c["choices"][0].get("delta") or {}).get("content") or "" for c in chunks if c["choices"])
+        final = next(c for c in chunks if c["choices"] and c["choices"][0].get("finish_reason"))
+        assert final["cascade"]["tier"] == "cloud" and final["cascade"]["confidence"]["tokens"] == 4
+        # the cloud's own answer, straight from the gateway
+        cloud_client = openai.OpenAI(base_url=f"{cloud.url}/v1", api_key=key, max_retries=0)
+        expected = cloud_client.chat.completions.create(model=MODEL, messages=EASY, max_tokens=16, temperature=0)
+        assert streamed == expected.choices[0].message.content
+        metrics = httpx.get(f"{a.url}/metrics").text
+        assert 'cascade_edge_decisions_total{reason="low_confidence",tier="cloud"} 1.0' in metrics
+        assert "cascade_edge_hold_back_seconds_count 1.0" in metrics
+    finally:
+        a.stop()
+
+
+def test_with_the_cloud_down_requests_are_answered_locally_degraded(engine_home):
+    a = Agent(engine_home, "--threads", "1", env=agent_env(None, "none")).wait_healthy()
+    try:
+        r = ask(a, cascade={"mode": "cloud"})
+        assert (r.headers["x-cascade-tier"], r.headers["x-cascade-reason"]) == ("edge", "cloud_unavailable")
+        assert r.headers["x-cascade-degraded"] == "true"
+        assert r.parse().model_extra["cascade"]["degraded"] is True
+        with pytest.raises(openai.APIStatusError) as e:
+            ask(a, cascade={"mode": "cloud", "offline": "fail"})
+        assert e.value.status_code == 503 and e.value.response.headers.get("retry-after")
+        assert httpx.get(f"{a.url}/healthz").json()["upstream"]["circuit"] in ("open", "half_open")
+        assert ask(a).headers["x-cascade-reason"] == "easy"  # an easy request never notices
+    finally:
+        a.stop()
+
+
+def test_a_429_from_the_cloud_opens_the_circuit_and_a_later_success_closes_it(engine_home, cloud):
+    key = create_key(engine_home, "--tenant", "tiny", "--rps", "0.25")  # one request per 4 s
+    a = Agent(engine_home, "--threads", "1", env=agent_env(cloud, key)).wait_healthy()
+    try:
+        first = ask(a, cascade={"mode": "cloud"})
+        assert first.headers["x-cascade-tier"] == "cloud"
+        second = ask(a, cascade={"mode": "cloud"}, max_tokens=8)  # the bucket is empty: 429 upstream
+        assert (second.headers["x-cascade-tier"], second.headers["x-cascade-reason"]) == ("edge", "cloud_unavailable")
+        health = httpx.get(f"{a.url}/healthz").json()["upstream"]
+        assert health["circuit"] == "open" and health["retry_after_s"] > 0
+        third = ask(a, cascade={"mode": "cloud"}, max_tokens=4)  # still open: not even tried
+        assert third.headers["x-cascade-tier"] == "edge"
+        time.sleep(health["retry_after_s"] + 0.2)
+        probe = ask(a, cascade={"mode": "cloud"}, max_tokens=6)
+        assert probe.headers["x-cascade-tier"] == "cloud"
+        assert httpx.get(f"{a.url}/healthz").json()["upstream"]["circuit"] == "closed"
+    finally:
+        a.stop()
