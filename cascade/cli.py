@@ -59,6 +59,25 @@ def cmd_models_list(args) -> int:
     return 0
 
 
+def cmd_models_quantize(args) -> int:
+    from cascade.config import cascade_home
+    from model_distribution.catalog import Catalog, ModelNotFound
+    from model_distribution.quantize import QuantizeError, quantize
+
+    catalog = Catalog(cascade_home())
+    try:
+        info = catalog.get(args.model)
+        src = catalog.ensure_ready(info)
+        name = args.name or f"{info.name}-{args.type}"
+        dst = quantize(src, catalog.models_dir / f"{name}.gguf", args.type, args.threads)
+    except (ModelNotFound, QuantizeError) as e:
+        print(f"cascade: {e}", file=sys.stderr)
+        return 2
+    print(f"{name}: {dst} ({_size(dst.stat().st_size)}, from {info.name} {info.quantization})")
+    print(name)
+    return 0
+
+
 def _size(n: int) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1000 or unit == "GB":
@@ -111,6 +130,81 @@ def cmd_cloud_serve(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    import asyncio
+    import math
+    from pathlib import Path
+
+    import httpx
+
+    from cascade import calibrate as cal
+    from cascade.config import ConfigError, cascade_home
+    from edge_agent.config import EdgeConfig
+
+    home = cascade_home()
+    config_path = Path(args.config) if args.config else home / "edge.toml"
+    try:
+        edge_cfg = EdgeConfig.load(config_path if config_path.is_file() else None)
+    except ConfigError as e:
+        print(f"cascade: {e}", file=sys.stderr)
+        return 2
+    cloud_url = args.cloud or edge_cfg.upstream.url
+    if not cloud_url:
+        print("cascade: no cloud to compare with: pass --cloud URL or set [upstream] url", file=sys.stderr)
+        return 2
+    key = args.api_key if args.api_key is not None else edge_cfg.upstream.api_key
+    try:
+        edge_model = args.edge_model or httpx.get(f"{args.edge.rstrip('/')}/v1/models", timeout=10).json()["data"][0]["id"]
+        cloud_model = args.cloud_model or edge_cfg.upstream.model or httpx.get(
+            f"{cloud_url.rstrip('/').removesuffix('/v1')}/v1/models", timeout=10,
+            headers={"authorization": f"Bearer {key}"} if key else {}).json()["data"][0]["id"]
+        tasks = cal.load_prompts(args.prompts, args.num_prompts, args.seed)
+        done = [0]
+
+        def tick():
+            done[0] += 1
+            if done[0] % 50 == 0 or done[0] == len(tasks):
+                print(f"  {done[0]}/{len(tasks)} prompts answered by both tiers", file=sys.stderr)
+        samples = asyncio.run(cal.collect(tasks, args.edge, edge_model, cloud_url, cloud_model, key,
+                                          args.max_tokens, args.concurrency, tick))
+    except (httpx.HTTPError, OSError, KeyError, ValueError) as e:
+        print(f"cascade: calibration failed: {e}", file=sys.stderr)
+        return 1
+    calib, held = cal.split(samples, args.holdout, args.seed)
+    results, info = cal.evaluate(calib, held, args.target_escalation)
+    best = max(results, key=lambda r: -1 if math.isnan(r.apgr) else r.apgr)
+    out_dir = home / "calibration"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model_path = out_dir / "difficulty.json"
+    model_path.write_text(json.dumps(info["difficulty_model"], indent=2))
+    updates = {"difficulty_model": str(model_path)}
+    if best.name == "confidence":
+        updates.update(min_mean_logprob=-best.threshold, difficulty_threshold=1.01)
+    else:
+        updates.update(difficulty_threshold=best.threshold, min_mean_logprob=-math.inf)
+    cal.write_config(config_path, updates)
+    plot_path = Path(args.plot) if args.plot else out_dir / "calibration.png"
+    cal.plot(results, info["q_edge"], info["q_cloud"], args.target_escalation, plot_path)
+    (out_dir / "samples.json").write_text(json.dumps(
+        [{"prompt": s.task.prompt, "answer": s.task.answer, "edge": s.edge_text, "cloud": s.cloud_text,
+          "confidence": s.confidence, "edge_score": s.edge_score, "cloud_score": s.cloud_score} for s in samples],
+        indent=1))
+    q_e, q_c = info["q_edge"], info["q_cloud"]
+    print(f"{len(samples)} prompts ({len(calib)} to fit, {len(held)} held out); edge {edge_model} @ {args.edge}, "
+          f"cloud {cloud_model} @ {cloud_url}")
+    print(f"held-out quality: edge only {q_e:.3f}, cloud only {q_c:.3f} (edge keeps {q_e / q_c:.1%} alone)"
+          if q_c else f"held-out quality: edge only {q_e:.3f}, cloud only {q_c:.3f}")
+    print(f"{'signal':12s} {'threshold':>10s} {'escalated':>10s} {'quality kept':>13s} {'APGR':>6s}")
+    for r in results:
+        print(f"{r.name:12s} {r.threshold:10.4f} {r.escalation:10.1%} {r.quality_kept:13.1%} {r.apgr:6.3f}"
+              f"{'  <- written' if r is best else ''}")
+    random_kept = (q_e + args.target_escalation * (q_c - q_e)) / q_c if q_c else float("nan")
+    print(f"{'random':12s} {'':>10s} {args.target_escalation:10.1%} {random_kept:13.1%} {0.5:6.3f}")
+    print(f"wrote [cascade] {', '.join(f'{k}={v}' for k, v in updates.items())} to {config_path}")
+    print(f"plot: {plot_path}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from cascade import demo
 
@@ -142,6 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--json", action="store_true")
     ls.add_argument("--path", action="append", help="another folder to search for .gguf files")
     ls.set_defaults(func=cmd_models_list)
+    qz = models.add_parser("quantize", help="derive a harsher-quantized edge variant with llama.cpp")
+    qz.add_argument("model", help="catalogue name or .gguf path")
+    qz.add_argument("--type", default="q2_k", help="q2_k (default), q3_k_m, q4_0, q4_k_m, q5_k_m, q6_k, q8_0 ...")
+    qz.add_argument("--name", help="the new model's name (default: <model>-<type>)")
+    qz.add_argument("--threads", type=int, default=0)
+    qz.set_defaults(func=cmd_models_quantize)
 
     cloud = sub.add_parser("cloud", help="the cloud tier").add_subparsers(dest="cloud_command", required=True)
     worker = cloud.add_parser("worker", help="one engine behind an OpenAI-compatible API")
@@ -179,6 +279,24 @@ def build_parser() -> argparse.ArgumentParser:
     from cloud_tier.gateway.keys_cli import add_keys_parser
 
     add_keys_parser(cloud)
+
+    calib = sub.add_parser("calibrate", help="choose the cascade's escalation thresholds from a prompt set")
+    calib.add_argument("--prompts", default="tasks", help="tasks (generated, with answers), sharegpt, or a file "
+                       "(JSON lines with prompt/answer, or one prompt per line)")
+    calib.add_argument("--num-prompts", "-n", type=int, default=600)
+    calib.add_argument("--target-escalation", type=float, default=0.3)
+    calib.add_argument("--holdout", type=float, default=0.5, help="share of prompts held out to judge")
+    calib.add_argument("--edge", default="http://127.0.0.1:8081", help="the edge agent to calibrate")
+    calib.add_argument("--edge-model", help="default: the agent's model")
+    calib.add_argument("--cloud", help="the cloud tier's URL (default: [upstream] url)")
+    calib.add_argument("--api-key", help="the cloud key (default: [upstream] api_key)")
+    calib.add_argument("--cloud-model", help="default: [upstream] model, else the edge's model name")
+    calib.add_argument("--config", help="the edge.toml to write (default: $CASCADE_HOME/edge.toml)")
+    calib.add_argument("--plot", help="PNG path (default: $CASCADE_HOME/calibration/calibration.png)")
+    calib.add_argument("--max-tokens", type=int, default=32)
+    calib.add_argument("--concurrency", type=int, default=4)
+    calib.add_argument("--seed", type=int, default=0)
+    calib.set_defaults(func=cmd_calibrate)
 
     demo = sub.add_parser("demo", help="run the scripted end-to-end scenario on this machine")
     demo.add_argument("--port", type=int, default=0, help="edge agent port (0: a free one)")

@@ -1,7 +1,10 @@
-"""``cascade demo``: the product on one machine, as a scripted scenario.
+"""``cascade demo``: the whole chain on one machine, as a scripted scenario.
 
-Today: an edge agent (SmolLM2-135M-Instruct Q4_1 on llama.cpp) in its own process, a few
-requests streamed through its OpenAI-compatible API, its metrics, and how to talk to it.
+A cloud tier (`cascade cloud serve`: gateway + 1 prefill + 1 decode worker, SmolLM2-135M at full
+precision on our engine), an edge agent on a harsher Q2_K variant of the same model (derived
+with `cascade models quantize`, as a fleet ships a smaller model to devices), the agent's
+upstream pointed at the cloud with a device key, then a mix of easy and hard requests, and a
+table of who answered what, why, and how fast.
 """
 
 from __future__ import annotations
@@ -14,13 +17,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import httpx
 
-PROMPTS = [
-    "What is the capital of France? Answer in one sentence.",
-    "Write a haiku about the sea.",
-    "List three uses of a paperclip.",
+# (what the app sends, the cascade options it adds)
+SCRIPT = [
+    ("Which city is the capital of France?", None),
+    ("What is 12 + 30? Answer with just the number.", None),
+    ("Write a haiku about the sea.", None),
+    ("Explain step by step how a transformer computes attention.", {"hint": "hard"}),
+    ("Summarize this log:\n" + "2026-11-30 12:00:01 INFO request served in 42 ms\n" * 40, None),
+    ("Name three primary colors.", {"mode": "cloud"}),
+    ("Say hello to the factory floor.", {"mode": "local"}),
+    ("What is the chemical symbol for gold?", None),
 ]
 
 
@@ -30,80 +40,109 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, what: str, timeout_s: float = 900) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the agent exited with code {proc.returncode}")
+            raise RuntimeError(f"the {what} exited with code {proc.returncode}")
         try:
             if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} did not become healthy in {timeout_s:.0f} s")
+        time.sleep(0.3)
+    raise TimeoutError(f"the {what} at {url} did not become healthy in {timeout_s:.0f} s")
 
 
-def stream_chat(base: str, prompt: str) -> dict:
-    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": 64, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+def stream_chat(base: str, model: str, prompt: str, cascade: dict | None) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 48,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    if cascade:
+        body["cascade"] = cascade
     start = time.perf_counter()
-    first = None
-    usage = {}
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as r:
-        tier = r.headers.get("x-cascade-tier")
+    first, text, usage, final = None, [], {}, {}
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=300) as r:
+        headers = r.headers
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
             usage = chunk.get("usage") or usage
+            final = chunk.get("cascade") or final
             for choice in chunk.get("choices", []):
-                text = choice["delta"].get("content")
-                if text:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
                     first = first or time.perf_counter()
-                    sys.stdout.write(text)
-                    sys.stdout.flush()
+                    text.append(piece)
     total = time.perf_counter() - start
-    print()
-    n = usage.get("completion_tokens", 0)
-    ttft = (first - start) if first else total
-    return {"tier": tier, "tokens": n, "ttft_ms": ttft * 1000,
-            "tok_s": (n - 1) / (total - ttft) if n > 1 and total > ttft else 0.0}
+    return {"tier": headers.get("x-cascade-tier"), "reason": headers.get("x-cascade-reason"),
+            "degraded": headers.get("x-cascade-degraded") == "true", "text": "".join(text).strip(),
+            "tokens": usage.get("completion_tokens", 0), "ttft_ms": ((first or start + total) - start) * 1000,
+            "total_ms": total * 1000, "confidence": final.get("confidence")}
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def main(args) -> int:
-    port = args.port or free_port()
-    base = f"http://127.0.0.1:{port}"
-    home = os.environ.get("CASCADE_HOME") or tempfile.mkdtemp(prefix="cascade-demo-")
+    home = os.environ.get("CASCADE_HOME") or str(Path.home() / ".cascade")
+    work = Path(tempfile.mkdtemp(prefix="cascade-demo-"))
     env = {**os.environ, "CASCADE_HOME": home, "OMP_WAIT_POLICY": "passive",
-           "CASCADE_EDGE_SERVER_LOG_LEVEL": "warning"}
+           "CASCADE_EDGE_SERVER_LOG_LEVEL": "warning", "CASCADE_CLOUD_SERVER_LOG_LEVEL": "warning",
+           "CASCADE_CLOUD_GATEWAY_DB": str(work / "gateway.db")}
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    print(f"== starting the edge agent on {base} (CASCADE_HOME={home})")
-    proc = subprocess.Popen([sys.executable, "-m", "cascade.cli", "--log-level", "WARNING",
-                             "edge", "run", "--port", str(port)], env=env)
+    cli = [sys.executable, "-m", "cascade.cli", "--log-level", "WARNING"]
+
+    print("== deriving the edge model: SmolLM2-135M Q4_1 -> Q2_K (cascade models quantize)")
+    subprocess.run([*cli, "models", "quantize", "smollm2-135m", "--type", "q2_k"], env=env, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    key = subprocess.run([*cli, "cloud", "keys", "create", "--tenant", "demo", "--device", "kiosk-1"], env=env,
+                         check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    cloud_port, edge_port = free_port(), args.port or free_port()
+    cloud_url, edge_url = f"http://127.0.0.1:{cloud_port}", f"http://127.0.0.1:{edge_port}"
+    print(f"== starting the cloud tier on {cloud_url}: gateway + 1 prefill + 1 decode worker "
+          "(first run converts the model, about a minute)")
+    cloud = subprocess.Popen([*cli, "cloud", "serve", "--port", str(cloud_port), "--prefill", "1", "--decode", "1",
+                              "--max-model-len", "2048"], env=env)
+    edge = None
     try:
-        wait_healthy(base, proc)
-        models = httpx.get(f"{base}/v1/models").json()["data"]
-        print(f"== serving {models[0]['id']} ({models[0]['meta']['quantization']}, "
-              f"n_ctx {models[0]['meta']['n_ctx']})\n")
+        wait_healthy(cloud_url, cloud, "cloud tier")
+        print(f"== starting the edge agent on {edge_url}: smollm2-135m-q2_k, n_ctx 512, upstream {cloud_url}")
+        edge_env = {**env, "CASCADE_EDGE_UPSTREAM_URL": cloud_url, "CASCADE_EDGE_UPSTREAM_API_KEY": key,
+                    "CASCADE_EDGE_CASCADE_DEVICE": "kiosk-1"}
+        calibrated = Path(home) / "edge.toml"  # written by `cascade calibrate`, if it has run
+        extra = ["--config", str(calibrated)] if calibrated.is_file() else []
+        if not extra:  # an uncalibrated default: escalate when the first 8 tokens average below -1.2
+            edge_env.update(CASCADE_EDGE_CASCADE_HOLD_TOKENS="8", CASCADE_EDGE_CASCADE_MIN_MEAN_LOGPROB="-1.2")
+        print(f"   thresholds: {calibrated if extra else 'uncalibrated defaults (run cascade calibrate)'}")
+        edge = subprocess.Popen([*cli, "edge", "run", "--port", str(edge_port), "--model", "smollm2-135m-q2_k",
+                                 "--n-ctx", "512", *extra], env=edge_env)
+        wait_healthy(edge_url, edge, "edge agent")
         rows = []
-        for prompt in PROMPTS:
-            print(f"-- user: {prompt}\n-- assistant: ", end="")
-            rows.append((prompt, stream_chat(base, prompt)))
-            print()
-        print(f"{'prompt':<56} {'tier':<5} {'tokens':>6} {'TTFT ms':>8} {'tok/s':>6}")
-        for prompt, r in rows:
-            print(f"{prompt[:55]:<56} {r['tier']:<5} {r['tokens']:>6} {r['ttft_ms']:>8.0f} {r['tok_s']:>6.1f}")
-        print("\nTalk to an agent yourself:")
-        print("  cascade edge run --port 8081 &")
-        print('  python -c "import openai; c = openai.OpenAI(base_url=\'http://127.0.0.1:8081/v1\', '
-              "api_key='none'); print(c.chat.completions.create(model='smollm2-135m', "
-              "messages=[{'role': 'user', 'content': 'Hi'}]).choices[0].message.content)\"")
+        for prompt, options in SCRIPT:
+            first_line = prompt.splitlines()[0]
+            print(f"\n-- app: {first_line[:70]}{' ...' if len(prompt) > 70 else ''}"
+                  f"{'  ' + json.dumps(options) if options else ''}")
+            r = stream_chat(edge_url, "smollm2-135m-q2_k", prompt, options)
+            print(f"-- {r['tier']} ({r['reason']}{', degraded' if r['degraded'] else ''}): {r['text'][:160]}")
+            rows.append((first_line, options, r))
+        print(f"\n{'request':<46} {'answered by':<11} {'why':<18} {'TTFT ms':>8} {'total ms':>9} {'conf':>6}")
+        for first_line, _, r in rows:
+            conf = r["confidence"]["mean_logprob"] if r["confidence"] else float("nan")
+            print(f"{first_line[:45]:<46} {r['tier']:<11} {r['reason']:<18} {r['ttft_ms']:>8.0f} "
+                  f"{r['total_ms']:>9.0f} {conf:>6.2f}")
+        print("\nconf = mean logprob of the edge answer's first K tokens (auto mode holds them back and "
+              "escalates below the threshold; TTFT includes that hold-back).")
+        print("Try it: cascade cloud serve & cascade cloud keys create --tenant me; "
+              "CASCADE_EDGE_UPSTREAM_URL=http://127.0.0.1:8000 CASCADE_EDGE_UPSTREAM_API_KEY=<key> cascade edge run")
         return 0
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        if edge is not None:
+            _stop(edge)
+        _stop(cloud)

@@ -55,6 +55,7 @@ class Upstream:
             headers=headers, timeout=httpx.Timeout(config.timeout_s, connect=min(5.0, config.timeout_s)),
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=16))
         self.breaker = CircuitBreaker()
+        self._cloud_model: str | None = None
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -78,8 +79,7 @@ class Upstream:
         if draft:
             headers["x-cascade-draft"] = json.dumps(draft[:2000])
         payload = {k: v for k, v in body.items() if k != "cascade"}
-        if self.config.model:
-            payload["model"] = self.config.model
+        payload["model"] = await self._model() or payload.get("model")
         payload["stream"] = True
         payload["stream_options"] = {"include_usage": True}
         for attempt in range(retries + 1):
@@ -94,6 +94,20 @@ class Upstream:
                 self.breaker.failure(f"unreachable: {e!r}")
                 raise UpstreamUnavailable(f"the cloud is unreachable: {e!r}") from e
         raise AssertionError("unreachable")
+
+    async def _model(self) -> str | None:
+        """The model to ask for: ``[upstream] model``, else the cloud's first (asked once)."""
+        if self.config.model:
+            return self.config.model
+        if self._cloud_model is None:
+            try:
+                r = await self.client.get(self.base_url + "/models")
+                r.raise_for_status()
+                self._cloud_model = r.json()["data"][0]["id"]
+            except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+                log.warning("cannot list the cloud's models (%s); asking for the app's model name", e)
+                return None
+        return self._cloud_model
 
     async def _open(self, endpoint: str, payload: dict, headers: dict, key: str) -> Escalation:
         req = self.client.build_request("POST", self.base_url + ENDPOINTS[endpoint], json=payload, headers=headers)

@@ -142,6 +142,9 @@ async def generate(request: Request):
     except BaseException:
         await events.aclose()
         raise
+    if await request.is_disconnected():  # the caller left while the prompt ran: stop here
+        await events.aclose()
+        return Response(status_code=499)
     return StreamingResponse(_ndjson(first, events), media_type="application/x-ndjson")
 
 

@@ -55,9 +55,23 @@ class Routed:
             h["X-Cascade-Degraded"] = "true"
         return h
 
-    @property
-    def cascade_field(self) -> dict:
-        return {"tier": self.tier, "reason": self.reason, "degraded": self.degraded, **self.info}
+    def __post_init__(self):
+        # the ``cascade`` field of the final chunk / body; the same dict the formatter holds, so
+        # what is measured while streaming (confidence) lands in it
+        self.cascade_field = {"tier": self.tier, "reason": self.reason, "degraded": self.degraded, **self.info}
+
+
+async def _tracked(events: AsyncIterator, window: int, routed_field: dict) -> AsyncIterator:
+    """Pass events through, recording the confidence of the first ``window`` tokens."""
+    conf = Confidence(window=window)
+    try:
+        async for ev in events:
+            if isinstance(ev, TokenEvent) and not conf.full:
+                conf.add(ev.logprob, ev.entropy)
+                routed_field["confidence"] = conf.as_dict()
+            yield ev
+    finally:
+        await events.aclose()
 
 
 async def _chain(held: list, rest: AsyncIterator) -> AsyncIterator:
@@ -150,7 +164,9 @@ class Escalator:
         events = svc.run(job, reservation)
         if not decision.check_confidence or self.upstream is None:
             self._count(decision)
-            return Routed(events, "edge", decision.reason, decision.degraded)
+            routed = Routed(events, "edge", decision.reason, decision.degraded)
+            routed.events = _tracked(events, self.policy.confidence.window, routed.cascade_field)
+            return routed
         started = time.perf_counter()
         conf = Confidence(window=self.policy.confidence.window)
         held: list = []
@@ -177,7 +193,7 @@ class Escalator:
                 after = Decision("edge", "low_confidence_cloud_unavailable", degraded=True)
             else:
                 await events.aclose()  # nothing of the local answer was released
-                routed.info = info
+                routed.cascade_field.update(info)
                 return routed
         final = after or decision
         self._count(final)

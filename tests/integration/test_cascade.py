@@ -4,13 +4,18 @@ a real cloud tier (`cascade cloud serve --both 1`), through the official openai 
 from __future__ import annotations
 
 import json
+import math
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import Agent, Server, create_key, free_port
+from tests.conftest import REPO, Agent, Server, create_key, free_port
 
 MODEL = "smollm2-135m"
 EASY = [{"role": "user", "content": "Which city is the capital of France?"}]
@@ -144,3 +149,36 @@ def test_a_429_from_the_cloud_opens_the_circuit_and_a_later_success_closes_it(en
         assert httpx.get(f"{a.url}/healthz").json()["upstream"]["circuit"] == "closed"
     finally:
         a.stop()
+
+
+def test_calibrate_writes_thresholds_and_a_plot(engine_home, cloud, edge, tmp_path):
+    key = create_key(engine_home, "--tenant", "calibration")
+    config = tmp_path / "edge.toml"
+    config.write_text('[server]\nport = 8081\n')
+    out = subprocess.run(
+        [sys.executable, "-m", "cascade.cli", "calibrate", "--prompts", "tasks", "-n", "24", "--target-escalation",
+         "0.3", "--edge", edge.url, "--cloud", cloud.url, "--api-key", key, "--config", str(config),
+         "--plot", str(tmp_path / "cal.png"), "--max-tokens", "12"],
+        env={**os.environ, "CASCADE_HOME": str(engine_home)}, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "APGR" in out.stdout and "random" in out.stdout
+    from edge_agent.config import EdgeConfig
+
+    cfg = EdgeConfig.load(config)
+    assert cfg.server.port == 8081  # other sections kept
+    assert cfg.cascade.difficulty_model and Path(cfg.cascade.difficulty_model).is_file()
+    assert cfg.cascade.min_mean_logprob > -math.inf or cfg.cascade.difficulty_threshold <= 1.0
+    assert (tmp_path / "cal.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_models_quantize_derives_a_smaller_edge_variant(engine_home):
+    out = subprocess.run([sys.executable, "-m", "cascade.cli", "models", "quantize", "smollm2-135m", "--type", "q2_k"],
+                         env={**os.environ, "CASCADE_HOME": str(engine_home)}, cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "smollm2-135m-q2_k"
+    listed = subprocess.run([sys.executable, "-m", "cascade.cli", "models", "list", "--json"], cwd=REPO,
+                            env={**os.environ, "CASCADE_HOME": str(engine_home)}, capture_output=True, text=True)
+    models = {m["name"]: m for m in json.loads(listed.stdout)}
+    assert models["smollm2-135m-q2_k"]["quantization"] == "Q2_K"
+    assert models["smollm2-135m-q2_k"]["size_bytes"] < models["smollm2-135m"]["size_bytes"]

@@ -222,8 +222,11 @@ def test_metrics_per_tenant_and_worker(cloud):
 def test_decode_worker_killed_mid_stream_ends_the_stream(cloud, keys):
     """Last in this module: it kills the pair's decode worker."""
     admin = {"authorization": f"Bearer {keys['acme_admin']}"}
-    decode = next(w for w in httpx.get(f"{cloud.url}/v1/admin/workers", headers=admin).json()["data"]
-                  if w["role"] == "decode")
+    workers = httpx.get(f"{cloud.url}/v1/admin/workers", headers=admin).json()["data"]
+    decode = next(w for w in workers if w["role"] == "decode")
+    deadline = time.monotonic() + 30  # once, in a full run, a request of an earlier test was still finishing
+    while httpx.get(f"{decode['url']}/internal/load").json()["running"] and time.monotonic() < deadline:
+        time.sleep(0.5)
     pid = httpx.get(f"{decode['url']}/healthz").json()["pid"]
     c = client(cloud, keys["acme"])
     stream = c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=200, temperature=0,
@@ -248,3 +251,4 @@ def test_decode_worker_killed_mid_stream_ends_the_stream(cloud, keys):
     with pytest.raises(openai.APIStatusError) as e:  # nowhere to run it: a clear 503, not a hang
         c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0.5)
     assert e.value.status_code == 503
+
