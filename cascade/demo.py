@@ -63,6 +63,12 @@ def stream_chat(base: str, model: str, prompt: str, cascade: dict | None) -> dic
     first, text, usage, final = None, [], {}, {}
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=300) as r:
         headers = r.headers
+        if r.status_code != 200:
+            r.read()
+            message = r.json().get("error", {}).get("message", r.text) if r.text.startswith("{") else r.text
+            return {"tier": headers.get("x-cascade-tier", "-"), "reason": f"HTTP {r.status_code}", "degraded": False,
+                    "text": message, "tokens": 0, "ttft_ms": float("nan"),
+                    "total_ms": (time.perf_counter() - start) * 1000, "confidence": None}
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -102,7 +108,8 @@ def main(args) -> int:
     print("== deriving the edge model: SmolLM2-135M Q4_1 -> Q2_K (cascade models quantize)")
     subprocess.run([*cli, "models", "quantize", "smollm2-135m", "--type", "q2_k"], env=env, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    key = subprocess.run([*cli, "cloud", "keys", "create", "--tenant", "demo", "--device", "kiosk-1"], env=env,
+    key = subprocess.run([*cli, "cloud", "keys", "create", "--tenant", "demo", "--device", "kiosk-1",
+                          "--db", str(work / "gateway.db")], env=env,
                          check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
     cloud_port, edge_port = free_port(), args.port or free_port()
     cloud_url, edge_url = f"http://127.0.0.1:{cloud_port}", f"http://127.0.0.1:{edge_port}"
@@ -135,7 +142,7 @@ def main(args) -> int:
         print(f"\n{'request':<46} {'answered by':<11} {'why':<18} {'TTFT ms':>8} {'total ms':>9} {'conf':>6}")
         for first_line, _, r in rows:
             conf = r["confidence"]["mean_logprob"] if r["confidence"] else float("nan")
-            print(f"{first_line[:45]:<46} {r['tier']:<11} {r['reason']:<18} {r['ttft_ms']:>8.0f} "
+            print(f"{first_line[:45]:<46} {r['tier'] or '-':<11} {r['reason'] or '-':<18} {r['ttft_ms']:>8.0f} "
                   f"{r['total_ms']:>9.0f} {conf:>6.2f}")
         print("\nconf = mean logprob of the edge answer's first K tokens (auto mode holds them back and "
               "escalates below the threshold; TTFT includes that hold-back).")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import string
+import unicodedata
 from collections import Counter
 from dataclasses import dataclass
 
@@ -13,6 +14,8 @@ _NUM = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def normalize(text: str) -> str:
+    """Lower case, no accents (Bogotá = Bogota), no punctuation but '.' and '-', single spaces."""
+    text = "".join(c for c in unicodedata.normalize("NFKD", text) if not unicodedata.combining(c))
     text = text.lower().translate(_PUNCT)
     return " ".join(text.split())
 

@@ -116,7 +116,12 @@ class Upstream:
             text = (await resp.aread()).decode("utf-8", "replace")[:500]
             await resp.aclose()
             retry_after = _retry_after(resp.headers.get("retry-after"))
-            if resp.status_code == 429 or resp.status_code >= 500:
+            if resp.status_code in (401, 403, 404) or resp.status_code == 429 or resp.status_code >= 500:
+                # 429/5xx: the cloud is busy or down; 401/403/404: this agent's upstream key or
+                # model is misconfigured, not the app's request: either way, serve it another way
+                if resp.status_code in (401, 403, 404):
+                    log.error("the cloud refused this agent (%d): check [upstream] api_key and model: %s",
+                              resp.status_code, text[:200])
                 self.breaker.failure(f"HTTP {resp.status_code}", retry_after)
                 raise UpstreamUnavailable(f"the cloud answered {resp.status_code}: {text}", resp.status_code,
                                           retry_after)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -12,7 +13,9 @@ def _store(args):
     from cascade.config import cascade_home
     from cloud_tier.gateway.keys import KeyStore
 
-    path = Path(args.db) if args.db else cascade_home() / "cloud" / "gateway.db"
+    # the same file the gateway opens: --db, else [gateway] db from the environment, else the default
+    default = os.environ.get("CASCADE_CLOUD_GATEWAY_DB") or cascade_home() / "cloud" / "gateway.db"
+    path = Path(args.db) if args.db else Path(default)
     path.parent.mkdir(parents=True, exist_ok=True)
     return KeyStore(path)
 

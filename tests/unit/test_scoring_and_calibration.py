@@ -16,7 +16,7 @@ from cascade.tasks import generate
     ("42", "42", True, True), ("The answer is 42.", "42", True, True), ("41", "42", True, False),
     ("-7", "-7", True, True), ("1,200 grams", "1200", True, True),
     ("Paris.", "Paris", False, True), ("The capital is Paris", "paris", False, True),
-    ("Parisian food", "Paris", False, False), ("Buenos Aires!", "Buenos Aires", False, True),
+    ("Parisian food", "Paris", False, False), ("The capital is Bogotá.", "Bogota", False, True), ("Buenos Aires!", "Buenos Aires", False, True),
     ("APPLE", "APPLE", False, True), ("apple", "APPLE", False, False),
     ("Au\nmore text", "Au", False, True), ("", "Au", False, False),
 ])
