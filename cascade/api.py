@@ -6,10 +6,11 @@ import asyncio
 import hmac
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
@@ -134,3 +135,19 @@ async def _sse(events: AsyncIterator, fmt, include_usage: bool, count: Callable[
         await events.aclose()
         count(status)
     yield DONE
+
+
+def build_openai_app(title: str, lifespan, config, tier: str, *routers) -> FastAPI:
+    """The shell every one of our servers shares: OpenAI error bodies, ``config`` and the start
+    time on ``app.state``, the routers, and ``X-Cascade-Tier`` on every response."""
+    from cascade.errors import install_error_handlers
+    from cascade.tier_header import TierHeader
+
+    app = FastAPI(title=title, lifespan=lifespan)
+    app.state.config = config
+    app.state.started = int(time.time())
+    install_error_handlers(app)
+    for r in routers:
+        app.include_router(r)
+    app.add_middleware(TierHeader, tier=tier)
+    return app

@@ -6,16 +6,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
 from fastapi import FastAPI
 
+from cascade.api import build_openai_app
 from cascade.config import cascade_home
-from cascade.errors import install_error_handlers
-from cascade.tier_header import TierHeader
 from cloud_tier.config import CloudConfig
 from cloud_tier.gateway.keys import KeyStore
 from cloud_tier.gateway.routes import admin, router, v1
@@ -70,15 +68,7 @@ def build_app(config: CloudConfig, worker_urls: list[str]) -> FastAPI:
             idem.close()
             keys.close()
 
-    app = FastAPI(title="cascade cloud gateway", lifespan=lifespan)
-    app.state.config = config
-    app.state.started = int(time.time())
-    install_error_handlers(app)
-    app.include_router(router)
-    app.include_router(v1)
-    app.include_router(admin)
-    app.add_middleware(TierHeader, tier="cloud")
-    return app
+    return build_openai_app("cascade cloud gateway", lifespan, config, "cloud", router, v1, admin)
 
 
 async def _collect(idem: IdempotencyStore, every_s: float = 600.0) -> None:

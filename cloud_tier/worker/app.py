@@ -4,14 +4,12 @@ starts the engine thread; handlers read the service from ``app.state``."""
 from __future__ import annotations
 
 import asyncio
-import time
 from contextlib import asynccontextmanager
 
 import httpx
 from fastapi import FastAPI
 
-from cascade.errors import install_error_handlers
-from cascade.tier_header import TierHeader
+from cascade.api import build_openai_app
 from cloud_tier.config import CloudConfig
 from cloud_tier.disagg.decode import DecodeService
 from cloud_tier.disagg.prefill import PrefillService
@@ -66,12 +64,4 @@ def build_app(config: CloudConfig) -> FastAPI:
             await client.aclose()
             async_engine.shutdown()
 
-    app = FastAPI(title="cascade cloud worker", lifespan=lifespan)
-    app.state.config = config
-    app.state.started = int(time.time())
-    install_error_handlers(app)
-    app.include_router(router)
-    app.include_router(v1)
-    app.include_router(internal)
-    app.add_middleware(TierHeader, tier="cloud")
-    return app
+    return build_openai_app("cascade cloud worker", lifespan, config, "cloud", router, v1, internal)

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from cascade.api import build_openai_app
 from cascade.config import cascade_home
-from cascade.errors import install_error_handlers
-from cascade.tier_header import TierHeader
 from edge_agent.backends.base import Backend
 from edge_agent.config import EdgeConfig
 from edge_agent.server.escalation import Escalator
@@ -72,11 +70,4 @@ def build_app(config: EdgeConfig, catalog: Catalog | None = None) -> FastAPI:
                 await upstream.close()
             svc.close()
 
-    app = FastAPI(title="cascade edge agent", lifespan=lifespan)
-    app.state.config = config
-    app.state.started = int(time.time())
-    install_error_handlers(app)
-    app.include_router(router)
-    app.include_router(v1)
-    app.add_middleware(TierHeader, tier="edge")
-    return app
+    return build_openai_app("cascade edge agent", lifespan, config, "edge", router, v1)
