@@ -1,0 +1,181 @@
+"""Store-and-forward: the loop that empties the outbox into the cloud when it can be reached.
+
+Each round claims a batch of requests (the head of each session, so a session's order holds
+while different sessions go out side by side), sends them at once, and records every outcome in
+one transaction: the response into the inbox (``done``), a refusal as ``failed``, a passing
+failure back to ``queued`` with exponential backoff and jitter. Whether the cloud can be reached
+is learnt from these real attempts, kept in the circuit breaker the cascade's back-pressure
+shares: while it is open nothing is sent; when its time is up one cheap probe decides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from cascade.policy.backpressure import CircuitBreaker
+from sync.queue import Item, Kind, OfflineQueue
+
+log = logging.getLogger(__name__)
+
+# answers that say nothing about the request itself: send it again later
+_PASSING = {408, 409, 425, 429}
+# answers that say the cloud (or this device's access to it) is not usable now
+_UNAVAILABLE = {401, 403, 404, 429}
+
+
+@dataclass
+class Outcome:
+    """What one delivery attempt got: an HTTP status (0: no answer) and the response body."""
+
+    status: int
+    body: Any = None
+    retry_after_s: float | None = None
+    error: str = ""
+
+    @property
+    def delivered(self) -> bool:
+        return 200 <= self.status < 300
+
+    @property
+    def refused(self) -> bool:
+        """The cloud looked at the request and said no for good (a 4xx about the request)."""
+        return 400 <= self.status < 500 and self.status not in _PASSING | _UNAVAILABLE
+
+    @property
+    def cloud_unavailable(self) -> bool:
+        return self.status == 0 or self.status >= 500 or self.status in _UNAVAILABLE
+
+
+@dataclass
+class DeliveryConfig:
+    batch_size: int = 16  # items claimed and sent together
+    base_backoff_s: float = 0.5  # an item's n-th failed attempt waits base * 2**(n-1), jittered
+    max_backoff_s: float = 60.0
+    poll_s: float = 5.0  # longest idle wait (an enqueue wakes the loop at once)
+    lease_s: float = 120.0  # a claimed item returns to the queue if not settled by then
+    callback_attempts: int = 3
+
+
+def backoff_s(attempts: int, config: DeliveryConfig, rng: random.Random = random._inst) -> float:
+    """Exponential backoff with "equal jitter": half fixed, half random, capped."""
+    ceiling = min(config.max_backoff_s, config.base_backoff_s * 2 ** max(0, attempts - 1))
+    return ceiling / 2 + rng.uniform(0, ceiling / 2)
+
+
+class DeliveryLoop:
+    def __init__(self, queue: OfflineQueue, send: Callable[[Item], Awaitable[Outcome]],
+                 probe: Callable[[], Awaitable[bool]], breaker: CircuitBreaker,
+                 config: DeliveryConfig | None = None,
+                 callback: Callable[[Item], Awaitable[bool]] | None = None):
+        self.queue = queue
+        self.send, self.probe = send, probe
+        self.breaker = breaker
+        self.config = config or DeliveryConfig()
+        self.callback = callback
+        self.delivered = self.failed = self.retried = 0
+        self._wake = asyncio.Event()
+        self._callback_tries: dict[str, int] = {}
+        self._last_collect = 0.0
+
+    def notify(self) -> None:
+        """Something was queued: look now rather than at the next poll."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Deliver until cancelled. Whatever a dead predecessor left ``sending`` is queued again first."""
+        n = await asyncio.to_thread(self.queue.recover)
+        if n:
+            log.info("%d item(s) left in flight by an earlier run are queued again", n)
+        while True:
+            try:
+                wait = await self.run_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bad round must not end delivery: log it, wait, go on
+                log.exception("delivery round failed")
+                wait = self.config.poll_s
+            if wait > 0:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), wait)
+                except TimeoutError:
+                    pass
+
+    async def run_once(self) -> float:
+        """One round: probe or send one batch, run callbacks. Returns how long to wait before the next."""
+        if self.callback is not None:
+            await self._callbacks()
+        now = time.time()
+        if now - self._last_collect > 60:
+            self._last_collect = now
+            await asyncio.to_thread(self.queue.collect)
+        if not self.breaker.allow():
+            return max(0.05, min(self.breaker.retry_after_s(), self.config.poll_s))
+        if self.breaker.probing:  # half-open: this round's one attempt is a cheap probe
+            if not await self._probe():
+                return max(0.05, min(self.breaker.retry_after_s(), self.config.poll_s))
+        batch = await asyncio.to_thread(self.queue.claim, Kind.REQUEST, self.config.batch_size, self.config.lease_s)
+        if not batch:
+            due = await asyncio.to_thread(self.queue.next_due, Kind.REQUEST)
+            return self.config.poll_s if due is None else min(self.config.poll_s, max(0.0, due - time.time()))
+        outcomes = await asyncio.gather(*(self._attempt(it) for it in batch))
+        settled = []
+        for item, out in zip(batch, outcomes, strict=True):
+            if out.delivered or out.refused:
+                settled.append((item.id, out.status, out.body, not out.delivered))
+                if out.delivered:
+                    self.delivered += 1
+                else:
+                    self.failed += 1
+                    log.warning("queued request %s refused by the cloud (%d)", item.id, out.status)
+        await asyncio.to_thread(self.queue.complete_many, settled)
+        for item, out in zip(batch, outcomes, strict=True):
+            if not (out.delivered or out.refused):
+                self.retried += 1
+                delay = max(backoff_s(item.attempts, self.config), out.retry_after_s or 0.0)
+                await asyncio.to_thread(self.queue.retry_later, item.id, out.error or f"HTTP {out.status}", delay)
+        if any(o.cloud_unavailable for o in outcomes):
+            worst = next(o for o in outcomes if o.cloud_unavailable)
+            self.breaker.failure(worst.error or f"HTTP {worst.status}", worst.retry_after_s)
+        elif any(o.delivered or o.refused for o in outcomes):
+            self.breaker.success()
+        return 0.0
+
+    async def _attempt(self, item: Item) -> Outcome:
+        try:
+            return await self.send(item)
+        except Exception as e:  # the sender's own failure counts as no answer
+            return Outcome(0, error=repr(e))
+
+    async def _probe(self) -> bool:
+        try:
+            ok = await self.probe()
+        except Exception as e:
+            ok, err = False, repr(e)
+        else:
+            err = "probe failed"
+        if ok:
+            self.breaker.success()
+        else:
+            self.breaker.failure(err)
+        return ok
+
+    async def _callbacks(self) -> None:
+        for item in await asyncio.to_thread(self.queue.pending_callbacks):
+            try:
+                ok = await self.callback(item)
+            except Exception as e:
+                log.warning("callback for %s to %s failed: %r", item.id, item.callback_url, e)
+                ok = False
+            tries = self._callback_tries.get(item.id, 0) + 1
+            if ok or tries >= self.config.callback_attempts:
+                self._callback_tries.pop(item.id, None)
+                await asyncio.to_thread(self.queue.callback_done, item.id, ok)
+            else:
+                self._callback_tries[item.id] = tries
