@@ -230,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-waiting", type=int, help="queued requests before 429")
     run.set_defaults(func=cmd_edge_run)
 
+    from edge_agent.queue_cli import add_queue_parser
+
+    add_queue_parser(edge)
+
     models = sub.add_parser("models", help="the models on this machine").add_subparsers(
         dest="models_command", required=True)
     ls = models.add_parser("list", help="list models: name, format, quantization, size, path")

@@ -48,6 +48,12 @@ class CascadeOptions(BaseModel):
     offline: Literal["queue", "local", "fail"] | None = None
     hint: Literal["easy", "hard"] | None = None  # the app's own judgement of the request
     latency_budget_s: Annotated[float, Field(gt=0)] | None = None  # for the overflow rule
+    # the offline queue (used when the cloud cannot be reached)
+    session: Annotated[str, Field(min_length=1, max_length=255)] | None = None  # queued items of a session keep order
+    refine: bool = False  # offline "local": also queue the request for the cloud's answer
+    callback_url: Annotated[str, Field(max_length=2048)] | None = None  # POSTed to when the queued request ends
+    priority: int = 0  # queued: higher is sent first
+    ttl_s: Annotated[float, Field(gt=0)] | None = None  # queued: expires if not delivered by then
 
 
 class _SamplingFields(BaseModel):

@@ -89,12 +89,57 @@ class CascadeConfig:
 
 
 @dataclass
+class SyncConfig:
+    """The offline queue (sync/queue.py) and its delivery loop (sync/delivery.py)."""
+
+    path: str = ""  # the queue's SQLite file; "": $CASCADE_HOME/edge/queue.db
+    max_items: int = 10_000  # pending items (queued + sending); beyond: telemetry dropped, requests refused
+    max_bytes: int = 64 << 20  # pending payload bytes, the same policy
+    request_ttl_s: float = 7 * 24 * 3600.0  # a queued request not delivered by then expires
+    telemetry_ttl_s: float = 24 * 3600.0
+    keep_s: float = 24 * 3600.0  # finished items (and their results) are kept this long
+    synchronous: str = "FULL"  # SQLite synchronous: FULL survives power loss, NORMAL only a crash
+    batch_size: int = 16
+    base_backoff_s: float = 0.5
+    max_backoff_s: float = 60.0
+    poll_s: float = 5.0
+    callback_hosts: list[str] = field(default_factory=lambda: ["127.0.0.1", "localhost", "::1"])  # "*": any
+
+    def __post_init__(self):
+        if self.synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
+            raise ValueError(f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {self.synchronous!r}")
+        self.synchronous = self.synchronous.upper()
+        if self.max_items < 1 or self.max_bytes < 1 or self.batch_size < 1:
+            raise ValueError("max_items, max_bytes and batch_size must be >= 1")
+
+
+@dataclass
+class MQTTSection:
+    """Telemetry over MQTT (sync/mqtt.py). Off unless ``host`` is set."""
+
+    host: str = ""
+    port: int = 1883
+    fleet: str = "default"
+    client_id: str = ""  # "": cascade-<fleet>-<device>
+    username: str = ""
+    password: str = ""
+    keepalive_s: int = 30
+    telemetry_interval_s: float = 30.0  # how often a telemetry record is spooled
+
+    def __post_init__(self):
+        if self.telemetry_interval_s <= 0:
+            raise ValueError("telemetry_interval_s must be > 0")
+
+
+@dataclass
 class EdgeConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     cascade: CascadeConfig = field(default_factory=CascadeConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    mqtt: MQTTSection = field(default_factory=MQTTSection)
 
     @classmethod
     def load(cls, path=None, overrides=None, environ=None) -> EdgeConfig:

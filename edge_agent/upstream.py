@@ -17,6 +17,8 @@ import httpx
 from cascade.generation import Finish, TokenEvent, TopToken
 from cascade.policy.backpressure import CircuitBreaker
 from edge_agent.config import UpstreamConfig
+from sync.delivery import Outcome
+from sync.queue import Item
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,39 @@ class Upstream:
                 self.breaker.failure(f"unreachable: {e!r}")
                 raise UpstreamUnavailable(f"the cloud is unreachable: {e!r}") from e
         raise AssertionError("unreachable")
+
+    async def deliver(self, item: Item) -> Outcome:
+        """Send one queued request, not streamed, under its own id as the Idempotency-Key (so a
+        resend after a crash or a lost response is answered from the cloud's stored result)."""
+        headers = {"idempotency-key": item.id, "x-cascade-reason": item.reason or "queued",
+                   "accept": "application/json"}
+        if item.session:
+            headers["x-cascade-session"] = item.session
+        payload = {k: v for k, v in item.payload.items() if k not in ("cascade", "stream", "stream_options")}
+        payload["model"] = await self._model() or payload.get("model")
+        try:
+            r = await self.client.post(self.base_url + ENDPOINTS[item.endpoint], json=payload, headers=headers)
+        except httpx.HTTPError as e:
+            return Outcome(0, error=f"unreachable: {e!r}")
+        try:
+            body = r.json()
+        except ValueError:
+            body = {"error": {"message": r.text[:500], "type": "upstream_error"}}
+        return Outcome(r.status_code, body, _retry_after(r.headers.get("retry-after")),
+                       "" if r.is_success else f"HTTP {r.status_code}: {r.text[:200]}")
+
+    async def probe(self) -> bool:
+        """A cheap check that the cloud answers (and takes this agent's key): GET /v1/models."""
+        try:
+            r = await self.client.get(self.base_url + "/models", timeout=5.0)
+        except httpx.HTTPError:
+            return False
+        if r.is_success and not self.config.model and self._cloud_model is None:
+            try:
+                self._cloud_model = r.json()["data"][0]["id"]
+            except (ValueError, KeyError, IndexError):
+                pass
+        return r.is_success
 
     async def _model(self) -> str | None:
         """The model to ask for: ``[upstream] model``, else the cloud's first (asked once)."""

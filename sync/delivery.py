@@ -81,7 +81,7 @@ class DeliveryLoop:
         self.delivered = self.failed = self.retried = 0
         self._wake = asyncio.Event()
         self._callback_tries: dict[str, int] = {}
-        self._last_collect = 0.0
+        self._last_collect = self._last_expire = 0.0
 
     def notify(self) -> None:
         """Something was queued: look now rather than at the next poll."""
@@ -112,11 +112,14 @@ class DeliveryLoop:
         if self.callback is not None:
             await self._callbacks()
         now = time.time()
+        if now - self._last_expire >= 1.0:  # TTLs run out while the cloud is away too
+            self._last_expire = now
+            await asyncio.to_thread(self.queue.expire)
         if now - self._last_collect > 60:
             self._last_collect = now
             await asyncio.to_thread(self.queue.collect)
         if not self.breaker.allow():
-            return max(0.05, min(self.breaker.retry_after_s(), self.config.poll_s))
+            return max(0.05, min(self.breaker.retry_after_s(), self.config.poll_s, 1.0))
         if self.breaker.probing:  # half-open: this round's one attempt is a cheap probe
             if not await self._probe():
                 return max(0.05, min(self.breaker.retry_after_s(), self.config.poll_s))

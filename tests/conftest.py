@@ -117,3 +117,27 @@ def smollm2_engine(engine_home):
 
     return LLMEngine.from_model("smollm2-135m", dtype="float32", max_model_len=1024,
                                 max_num_batched_tokens=256, num_kv_blocks=512)
+
+
+@pytest.fixture(scope="session")
+def cloud_both(engine_home, smollm2_engine):
+    """`cascade cloud serve --both 1` on SmolLM2-135M: the cloud of the cascade and offline tests
+    (each test uses a tenant of its own, so counts and quotas do not mix)."""
+    g = Server(engine_home, ["cloud", "serve"], "--both", "1", "--prefill", "0", "--decode", "0",
+               "--model", "smollm2-135m", "--max-model-len", "1024",
+               "--kv-cache-bytes", str(64 << 20)).wait_healthy(300)
+    yield g
+    g.stop()
+
+
+def gateway_count(cloud, tenant: str, metric: str = "cascade_gateway_requests_total", **labels) -> float:
+    """A gateway counter for ``tenant`` from /metrics, summed over the labels not given."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(httpx.get(f"{cloud.url}/metrics", timeout=10).text):
+        for s in family.samples:
+            if s.name == metric and s.labels.get("tenant") == tenant and all(
+                    s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total

@@ -6,6 +6,7 @@ Precedence, first match wins:
   3. escalation, in order:  ``mode: cloud`` "forced" > prompt too long "too_long" > app hint
      "hint" > queue overflow "overflow" > learned difficulty "hard"
   4. an escalation while the cloud is unavailable (circuit open): by the offline policy,
+     ``queue`` -> queue "cloud_unavailable" (202: stored, delivered when the cloud returns),
      ``local`` -> edge "cloud_unavailable" degraded (if the prompt fits locally), else reject 503
   5. otherwise                       -> edge  "easy", its answer checked for low confidence
 After a local answer (or its first K tokens): ``after_local`` escalates "low_confidence".
@@ -46,11 +47,11 @@ class RequestSignals:
 
 @dataclass(frozen=True)
 class Decision:
-    tier: str  # "edge" | "cloud" | "reject"
+    tier: str  # "edge" | "cloud" | "queue" | "reject"
     reason: str
     degraded: bool = False
     check_confidence: bool = False  # a local answer may still escalate on low confidence
-    status: int = 0  # for "reject": the HTTP status
+    status: int = 0  # for "reject" and "queue": the HTTP status
 
 
 def escalation_reason(s: RequestSignals, config: PolicyConfig) -> str | None:
@@ -80,6 +81,8 @@ def decide(s: RequestSignals, config: PolicyConfig) -> Decision:
         return Decision("edge", "easy", check_confidence=s.mode == "auto" and config.confidence.enabled)
     if s.cloud_available:
         return Decision("cloud", reason)
+    if s.offline == "queue":
+        return Decision("queue", "cloud_unavailable", status=202)
     fits_locally = s.prompt_tokens + 1 <= s.n_ctx
     if s.offline == "local" and fits_locally:
         return Decision("edge", "cloud_unavailable", degraded=True)

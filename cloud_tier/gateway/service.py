@@ -5,6 +5,7 @@ charge, idempotency claim) are settled exactly once when its event stream closes
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -88,6 +89,48 @@ class Recorder:
             if not self.flight.settled:
                 self.flight.settled = True
                 self._settle(self.flight)
+
+
+_END = object()
+_detached: set[asyncio.Task] = set()
+
+
+class RunToEnd:
+    """A flight with an Idempotency-Key runs to its end even when its client goes away: its result
+    is stored, and the client's retry (same key) is answered from it instead of running twice.
+    The flight is read by a task of its own; the client reads what it has passed on."""
+
+    def __init__(self, events: Recorder):
+        self._events: asyncio.Queue = asyncio.Queue()
+        task = asyncio.get_running_loop().create_task(self._pump(events))
+        _detached.add(task)
+        task.add_done_callback(_detached.discard)
+
+    async def _pump(self, events: Recorder) -> None:
+        try:
+            async for ev in events:
+                self._events.put_nowait(ev)
+        except BaseException as e:
+            self._events.put_nowait(e)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+        finally:
+            await events.aclose()  # settles the flight: the result is stored for replays
+        self._events.put_nowait(_END)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        item = await self._events.get()
+        if item is _END:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        """The client is gone (or done): the flight goes on without it."""
 
 
 async def replay(stored: dict) -> AsyncIterator[TokenEvent | Finish]:
@@ -183,7 +226,8 @@ class GatewayService:
         except BaseException as e:
             self._settle_early(flight, e)
             raise
-        return Recorder(self._generate(flight, plan, need), flight, self._settle), {"X-Cascade-Cache": "miss"}
+        events = Recorder(self._generate(flight, plan, need), flight, self._settle)
+        return (RunToEnd(events) if idem_key else events), {"X-Cascade-Cache": "miss"}
 
     async def _claim(self, flight: Flight, body: dict) -> dict | None:
         t, k = flight.tenant, flight.idem_key

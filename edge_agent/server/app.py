@@ -18,6 +18,7 @@ from edge_agent.backends.base import Backend
 from edge_agent.config import EdgeConfig
 from edge_agent.server.escalation import Escalator
 from edge_agent.server.metrics import EdgeMetrics
+from edge_agent.server.outbox import Outbox
 from edge_agent.server.routes import router, v1
 from edge_agent.server.service import EdgeService
 from edge_agent.upstream import Upstream
@@ -61,11 +62,14 @@ def build_app(config: EdgeConfig, catalog: Catalog | None = None) -> FastAPI:
         svc = EdgeService(config, backends, model_names(info), EdgeMetrics())
         svc.metrics.observe_queue(svc.pool)
         upstream = Upstream(config.upstream, config.cascade.device) if config.upstream.url else None
+        outbox = Outbox(config.sync, upstream)
+        outbox.start()
         app.state.service = svc
-        app.state.escalator = Escalator(config.cascade, svc, upstream)
+        app.state.escalator = Escalator(config.cascade, svc, upstream, outbox)
         try:
             yield
         finally:
+            await outbox.close()
             if upstream is not None:
                 await upstream.close()
             svc.close()

@@ -20,6 +20,7 @@ from cascade.policy.decide import Decision, PolicyConfig, RequestSignals, after_
 from cascade.policy.hard import DifficultyModel, HardConfig, features
 from cascade.policy.overflow import LoadSignals
 from edge_agent.config import CascadeConfig
+from edge_agent.server.outbox import Outbox
 from edge_agent.server.service import EdgeService, Job
 from edge_agent.upstream import Upstream, UpstreamRefused, UpstreamUnavailable
 
@@ -47,10 +48,11 @@ class Routed:
     degraded: bool = False
     model: str | None = None  # the cloud's model name when it answers
     info: dict = field(default_factory=dict)
+    extra_headers: dict = field(default_factory=dict)
 
     @property
     def headers(self) -> dict[str, str]:
-        h = {"X-Cascade-Tier": self.tier, "X-Cascade-Reason": self.reason}
+        h = {"X-Cascade-Tier": self.tier, "X-Cascade-Reason": self.reason, **self.extra_headers}
         if self.degraded:
             h["X-Cascade-Degraded"] = "true"
         return h
@@ -59,6 +61,26 @@ class Routed:
         # the ``cascade`` field of the final chunk / body; the same dict the formatter holds, so
         # what is measured while streaming (confidence) lands in it
         self.cascade_field = {"tier": self.tier, "reason": self.reason, "degraded": self.degraded, **self.info}
+
+
+@dataclass
+class Queued:
+    """A request stored for the cloud (202 Accepted): the app polls ``location``."""
+
+    id: str
+    reason: str
+
+    @property
+    def location(self) -> str:
+        return f"/v1/requests/{self.id}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Location": self.location, "X-Cascade-Tier": "queue", "X-Cascade-Reason": self.reason}
+
+    def body(self) -> dict:
+        return {"id": self.id, "object": "cascade.request", "state": "queued", "location": self.location,
+                "cascade": {"tier": "queue", "reason": self.reason, "degraded": False}}
 
 
 async def _tracked(events: AsyncIterator, window: int, routed_field: dict) -> AsyncIterator:
@@ -87,11 +109,12 @@ async def _chain(held: list, rest: AsyncIterator) -> AsyncIterator:
 
 
 class Escalator:
-    def __init__(self, config: CascadeConfig, service: EdgeService, upstream: Upstream | None):
+    def __init__(self, config: CascadeConfig, service: EdgeService, upstream: Upstream | None, outbox: Outbox):
         self.config = config
         self.policy = policy_config(config)
         self.service = service
         self.upstream = upstream
+        self.outbox = outbox
 
     def signals(self, req, job: Job | None, prompt_text: str, prompt_tokens: int) -> RequestSignals:
         opts = req.cascade
@@ -110,8 +133,11 @@ class Escalator:
             upstream=self.upstream is not None,
             cloud_available=self.upstream.available if self.upstream else False)
 
-    async def route(self, req, endpoint: str, body: dict, make_job, prompt_text: str) -> Routed:
-        """``make_job()`` builds the local job (it raises 400 when the prompt cannot run here)."""
+    async def route(self, req, endpoint: str, body: dict, make_job, prompt_text: str,
+                    session: str | None = None) -> Routed | Queued:
+        """``make_job()`` builds the local job (it raises 400 when the prompt cannot run here).
+        A request the cloud should answer but cannot reach is queued (``Queued``) when its
+        offline policy says so."""
         job, too_long_locally = None, None
         try:
             job = make_job()
@@ -128,6 +154,10 @@ class Escalator:
             except UpstreamUnavailable as e:
                 decision = decide(replace(signals, cloud_available=False), self.policy)
                 log.warning("escalation failed (%s); %s: %s", e, decision.tier, decision.reason)
+        if decision.tier == "queue":
+            self._count(decision)
+            return Queued(await self.outbox.submit(endpoint, body, decision.reason, session, req.cascade),
+                          decision.reason)
         if decision.tier == "reject":
             self._count(decision)
             retry = self.upstream.breaker.retry_after_s() if self.upstream else 1.0
@@ -137,7 +167,13 @@ class Escalator:
                                            "X-Cascade-Reason": decision.reason})
         if job is None:  # too long for this device, and kept here (mode local)
             raise too_long_locally
-        return await self._local(job, decision, endpoint, body)
+        routed = await self._local(job, decision, endpoint, body)
+        if routed.degraded and req.cascade is not None and req.cascade.refine and self.upstream is not None:
+            # the app takes the degraded local answer now and the cloud's when it comes
+            refinement = Queued(await self.outbox.submit(endpoint, body, "refine", session, req.cascade), "refine")
+            routed.cascade_field["refinement"] = refinement.location
+            routed.extra_headers["X-Cascade-Refinement"] = refinement.location
+        return routed
 
     async def _cloud(self, endpoint: str, body: dict, reason: str, draft: str | None = None) -> Routed:
         try:

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cascade.api import openai_response, parse_body, read_json, require_api_key
 from cascade.openai_format import ChatFormatter, CompletionFormatter
 from cascade.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from edge_agent.server.escalation import Escalator, Routed
+from edge_agent.server.escalation import Escalator, Queued, Routed
 from edge_agent.server.service import EdgeService
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,11 @@ v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 @router.get("/health")
 async def healthz(request: Request):
     svc = service(request)
-    up = escalator(request).upstream
+    esc = escalator(request)
+    up = esc.upstream
+    q = await asyncio.to_thread(esc.outbox.queue.stats)
     return {"status": "ok", "tier": "edge", "model": svc.model_id,
+            "queue": {"pending": q["pending_items"], "oldest_pending_age_s": q["oldest_pending_age_s"]},
             "slots": {"total": svc.pool.size, "busy": svc.pool.busy, "waiting": svc.pool.waiting},
             "upstream": None if up is None else {"url": up.base_url, "circuit": up.breaker.state,
                                                  "retry_after_s": round(up.breaker.retry_after_s(), 3)}}
@@ -72,7 +76,9 @@ async def chat_completions(request: Request):
     req = parse_body(ChatCompletionRequest, body)
     svc.check_model(req.model)
     text = "\n".join(m.text() for m in req.messages)
-    routed = await escalator(request).route(req, "chat", body, lambda: svc.chat_job(req), text)
+    routed = await escalator(request).route(req, "chat", body, lambda: svc.chat_job(req), text, _session(request, req))
+    if isinstance(routed, Queued):
+        return _accepted(svc, routed, "chat")
     fmt = ChatFormatter(routed.model or svc.model_id, req.logprobs)
     return await _respond(request, svc, routed, fmt, "chat", req.stream, req.include_usage_in_stream())
 
@@ -84,9 +90,29 @@ async def completions(request: Request):
     req = parse_body(CompletionRequest, body)
     svc.check_model(req.model)
     text = req.prompt if isinstance(req.prompt, str) else ""
-    routed = await escalator(request).route(req, "completions", body, lambda: svc.completion_job(req), text)
+    routed = await escalator(request).route(req, "completions", body, lambda: svc.completion_job(req), text,
+                                            _session(request, req))
+    if isinstance(routed, Queued):
+        return _accepted(svc, routed, "completions")
     fmt = CompletionFormatter(routed.model or svc.model_id, req.logprobs)
     return await _respond(request, svc, routed, fmt, "completions", req.stream, req.include_usage_in_stream())
+
+
+@v1.get("/requests/{request_id}")
+async def queued_request(request: Request, request_id: str):
+    """A queued request's state: queued | sending | done (with the cloud's response) | failed | expired."""
+    return await escalator(request).outbox.status(request_id)
+
+
+def _session(request: Request, req) -> str | None:
+    """What orders queued requests: ``cascade.session``, else X-Cascade-Session, else ``user``."""
+    opts = req.cascade
+    return (opts.session if opts else None) or request.headers.get("x-cascade-session") or req.user
+
+
+def _accepted(svc: EdgeService, queued: Queued, endpoint: str) -> JSONResponse:
+    svc.metrics.requests.labels(endpoint=endpoint, status="202").inc()
+    return JSONResponse(queued.body(), status_code=202, headers=queued.headers)
 
 
 async def _respond(request: Request, svc: EdgeService, routed: Routed, fmt, endpoint: str, stream: bool,

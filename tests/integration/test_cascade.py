@@ -15,18 +15,15 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import REPO, Agent, Server, create_key, free_port
+from tests.conftest import REPO, Agent, create_key, free_port
 
 MODEL = "smollm2-135m"
 EASY = [{"role": "user", "content": "Which city is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def cloud(engine_home, smollm2_engine):
-    g = Server(engine_home, ["cloud", "serve"], "--both", "1", "--prefill", "0", "--decode", "0",
-               "--model", MODEL, "--max-model-len", "1024", "--kv-cache-bytes", str(64 << 20)).wait_healthy(300)
-    yield g
-    g.stop()
+def cloud(cloud_both):
+    return cloud_both
 
 
 def agent_env(cloud, key: str, **cascade) -> dict:

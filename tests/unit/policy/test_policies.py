@@ -40,7 +40,8 @@ def sig(**kw) -> RequestSignals:
     (sig(load=BUSY, latency_budget_s=60.0), Decision("edge", "easy", check_confidence=True)),  # own budget
     (sig(mode="cloud", cloud_available=False), Decision("edge", "cloud_unavailable", degraded=True)),
     (sig(difficulty=0.9, cloud_available=False, offline="fail"), Decision("reject", "cloud_unavailable", status=503)),
-    (sig(difficulty=0.9, cloud_available=False, offline="queue"), Decision("reject", "cloud_unavailable", status=503)),
+    (sig(difficulty=0.9, cloud_available=False, offline="queue"), Decision("queue", "cloud_unavailable", status=202)),
+    (sig(prompt_tokens=3000, cloud_available=False, offline="queue"), Decision("queue", "cloud_unavailable", status=202)),
     (sig(prompt_tokens=3000, cloud_available=False), Decision("reject", "cloud_unavailable", status=503)),
     (sig(difficulty=0.2, cloud_available=False), Decision("edge", "easy", check_confidence=True)),
 ], ids=lambda v: v.reason if isinstance(v, Decision) else "")
