@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import threading
 import time
 from collections import deque
@@ -66,7 +67,7 @@ class MQTTConfig:
     batch_size: int = 50  # telemetry rows claimed per round
     poll_s: float = 2.0  # longest idle wait (notify() wakes the publisher at once)
     lease_s: float = 600.0  # a claimed item returns to the queue if neither acked nor released by then
-    reconnect_min_s: float = 1.0  # paho doubles the wait after each failed attempt, up to the max
+    reconnect_min_s: float = 1.0  # the first wait (jittered up to 2x), doubled after each failed attempt
     reconnect_max_s: float = 30.0
 
     def __post_init__(self):
@@ -112,7 +113,10 @@ class TelemetryPublisher:
         client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=cfg.client_id, clean_session=False,
                              protocol=mqtt.MQTTv311)
         client.max_inflight_messages_set(cfg.max_inflight)
-        client.reconnect_delay_set(min_delay=cfg.reconnect_min_s, max_delay=cfg.reconnect_max_s)
+        # paho's backoff has no jitter: each device starts its doubling at a random point in [min, 2*min),
+        # so a fleet that lost the broker together does not come back in lockstep
+        first_s = cfg.reconnect_min_s * random.uniform(1.0, 2.0)
+        client.reconnect_delay_set(min_delay=first_s, max_delay=max(first_s, cfg.reconnect_max_s))
         if cfg.username:
             client.username_pw_set(cfg.username, cfg.password or None)
         client.on_connect, client.on_connect_fail = self._on_connect, self._on_connect_fail

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import socket
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -21,6 +23,7 @@ from edge_agent.server.metrics import EdgeMetrics
 from edge_agent.server.outbox import Outbox
 from edge_agent.server.routes import router, v1
 from edge_agent.server.service import EdgeService
+from edge_agent.server.telemetry import spool_forever
 from edge_agent.upstream import Upstream
 from model_distribution.catalog import PACKAGED, Catalog, ModelInfo
 
@@ -53,6 +56,28 @@ def model_names(info: ModelInfo) -> set[str]:
     return names
 
 
+def device_name(config: EdgeConfig) -> str:
+    """[cascade] device, else this host's name, as an MQTT topic segment."""
+    return re.sub(r"[/+#\s]", "-", config.cascade.device or socket.gethostname()) or "device"
+
+
+def start_telemetry(config: EdgeConfig, svc: EdgeService, outbox: Outbox):
+    """With [mqtt] host set: spool a telemetry record every interval and publish the spool."""
+    m = config.mqtt
+    if not m.host:
+        return None, None
+    from sync.mqtt import MQTTConfig, TelemetryPublisher
+
+    device = device_name(config)
+    publisher = TelemetryPublisher(outbox.queue, MQTTConfig(
+        host=m.host, port=m.port, fleet=m.fleet, device=device, client_id=m.client_id, keepalive_s=m.keepalive_s,
+        username=m.username, password=m.password))
+    publisher.start()
+    spool = asyncio.create_task(spool_forever(svc, outbox, device, m.fleet, m.telemetry_interval_s,
+                                              publisher.notify), name="telemetry")
+    return publisher, spool
+
+
 def build_app(config: EdgeConfig, catalog: Catalog | None = None) -> FastAPI:
     catalog = catalog or Catalog(cascade_home(), config.model.search_paths)
 
@@ -66,9 +91,13 @@ def build_app(config: EdgeConfig, catalog: Catalog | None = None) -> FastAPI:
         outbox.start()
         app.state.service = svc
         app.state.escalator = Escalator(config.cascade, svc, upstream, outbox)
+        publisher, spool = start_telemetry(config, svc, outbox)
         try:
             yield
         finally:
+            if spool is not None:
+                spool.cancel()
+                await asyncio.to_thread(publisher.stop)
             await outbox.close()
             if upstream is not None:
                 await upstream.close()

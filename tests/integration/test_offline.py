@@ -245,3 +245,52 @@ def _callback_server(calls: list) -> ThreadingHTTPServer:
     server = ThreadingHTTPServer(("127.0.0.1", 0), Hook)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
+
+
+def test_telemetry_is_spooled_while_the_broker_is_down_and_published_after(tmp_path):
+    from tests.unit.sync.test_mqtt import DEVICE, FLEET, MOSQUITTO, TOPIC, Mosquitto, Subscriber
+
+    if MOSQUITTO is None:
+        pytest.skip("mosquitto is not installed (apt-get install mosquitto)")
+    broker = Mosquitto(tmp_path / "broker")
+    broker.start()
+    sub = Subscriber(broker.port)
+    agent = start_agent(tmp_path, {"CASCADE_EDGE_MQTT_HOST": "127.0.0.1", "CASCADE_EDGE_MQTT_PORT": str(broker.port),
+                                   "CASCADE_EDGE_MQTT_FLEET": FLEET, "CASCADE_EDGE_CASCADE_DEVICE": DEVICE,
+                                   "CASCADE_EDGE_MQTT_TELEMETRY_INTERVAL_S": "0.25"})
+    try:
+        r = httpx.post(f"{agent.url}/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        assert r.status_code == 200
+        _wait(lambda: any(b["requests"] for _, b in sub.received), "a record counting the request")
+        topic, rec = sub.received[-1]
+        assert topic == TOPIC and rec["device"] == DEVICE and rec["fleet"] == FLEET
+        assert rec["model"]["name"] == MODEL and rec["requests"] == {"chat/200": 1.0}
+        assert rec["decisions"] == {"edge/edge_only": 1.0} and rec["latency"]["ttft"]["count"] == 1
+        assert "queue" in rec and rec["agent"]["python"]
+
+        broker.stop()
+        down_at = time.time()
+        time.sleep(2.0)
+        pending = httpx.get(f"{agent.url}/healthz").json()["queue"]["pending"]
+        assert pending >= 4  # spooled while the broker was away
+        broker.start()
+        up_at = time.time()
+        _wait(lambda: httpx.get(f"{agent.url}/healthz").json()["queue"]["pending"] <= 1, "the spool to drain", 30)
+        _wait(lambda: max(b["ts"] for _, b in sub.received) > up_at, "records after the restart", 15)
+        stamps = sorted({b["ts"] for _, b in sub.received})
+        outage = [t for t in stamps if down_at <= t <= up_at]
+        assert len(outage) >= 4  # the records made while the broker was down arrived
+        gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+        assert max(gaps) < 1.5, f"a gap of {max(gaps):.2f} s: records were lost"
+    finally:
+        agent.stop()
+        sub.close()
+        broker.stop()
+
+
+def _wait(predicate, what: str, timeout_s: float = 15) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
