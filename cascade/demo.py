@@ -1,6 +1,7 @@
 """``cascade demo``: the whole chain on one machine, as a scripted scenario.
 
-A cloud tier (`cascade cloud serve`: gateway + 1 prefill + 1 decode worker, SmolLM2-135M at full
+While the cloud tier starts, the device is offline: escalations are queued (202) and delivered
+once it is up. Then: a cloud tier (`cascade cloud serve`: gateway + 1 prefill + 1 decode worker, SmolLM2-135M at full
 precision on our engine), an edge agent on a harsher Q2_K variant of the same model (derived
 with `cascade models quantize`, as a fleet ships a smaller model to devices), the agent's
 upstream pointed at the cloud with a device key, then a mix of easy and hard requests, and a
@@ -87,6 +88,53 @@ def stream_chat(base: str, model: str, prompt: str, cascade: dict | None) -> dic
             "total_ms": total * 1000, "confidence": final.get("confidence")}
 
 
+OFFLINE = [("Translate 'good morning' into French.", "kiosk-1/till"),
+           ("Write one sentence about the sea.", "kiosk-1/till"),
+           ("Name a prime number greater than 10.", "kiosk-1/door")]
+
+
+def offline_scene(edge: str, db: Path) -> list[tuple[str, str]]:
+    """While the cloud is unreachable: requests that must reach it are queued (202 + Location);
+    one that may be answered locally is, marked degraded. Returns (prompt, location)."""
+    print("\n== the cloud is not reachable yet: escalations follow their offline policy")
+    queued = []
+    for prompt, session in OFFLINE:
+        body = {"model": "smollm2-135m-q2_k", "messages": [{"role": "user", "content": prompt}], "max_tokens": 32,
+                "temperature": 0, "cascade": {"mode": "cloud", "offline": "queue", "session": session}}
+        r = httpx.post(f"{edge}/v1/chat/completions", json=body, timeout=60)
+        print(f"-- app: {prompt}  {{offline: queue, session: {session}}}\n-- {r.status_code} "
+              f"{r.headers.get('x-cascade-tier')} ({r.headers.get('x-cascade-reason')}), "
+              f"Location: {r.headers.get('location')}")
+        if r.status_code == 202:
+            queued.append((prompt, r.headers["location"]))
+    r = stream_chat(edge, "smollm2-135m-q2_k", "Is the store open today?", {"mode": "cloud", "offline": "local"})
+    print(f"-- app: Is the store open today?  {{offline: local}}\n-- {r['tier']} ({r['reason']}"
+          f"{', degraded' if r['degraded'] else ''}): {r['text'][:120]}")
+    print(f"-- $ cascade edge queue --db {db}")
+    backlog = subprocess.run([sys.executable, "-m", "cascade.cli", "edge", "queue", "--db", str(db)],
+                             capture_output=True, text=True)
+    print("   " + backlog.stdout.strip().replace("\n", "\n   "))
+    return queued
+
+
+def drain(edge: str, queued: list[tuple[str, str]], timeout_s: float = 300) -> None:
+    """Poll GET /v1/requests/{id} until every queued request has an answer."""
+    deadline, shown = time.monotonic() + timeout_s, set()
+    while len(shown) < len(queued) and time.monotonic() < deadline:
+        for _, location in queued:
+            if location in shown:
+                continue
+            item = httpx.get(f"{edge}{location}", timeout=10).json()
+            if item["state"] in ("done", "failed", "expired"):
+                shown.add(location)
+                answer = (item.get("response") or {}).get("choices", [{}])[0].get("message", {}).get("content", "")
+                print(f"-- {location}: {item['state']} after {item['attempts']} attempt(s), "
+                      f"{item['updated_at'] - item['created_at']:.1f} s queued: {answer.strip()[:100]}")
+        time.sleep(0.5)
+    if len(shown) < len(queued):
+        print(f"-- {len(queued) - len(shown)} queued request(s) not delivered in {timeout_s:.0f} s")
+
+
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.terminate()
@@ -119,10 +167,11 @@ def main(args) -> int:
                               "--max-model-len", "2048"], env=env)
     edge = None
     try:
-        wait_healthy(cloud_url, cloud, "cloud tier")
+        # the agent starts at once; the cloud takes a while, and meanwhile the device is offline
         print(f"== starting the edge agent on {edge_url}: smollm2-135m-q2_k, n_ctx 512, upstream {cloud_url}")
         edge_env = {**env, "CASCADE_EDGE_UPSTREAM_URL": cloud_url, "CASCADE_EDGE_UPSTREAM_API_KEY": key,
-                    "CASCADE_EDGE_CASCADE_DEVICE": "kiosk-1"}
+                    "CASCADE_EDGE_CASCADE_DEVICE": "kiosk-1", "CASCADE_EDGE_UPSTREAM_MAX_BACKOFF_S": "4",
+                    "CASCADE_EDGE_SYNC_PATH": str(work / "queue.db")}
         calibrated = Path(home) / "edge.toml"  # written by `cascade calibrate`, if it has run
         extra = ["--config", str(calibrated)] if calibrated.is_file() else []
         if not extra:  # an uncalibrated default: escalate when the first 8 tokens average below -1.2
@@ -131,6 +180,10 @@ def main(args) -> int:
         edge = subprocess.Popen([*cli, "edge", "run", "--port", str(edge_port), "--model", "smollm2-135m-q2_k",
                                  "--n-ctx", "512", *extra], env=edge_env)
         wait_healthy(edge_url, edge, "edge agent")
+        queued = offline_scene(edge_url, work / "queue.db")
+        wait_healthy(cloud_url, cloud, "cloud tier")
+        print(f"\n== the cloud tier is up on {cloud_url}: the queue drains")
+        drain(edge_url, queued)
         rows = []
         for prompt, options in SCRIPT:
             first_line = prompt.splitlines()[0]

@@ -60,6 +60,7 @@ class UpstreamConfig:
     api_key: str = ""
     model: str = ""  # the model to ask for upstream; "": the name the app used
     timeout_s: float = 60.0
+    max_backoff_s: float = 60.0  # the longest the circuit stays open after failures (a 429's Retry-After aside)
 
 
 @dataclass

@@ -56,7 +56,7 @@ class Upstream:
         self.client = httpx.AsyncClient(
             headers=headers, timeout=httpx.Timeout(config.timeout_s, connect=min(5.0, config.timeout_s)),
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=16))
-        self.breaker = CircuitBreaker()
+        self.breaker = CircuitBreaker(max_backoff_s=config.max_backoff_s)
         self._cloud_model: str | None = None
 
     async def close(self) -> None:

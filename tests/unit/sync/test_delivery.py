@@ -1,0 +1,165 @@
+"""The delivery loop's decisions, with a scripted cloud (the faults it must handle, injected)."""
+
+import asyncio
+import functools
+import random
+
+import pytest
+
+from cascade.policy.backpressure import CircuitBreaker
+from sync.delivery import DeliveryConfig, DeliveryLoop, Outcome, backoff_s
+from sync.queue import Kind, NewItem, OfflineQueue, State
+
+
+class Cloud:
+    """Answers each send from a script of statuses (then 200), recording what it was sent."""
+
+    def __init__(self, script=(), up=True):
+        self.script = list(script)
+        self.up = up
+        self.sent: list[str] = []
+        self.probes = 0
+
+    async def send(self, item) -> Outcome:
+        if not self.up:
+            return Outcome(0, error="connection refused")
+        self.sent.append(item.id)
+        status = self.script.pop(0) if self.script else 200
+        body = {"choices": [{"message": {"content": item.payload["q"]}}]} if status == 200 else {"error": {}}
+        return Outcome(status, body, retry_after_s=0.0 if status == 429 else None)
+
+    async def probe(self) -> bool:
+        self.probes += 1
+        return self.up
+
+
+def in_loop(test):
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        return asyncio.run(test(*args, **kwargs))
+    return run
+
+
+@pytest.fixture
+def queue(tmp_path):
+    q = OfflineQueue(tmp_path / "q.db", synchronous="NORMAL")
+    yield q
+    q.close()
+
+
+def make(queue, cloud, **config) -> DeliveryLoop:
+    cfg = DeliveryConfig(base_backoff_s=0.0, max_backoff_s=0.0, poll_s=0.05, **config)
+    return DeliveryLoop(queue, cloud.send, cloud.probe, CircuitBreaker(base_backoff_s=0.05, max_backoff_s=0.05), cfg)
+
+
+def put(queue, *qs, session=None):
+    return queue.enqueue_many([NewItem(Kind.REQUEST, {"q": q}, endpoint="chat", session=session) for q in qs])
+
+
+def test_backoff_is_exponential_capped_and_jittered():
+    cfg = DeliveryConfig(base_backoff_s=1.0, max_backoff_s=8.0)
+    rng = random.Random(0)
+    for attempts, ceiling in [(1, 1), (2, 2), (3, 4), (4, 8), (10, 8)]:
+        values = [backoff_s(attempts, cfg, rng) for _ in range(200)]
+        assert all(ceiling / 2 <= v <= ceiling for v in values)
+        assert max(values) - min(values) > ceiling / 4  # really jittered
+
+
+def test_outcomes_done_failed_and_passing():
+    assert Outcome(200).delivered and not Outcome(200).refused
+    assert Outcome(400).refused and Outcome(422).refused
+    for passing in (0, 408, 409, 429, 500, 503, 401):
+        o = Outcome(passing)
+        assert not o.delivered and not o.refused
+    assert Outcome(0).cloud_unavailable and Outcome(503).cloud_unavailable and Outcome(429).cloud_unavailable
+    assert not Outcome(409).cloud_unavailable
+
+
+@in_loop
+async def test_a_batch_is_delivered_into_the_inbox(queue):
+    ids = put(queue, "a", "b", "c")
+    cloud = Cloud(script=[200, 400, 200])
+    loop = make(queue, cloud)
+    await loop.run_once()
+    states = {i: queue.get(i) for i in ids}
+    assert [states[i].state for i in ids] == ["done", "failed", "done"]
+    assert states[ids[0]].result["choices"][0]["message"]["content"] == "a"
+    assert states[ids[1]].result_status == 400
+    assert (loop.delivered, loop.failed) == (2, 1)
+
+
+@in_loop
+async def test_a_passing_failure_is_retried_and_the_session_waits_for_it(queue):
+    a1, a2 = put(queue, "a1", "a2", session="a")
+    cloud = Cloud(script=[503])
+    loop = make(queue, cloud)
+    await loop.run_once()  # a1 -> 503: back to queued; a2 must not overtake it
+    assert queue.get(a1).state == State.QUEUED and queue.get(a1).last_error.startswith("HTTP 503")
+    assert queue.get(a2).state == State.QUEUED and cloud.sent == [a1]
+    assert loop.breaker.state != "closed"  # a 5xx says the cloud is not usable now
+    for _ in range(20):
+        await asyncio.sleep(0.06)
+        await loop.run_once()
+        if queue.get(a2).state == State.DONE:
+            break
+    assert cloud.sent == [a1, a1, a2]  # in order, a1 once more
+    assert cloud.probes >= 1  # the circuit was closed again by a probe, not by a blind send
+
+
+@in_loop
+async def test_an_unreachable_cloud_opens_the_shared_breaker_and_nothing_is_sent_until_a_probe(queue):
+    (i,) = put(queue, "x")
+    cloud = Cloud(up=False)
+    loop = make(queue, cloud)
+    await loop.run_once()
+    assert loop.breaker.state == "open" and queue.get(i).state == State.QUEUED
+    assert not loop.breaker.allow()  # the cascade sees the same breaker: it stops escalating too
+    await asyncio.sleep(0.06)
+    await loop.run_once()  # half-open: one probe, which fails
+    assert cloud.probes == 1 and loop.breaker.state == "open" and queue.get(i).attempts == 1
+    cloud.up = True
+    await asyncio.sleep(0.06)
+    await loop.run_once()
+    assert loop.breaker.state == "closed" and queue.get(i).state == State.DONE
+
+
+@in_loop
+async def test_run_recovers_what_a_dead_process_left_sending_and_wakes_on_notify(queue):
+    (i,) = put(queue, "left")
+    queue.claim(Kind.REQUEST, 1)  # a dead predecessor's claim
+    cloud = Cloud()
+    loop = make(queue, cloud)
+    loop.config.poll_s = 30  # only notify() can wake it in time
+    task = asyncio.create_task(loop.run())
+    try:
+        for _ in range(50):
+            await asyncio.sleep(0.02)
+            if queue.get(i).state == State.DONE:
+                break
+        assert queue.get(i).state == State.DONE
+        (j,) = put(queue, "new")
+        loop.notify()
+        for _ in range(50):
+            await asyncio.sleep(0.02)
+            if queue.get(j).state == State.DONE:
+                break
+        assert queue.get(j).state == State.DONE
+    finally:
+        task.cancel()
+
+
+@in_loop
+async def test_callbacks_are_called_once_with_the_result(queue):
+    (i,) = queue.enqueue_many([NewItem(Kind.REQUEST, {"q": "cb"}, endpoint="chat", callback_url="http://x/cb")])
+    calls = []
+
+    async def callback(item):
+        calls.append((item.id, item.state, item.result))
+        return len(calls) > 1  # the first call fails: retried
+
+    loop = make(queue, Cloud())
+    loop.callback = callback
+    for _ in range(4):
+        await loop.run_once()
+    assert [c[0] for c in calls] == [i, i] and calls[0][1] == "done" and calls[0][2]["choices"]
+    assert queue.pending_callbacks() == []
