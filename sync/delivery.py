@@ -128,16 +128,15 @@ class DeliveryLoop:
             due = await asyncio.to_thread(self.queue.next_due, Kind.REQUEST)
             return self.config.poll_s if due is None else min(self.config.poll_s, max(0.0, due - time.time()))
         outcomes = await asyncio.gather(*(self._attempt(it) for it in batch))
-        settled = []
-        for item, out in zip(batch, outcomes, strict=True):
-            if out.delivered or out.refused:
-                settled.append((item.id, out.status, out.body, not out.delivered))
-                if out.delivered:
-                    self.delivered += 1
-                else:
-                    self.failed += 1
-                    log.warning("queued request %s refused by the cloud (%d)", item.id, out.status)
+        settled = [(item.id, out.status, out.body, not out.delivered)
+                   for item, out in zip(batch, outcomes, strict=True) if out.delivered or out.refused]
         await asyncio.to_thread(self.queue.complete_many, settled)
+        for item_id, status, _, refused in settled:  # counted once recorded
+            if refused:
+                self.failed += 1
+                log.warning("queued request %s refused by the cloud (%d)", item_id, status)
+            else:
+                self.delivered += 1
         for item, out in zip(batch, outcomes, strict=True):
             if not (out.delivered or out.refused):
                 self.retried += 1

@@ -126,7 +126,7 @@ class OfflineQueue(SQLiteStore):
         self._clock = clock
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         super().__init__(path, synchronous)
-        with self._write():
+        with self._write() as conn:
             self._db["outbox"].create(
                 {"seq": int, "id": str, "kind": str, "state": str, "endpoint": str, "session": str,
                  "priority": int, "payload": str, "bytes": int, "created_at": float, "expires_at": float,
@@ -143,6 +143,31 @@ class OfflineQueue(SQLiteStore):
                 {"id": str, "status": int, "result": str, "received_at": float, "callback_state": str},
                 pk="id", if_not_exists=True)
             self._db["counters"].create({"name": str, "value": int}, pk="name", if_not_exists=True)
+            self._db["outbox"].create_index(["state"], if_not_exists=True)
+            self._pending_triggers(conn)
+
+    @staticmethod
+    def _pending_triggers(conn) -> None:
+        """The size bound is checked at every enqueue: the pending count and bytes are kept in
+        ``counters`` by triggers (whoever changes the table, this process or the CLI), so the
+        check reads two rows instead of scanning the outbox. Recounted once when opened."""
+        pending = f"IN {PENDING}"
+        bump = ("UPDATE counters SET value = value + {n} WHERE name = 'pending_items'; "
+                "UPDATE counters SET value = value + {b} WHERE name = 'pending_bytes';")
+        conn.execute(f"CREATE TRIGGER IF NOT EXISTS outbox_pending_insert AFTER INSERT ON outbox "
+                     f"WHEN NEW.state {pending} BEGIN {bump.format(n=1, b='NEW.bytes')} END")
+        conn.execute(f"CREATE TRIGGER IF NOT EXISTS outbox_pending_delete AFTER DELETE ON outbox "
+                     f"WHEN OLD.state {pending} BEGIN {bump.format(n=-1, b='-OLD.bytes')} END")
+        conn.execute(f"CREATE TRIGGER IF NOT EXISTS outbox_pending_leave AFTER UPDATE OF state ON outbox "
+                     f"WHEN OLD.state {pending} AND NEW.state NOT {pending} "
+                     f"BEGIN {bump.format(n=-1, b='-OLD.bytes')} END")
+        conn.execute(f"CREATE TRIGGER IF NOT EXISTS outbox_pending_enter AFTER UPDATE OF state ON outbox "
+                     f"WHEN OLD.state NOT {pending} AND NEW.state {pending} "
+                     f"BEGIN {bump.format(n=1, b='NEW.bytes')} END")
+        n, size = conn.execute(
+            f"SELECT count(*), coalesce(sum(bytes), 0) FROM outbox WHERE state {pending}").fetchone()
+        conn.executemany("INSERT OR REPLACE INTO counters (name, value) VALUES (?, ?)",
+                         [("pending_items", n), ("pending_bytes", size)])
 
     # -- enqueue -------------------------------------------------------------------------
 
@@ -160,8 +185,7 @@ class OfflineQueue(SQLiteStore):
             rows.append((it, body, len(body.encode()), now + ttl))
         ids: list[str | None] = []
         with self._write() as conn:
-            n, size = conn.execute(
-                f"SELECT count(*), coalesce(sum(bytes), 0) FROM outbox WHERE state IN {PENDING}").fetchone()
+            n, size = self._pending(conn).values()
             need_n = n + len(rows) - self.max_items
             need_b = size + sum(r[2] for r in rows) - self.max_bytes
             if need_n > 0 or need_b > 0:
@@ -354,9 +378,19 @@ class OfflineQueue(SQLiteStore):
 
     @staticmethod
     def _pending(conn) -> dict:
-        n, size = conn.execute(
-            f"SELECT count(*), coalesce(sum(bytes), 0) FROM outbox WHERE state IN {PENDING}").fetchone()
-        return {"items": n, "bytes": size}
+        counts = dict(conn.execute(
+            "SELECT name, value FROM counters WHERE name IN ('pending_items', 'pending_bytes')").fetchall())
+        return {"items": counts.get("pending_items", 0), "bytes": counts.get("pending_bytes", 0)}
+
+    def pending(self) -> dict:
+        """Pending items and bytes, and the oldest pending item's age: cheap (no scan)."""
+        with self._lock:
+            conn = self._db.conn
+            out = self._pending(conn)
+            oldest = conn.execute(
+                f"SELECT min(created_at) FROM outbox WHERE state IN {PENDING}").fetchone()[0]
+        out["oldest_age_s"] = round(self._clock() - oldest, 3) if oldest is not None else None
+        return out
 
     def retry(self, ids: Iterable[str] = (), state: str | None = None) -> int:
         """Queue failed or expired items (the given ids, or every one in ``state``) again, due now,

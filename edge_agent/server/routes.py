@@ -36,9 +36,9 @@ async def healthz(request: Request):
     svc = service(request)
     esc = escalator(request)
     up = esc.upstream
-    q = await asyncio.to_thread(esc.outbox.queue.stats)
+    q = await asyncio.to_thread(esc.outbox.queue.pending)
     return {"status": "ok", "tier": "edge", "model": svc.model_id,
-            "queue": {"pending": q["pending_items"], "oldest_pending_age_s": q["oldest_pending_age_s"]},
+            "queue": {"pending": q["items"], "pending_bytes": q["bytes"], "oldest_pending_age_s": q["oldest_age_s"]},
             "slots": {"total": svc.pool.size, "busy": svc.pool.busy, "waiting": svc.pool.waiting},
             "upstream": None if up is None else {"url": up.base_url, "circuit": up.breaker.state,
                                                  "retry_after_s": round(up.breaker.retry_after_s(), 3)}}

@@ -202,3 +202,38 @@ def test_every_acknowledged_enqueue_survives_a_kill(tmp_path):
     q = OfflineQueue(path)
     stored = {it.payload["i"] for it in q.items(limit=1_000_000)}
     assert acked <= stored
+
+
+def test_the_pending_counters_kept_by_triggers_match_a_recount(tmp_path, clock):
+    import random
+
+    rng = random.Random(1)
+    q = OfflineQueue(tmp_path / "q.db", max_items=40, max_bytes=4000, request_ttl_s=5, clock=clock)
+    for _ in range(400):
+        op = rng.random()
+        try:
+            if op < 0.35:
+                q.enqueue_many([req(rng.randrange(99)) if rng.random() < 0.6 else tel(1)
+                                for _ in range(rng.randrange(1, 4))])
+        except QueueFull:
+            pass
+        if 0.35 <= op < 0.55:
+            for it in q.claim(rng.choice(list(Kind)), 3):
+                rng.choice([lambda i=it: q.complete(i.id, 200, {}), lambda i=it: q.retry_later(i.id, "x", 0),
+                            lambda i=it: q.ack([i.id]), lambda i=it: q.release([i.id])])()
+        elif op < 0.6:
+            clock.t += 2
+            q.expire()
+        elif op < 0.65:
+            q.retry(state="expired")
+        elif op < 0.7 and (items := q.items()):
+            q.drop([rng.choice(items).id])
+        elif op < 0.72:
+            q.recover()
+        recount = q._db.conn.execute(
+            "SELECT count(*), coalesce(sum(bytes), 0) FROM outbox WHERE state IN ('queued', 'sending')").fetchone()
+        p = q.pending()
+        assert (p["items"], p["bytes"]) == recount
+    q.close()
+    reopened = OfflineQueue(tmp_path / "q.db")  # recounted when opened
+    assert reopened.pending()["items"] == recount[0]
