@@ -32,15 +32,9 @@ def _queue(args):
     return open_queue(config.sync), path
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def cmd_status(args) -> int:
+    from cascade.cli import _size
+
     q, path = _queue(args)
     s = q.stats()
     if args.json:
@@ -75,28 +69,24 @@ def cmd_list(args) -> int:
     return 0
 
 
-def cmd_retry(args) -> int:
-    q, _ = _queue(args)
-    if not args.ids and not args.state:
-        args.state = None  # every failed and expired item
+def _change(args, verb: str, change) -> int:
     try:
-        n = q.retry(args.ids, args.state)
+        n = change()
     except ValueError as e:
         print(f"cascade: {e}", file=sys.stderr)
         return 2
-    print(f"{n} item(s) queued again")
-    return 0 if n or not args.ids else 1
+    print(f"{n} item(s) {verb}")
+    return 0 if n or not args.ids else 1  # named items that are not there: exit 1
+
+
+def cmd_retry(args) -> int:
+    q, _ = _queue(args)
+    return _change(args, "queued again", lambda: q.retry(args.ids, args.state))  # no state: failed and expired
 
 
 def cmd_drop(args) -> int:
     q, _ = _queue(args)
-    try:
-        n = q.drop(args.ids, args.state, args.kind)
-    except ValueError as e:
-        print(f"cascade: {e}", file=sys.stderr)
-        return 2
-    print(f"{n} item(s) dropped")
-    return 0 if n or not args.ids else 1
+    return _change(args, "dropped", lambda: q.drop(args.ids, args.state, args.kind))
 
 
 def add_queue_parser(edge_subparsers) -> None:

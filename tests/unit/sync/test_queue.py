@@ -237,3 +237,30 @@ def test_the_pending_counters_kept_by_triggers_match_a_recount(tmp_path, clock):
     q.close()
     reopened = OfflineQueue(tmp_path / "q.db")  # recounted when opened
     assert reopened.pending()["items"] == recount[0]
+
+
+def test_group_commit_shares_transactions_and_answers_each_caller(tmp_path):
+    import asyncio
+
+    from sync.queue import GroupCommit
+
+    class Counting(OfflineQueue):
+        commits = 0
+
+        def enqueue_many(self, items):
+            Counting.commits += 1
+            return super().enqueue_many(items)
+
+    async def put_all(writer, n):
+        return await asyncio.gather(*(writer.put(req(i)) for i in range(n)), return_exceptions=True)
+
+    q = Counting(tmp_path / "q.db")
+    ids = asyncio.run(put_all(GroupCommit(q), 60))
+    assert Counting.commits <= 2  # 60 callers, one or two transactions
+    assert {it.id for it in q.items(limit=100)} == set(ids) and len(set(ids)) == 60
+
+    full = OfflineQueue(tmp_path / "full.db", max_items=50)
+    results = asyncio.run(put_all(GroupCommit(full), 60))
+    accepted = [r for r in results if isinstance(r, str)]
+    assert len(accepted) == 50 and sum(isinstance(r, QueueFull) for r in results) == 10  # each its own answer
+    assert {it.id for it in full.items(limit=100)} == set(accepted)
