@@ -53,6 +53,10 @@ class Kind(StrEnum):
     TELEMETRY = "telemetry"  # published over MQTT, deleted once the broker acknowledged it
 
 
+class KeyReused(ValueError):
+    """An app's Idempotency-Key already names a different queued request."""
+
+
 class QueueFull(Exception):
     """The outbox is at its size bound and holds no telemetry to drop: the request is refused."""
 
@@ -71,6 +75,7 @@ class NewItem:
     ttl_s: float | None = None  # None: the queue's default for the kind
     callback_url: str | None = None
     reason: str = ""  # why it was queued (the escalation reason)
+    app_key: str | None = None  # the app's own Idempotency-Key: the same key enqueues once
     id: str = field(default_factory=new_id)
 
 
@@ -144,6 +149,10 @@ class OfflineQueue(SQLiteStore):
                 pk="id", if_not_exists=True)
             self._db["counters"].create({"name": str, "value": int}, pk="name", if_not_exists=True)
             self._db["outbox"].create_index(["state"], if_not_exists=True)
+            if "app_key" not in self._db["outbox"].columns_dict:
+                conn.execute("ALTER TABLE outbox ADD COLUMN app_key TEXT")
+            conn.execute("CREATE UNIQUE INDEX IF NOT EXISTS outbox_app_key ON outbox (app_key) "
+                         "WHERE app_key IS NOT NULL")
             self._pending_triggers(conn)
 
     @staticmethod
@@ -177,14 +186,17 @@ class OfflineQueue(SQLiteStore):
         return self.enqueue_many([NewItem(Kind(kind), payload, **kw)])[0]
 
     def enqueue_many(self, items: Iterable[NewItem]) -> list[str | None]:
-        """Store items in one transaction (one fsync): all the requests among them, or none."""
-        rows, now = [], self._clock()
-        for it in items:
-            body = json.dumps(it.payload, separators=(",", ":"))
-            ttl = self.ttl_s[it.kind.value] if it.ttl_s is None else it.ttl_s
-            rows.append((it, body, len(body.encode()), now + ttl))
-        ids: list[str | None] = []
+        """Store items in one transaction (one fsync): all the requests among them, or none.
+        An item whose ``app_key`` is already stored is not stored again: its id is the earlier
+        item's (KeyReused if that one's payload differs)."""
+        items, now = list(items), self._clock()
+        bodies = [json.dumps(it.payload, separators=(",", ":")) for it in items]
         with self._write() as conn:
+            rows, ids = [], self._earlier_ids(conn, items, bodies)
+            for it, body, item_id in zip(items, bodies, ids, strict=True):
+                if item_id is None:
+                    ttl = self.ttl_s[it.kind.value] if it.ttl_s is None else it.ttl_s
+                    rows.append((it, body, len(body.encode()), now + ttl))
             n, size = self._pending(conn).values()
             need_n = n + len(rows) - self.max_items
             need_b = size + sum(r[2] for r in rows) - self.max_bytes
@@ -204,18 +216,41 @@ class OfflineQueue(SQLiteStore):
                                 f"pending; bounds {self.max_items} items, {self.max_bytes} bytes)", stats)
             if not all(keep):
                 self._count(conn, "telemetry_dropped", keep.count(False))
+            stored = set()
             for (it, body, nbytes, expires_at), kept in zip(rows, keep, strict=True):
                 if not kept:
-                    ids.append(None)
                     continue
                 conn.execute(
                     "INSERT INTO outbox (id, kind, state, endpoint, session, priority, payload, bytes, "
-                    "created_at, expires_at, callback_url, reason, updated_at) "
-                    "VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "created_at, expires_at, callback_url, reason, updated_at, app_key) "
+                    "VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (it.id, it.kind.value, it.endpoint, it.session, it.priority, body, nbytes, now, expires_at,
-                     it.callback_url, it.reason, now))
-                ids.append(it.id)
-        return ids
+                     it.callback_url, it.reason, now, it.app_key))
+                stored.add(it.id)
+        return [item_id if item_id is not None else (it.id if it.id in stored else None)
+                for it, item_id in zip(items, ids, strict=True)]
+
+    @staticmethod
+    def _earlier_ids(conn, items: list[NewItem], bodies: list[str]) -> list[str | None]:
+        """For each item, the id of the item already holding its ``app_key`` (stored before, or
+        earlier in this batch); None: store it."""
+        holders: dict[str, tuple[str, str]] = {}  # app_key -> (id, payload)
+        out: list[str | None] = []
+        for it, body in zip(items, bodies, strict=True):
+            holder = holders.get(it.app_key) if it.app_key is not None else None
+            if it.app_key is not None and holder is None:
+                row = conn.execute("SELECT id, payload FROM outbox WHERE app_key = ?", (it.app_key,)).fetchone()
+                holder = holders[it.app_key] = (row[0], row[1]) if row else (it.id, body)
+                if row is None:
+                    out.append(None)
+                    continue
+            if holder is None:
+                out.append(None)
+                continue
+            if holder[1] != body:
+                raise KeyReused(f"the Idempotency-Key {it.app_key!r} was used for a different request")
+            out.append(holder[0])
+        return out
 
     def _drop_telemetry(self, conn, need_n: int, need_b: int) -> tuple[int, int]:
         """Delete the oldest queued telemetry until ``need_n`` items and ``need_b`` bytes are free."""
@@ -471,7 +506,7 @@ class GroupCommit:
             batch, self._pending = self._pending, []
             try:
                 ids = await asyncio.to_thread(self.queue.enqueue_many, [item for item, _ in batch])
-            except QueueFull:  # all or nothing failed: give each item its own answer
+            except (QueueFull, KeyReused):  # all or nothing failed: give each item its own answer
                 for item, fut in batch:
                     try:
                         (one,) = await asyncio.to_thread(self.queue.enqueue_many, [item])

@@ -134,7 +134,7 @@ class Escalator:
             cloud_available=self.upstream.available if self.upstream else False)
 
     async def route(self, req, endpoint: str, body: dict, make_job, prompt_text: str,
-                    session: str | None = None) -> Routed | Queued:
+                    session: str | None = None, app_key: str | None = None) -> Routed | Queued:
         """``make_job()`` builds the local job (it raises 400 when the prompt cannot run here).
         A request the cloud should answer but cannot reach is queued (``Queued``) when its
         offline policy says so."""
@@ -156,7 +156,7 @@ class Escalator:
                 log.warning("escalation failed (%s); %s: %s", e, decision.tier, decision.reason)
         if decision.tier == "queue":
             self._count(decision)
-            return Queued(await self.outbox.submit(endpoint, body, decision.reason, session, req.cascade),
+            return Queued(await self.outbox.submit(endpoint, body, decision.reason, session, req.cascade, app_key),
                           decision.reason)
         if decision.tier == "reject":
             self._count(decision)

@@ -18,7 +18,7 @@ from cascade.config import cascade_home
 from edge_agent.config import SyncConfig
 from edge_agent.upstream import Upstream
 from sync.delivery import DeliveryConfig, DeliveryLoop
-from sync.queue import GroupCommit, Item, Kind, NewItem, OfflineQueue, QueueFull, State
+from sync.queue import GroupCommit, Item, KeyReused, Kind, NewItem, OfflineQueue, QueueFull, State
 
 log = logging.getLogger(__name__)
 
@@ -90,17 +90,22 @@ class Outbox:
             raise errors.bad_request(f"callback_url must point at this device ({', '.join(hosts)}); "
                                      "see [sync] callback_hosts.", "cascade.callback_url")
 
-    async def submit(self, endpoint: str, body: dict, reason: str, session: str | None, opts) -> str:
+    async def submit(self, endpoint: str, body: dict, reason: str, session: str | None, opts,
+                     app_key: str | None = None) -> str:
         """Queue a request for the cloud; returns its id once the write is durable.
-        503 ``offline_queue_full`` when there is no room for it."""
+        503 ``offline_queue_full`` when there is no room for it. With the app's own
+        ``Idempotency-Key`` (``app_key``) a retried POST gets the first one's id, not a second item."""
         callback = opts.callback_url if opts else None
         self.check_callback(callback)
         payload = {k: v for k, v in body.items() if k not in ("cascade", "stream", "stream_options")}
         item = NewItem(Kind.REQUEST, payload, endpoint=endpoint, session=session,
                        priority=opts.priority if opts else 0, ttl_s=opts.ttl_s if opts else None,
-                       callback_url=callback, reason=reason)
+                       callback_url=callback, reason=reason, app_key=app_key)
         try:
             item_id = await self._writer.put(item)
+        except KeyReused as e:
+            raise errors.APIError(422, f"{e}.", "invalid_request_error", "Idempotency-Key",
+                                  "idempotency_key_reused") from e
         except QueueFull as e:
             raise errors.APIError(503, f"The cloud cannot be reached and {e}; nothing was queued. Retry later.",
                                   "server_error", code="offline_queue_full", headers={"Retry-After": "30"}) from e

@@ -76,7 +76,8 @@ async def chat_completions(request: Request):
     req = parse_body(ChatCompletionRequest, body)
     svc.check_model(req.model)
     text = "\n".join(m.text() for m in req.messages)
-    routed = await escalator(request).route(req, "chat", body, lambda: svc.chat_job(req), text, _session(request, req))
+    routed = await escalator(request).route(req, "chat", body, lambda: svc.chat_job(req), text,
+                                            _session(request, req), request.headers.get("idempotency-key"))
     if isinstance(routed, Queued):
         return _accepted(svc, routed, "chat")
     fmt = ChatFormatter(routed.model or svc.model_id, req.logprobs)
@@ -91,7 +92,7 @@ async def completions(request: Request):
     svc.check_model(req.model)
     text = req.prompt if isinstance(req.prompt, str) else ""
     routed = await escalator(request).route(req, "completions", body, lambda: svc.completion_job(req), text,
-                                            _session(request, req))
+                                            _session(request, req), request.headers.get("idempotency-key"))
     if isinstance(routed, Queued):
         return _accepted(svc, routed, "completions")
     fmt = CompletionFormatter(routed.model or svc.model_id, req.logprobs)

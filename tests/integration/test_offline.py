@@ -172,6 +172,16 @@ def test_a_full_queue_refuses_requests_and_ttls_expire(tmp_path, engine_home, cl
         assert post(agent, "f").status_code == 202  # the expired one no longer takes room
         assert httpx.get(f"{agent.url}/v1/requests/{ids[0]}").json()["state"] == "queued"
         assert httpx.get(f"{agent.url}/v1/requests/not-an-id").status_code == 404
+        # an app that retries a POST whose 202 it lost, with its own Idempotency-Key, gets the same item
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "g"}], "cascade": {"mode": "cloud"}}
+        url, key_header = f"{agent.url}/v1/chat/completions", {"Idempotency-Key": "app-1"}
+        assert httpx.post(url, json=body, headers=key_header).status_code == 503  # full: not stored
+        assert _drop(tmp_path, ids[0]) == 0  # the operator makes room while the agent runs
+        first = httpx.post(url, json=body, headers=key_header)
+        again = httpx.post(url, json=body, headers=key_header)
+        assert first.status_code == again.status_code == 202 and first.json()["id"] == again.json()["id"]
+        other = httpx.post(url, json={**body, "max_tokens": 3}, headers=key_header)
+        assert other.status_code == 422 and other.json()["error"]["code"] == "idempotency_key_reused"
     finally:
         agent.stop()
 
@@ -230,6 +240,18 @@ def test_kill_9_during_enqueue_and_delivery_loses_nothing_and_runs_each_once(tmp
               f"{len(proxy.forwarded)} sends")
     finally:
         agent.stop()
+
+
+def _drop(home, item_id: str) -> int:
+    """`cascade edge queue drop ID` on the agent's queue while it runs."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    return subprocess.run([sys.executable, "-m", "cascade.cli", "edge", "queue", "drop", item_id], cwd=REPO,
+                          env={**os.environ, "CASCADE_HOME": str(home)}, capture_output=True).returncode
 
 
 def _callback_server(calls: list) -> ThreadingHTTPServer:

@@ -264,3 +264,14 @@ def test_group_commit_shares_transactions_and_answers_each_caller(tmp_path):
     accepted = [r for r in results if isinstance(r, str)]
     assert len(accepted) == 50 and sum(isinstance(r, QueueFull) for r in results) == 10  # each its own answer
     assert {it.id for it in full.items(limit=100)} == set(accepted)
+
+
+def test_an_app_key_enqueues_once_and_a_reused_key_for_another_request_is_refused(queue):
+    from sync.queue import KeyReused
+
+    a = queue.enqueue("request", {"q": 1}, endpoint="chat", app_key="k1")
+    assert queue.enqueue("request", {"q": 1}, endpoint="chat", app_key="k1") == a  # the app's retry
+    b, c, d = queue.enqueue_many([req(2, app_key="k2"), req(2, app_key="k2"), req(3)])
+    assert b == c != d and queue.stats()["pending_items"] == 3
+    with pytest.raises(KeyReused):
+        queue.enqueue("request", {"q": 2}, endpoint="chat", app_key="k1")
