@@ -40,8 +40,9 @@ import numpy as np  # noqa: E402
 from edge_agent.config import UpstreamConfig  # noqa: E402
 from edge_agent.upstream import Upstream  # noqa: E402
 from sync.delivery import DeliveryConfig, DeliveryLoop  # noqa: E402
+from sync.group_commit import GroupCommit  # noqa: E402
 from sync.ids import new_id  # noqa: E402
-from sync.queue import GroupCommit, Kind, NewItem, OfflineQueue  # noqa: E402
+from sync.queue import Kind, NewItem, OfflineQueue  # noqa: E402
 
 MODEL = "smollm2-135m"
 GOAL = 2000  # durable enqueues/s, batched, synchronous=FULL

@@ -18,7 +18,8 @@ from cascade.config import cascade_home
 from edge_agent.config import SyncConfig
 from edge_agent.upstream import Upstream
 from sync.delivery import DeliveryConfig, DeliveryLoop
-from sync.queue import GroupCommit, Item, KeyReused, Kind, NewItem, OfflineQueue, QueueFull, State
+from sync.group_commit import GroupCommit
+from sync.queue import Item, KeyReused, Kind, NewItem, OfflineQueue, QueueFull, State
 
 log = logging.getLogger(__name__)
 

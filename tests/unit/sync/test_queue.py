@@ -242,7 +242,7 @@ def test_the_pending_counters_kept_by_triggers_match_a_recount(tmp_path, clock):
 def test_group_commit_shares_transactions_and_answers_each_caller(tmp_path):
     import asyncio
 
-    from sync.queue import GroupCommit
+    from sync.group_commit import GroupCommit
 
     class Counting(OfflineQueue):
         commits = 0
