@@ -350,6 +350,12 @@ class OfflineQueue(SQLiteStore):
         return conn.execute("UPDATE outbox SET state = 'expired', updated_at = ? "
                             "WHERE state = 'queued' AND expires_at <= ?", (now, now)).rowcount
 
+    def session_pending(self, session: str) -> bool:
+        """Whether ``session`` has items queued or being sent (a new one must go behind them)."""
+        with self._lock:
+            return self._db.conn.execute(
+                f"SELECT 1 FROM outbox WHERE session = ? AND state IN {PENDING} LIMIT 1", (session,)).fetchone() is not None
+
     def next_due(self, kind: Kind | str) -> float | None:
         """When the earliest queued item of ``kind`` becomes due (None: nothing queued)."""
         with self._lock:

@@ -6,6 +6,7 @@ and judged before anything of it is released."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -148,6 +149,10 @@ class Escalator:
             too_long_locally, n_prompt = e, self.service.description.n_ctx
         signals = self.signals(req, job, prompt_text, n_prompt)
         decision = decide(signals, self.policy)
+        if decision.tier == "cloud" and session and signals.offline == "queue" and await asyncio.to_thread(
+                self.outbox.queue.session_pending, session):
+            # the session still has requests waiting for the cloud: this one goes behind them, in order
+            decision = Decision("queue", decision.reason, status=202)
         if decision.tier == "cloud":
             try:
                 return await self._cloud(endpoint, body, decision.reason)

@@ -134,6 +134,30 @@ def test_queued_while_the_cloud_is_down_then_delivered_once_in_session_order(tmp
         agent.stop()
 
 
+def test_a_new_escalation_waits_behind_its_sessions_queued_requests(tmp_path, engine_home, cloud_both, proxy):
+    key = create_key(engine_home, "--tenant", "offline-behind", "--device", "kiosk-9")
+    agent = start_agent(tmp_path, agent_env(proxy, key))
+    try:
+        long = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story about a lighthouse."}],
+                "max_tokens": 160, "temperature": 0, "cascade": {"mode": "cloud", "session": "door"}}
+        first = httpx.post(f"{agent.url}/v1/chat/completions", json=long, timeout=30)
+        assert first.status_code == 202
+        proxy.up()
+        _wait(lambda: httpx.get(f"{agent.url}/v1/requests/{first.json()['id']}").json()["state"] == "sending",
+              "the queued request to be sent", 30)
+        # the cloud is reachable now, but the session's earlier request is still on its way
+        behind = post(agent, "And now a short one.", session="door")
+        assert behind.status_code == 202 and behind.headers["x-cascade-reason"] == "forced"
+        other = post(agent, "Another session.", session="till")  # other sessions go straight up
+        assert other.status_code == 200 and other.headers["x-cascade-tier"] == "cloud"
+        done = wait_done(agent, [first.json()["id"], behind.json()["id"]], 120)
+        assert {d["state"] for d in done.values()} == {"done"}
+        order = [k for _, k in proxy.forwarded if k in done]
+        assert order.index(first.json()["id"]) < order.index(behind.json()["id"])
+    finally:
+        agent.stop()
+
+
 def test_a_lost_response_is_replayed_from_the_cloud_store_and_charged_once(tmp_path, engine_home, cloud_both, proxy):
     key = create_key(engine_home, "--tenant", "offline-dup", "--device", "kiosk-9")
     agent = start_agent(tmp_path, agent_env(proxy, key))
