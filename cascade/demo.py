@@ -1,7 +1,7 @@
 """``cascade demo``: the whole chain on one machine, as a scripted scenario.
 
 While the cloud tier starts, the device is offline: escalations are queued (202) and delivered
-once it is up. Then: a cloud tier (`cascade cloud serve`: gateway + 1 prefill + 1 decode worker, SmolLM2-135M at full
+once it is up; the agent's telemetry goes to a local Mosquitto (when installed) over MQTT. Then: a cloud tier (`cascade cloud serve`: gateway + 1 prefill + 1 decode worker, SmolLM2-135M at full
 precision on our engine), an edge agent on a harsher Q2_K variant of the same model (derived
 with `cascade models quantize`, as a fleet ships a smaller model to devices), the agent's
 upstream pointed at the cloud with a device key, then a mix of easy and hard requests, and a
@@ -135,6 +135,56 @@ def drain(edge: str, queued: list[tuple[str, str]], timeout_s: float = 300) -> N
         print(f"-- {len(queued) - len(shown)} queued request(s) not delivered in {timeout_s:.0f} s")
 
 
+class TelemetryWatch:
+    """A Mosquitto broker on loopback (when installed) and a subscriber to the agent's telemetry."""
+
+    def __init__(self, fleet: str, device: str):
+        import shutil
+
+        self.records: list[dict] = []
+        self.broker = self.client = None
+        binary = shutil.which("mosquitto") or shutil.which("mosquitto", path="/usr/sbin:/usr/local/sbin")
+        if binary is None:
+            return
+        import paho.mqtt.client as mqtt
+
+        from sync.mqtt import telemetry_topic
+
+        self.port, self.topic = free_port(), telemetry_topic(fleet, device)
+        self.broker = subprocess.Popen([binary, "-p", str(self.port)], stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL)
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="cascade-demo-watch")
+        self.client.on_connect = lambda client, *_: client.subscribe(self.topic, qos=1)
+        self.client.on_message = lambda client, userdata, msg: self.records.append(json.loads(msg.payload))
+        self.client.connect_async("127.0.0.1", self.port)
+        self.client.loop_start()
+
+    def env(self) -> dict:
+        if self.broker is None:
+            return {}
+        return {"CASCADE_EDGE_MQTT_HOST": "127.0.0.1", "CASCADE_EDGE_MQTT_PORT": str(self.port),
+                "CASCADE_EDGE_MQTT_FLEET": "demo", "CASCADE_EDGE_MQTT_TELEMETRY_INTERVAL_S": "5"}
+
+    def report(self) -> None:
+        if self.broker is None:
+            print("\ntelemetry: not shown (no mosquitto on this machine: apt-get install mosquitto)")
+            return
+        if not self.records:
+            print(f"\ntelemetry: no record on {self.topic} yet")
+            return
+        last = self.records[-1]
+        print(f"\ntelemetry over MQTT: {len(self.records)} record(s) on {self.topic}; the last one:")
+        print(f"   requests {last['requests']}\n   decisions {last['decisions']}\n   queue {last['queue']}\n"
+              f"   model {last['model']['name']} ({last['model']['quantization']}), "
+              f"ttft mean {last['latency']['ttft']['mean_s']} s")
+
+    def stop(self) -> None:
+        if self.client is not None:
+            self.client.loop_stop()
+        if self.broker is not None:
+            _stop(self.broker)
+
+
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.terminate()
@@ -166,12 +216,13 @@ def main(args) -> int:
     cloud = subprocess.Popen([*cli, "cloud", "serve", "--port", str(cloud_port), "--prefill", "1", "--decode", "1",
                               "--max-model-len", "2048"], env=env)
     edge = None
+    watch = TelemetryWatch("demo", "kiosk-1")
     try:
         # the agent starts at once; the cloud takes a while, and meanwhile the device is offline
         print(f"== starting the edge agent on {edge_url}: smollm2-135m-q2_k, n_ctx 512, upstream {cloud_url}")
         edge_env = {**env, "CASCADE_EDGE_UPSTREAM_URL": cloud_url, "CASCADE_EDGE_UPSTREAM_API_KEY": key,
                     "CASCADE_EDGE_CASCADE_DEVICE": "kiosk-1", "CASCADE_EDGE_UPSTREAM_MAX_BACKOFF_S": "4",
-                    "CASCADE_EDGE_SYNC_PATH": str(work / "queue.db")}
+                    "CASCADE_EDGE_SYNC_PATH": str(work / "queue.db"), **watch.env()}
         calibrated = Path(home) / "edge.toml"  # written by `cascade calibrate`, if it has run
         extra = ["--config", str(calibrated)] if calibrated.is_file() else []
         if not extra:  # an uncalibrated default: escalate when the first 8 tokens average below -1.2
@@ -197,6 +248,8 @@ def main(args) -> int:
             conf = r["confidence"]["mean_logprob"] if r["confidence"] else float("nan")
             print(f"{first_line[:45]:<46} {r['tier'] or '-':<11} {r['reason'] or '-':<18} {r['ttft_ms']:>8.0f} "
                   f"{r['total_ms']:>9.0f} {conf:>6.2f}")
+        time.sleep(5)  # one more telemetry record, counting the mix
+        watch.report()
         print("\nconf = mean logprob of the edge answer's first K tokens (auto mode holds them back and "
               "escalates below the threshold; TTFT includes that hold-back).")
         print("Try it: cascade cloud serve & cascade cloud keys create --tenant me; "
@@ -206,3 +259,4 @@ def main(args) -> int:
         if edge is not None:
             _stop(edge)
         _stop(cloud)
+        watch.stop()
