@@ -104,7 +104,7 @@ class Upstream:
                    "accept": "application/json"}
         if item.session:
             headers["x-cascade-session"] = item.session
-        payload = {k: v for k, v in item.payload.items() if k not in ("cascade", "stream", "stream_options")}
+        payload = dict(item.payload)  # stored without the cascade and stream fields (Outbox.submit)
         payload["model"] = await self._model() or payload.get("model")
         try:
             r = await self.client.post(self.base_url + ENDPOINTS[item.endpoint], json=payload, headers=headers)

@@ -71,32 +71,29 @@ async def get_model(request: Request, model: str) -> ModelCard:
 
 @v1.post("/chat/completions")
 async def chat_completions(request: Request):
-    svc = service(request)
-    body = await read_json(request, request.app.state.config.server.max_body_bytes)
-    req = parse_body(ChatCompletionRequest, body)
-    svc.check_model(req.model)
-    text = "\n".join(m.text() for m in req.messages)
-    routed = await escalator(request).route(req, "chat", body, lambda: svc.chat_job(req), text,
-                                            _session(request, req), request.headers.get("idempotency-key"))
-    if isinstance(routed, Queued):
-        return _accepted(svc, routed, "chat")
-    fmt = ChatFormatter(routed.model or svc.model_id, req.logprobs)
-    return await _respond(request, svc, routed, fmt, "chat", req.stream, req.include_usage_in_stream())
+    return await _serve(request, "chat", ChatCompletionRequest, ChatFormatter,
+                        lambda svc, req: svc.chat_job(req), lambda req: "\n".join(m.text() for m in req.messages))
 
 
 @v1.post("/completions")
 async def completions(request: Request):
+    return await _serve(request, "completions", CompletionRequest, CompletionFormatter,
+                        lambda svc, req: svc.completion_job(req),
+                        lambda req: req.prompt if isinstance(req.prompt, str) else "")
+
+
+async def _serve(request: Request, endpoint: str, schema, formatter, make_job, prompt_text):
+    """Parse, route (edge, cloud or queue) and answer one OpenAI request."""
     svc = service(request)
     body = await read_json(request, request.app.state.config.server.max_body_bytes)
-    req = parse_body(CompletionRequest, body)
+    req = parse_body(schema, body)
     svc.check_model(req.model)
-    text = req.prompt if isinstance(req.prompt, str) else ""
-    routed = await escalator(request).route(req, "completions", body, lambda: svc.completion_job(req), text,
+    routed = await escalator(request).route(req, endpoint, body, lambda: make_job(svc, req), prompt_text(req),
                                             _session(request, req), request.headers.get("idempotency-key"))
     if isinstance(routed, Queued):
-        return _accepted(svc, routed, "completions")
-    fmt = CompletionFormatter(routed.model or svc.model_id, req.logprobs)
-    return await _respond(request, svc, routed, fmt, "completions", req.stream, req.include_usage_in_stream())
+        return _accepted(svc, routed, endpoint)
+    fmt = formatter(routed.model or svc.model_id, req.logprobs)
+    return await _respond(request, svc, routed, fmt, endpoint, req.stream, req.include_usage_in_stream())
 
 
 @v1.get("/requests/{request_id}")
