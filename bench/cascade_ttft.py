@@ -14,29 +14,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 
+from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
+
 REPO = Path(__file__).resolve().parent.parent
-PROMPTS = ["Which city is the capital of France?", "Write a haiku about the sea.", "Name three primary colors.",
-           "What is 12 + 30?", "Say hello to the factory floor.", "List two uses of a paperclip."]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+PROMPTS = ["Which city is the capital of France?", "Write a haiku about the sea.",
+           "Name three primary colors.", "What is 12 + 30?", "Say hello to the factory floor.",
+           "List two uses of a paperclip."]
 
 
 def ttft(url: str, prompt: str, mode: str) -> float:
-    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": prompt}], "max_tokens": 32,
-            "temperature": 0, "stream": True, "cascade": {"mode": mode}}
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 32, "temperature": 0, "stream": True, "cascade": {"mode": mode}}
     start = time.perf_counter()
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
         for line in r.iter_lines():
@@ -55,18 +50,13 @@ def main() -> int:
     rows = []
     for k in [int(x) for x in args.hold.split(",")]:
         port = free_port()
-        env = {**os.environ, "OMP_WAIT_POLICY": "passive", "CASCADE_EDGE_UPSTREAM_URL": f"http://127.0.0.1:{free_port()}",
-               "CASCADE_EDGE_CASCADE_HOLD_TOKENS": str(k), "CASCADE_EDGE_CASCADE_MIN_MEAN_LOGPROB": "-1000"}
-        proc = subprocess.Popen([sys.executable, "-m", "cascade.cli", "--log-level", "WARNING", "edge", "run",
-                                 "--port", str(port)], env=env, cwd=REPO)
+        env = {"CASCADE_EDGE_UPSTREAM_URL": f"http://127.0.0.1:{free_port()}",
+               "CASCADE_EDGE_CASCADE_HOLD_TOKENS": str(k),
+               "CASCADE_EDGE_CASCADE_MIN_MEAN_LOGPROB": "-1000"}
+        proc = spawn(cascade_command("edge", "run", "--port", str(port)), env=env, cwd=REPO)
         url = f"http://127.0.0.1:{port}"
         try:
-            for _ in range(600):
-                try:
-                    if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.2)
+            wait_healthy(url, proc, timeout_s=120, what="edge agent")
             ttft(url, "Warm up.", "local")
             local, auto = [], []
             for i in range(args.requests):
@@ -75,10 +65,9 @@ def main() -> int:
                 auto.append(ttft(url, prompt, "auto"))
             rows.append((k, statistics.median(local), statistics.median(auto)))
         finally:
-            proc.terminate()
-            proc.wait(timeout=30)
-    print(f"\nEdge TTFT with the confidence hold-back (SmolLM2-135M Q4_1, llama.cpp, {os.cpu_count()} cores, "
-          f"{args.requests} requests each, median)")
+            stop(proc, timeout_s=30)
+    print(f"\nEdge TTFT with the confidence hold-back (SmolLM2-135M Q4_1, llama.cpp, "
+          f"{os.cpu_count()} cores, {args.requests} requests each, median)")
     print(f"{'K':>3} {'local TTFT ms':>14} {'auto TTFT ms':>13} {'hold-back ms':>13}")
     for k, lo, au in rows:
         print(f"{k:>3} {lo:14.1f} {au:13.1f} {au - lo:13.1f}")

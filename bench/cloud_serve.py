@@ -13,67 +13,42 @@ import argparse
 import asyncio
 import math
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
+from cascade.eval.loadgen import LoadConfig, format_table, run_benchmark
+from cascade.eval.sharegpt import load_conversations, sample_requests
+from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from bench.serve_bench import LoadConfig, format_table, run_benchmark  # noqa: E402
-from bench.sharegpt import load_conversations, sample_requests  # noqa: E402
-
 MODEL = "smollm2-135m"
-CASCADE = {"pd": ["--prefill", "1", "--decode", "1"], "both": ["--both", "1", "--prefill", "0", "--decode", "0"]}
+CASCADE = {"pd": ["--prefill", "1", "--decode", "1"],
+           "both": ["--both", "1", "--prefill", "0", "--decode", "0"]}
 NAMES = {"pd": "cascade cloud serve --prefill 1 --decode 1", "both": "cascade cloud serve --both 1",
          "vllm": "vLLM CPU (vllm serve)"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_up(url: str, proc: subprocess.Popen, timeout_s: float = 900) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: the server exited ({proc.returncode})")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(url)
-
-
 def start(system: str, args, work: Path) -> tuple[subprocess.Popen, str, str | None]:
     port = free_port()
-    env = {**os.environ, "OMP_WAIT_POLICY": "passive"}
     if system == "vllm":
         from cloud_tier.engine.llm_engine import resolve_model_dir
 
-        env.update({"VLLM_CPU_KVCACHE_SPACE": "4"})
-        proc = subprocess.Popen([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                                 str(resolve_model_dir(MODEL)), "--served-model-name", MODEL, "--dtype", "float32",
-                                 "--max-model-len", "2048", "--port", str(port)],
-                                env=env, cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = spawn([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                      str(resolve_model_dir(MODEL)), "--served-model-name", MODEL,
+                      "--dtype", "float32", "--max-model-len", "2048", "--port", str(port)],
+                     env={"VLLM_CPU_KVCACHE_SPACE": "4"}, log=Path(os.devnull), cwd=work)
         return proc, f"http://127.0.0.1:{port}", None
-    cli = [sys.executable, "-m", "cascade.cli", "--log-level", "WARNING"]
     db = work / f"{system}.db"
-    env["CASCADE_CLOUD_GATEWAY_DB"] = str(db)
-    env["CASCADE_CLOUD_GATEWAY_TTFT_SLO_S"] = "600"
-    key = subprocess.run([*cli, "cloud", "keys", "create", "--db", str(db), "--tenant", "bench"], env=env,
-                         capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-    proc = subprocess.Popen([*cli, "cloud", "serve", "--port", str(port), "--max-model-len", "2048",
-                             *CASCADE[system]], env=env, cwd=REPO)
+    env = {"CASCADE_CLOUD_GATEWAY_DB": str(db), "CASCADE_CLOUD_GATEWAY_TTFT_SLO_S": "600"}
+    out = subprocess.run(cascade_command("cloud", "keys", "create", "--db", str(db),
+                                         "--tenant", "bench"),
+                         env={**os.environ, "OMP_WAIT_POLICY": "passive", **env},
+                         capture_output=True, text=True, check=True).stdout
+    key = out.strip().splitlines()[-1]
+    proc = spawn(cascade_command("cloud", "serve", "--port", str(port), "--max-model-len", "2048",
+                                 *CASCADE[system]), env=env, cwd=REPO)
     return proc, f"http://127.0.0.1:{port}", key
 
 
@@ -85,12 +60,14 @@ def main() -> int:
     p.add_argument("--max-prompt-tokens", type=int, default=1024)
     p.add_argument("--systems", default="pd,both,vllm")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vllm-python", default=str(Path.home() / ".cache/cascade/vllm-venv/bin/python"))
+    p.add_argument("--vllm-python",
+                   default=str(Path.home() / ".cache/cascade/vllm-venv/bin/python"))
     args = p.parse_args()
     from cloud_tier.gateway.app import load_tokenizer
 
-    requests = sample_requests(args.num_prompts, args.seed, load_tokenizer(MODEL), args.max_prompt_tokens,
-                               args.max_output_tokens, conversations=load_conversations())
+    requests = sample_requests(args.num_prompts, args.seed, load_tokenizer(MODEL),
+                               args.max_prompt_tokens, args.max_output_tokens,
+                               conversations=load_conversations())
     work = Path(tempfile.mkdtemp(prefix="cloud-serve-bench-"))
     tables = []
     for system in args.systems.split(","):
@@ -99,19 +76,16 @@ def main() -> int:
             continue
         proc, url, key = start(system, args, work)
         try:
-            wait_up(f"{url}/health" if system == "vllm" else f"{url}/healthz", proc)
+            wait_healthy(url, proc, timeout_s=900, what=NAMES[system],
+                         path="/health" if system == "vllm" else "/healthz")
             load = LoadConfig("chat", math.inf, args.max_concurrency, True, args.seed, key)
             asyncio.run(run_benchmark(url, MODEL, requests[:2], load))  # warm-up
             result = asyncio.run(run_benchmark(url, MODEL, requests, load))
             tables.append(f"== {NAMES[system]}\n{format_table(result)}")
-        except (RuntimeError, TimeoutError, OSError) as e:
+        except (RuntimeError, OSError) as e:  # NotHealthy is a RuntimeError
             tables.append(f"== {NAMES[system]}: failed: {e}")
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc, timeout_s=60)
     print(f"\n{len(requests)} ShareGPT requests, at most {args.max_concurrency} in flight, "
           f"output <= {args.max_output_tokens} tokens (ignore_eos), {os.cpu_count()} cores\n")
     print("\n\n".join(tables))

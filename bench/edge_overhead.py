@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import statistics
@@ -20,15 +21,33 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
+
+from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
+
+# before llama_cpp loads (lazily, in main): its OpenMP threads read this once
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+REPO = Path(__file__).resolve().parent.parent
 
-import httpx  # noqa: E402
 
-from tests.conftest import Agent  # noqa: E402
+@contextlib.contextmanager
+def edge_agent(home: Path, *args: str, timeout_s: float = 180) -> Iterator[str]:
+    """`cascade edge run ARGS` on a free loopback port, $CASCADE_HOME ``home``, its log there:
+    its URL once healthy; stopped (with its process group) on the way out."""
+    port = free_port()
+    log = home / f"edge-{port}.log"
+    proc = spawn(cascade_command("edge", "run", "--port", str(port), *args),
+                 env={"CASCADE_HOME": str(home)}, log=log, cwd=REPO)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, timeout_s, "edge agent", log=log)
+        yield url
+    finally:
+        stop(proc)
 
 
 def prompts(n: int, offset: int) -> list[str]:
@@ -42,7 +61,8 @@ def direct_one(llm, prompt: str, max_tokens: int) -> tuple[float, int, float]:
     start = time.perf_counter()
     first = None
     n = 0
-    for chunk in llm.create_completion(prompt, max_tokens=max_tokens, temperature=0.0, stream=True):
+    for chunk in llm.create_completion(prompt, max_tokens=max_tokens, temperature=0.0,
+                                       stream=True):
         choice = chunk["choices"][0]
         if choice["finish_reason"] is None or choice["text"]:  # the last chunk may carry no token
             first = first or time.perf_counter()
@@ -59,8 +79,8 @@ def agent_one(url: str, prompt: str, max_tokens: int) -> tuple[float, int, float
     using the openai package would send it."""
     client = getattr(_http, "client", None) or httpx.Client(timeout=300)
     _http.client = client
-    body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     first = None
     n = 0
@@ -150,33 +170,32 @@ def main() -> int:
     for concurrency, parallel, threads, threads_batch in configs:
         items = prompts(args.requests, offset=len(rows) * 100)
         warm = prompts(1, offset=999)[0]
-        llms = [Llama(model_path=path, n_ctx=args.n_ctx, n_threads=threads, n_threads_batch=threads_batch,
-                      n_batch=256, verbose=False) for _ in range(parallel)]
+        llms = [Llama(model_path=path, n_ctx=args.n_ctx, n_threads=threads,
+                      n_threads_batch=threads_batch, n_batch=256, verbose=False)
+                for _ in range(parallel)]
         for llm in llms:
             direct_one(llm, warm, 8)
         direct = run_load(lambda llm, p: direct_one(llm, p, args.tokens), llms, items, concurrency)
         del llms
-        agent = Agent(home, "--parallel", str(parallel), "--threads", str(threads),
-                      "--threads-batch", str(threads_batch), "--n-ctx", str(args.n_ctx),
-                      "--max-waiting", "64").wait_healthy()
-        try:
+        with edge_agent(home, "--parallel", str(parallel), "--threads", str(threads),
+                        "--threads-batch", str(threads_batch), "--n-ctx", str(args.n_ctx),
+                        "--max-waiting", "64") as url:
             for _ in range(parallel):
-                agent_one(agent.url, warm, 8)
-            via = run_load(lambda url, p: agent_one(url, p, args.tokens), [agent.url] * concurrency, items,
+                agent_one(url, warm, 8)
+            via = run_load(lambda u, p: agent_one(u, p, args.tokens), [url] * concurrency, items,
                            concurrency)
-        finally:
-            agent.stop()
         rows.append((concurrency, f"{parallel} x {threads}/{threads_batch}", direct, via))
 
-    print(f"\nSmolLM2-135M-Instruct Q4_1, {args.requests} requests x {args.tokens} tokens, greedy, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, {cores} cores\n")
-    print(f"{'in flight':>9} {'slots x thr':>13} | {'direct tok/s':>12} {'agent tok/s':>11} {'ratio':>6} | "
-          f"{'direct TTFT ms':>14} {'agent TTFT ms':>13} {'overhead ms':>11}")
+    print(f"\nSmolLM2-135M-Instruct Q4_1, {args.requests} requests x {args.tokens} tokens, "
+          f"greedy, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, {cores} cores\n")
+    print(f"{'in flight':>9} {'slots x thr':>13} | {'direct tok/s':>12} {'agent tok/s':>11} "
+          f"{'ratio':>6} | {'direct TTFT ms':>14} {'agent TTFT ms':>13} {'overhead ms':>11}")
     for concurrency, shape, d, a in rows:
         print(f"{concurrency:>9} {shape:>13} | {d['tok_s']:>12.1f} {a['tok_s']:>11.1f} "
               f"{a['tok_s'] / d['tok_s']:>6.3f} | {d['ttft_ms']:>14.1f} {a['ttft_ms']:>13.1f} "
               f"{a['ttft_ms'] - d['ttft_ms']:>11.1f}")
-    print("\nslots x thr: agent slots (direct: llama-cpp-python contexts) x decode/prompt threads each")
+    print("\nslots x thr: agent slots (direct: llama-cpp-python contexts) x decode/prompt "
+          "threads each")
     return 0
 
 

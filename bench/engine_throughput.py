@@ -21,12 +21,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from cascade.eval.sharegpt import sample_requests
+
+# before torch loads (lazily, in main): its OpenMP threads read this once
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.sharegpt import sample_requests  # noqa: E402
-
-# run as a file: vLLM starts its engine core with multiprocessing spawn, which needs a __main__ guard
+# run as a file: vLLM starts its engine core with multiprocessing spawn (needs a __main__ guard)
 VLLM_SCRIPT = r"""
 import json, sys, time
 from vllm import LLM, SamplingParams
@@ -42,7 +42,8 @@ def main():
     start = time.perf_counter()
     outs = llm.generate(inputs, params)
     elapsed = time.perf_counter() - start
-    print("RESULT " + json.dumps({"seconds": elapsed, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}))
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    print("RESULT " + json.dumps({"seconds": elapsed, "tokens": tokens}))
 
 
 if __name__ == "__main__":
@@ -58,11 +59,12 @@ def run_ours(engine, prompts: list[list[int]], output_len: int) -> dict:
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "tokens": sum(len(o.token_ids) for o in outs), "prompts": len(prompts),
-            "preemptions": engine.scheduler.num_preemptions}
+    return {"seconds": seconds, "tokens": sum(len(o.token_ids) for o in outs),
+            "prompts": len(prompts), "preemptions": engine.scheduler.num_preemptions}
 
 
-def run_hf(model_dir: Path, dtype: str, prompts: list[list[int]], output_len: int, batch: int) -> dict:
+def run_hf(model_dir: Path, dtype: str, prompts: list[list[int]], output_len: int,
+           batch: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -82,15 +84,16 @@ def run_hf(model_dir: Path, dtype: str, prompts: list[list[int]], output_len: in
     return {"seconds": time.perf_counter() - start, "tokens": tokens, "prompts": len(prompts)}
 
 
-def run_vllm(python: str, model_dir: Path, dtype: str, prompts: list[list[int]], output_len: int) -> dict:
+def run_vllm(python: str, model_dir: Path, dtype: str, prompts: list[list[int]],
+             output_len: int) -> dict:
     work = Path(tempfile.mkdtemp(prefix="vllm-bench-"))
     (work / "prompts.json").write_text(json.dumps(prompts))
     (work / "run_vllm.py").write_text(VLLM_SCRIPT)
-    args = json.dumps({"model": str(model_dir), "dtype": dtype, "prompts": str(work / "prompts.json"),
-                       "output_len": output_len})
+    args = json.dumps({"model": str(model_dir), "dtype": dtype,
+                       "prompts": str(work / "prompts.json"), "output_len": output_len})
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "OMP_WAIT_POLICY": "passive"}
-    proc = subprocess.run([python, str(work / "run_vllm.py"), args], capture_output=True, text=True, env=env,
-                          timeout=3600, cwd=work)
+    proc = subprocess.run([python, str(work / "run_vllm.py"), args], capture_output=True,
+                          text=True, env=env, timeout=3600, cwd=work)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
@@ -108,9 +111,11 @@ def main() -> int:
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--vllm-python", default=str(Path.home() / ".cache/cascade/vllm-venv/bin/python"))
+    ap.add_argument("--vllm-python",
+                    default=str(Path.home() / ".cache/cascade/vllm-venv/bin/python"))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--systems", default="ours,hf,vllm", help="comma-separated subset of ours,hf,vllm")
+    ap.add_argument("--systems", default="ours,hf,vllm",
+                    help="comma-separated subset of ours,hf,vllm")
     args = ap.parse_args()
 
     from cloud_tier.engine import LLMEngine
@@ -118,10 +123,12 @@ def main() -> int:
     engine = LLMEngine.from_model(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   kv_cache_memory_bytes=4 << 30)
-    sampled = sample_requests(args.num_prompts, args.seed, engine.tokenizer, max_prompt_tokens=1024)
+    sampled = sample_requests(args.num_prompts, args.seed, engine.tokenizer,
+                              max_prompt_tokens=1024)
     prompts = [engine.tokenizer.encode(r.prompt) for r in sampled]
-    print(f"{len(prompts)} ShareGPT prompts, mean {sum(map(len, prompts)) / len(prompts):.0f} tokens; "
-          f"{args.output_len} output tokens each; {args.model} {args.dtype}; {os.cpu_count()} cores", flush=True)
+    print(f"{len(prompts)} ShareGPT prompts, mean {sum(map(len, prompts)) / len(prompts):.0f} "
+          f"tokens; {args.output_len} output tokens each; {args.model} {args.dtype}; "
+          f"{os.cpu_count()} cores", flush=True)
 
     systems = set(args.systems.split(","))
     results = {}
@@ -133,7 +140,8 @@ def main() -> int:
             engine.model_dir, args.dtype, prompts[:args.hf_prompts], args.output_len, args.hf_batch)
     if "vllm" in systems:
         if Path(args.vllm_python).exists():
-            results["vLLM CPU"] = run_vllm(args.vllm_python, engine.model_dir, args.dtype, prompts, args.output_len)
+            results["vLLM CPU"] = run_vllm(args.vllm_python, engine.model_dir, args.dtype, prompts,
+                                           args.output_len)
         else:
             results["vLLM CPU"] = {"error": f"not installed ({args.vllm_python} missing)"}
     print_table(results)
@@ -143,14 +151,16 @@ def main() -> int:
 def print_table(results: dict) -> None:
     base = results.get("cascade engine")
     ours = base["tokens"] / base["seconds"] if base else None
-    print(f"\n{'system':<24} {'prompts':>7} {'out tokens':>10} {'seconds':>8} {'out tok/s':>10} {'ours / it':>9}")
+    print(f"\n{'system':<24} {'prompts':>7} {'out tokens':>10} {'seconds':>8} {'out tok/s':>10} "
+          f"{'ours / it':>9}")
     for name, r in results.items():
         if "error" in r:
             print(f"{name:<24} {'-':>7} {'-':>10} {'-':>8} {'-':>10} {'-':>9}   {r['error']}")
             continue
         rate = r["tokens"] / r["seconds"]
         ratio = f"{ours / rate:>8.2f}x" if ours else f"{'-':>9}"
-        print(f"{name:<24} {r['prompts']:>7} {r['tokens']:>10} {r['seconds']:>8.1f} {rate:>10.1f} {ratio}")
+        print(f"{name:<24} {r['prompts']:>7} {r['tokens']:>10} {r['seconds']:>8.1f} {rate:>10.1f} "
+              f"{ratio}")
 
 
 if __name__ == "__main__":

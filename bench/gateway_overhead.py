@@ -14,18 +14,19 @@ import argparse
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 import httpx
 
+from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
+
 REPO = Path(__file__).resolve().parent.parent
-BODY = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Name a primary color."}],
+BODY = {"model": "smollm2-135m",
+        "messages": [{"role": "user", "content": "Name a primary color."}],
         "max_tokens": 8, "temperature": 0}
 
 BARE_APP = textwrap.dedent('''
@@ -34,7 +35,8 @@ BARE_APP = textwrap.dedent('''
     from fastapi.responses import Response
     app = FastAPI()
     ANSWER = json.dumps({"id": "chatcmpl-x", "object": "chat.completion", "model": "smollm2-135m",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Red."}, "finish_reason": "stop"}],
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Red."},
+                     "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 30, "completion_tokens": 3, "total_tokens": 33}})
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -42,25 +44,9 @@ BARE_APP = textwrap.dedent('''
         return Response(ANSWER, media_type="application/json")
     if __name__ == "__main__":
         import uvicorn
-        uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", access_log=False)
+        uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning",
+                    access_log=False)
 ''')
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_up(url: str, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            httpx.get(url, timeout=1)
-            return
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    raise TimeoutError(url)
 
 
 def wrk(url: str, key: str, connections: int, duration: int, workdir: Path) -> dict:
@@ -75,8 +61,9 @@ def wrk(url: str, key: str, connections: int, duration: int, workdir: Path) -> d
           statuses[status] = (statuses[status] or 0) + 1
         end
     '''))
-    out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(script),
-                          f"{url}/v1/chat/completions"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency",
+                          "-s", str(script), f"{url}/v1/chat/completions"],
+                         capture_output=True, text=True, check=True).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     p50 = _ms(re.search(r"50%\s+([\d.]+\w+)", out).group(1))
     p99 = _ms(re.search(r"99%\s+([\d.]+\w+)", out).group(1))
@@ -97,30 +84,32 @@ def main() -> int:
     p.add_argument("--connections", type=int, default=32)
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gw-bench-"))
-    env = {**os.environ, "CASCADE_CLOUD_GATEWAY_DB": str(work / "gateway.db"), "OMP_WAIT_POLICY": "passive"}
-    cli = [sys.executable, "-m", "cascade.cli", "--log-level", "WARNING"]
+    env = {"CASCADE_CLOUD_GATEWAY_DB": str(work / "gateway.db")}
 
     def key(*flags: str) -> str:
-        out = subprocess.run([*cli, "cloud", "keys", "create", "--db", str(work / "gateway.db"), *flags],
-                             env=env, capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(cascade_command("cloud", "keys", "create",
+                                             "--db", str(work / "gateway.db"), *flags),
+                             env={**os.environ, "OMP_WAIT_POLICY": "passive", **env},
+                             capture_output=True, text=True, check=True).stdout
         return out.strip().splitlines()[-1]
 
     hit_key = key("--tenant", "bench")
     limited_key = key("--tenant", "limited", "--rps", "0.001")
     port, bare_port = free_port(), free_port()
-    gateway = subprocess.Popen([*cli, "cloud", "serve", "--both", "1", "--prefill", "0", "--decode", "0",
-                                "--port", str(port), "--max-model-len", "1024", "--kv-cache-bytes", str(64 << 20)],
-                               env=env, cwd=REPO)
+    gateway = spawn(cascade_command("cloud", "serve", "--both", "1", "--prefill", "0",
+                                    "--decode", "0", "--port", str(port), "--max-model-len", "1024",
+                                    "--kv-cache-bytes", str(64 << 20)), env=env, cwd=REPO)
     (work / "bare.py").write_text(BARE_APP)
-    bare = subprocess.Popen([sys.executable, str(work / "bare.py"), str(bare_port)], env=env)
+    bare = spawn([sys.executable, str(work / "bare.py"), str(bare_port)], env=env)
     try:
         url, bare_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{bare_port}"
-        wait_up(f"{url}/healthz")
-        wait_up(f"{bare_url}/docs")
+        wait_healthy(url, gateway, timeout_s=600, what="gateway")
+        wait_healthy(bare_url, bare, timeout_s=600, what="bare FastAPI app", path="/docs")
         for k in (hit_key, limited_key):  # fill the cache; spend the limited key's one request
-            r = httpx.post(f"{url}/v1/chat/completions", json=BODY, headers={"authorization": f"Bearer {k}"},
-                           timeout=120)
-            print(f"warm-up: {r.status_code} cache={r.headers.get('x-cascade-cache')}", file=sys.stderr)
+            r = httpx.post(f"{url}/v1/chat/completions", json=BODY,
+                           headers={"authorization": f"Bearer {k}"}, timeout=120)
+            print(f"warm-up: {r.status_code} cache={r.headers.get('x-cascade-cache')}",
+                  file=sys.stderr)
         rows = []
         for name, target, k in [("bare FastAPI (peer floor)", bare_url, hit_key),
                                 ("gateway cache hit", url, hit_key),
@@ -130,17 +119,17 @@ def main() -> int:
             rows.append((name, loaded, single))
         floor = rows[0][2]["p50_ms"]
         print(f"\nGateway overhead, wrk -t1, {os.cpu_count()} cores shared by wrk and the server")
-        print(f"{'path':28s} {'req/s @' + str(args.connections):>11s} {'p50 ms':>8s} {'p99 ms':>8s} "
-              f"{'non-2xx':>8s} | {'p50 ms @1':>10s} {'added p50':>10s}")
+        print(f"{'path':28s} {'req/s @' + str(args.connections):>11s} {'p50 ms':>8s} "
+              f"{'p99 ms':>8s} {'non-2xx':>8s} | {'p50 ms @1':>10s} {'added p50':>10s}")
         for name, loaded, single in rows:
-            print(f"{name:28s} {loaded['rps']:11.0f} {loaded['p50_ms']:8.2f} {loaded['p99_ms']:8.2f} "
-                  f"{loaded['non_2xx']:8d} | {single['p50_ms']:10.3f} {single['p50_ms'] - floor:+10.3f}")
-        print("\nadded p50 = p50 at one connection minus the bare app's; goal: cache hits >= 2,000 req/s, "
-              "added p50 < 2 ms")
+            print(f"{name:28s} {loaded['rps']:11.0f} {loaded['p50_ms']:8.2f} "
+                  f"{loaded['p99_ms']:8.2f} {loaded['non_2xx']:8d} | {single['p50_ms']:10.3f} "
+                  f"{single['p50_ms'] - floor:+10.3f}")
+        print("\nadded p50 = p50 at one connection minus the bare app's; goal: cache hits >= "
+              "2,000 req/s, added p50 < 2 ms")
     finally:
         for proc in (gateway, bare):
-            proc.terminate()
-            proc.wait(timeout=30)
+            stop(proc, timeout_s=30)
     return 0
 
 

@@ -17,7 +17,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,23 +26,20 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 MODES = {"both": ["--both", "1", "--prefill", "0", "--decode", "0", "--worker-threads", "2"],
          "pd": ["--prefill", "1", "--decode", "1", "--worker-threads", "1"]}
-LABELS = {"both": "co-located (1 worker x 2 threads)", "pd": "disaggregated (1 prefill + 1 decode, 1 thread each)"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+LABELS = {"both": "co-located (1 worker x 2 threads)",
+          "pd": "disaggregated (1 prefill + 1 decode, 1 thread each)"}
 
 
 def long_prompt(tokenizer, n_tokens: int, rng: random.Random) -> str:
-    words = ["river", "mountain", "engine", "quantum", "garden", "ledger", "signal", "harbor", "copper",
-             "lantern", "orbit", "meadow", "cipher", "glacier", "violet", "anchor", "prairie", "falcon"]
+    words = ["river", "mountain", "engine", "quantum", "garden", "ledger", "signal", "harbor",
+             "copper", "lantern", "orbit", "meadow", "cipher", "glacier", "violet", "anchor",
+             "prairie", "falcon"]
     text = f"Document {rng.randrange(10**9)}: "
     while len(tokenizer.encode(text)) < n_tokens:
         text += " ".join(rng.choice(words) for _ in range(200)) + ". "
@@ -66,12 +62,14 @@ async def stream_tokens(client, url, headers, prompt: str, max_tokens: int) -> l
     return times
 
 
-async def long_prompts(client, url, headers, prompts: list[str], stop: asyncio.Event) -> list[float]:
+async def long_prompts(client, url, headers, prompts: list[str],
+                       done: asyncio.Event) -> list[float]:
     ttfts = []
     i = 0
-    while not stop.is_set():
+    while not done.is_set():
         start = time.perf_counter()
-        body = {"model": "smollm2-135m", "prompt": prompts[i % len(prompts)], "max_tokens": 4, "temperature": 0.5}
+        body = {"model": "smollm2-135m", "prompt": prompts[i % len(prompts)], "max_tokens": 4,
+                "temperature": 0.5}
         r = await client.post(f"{url}/v1/completions", json=body, headers=headers)
         r.raise_for_status()
         ttfts.append(time.perf_counter() - start)
@@ -84,13 +82,15 @@ async def workload(url: str, key: str, args, prompts: list[str]) -> dict:
     async with httpx.AsyncClient(timeout=600) as client:
         # warm both paths once
         await stream_tokens(client, url, headers, "Warm up.", 4)
-        stop = asyncio.Event()
-        streams = [asyncio.create_task(stream_tokens(client, url, headers, f"Story {i}: once upon a time",
-                                                     args.stream_tokens)) for i in range(args.streams)]
+        done = asyncio.Event()
+        streams = [asyncio.create_task(stream_tokens(client, url, headers,
+                                                     f"Story {i}: once upon a time",
+                                                     args.stream_tokens))
+                   for i in range(args.streams)]
         await asyncio.sleep(1.0)  # the streams are decoding
-        longs = asyncio.create_task(long_prompts(client, url, headers, prompts, stop))
+        longs = asyncio.create_task(long_prompts(client, url, headers, prompts, done))
         times = await asyncio.gather(*streams)
-        stop.set()
+        done.set()
         long_e2e = await longs
     gaps = np.concatenate([np.diff(t) for t in times if len(t) > 1]) * 1e3
     return {"tpot_p50": float(np.percentile(gaps, 50)), "tpot_p99": float(np.percentile(gaps, 99)),
@@ -100,30 +100,23 @@ async def workload(url: str, key: str, args, prompts: list[str]) -> dict:
 
 
 def run_mode(mode: str, args, prompts, work: Path) -> dict:
-    env = {**os.environ, "CASCADE_CLOUD_GATEWAY_DB": str(work / f"{mode}.db"), "OMP_WAIT_POLICY": "passive",
-           "CASCADE_CLOUD_GATEWAY_TTFT_SLO_S": "600", "CASCADE_CLOUD_GATEWAY_PREFILL_MS_PER_TOKEN": "3"}
-    cli = [sys.executable, "-m", "cascade.cli", "--log-level", "WARNING"]
-    key = subprocess.run([*cli, "cloud", "keys", "create", "--db", str(work / f"{mode}.db"), "--tenant", "bench"],
-                         env=env, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+    db = work / f"{mode}.db"
+    env = {"CASCADE_CLOUD_GATEWAY_DB": str(db), "CASCADE_CLOUD_GATEWAY_TTFT_SLO_S": "600",
+           "CASCADE_CLOUD_GATEWAY_PREFILL_MS_PER_TOKEN": "3"}
+    out = subprocess.run(cascade_command("cloud", "keys", "create", "--db", str(db),
+                                         "--tenant", "bench"),
+                         env={**os.environ, "OMP_WAIT_POLICY": "passive", **env},
+                         capture_output=True, text=True, check=True).stdout
+    key = out.strip().splitlines()[-1]
     port = free_port()
-    proc = subprocess.Popen([*cli, "cloud", "serve", "--port", str(port), "--max-model-len", "4096",
-                             *MODES[mode]], env=env, cwd=REPO)
+    proc = spawn(cascade_command("cloud", "serve", "--port", str(port), "--max-model-len", "4096",
+                                 *MODES[mode]), env=env, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"{mode}: the gateway did not come up")
-            time.sleep(0.5)
+        wait_healthy(url, proc, timeout_s=600, what=f"{mode} gateway")
         return asyncio.run(workload(url, key, args, prompts))
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        stop(proc, timeout_s=60)
 
 
 def main() -> int:
@@ -143,10 +136,11 @@ def main() -> int:
     results = {m: run_mode(m, args, prompts, work) for m in args.modes.split(",")}
     print(f"\nP/D interference: {args.streams} greedy streams x {args.stream_tokens} tokens while "
           f"{args.long_tokens}-token prompts keep arriving (one in flight), {os.cpu_count()} cores")
-    print(f"{'mode':52s} {'TPOT p50':>9s} {'TPOT p99':>9s} {'max gap':>9s} {'long done':>10s} {'long e2e':>9s}")
+    print(f"{'mode':52s} {'TPOT p50':>9s} {'TPOT p99':>9s} {'max gap':>9s} {'long done':>10s} "
+          f"{'long e2e':>9s}")
     for m, r in results.items():
-        print(f"{LABELS[m]:52s} {r['tpot_p50']:7.1f}ms {r['tpot_p99']:7.1f}ms {r['tpot_max']:7.0f}ms "
-              f"{r['long_done']:10d} {r['long_e2e_s']:8.1f}s")
+        print(f"{LABELS[m]:52s} {r['tpot_p50']:7.1f}ms {r['tpot_p99']:7.1f}ms "
+              f"{r['tpot_max']:7.0f}ms {r['long_done']:10d} {r['long_e2e_s']:8.1f}s")
     return 0
 
 

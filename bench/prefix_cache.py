@@ -11,10 +11,9 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
+# before torch loads (lazily, in main): its OpenMP threads read this once
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 WORDS = ("shipment warehouse customs invoice pallet carrier route manifest depot schedule "
          "courier parcel freight container dock tracking delivery window policy section").split()
@@ -59,7 +58,8 @@ def main() -> int:
         hits.append(ttft(engine, prefix + other))  # same system prompt, new question
     miss, hit = statistics.median(misses), statistics.median(hits)
     stats = engine.kv.stats
-    print(f"\n{args.model} {args.dtype}: {args.prefix_tokens}-token shared system prompt, {args.repeats} repeats\n")
+    print(f"\n{args.model} {args.dtype}: {args.prefix_tokens}-token shared system prompt, "
+          f"{args.repeats} repeats\n")
     print(f"{'':<8} {'TTFT p50 ms':>12}")
     print(f"{'miss':<8} {miss * 1000:>12.1f}")
     print(f"{'hit':<8} {hit * 1000:>12.1f}")

@@ -130,3 +130,15 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{where}: expected {hint.__name__}, got {value!r}") from e
     return value
+
+
+def write_section(path: Path, section_name: str, updates: dict) -> None:
+    """Set ``updates`` in the ``[section_name]`` table of the TOML file at ``path`` (created if
+    missing), keeping everything else in it."""
+    import tomli_w
+
+    data = tomllib.loads(path.read_text()) if path.is_file() else {}
+    section = data.setdefault(section_name, {})
+    section.update(updates)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(tomli_w.dumps(data))

@@ -1,7 +1,7 @@
 """OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status.
 
-Every API of ours (edge agent, gateway, workers) raises ``APIError`` for a request it refuses
-and installs ``install_error_handlers`` so that nothing reaches the client as a bare 500.
+Every API of ours (edge agent, gateway, workers) raises ``APIError`` for a request it refuses;
+``cascade.web.app`` turns it (and anything unexpected) into the body, never a bare 500.
 """
 
 from __future__ import annotations
@@ -51,36 +51,6 @@ def model_not_found(model: str) -> APIError:
 def too_many_requests(message: str, retry_after_s: float, code: str = "rate_limit_exceeded") -> APIError:
     retry = max(1, int(retry_after_s + 0.999))
     return APIError(429, message, "rate_limit_error", None, code, {"Retry-After": str(retry)})
-
-
-def install_error_handlers(app) -> None:
-    """Turn every failure of a FastAPI app into an OpenAI-style error body."""
-    from fastapi import Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
-    from starlette.exceptions import HTTPException
-
-    def respond(err: APIError) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        return respond(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError):
-        return respond(validation_error(exc.errors()))
-
-    @app.exception_handler(HTTPException)
-    async def _http(request: Request, exc: HTTPException):
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return respond(APIError(exc.status_code, str(exc.detail), kind,
-                                headers=dict(exc.headers or {})))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return respond(APIError(500, "Internal server error.", "server_error"))
 
 
 def validation_error(errors) -> APIError:

@@ -22,19 +22,38 @@ class ServerConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
 
 
-@dataclass
-class EngineSection:
-    model: str = "smollm2-135m"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's configuration (``LLMEngine(config)``) and the ``[engine]`` section of cloud.toml.
+    Plain data: the gateway reads it without loading torch."""
+
+    model: str = "smollm2-135m"  # catalogue name, .gguf path or HF directory
     dtype: str = "float32"
     device: str = "cpu"
     block_size: int = 16
-    kv_cache_memory_bytes: int = 1 << 30
+    kv_cache_memory_bytes: int = 1 << 30  # budget for K/V blocks ...
+    num_kv_blocks: int | None = None  # ... or an exact number of blocks
     max_model_len: int = 2048
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = 1024
-    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 1024  # token budget of one step
     enable_chunked_prefill: bool = True
-    threads: int = 0
+    long_prefill_token_threshold: int = 0
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    threads: int = 0  # torch intra-op threads on CPU; 0: torch's default
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a power of two")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be >= 1")
+        if self.kv_cache_memory_bytes < 1:
+            raise ValueError("kv_cache_memory_bytes must be positive")
 
 
 @dataclass
@@ -68,7 +87,7 @@ class GatewayConfig:
     # admission control on the decode pool's KV blocks
     kv_high_watermark: float = 0.9
     max_queue: int = 64  # requests waiting for KV room; beyond it, 429
-    # routing (see cloud_tier/gateway/router.py)
+    # routing (see cloud_tier/gateway/placement.py)
     route_alpha: float = 1.0
     route_beta: float = 1.0
     prefill_ms_per_token: float = 1.0
@@ -80,6 +99,7 @@ class GatewayConfig:
     result_cache_ttl_s: float = 600.0
     idempotency_ttl_s: float = 86400.0
     health_interval_s: float = 0.5
+    startup_timeout_s: float = 600.0  # for a worker to give the model's tokenizer
     request_timeout_s: float = 600.0
     max_body_bytes: int = 4 << 20
 
@@ -99,7 +119,7 @@ class GatewayConfig:
 @dataclass
 class CloudConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
-    engine: EngineSection = field(default_factory=EngineSection)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from cascade import errors
 from cascade.chat_template import ChatTemplate, ChatTemplateError
 from cascade.protocol import ChatCompletionRequest, CompletionRequest
-from cloud_tier.engine.sampling_params import SamplingParams
+from cloud_tier.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

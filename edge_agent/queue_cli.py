@@ -33,7 +33,7 @@ def _queue(args):
 
 
 def cmd_status(args) -> int:
-    from cascade.cli import _size
+    from cascade.units import format_size as _size
 
     q, path = _queue(args)
     s = q.stats()

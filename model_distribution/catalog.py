@@ -166,3 +166,12 @@ class Catalog:
             chat_template=meta.chat_template is not None,
             kind="instruct" if meta.chat_template else "base", source=source, ready=True,
         )
+
+
+def served_names(model: str) -> tuple[str, set[str]]:
+    """The id clients use for ``model`` (a packaged model's catalogue name, else ``model`` as
+    given), and the other names accepted for it."""
+    for p in PACKAGED:
+        if model.lower() in (p.name, *p.aliases):
+            return p.name, {*p.aliases, model}
+    return model, {model}

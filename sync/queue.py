@@ -27,97 +27,26 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from sync.ids import new_id
+from sync.items import (
+    COLUMNS,
+    O_COLUMNS,
+    PENDING,
+    Item,
+    KeyReused,
+    Kind,
+    NewItem,
+    QueueFull,
+    State,
+    item_of,
+)
+from sync.queue_view import QueueView
 from sync.sqlite import SQLiteStore
 
 
-class State(StrEnum):
-    QUEUED = "queued"
-    SENDING = "sending"
-    DONE = "done"
-    FAILED = "failed"
-    EXPIRED = "expired"
-
-
-PENDING = (State.QUEUED.value, State.SENDING.value)
-
-
-class Kind(StrEnum):
-    REQUEST = "request"  # an escalation: POSTed to the cloud, its response kept in the inbox
-    TELEMETRY = "telemetry"  # published over MQTT, deleted once the broker acknowledged it
-
-
-class KeyReused(ValueError):
-    """An app's Idempotency-Key already names a different queued request."""
-
-
-class QueueFull(Exception):
-    """The outbox is at its size bound and holds no telemetry to drop: the request is refused."""
-
-    def __init__(self, message: str, stats: dict):
-        super().__init__(message)
-        self.stats = stats
-
-
-@dataclass(frozen=True)
-class NewItem:
-    kind: Kind
-    payload: dict
-    endpoint: str = ""  # requests: "chat" | "completions"
-    session: str | None = None  # items of one session are delivered in order
-    priority: int = 0  # higher first
-    ttl_s: float | None = None  # None: the queue's default for the kind
-    callback_url: str | None = None
-    reason: str = ""  # why it was queued (the escalation reason)
-    app_key: str | None = None  # the app's own Idempotency-Key: the same key enqueues once
-    id: str = field(default_factory=new_id)
-
-
-@dataclass
-class Item:
-    id: str
-    seq: int
-    kind: str
-    state: str
-    endpoint: str
-    session: str | None
-    priority: int
-    payload: dict
-    bytes: int
-    created_at: float
-    expires_at: float
-    attempts: int
-    next_attempt_at: float
-    last_error: str
-    callback_url: str | None
-    reason: str
-    updated_at: float
-    result_status: int | None = None  # from the inbox, once done or failed
-    result: Any = None
-
-    @classmethod
-    def from_row(cls, row: dict) -> Item:
-        row = dict(row)
-        row.pop("lease_until", None)
-        row["payload"] = json.loads(row["payload"])
-        if row.get("result") is not None:
-            row["result"] = json.loads(row["result"])
-        return cls(**row)
-
-
-_NAMES = ("seq", "id", "kind", "state", "endpoint", "session", "priority", "payload", "bytes", "created_at",
-          "expires_at", "attempts", "next_attempt_at", "last_error", "callback_url", "reason", "updated_at",
-          "lease_until")
-_COLUMNS = ", ".join(_NAMES)
-_O_COLUMNS = ", ".join(f"o.{c}" for c in _NAMES)  # the same, in a join with the inbox
-
-
-class OfflineQueue(SQLiteStore):
+class OfflineQueue(QueueView, SQLiteStore):
     def __init__(self, path: Path | str, *, max_items: int = 10_000, max_bytes: int = 64 << 20,
                  request_ttl_s: float = 7 * 24 * 3600, telemetry_ttl_s: float = 24 * 3600,
                  keep_s: float = 24 * 3600, lease_s: float = 120.0, synchronous: str = "FULL",
@@ -282,12 +211,12 @@ class OfflineQueue(SQLiteStore):
             conn.execute("UPDATE outbox SET state = 'queued', updated_at = ? "
                          "WHERE state = 'sending' AND lease_until <= ?", (now, now))
             rows = conn.execute(
-                f"SELECT {_COLUMNS} FROM outbox AS o WHERE kind = ? AND state = 'queued' "
+                f"SELECT {COLUMNS} FROM outbox AS o WHERE kind = ? AND state = 'queued' "
                 "AND next_attempt_at <= ? AND (session IS NULL OR NOT EXISTS ("
                 f"  SELECT 1 FROM outbox AS p WHERE p.session = o.session AND p.seq < o.seq "
                 f"  AND p.state IN {PENDING})) "
                 "ORDER BY priority DESC, seq LIMIT ?", (Kind(kind).value, now, limit)).fetchall()
-            items = [self._item(r) for r in rows]
+            items = [item_of(r) for r in rows]
             conn.executemany(
                 "UPDATE outbox SET state = 'sending', lease_until = ?, attempts = attempts + 1, updated_at = ? "
                 "WHERE seq = ?", [(lease_until, now, it.seq) for it in items])
@@ -324,7 +253,8 @@ class OfflineQueue(SQLiteStore):
         now = self._clock()
         with self._write() as conn:
             conn.execute("UPDATE outbox SET state = 'queued', next_attempt_at = ?, last_error = ?, lease_until = 0, "
-                         "updated_at = ? WHERE id = ? AND state = 'sending'", (now + delay_s, error[:500], now, item_id))
+                         "updated_at = ? WHERE id = ? AND state = 'sending'",
+                         (now + delay_s, error[:500], now, item_id))
 
     def release(self, item_ids: Iterable[str]) -> None:
         """Give claimed items back untried (the attempt does not count)."""
@@ -354,7 +284,8 @@ class OfflineQueue(SQLiteStore):
         """Whether ``session`` has items queued or being sent (a new one must go behind them)."""
         with self._lock:
             return self._db.conn.execute(
-                f"SELECT 1 FROM outbox WHERE session = ? AND state IN {PENDING} LIMIT 1", (session,)).fetchone() is not None
+                f"SELECT 1 FROM outbox WHERE session = ? AND state IN {PENDING} LIMIT 1", (session,)
+            ).fetchone() is not None
 
     def next_due(self, kind: Kind | str) -> float | None:
         """When the earliest queued item of ``kind`` becomes due (None: nothing queued)."""
@@ -368,123 +299,11 @@ class OfflineQueue(SQLiteStore):
     def pending_callbacks(self, limit: int = 32) -> list[Item]:
         with self._lock:
             rows = self._db.conn.execute(
-                f"SELECT {_O_COLUMNS}, i.status, i.result "
+                f"SELECT {O_COLUMNS}, i.status, i.result "
                 "FROM inbox AS i JOIN outbox AS o ON o.id = i.id WHERE i.callback_state = 'pending' "
                 "ORDER BY i.received_at LIMIT ?", (limit,)).fetchall()
-        return [self._item(r, with_result=True) for r in rows]
+        return [item_of(r, with_result=True) for r in rows]
 
     def callback_done(self, item_id: str, ok: bool) -> None:
         with self._write() as conn:
             conn.execute("UPDATE inbox SET callback_state = ? WHERE id = ?", ("done" if ok else "failed", item_id))
-
-    # -- the app's and the operator's view ------------------------------------------------
-
-    def get(self, item_id: str) -> Item | None:
-        with self._lock:
-            row = self._db.conn.execute(
-                f"SELECT {_O_COLUMNS}, i.status, i.result "
-                "FROM outbox AS o LEFT JOIN inbox AS i ON i.id = o.id WHERE o.id = ?", (item_id,)).fetchone()
-        return None if row is None else self._item(row, with_result=True)
-
-    def items(self, state: str | None = None, kind: str | None = None, limit: int = 100) -> list[Item]:
-        where, args = [], []
-        if state:
-            where.append("state = ?")
-            args.append(State(state).value)
-        if kind:
-            where.append("kind = ?")
-            args.append(Kind(kind).value)
-        sql = f"SELECT {_COLUMNS} FROM outbox {'WHERE ' + ' AND '.join(where) if where else ''} ORDER BY seq LIMIT ?"
-        with self._lock:
-            rows = self._db.conn.execute(sql, (*args, limit)).fetchall()
-        return [self._item(r) for r in rows]
-
-    def stats(self) -> dict:
-        """Counts by state and kind, bytes, the oldest pending item's age, dropped telemetry."""
-        now = self._clock()
-        with self._lock:
-            conn = self._db.conn
-            by = {k.value: dict.fromkeys((s.value for s in State), 0) for k in Kind}
-            for kind, state, n in conn.execute("SELECT kind, state, count(*) FROM outbox GROUP BY kind, state"):
-                by.setdefault(kind, {})[state] = n
-            pending = self._pending(conn)
-            oldest = conn.execute(f"SELECT min(created_at) FROM outbox WHERE state IN {PENDING}").fetchone()[0]
-            total = conn.execute("SELECT coalesce(sum(bytes), 0) FROM outbox").fetchone()[0]
-            counters = dict(conn.execute("SELECT name, value FROM counters").fetchall())
-        return {"by_kind": by, "pending_items": pending["items"], "pending_bytes": pending["bytes"],
-                "bytes": total, "oldest_pending_age_s": round(now - oldest, 3) if oldest is not None else None,
-                "max_items": self.max_items, "max_bytes": self.max_bytes,
-                "telemetry_dropped": counters.get("telemetry_dropped", 0)}
-
-    @staticmethod
-    def _pending(conn) -> dict:
-        counts = dict(conn.execute(
-            "SELECT name, value FROM counters WHERE name IN ('pending_items', 'pending_bytes')").fetchall())
-        return {"items": counts.get("pending_items", 0), "bytes": counts.get("pending_bytes", 0)}
-
-    def pending(self) -> dict:
-        """Pending items and bytes, and the oldest pending item's age: cheap (no scan)."""
-        with self._lock:
-            conn = self._db.conn
-            out = self._pending(conn)
-            oldest = conn.execute(
-                f"SELECT min(created_at) FROM outbox WHERE state IN {PENDING}").fetchone()[0]
-        out["oldest_age_s"] = round(self._clock() - oldest, 3) if oldest is not None else None
-        return out
-
-    def retry(self, ids: Iterable[str] = (), state: str | None = None) -> int:
-        """Queue failed or expired items (the given ids, or every one in ``state``) again, due now,
-        with a fresh TTL. Returns how many."""
-        now = self._clock()
-        ids = list(ids)
-        states = ("failed", "expired") if state is None else (State(state).value,)
-        if not set(states) <= {"failed", "expired"}:
-            raise ValueError("only failed or expired items can be retried")
-        sel, args = self._select(ids, states, None)
-        with self._write() as conn:
-            rows = conn.execute(f"SELECT seq, kind FROM outbox WHERE {sel}", args).fetchall()
-            for seq, kind in rows:
-                conn.execute("UPDATE outbox SET state = 'queued', next_attempt_at = 0, expires_at = ?, "
-                             "updated_at = ?, last_error = '' WHERE seq = ?", (now + self.ttl_s[kind], now, seq))
-            conn.executemany("DELETE FROM inbox WHERE id = (SELECT id FROM outbox WHERE seq = ?)",
-                             [(seq,) for seq, _ in rows])
-        return len(rows)
-
-    def drop(self, ids: Iterable[str] = (), state: str | None = None, kind: str | None = None) -> int:
-        """Delete items (the given ids, or all in ``state`` and/or of ``kind``), results included."""
-        ids = list(ids)
-        if not ids and state is None and kind is None:
-            raise ValueError("name the items to drop: ids, a state or a kind")
-        sel, args = self._select(ids, (State(state).value,) if state else None, kind)
-        with self._write() as conn:
-            conn.execute(f"DELETE FROM inbox WHERE id IN (SELECT id FROM outbox WHERE {sel})", args)
-            return conn.execute(f"DELETE FROM outbox WHERE {sel}", args).rowcount
-
-    @staticmethod
-    def _select(ids: list[str], states: tuple[str, ...] | None, kind: str | None) -> tuple[str, list]:
-        where, args = [], []
-        if ids:
-            where.append(f"id IN ({', '.join('?' * len(ids))})")
-            args += ids
-        if states:
-            where.append(f"state IN ({', '.join('?' * len(states))})")
-            args += states
-        if kind:
-            where.append("kind = ?")
-            args.append(Kind(kind).value)
-        return " AND ".join(where) or "1", args
-
-    def collect(self) -> int:
-        """Delete finished items (and their results) older than ``keep_s``."""
-        cutoff = self._clock() - self.keep_s
-        with self._write() as conn:
-            conn.execute("DELETE FROM inbox WHERE id IN (SELECT id FROM outbox WHERE state IN "
-                         "('done', 'failed', 'expired') AND updated_at <= ?)", (cutoff,))
-            return conn.execute("DELETE FROM outbox WHERE state IN ('done', 'failed', 'expired') AND updated_at <= ?",
-                                (cutoff,)).rowcount
-
-    @staticmethod
-    def _item(row, with_result: bool = False) -> Item:
-        names = _NAMES + (("result_status", "result") if with_result else ())
-        return Item.from_row(dict(zip(names, row, strict=True)))
-

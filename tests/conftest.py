@@ -3,66 +3,41 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+
+from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
 
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
-    """A `cascade ...` server process on a free loopback port."""
+    """A `cascade ...` server process on a free loopback port (its own process group)."""
 
     def __init__(self, home: Path, command: list[str], *args: str, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = home / f"server-{self.port}.log"
-        full_env = {**os.environ, "CASCADE_HOME": str(home), "OMP_WAIT_POLICY": "passive", **(env or {})}
-        self._log_file = open(self.log, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cascade.cli", "--log-level", "WARNING", *command,
-             "--port", str(self.port), *args],
-            env=full_env, cwd=REPO, stdout=self._log_file, stderr=subprocess.STDOUT)
+        self.what = "cascade " + " ".join(command)
+        self.proc = spawn(cascade_command(*command, "--port", str(self.port), *args),
+                          env={"CASCADE_HOME": str(home), **(env or {})}, log=self.log, cwd=REPO)
 
     def wait_healthy(self, timeout_s: float = 180) -> Server:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"agent exited ({self.proc.returncode}):\n{self.log.read_text()}")
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(self.log.read_text())
+        wait_healthy(self.url, self.proc, timeout_s, self.what, log=self.log)
+        return self
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log_file.close()
+        stop(self.proc)
 
 
 def create_key(home: Path, *args: str) -> str:
     """`cascade cloud keys create ...` in ``home``: the new key (its last line of output)."""
-    out = subprocess.run([sys.executable, "-m", "cascade.cli", "cloud", "keys", "create", *args],
+    out = subprocess.run(cascade_command("cloud", "keys", "create", *args, log_level=None),
                          env={**os.environ, "CASCADE_HOME": str(home)}, cwd=REPO, capture_output=True,
                          text=True, check=True)
     return out.stdout.strip().splitlines()[-1]

@@ -5,11 +5,16 @@ Precedence, first match wins:
   2. no upstream configured          -> edge  "edge_only"
   3. escalation, in order:  ``mode: cloud`` "forced" > prompt too long "too_long" > app hint
      "hint" > queue overflow "overflow" > learned difficulty "hard"
-  4. an escalation while the cloud is unavailable (circuit open): by the offline policy,
+  4. an escalation while the cloud is available -> cloud, with its reason; but behind its
+     session's backlog (queue, 202) when that session has requests queued for the cloud and
+     its offline policy is ``queue`` (``session_order``)
+  5. an escalation while the cloud is unavailable (circuit open): by the offline policy,
      ``queue`` -> queue "cloud_unavailable" (202: stored, delivered when the cloud returns),
      ``local`` -> edge "cloud_unavailable" degraded (if the prompt fits locally), else reject 503
-  5. otherwise                       -> edge  "easy", its answer checked for low confidence
+  6. otherwise                       -> edge  "easy", its answer checked for low confidence
 After a local answer (or its first K tokens): ``after_local`` escalates "low_confidence".
+When the local queue is full: ``when_queue_full`` (overflow to the cloud, or the queue's 429).
+A degraded local answer may also be queued for the cloud: ``refine.wants_refinement``.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from dataclasses import dataclass, field
 
 from cascade.policy.confidence import Confidence, ConfidenceConfig, low_confidence
 from cascade.policy.hard import HardConfig, is_hard, too_long
-from cascade.policy.overflow import LoadSignals, overflows
+from cascade.policy.overflow import LoadSignals, overflow_on_full_queue, overflows
+from cascade.policy.session_order import goes_behind_backlog
 
 
 @dataclass(frozen=True)
@@ -26,8 +32,6 @@ class PolicyConfig:
     hard: HardConfig = field(default_factory=HardConfig)
     confidence: ConfidenceConfig = field(default_factory=ConfidenceConfig)
     latency_budget_s: float = 0.0  # default per-request budget for the overflow rule; 0: none
-    default_mode: str = "auto"
-    default_offline: str = "local"
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class RequestSignals:
     latency_budget_s: float | None = None
     upstream: bool = True  # an upstream is configured
     cloud_available: bool = True  # the back-pressure circuit lets a request through
+    session_backlog: bool = False  # the request's session has requests queued for the cloud
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,8 @@ def decide(s: RequestSignals, config: PolicyConfig) -> Decision:
     if reason is None:
         return Decision("edge", "easy", check_confidence=s.mode == "auto" and config.confidence.enabled)
     if s.cloud_available:
+        if goes_behind_backlog(s.session_backlog, s.offline):
+            return Decision("queue", reason, status=202)
         return Decision("cloud", reason)
     if s.offline == "queue":
         return Decision("queue", "cloud_unavailable", status=202)
@@ -97,3 +104,11 @@ def after_local(conf: Confidence, config: ConfidenceConfig, cloud_available: boo
     if cloud_available:
         return Decision("cloud", "low_confidence")
     return Decision("edge", "low_confidence_cloud_unavailable", degraded=True)
+
+
+def when_queue_full(decision: Decision, s: RequestSignals) -> Decision:
+    """The local queue refused a request ``decision`` would answer here: the cloud takes it
+    ("overflow"), or it is refused with the queue's 429 ("queue_full")."""
+    if overflow_on_full_queue(decision.reason, s.upstream, s.cloud_available):
+        return Decision("cloud", "overflow")
+    return Decision("reject", "queue_full", status=429)

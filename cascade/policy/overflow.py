@@ -1,5 +1,5 @@
 """Overflow: escalate instead of queueing when the local queue's predicted wait plus the
-generation time would exceed the request's latency budget."""
+generation time would exceed the request's latency budget, or when the local queue is full."""
 
 from __future__ import annotations
 
@@ -24,3 +24,10 @@ def predicted_latency_s(load: LoadSignals) -> float:
 
 def overflows(load: LoadSignals, budget_s: float | None) -> bool:
     return budget_s is not None and budget_s > 0 and predicted_latency_s(load) > budget_s
+
+
+def overflow_on_full_queue(reason: str, upstream: bool, cloud_available: bool) -> bool:
+    """The local queue refused a request: the cloud takes it instead when it would have been
+    answered here only because it looked easy (a request kept local on purpose, or one that
+    already failed to escalate, is refused with the queue's 429)."""
+    return reason == "easy" and upstream and cloud_available

@@ -61,9 +61,10 @@ class PrefillService:
                     prefill_ms: float) -> PrefillResponse:
         rid = record.request_id
         payload = tensor_payload(handoff.kv)
+        # nbytes, checksum and transport are the sender's to fill
         header = TransferHeader(request_id=rid, model_identity=self.engine.engine.model_identity,
                                 dtype=str(handoff.kv.dtype).removeprefix("torch."), shape=list(handoff.kv.shape),
-                                nbytes=payload.nbytes, checksum="", transport="tcp", record=record)  # the sender fills these
+                                nbytes=payload.nbytes, checksum="", transport="tcp", record=record)
         started = time.perf_counter()
         try:
             ack = await self.senders[body.transport].send(body.kv_target, header, payload)

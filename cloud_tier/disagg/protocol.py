@@ -4,6 +4,7 @@ sent and parsed as JSON with ``model_dump_json`` / ``model_validate_json`` (neve
     POST /internal/generate  GenerateRequest -> NDJSON generation events (cascade.generation)
     POST /internal/prefill   PrefillRequest  -> PrefillResponse (after the KV transfer is acked)
     GET  /internal/load      -> WorkerLoadReport
+    GET  /internal/tokenizer -> ServedModel (the model's names and its tokenizer, as files)
 """
 
 from __future__ import annotations
@@ -60,3 +61,12 @@ class WorkerLoadReport(_Body):
     prefix_cache_queries: int
     prefix_cache_hits: int
     kv_address: str | None = None
+
+
+class ServedModel(_Body):
+    """What a gateway needs of the model its workers serve, without the model itself."""
+
+    model: str  # the id clients use
+    aliases: list[str]  # other names accepted for it
+    max_model_len: int
+    tokenizer_files: dict[str, str]  # cloud_tier.tokenizer_files.dump

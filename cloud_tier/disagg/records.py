@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from cloud_tier.disagg.messages import RequestRecord, TokenLogprobRecord
 from cloud_tier.engine.sampler import TokenLogprobs
-from cloud_tier.engine.sampling_params import SamplingParams
-
-
-def sampling_to_dict(params: SamplingParams) -> dict:
-    d = dataclasses.asdict(params)
-    d.pop("extra", None)
-    d["stop"] = list(params.stop)
-    d["stop_token_ids"] = list(params.stop_token_ids)
-    return d
+from cloud_tier.sampling import SamplingParams
 
 
 def params_of(record: RequestRecord) -> SamplingParams:
     """The record's sampling params (ValueError/TypeError on bad ones)."""
-    return SamplingParams(**record.sampling)
+    return SamplingParams.from_dict(record.sampling)
 
 
 def logprob_record(lp: TokenLogprobs) -> TokenLogprobRecord:

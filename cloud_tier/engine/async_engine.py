@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from cloud_tier.engine.llm_engine import LLMEngine
 from cloud_tier.engine.outputs import RequestOutput
 from cloud_tier.engine.request import Request
-from cloud_tier.engine.sampling_params import SamplingParams
+from cloud_tier.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

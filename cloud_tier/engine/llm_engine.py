@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from cloud_tier.engine.config import EngineConfig
+from cloud_tier.config import EngineConfig
 from cloud_tier.engine.detokenizer import IncrementalDetokenizer
 from cloud_tier.engine.kv_cache_manager import KVCacheManager
 from cloud_tier.engine.model_runner import ModelRunner
@@ -25,8 +25,8 @@ from cloud_tier.engine.models.loader import load_model, read_config
 from cloud_tier.engine.outputs import RequestOutput
 from cloud_tier.engine.request import Request, RequestStatus
 from cloud_tier.engine.sampler import TokenLogprobs
-from cloud_tier.engine.sampling_params import SamplingParams
 from cloud_tier.engine.scheduler import Scheduler, SchedulerConfig
+from cloud_tier.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +77,13 @@ class LLMEngine:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.dtype)  # EngineConfig checked the name
         hf_config = read_config(self.model_dir)
         self.max_model_len = min(config.max_model_len, hf_config.get("max_position_embeddings", config.max_model_len))
-        self.model = load_model(self.model_dir, config.torch_dtype, self.device, self.max_model_len)
+        self.model = load_model(self.model_dir, self.dtype, self.device, self.max_model_len)
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.eos_token_ids = _eos_ids(self.model_dir, self.tokenizer, hf_config)
-        per_block = ModelRunner.bytes_per_block(self.model, config.block_size, config.torch_dtype)
+        per_block = ModelRunner.bytes_per_block(self.model, config.block_size, self.dtype)
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // per_block)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  model_identity=f"{self.model_dir.name}:{config.dtype}")
@@ -90,7 +91,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
             long_prefill_token_threshold=config.long_prefill_token_threshold), self.kv)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_dtype,
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype,
                                   self.device, config.seed)
         self._tracked: dict[str, _Tracked] = {}
         self._handoffs: dict[str, tuple[list[TokenLogprobs], bytes | None]] = {}
@@ -237,7 +238,8 @@ class LLMEngine:
         self._tracked.pop(request_id, None)
         self.runner.sampler.forget(request_id)
 
-    def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
         """Run ``prompts`` to completion as one continuous batch; outputs in prompt order."""
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)

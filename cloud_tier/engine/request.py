@@ -10,7 +10,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from cloud_tier.engine.sampling_params import SamplingParams
+from cloud_tier.sampling import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

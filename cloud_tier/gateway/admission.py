@@ -14,8 +14,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from cascade import errors
-from cloud_tier.gateway.router import choose_decode, fits_ever
-from cloud_tier.gateway.workers import Worker, WorkerPool
+from cloud_tier.gateway.placement import choose_decode, fits_ever
+from cloud_tier.gateway.worker_pool import Worker, WorkerPool
 
 
 @dataclass

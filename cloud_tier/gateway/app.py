@@ -1,24 +1,28 @@
 """``build_app(config, worker_urls)``: the gateway. The lifespan opens the key and idempotency
-stores, finds the workers and loads the model's tokenizer (never the model)."""
+stores, finds the workers and takes the model's names and tokenizer from one of them (the
+gateway never holds the model, nor torch)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
 from fastapi import FastAPI
 
-from cascade.api import build_openai_app
 from cascade.config import cascade_home
+from cascade.web import build_openai_app
+from cloud_tier import tokenizer_files
 from cloud_tier.config import CloudConfig
+from cloud_tier.disagg.protocol import ServedModel
 from cloud_tier.gateway.keys import KeyStore
-from cloud_tier.gateway.routes import admin, router, v1
+from cloud_tier.gateway.routes import admin, ops, v1
 from cloud_tier.gateway.service import GatewayService
-from cloud_tier.gateway.workers import WorkerPool
+from cloud_tier.gateway.worker_pool import WorkerPool
 from cloud_tier.request_builder import RequestBuilder
 from sync.idempotency import IdempotencyStore
 
@@ -31,12 +35,22 @@ def db_path(config: CloudConfig) -> Path:
     return path
 
 
-def load_tokenizer(model: str):
-    from transformers import AutoTokenizer
-
-    from cloud_tier.engine.llm_engine import resolve_model_dir
-
-    return AutoTokenizer.from_pretrained(resolve_model_dir(model))
+async def served_model(pool: WorkerPool, timeout_s: float) -> ServedModel:
+    """The model's names and tokenizer, from the first worker that gives them."""
+    deadline = time.monotonic() + timeout_s
+    last_error = "no worker answered"
+    while True:
+        for w in pool.workers.values():
+            try:
+                r = await pool.client.get(f"{w.url}/internal/tokenizer", headers=pool.headers, timeout=60.0)
+                r.raise_for_status()
+                return ServedModel.model_validate_json(r.content)
+            except (httpx.HTTPError, ValueError) as e:
+                last_error = f"{w.url}: {e!r}"
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"no worker gave the model's tokenizer in {timeout_s:.0f} s ({last_error})")
+        log.info("waiting for a worker to give the model's tokenizer (%s)", last_error)
+        await asyncio.sleep(2.0)
 
 
 def build_app(config: CloudConfig, worker_urls: list[str]) -> FastAPI:
@@ -44,8 +58,6 @@ def build_app(config: CloudConfig, worker_urls: list[str]) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        from cloud_tier.worker.app import served_names
-
         db = db_path(config)
         keys = KeyStore(db)
         idem = IdempotencyStore(db.with_name("idempotency.db"), ttl_s=g.idempotency_ttl_s)
@@ -53,10 +65,10 @@ def build_app(config: CloudConfig, worker_urls: list[str]) -> FastAPI:
                                    limits=httpx.Limits(max_connections=1024, max_keepalive_connections=128))
         pool = WorkerPool(worker_urls, client, config.server.api_key, g.health_interval_s)
         await pool.start(wait_s=30.0)
-        tokenizer = await asyncio.to_thread(load_tokenizer, config.engine.model)
-        builder = RequestBuilder(tokenizer, pool.max_model_len or config.engine.max_model_len)
-        name, aliases = served_names(config.engine.model)
-        app.state.service = GatewayService(g, pool, keys, idem, builder, name, aliases, client,
+        model = await served_model(pool, g.startup_timeout_s)
+        tokenizer = await asyncio.to_thread(tokenizer_files.load, model.tokenizer_files)
+        builder = RequestBuilder(tokenizer, pool.max_model_len or model.max_model_len)
+        app.state.service = GatewayService(g, pool, keys, idem, builder, model.model, set(model.aliases), client,
                                            config.server.api_key)
         collector = asyncio.create_task(_collect(idem))
         try:
@@ -68,7 +80,7 @@ def build_app(config: CloudConfig, worker_urls: list[str]) -> FastAPI:
             idem.close()
             keys.close()
 
-    return build_openai_app("cascade cloud gateway", lifespan, config, "cloud", router, v1, admin)
+    return build_openai_app("cascade cloud gateway", lifespan, config, "cloud", ops, v1, admin)
 
 
 async def _collect(idem: IdempotencyStore, every_s: float = 600.0) -> None:

@@ -10,11 +10,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
 from cascade import errors
-from cascade.api import openai_response, parse_body, read_json
 from cascade.openai_format import ChatFormatter, CompletionFormatter
 from cascade.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from cascade.web import openai_response, parse_body, read_json
 from cloud_tier.gateway.keys import ApiKey
-from cloud_tier.gateway.service import GatewayService, render_stored, replay
+from cloud_tier.gateway.service import GatewayService
+from cloud_tier.gateway.streams import render_stored, replay
 
 
 def service(request: Request) -> GatewayService:
@@ -25,13 +26,13 @@ def _key(request: Request, scope: str = "infer") -> ApiKey:
     return service(request).authenticate(request.headers.get("authorization", ""), scope)
 
 
-router = APIRouter()
+ops = APIRouter()  # health and metrics
 v1 = APIRouter(prefix="/v1")
 admin = APIRouter(prefix="/v1/admin")
 
 
-@router.get("/healthz")
-@router.get("/health")
+@ops.get("/healthz")
+@ops.get("/health")
 async def healthz(request: Request):
     svc = service(request)
     workers = {w.url: {"role": w.role, "healthy": w.healthy} for w in svc.pool.workers.values()}
@@ -40,7 +41,7 @@ async def healthz(request: Request):
     return {"status": "ok", "tier": "cloud", "role": "gateway", "model": svc.model_id, "workers": workers}
 
 
-@router.get("/metrics")
+@ops.get("/metrics")
 async def metrics(request: Request):
     svc = service(request)
     svc.metrics.refresh(svc.pool, svc.admission)

@@ -1,150 +1,32 @@
 """The gateway's request pipeline, in order: idempotency -> result cache -> validation (the
-model's tokenizer) -> quotas -> KV admission -> routing -> the decode worker's event stream,
-relayed as OpenAI SSE or JSON. Whatever happens, a request's commitments (KV ticket, quota
-charge, idempotency claim) are settled exactly once when its event stream closes."""
+model's tokenizer) -> quotas -> KV admission -> routing and the decode worker's event stream
+(``worker_client``), relayed as OpenAI SSE or JSON. Whatever happens, a request's commitments
+(KV ticket, quota charge, idempotency claim) are settled exactly once when its event stream
+closes (``streams.Recorder``)."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
-import logging
 import math
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from urllib.parse import urlsplit
+from collections.abc import AsyncIterator
 
 import httpx
 
 from cascade import errors
-from cascade.generation import Finish, TokenEvent, event_from_wire, event_to_wire
 from cloud_tier.config import GatewayConfig
-from cloud_tier.disagg.messages import RequestRecord
-from cloud_tier.disagg.protocol import GenerateRequest
-from cloud_tier.disagg.records import sampling_to_dict
-from cloud_tier.gateway.admission import Admission, Ticket
+from cloud_tier.gateway.admission import Admission
 from cloud_tier.gateway.keys import ApiKey, KeyStore
 from cloud_tier.gateway.metrics import GatewayMetrics
+from cloud_tier.gateway.placement import PrefixIndex, RouterConfig
 from cloud_tier.gateway.quotas import Limits, Quotas
 from cloud_tier.gateway.result_cache import ResultCache, cache_key
-from cloud_tier.gateway.router import NoWorkerError, PrefixIndex, RouterConfig, choose_prefill
-from cloud_tier.gateway.workers import Worker, WorkerPool
-from cloud_tier.request_builder import Plan, RequestBuilder
+from cloud_tier.gateway.streams import Flight, Recorder, RunToEnd
+from cloud_tier.gateway.worker_client import WorkerClient
+from cloud_tier.gateway.worker_pool import WorkerPool
+from cloud_tier.request_builder import RequestBuilder
 from sync.idempotency import ClaimState, IdempotencyStore
-
-log = logging.getLogger(__name__)
-
-_RETRYABLE = {"prefill_unreachable", "transfer_failed", "no_capacity", "prefill_error"}
-
-
-@dataclass
-class Flight:
-    """One admitted request's commitments and timings, settled once in ``close``."""
-
-    tenant: str
-    key: ApiKey
-    endpoint: str
-    arrived: float
-    predicted_tokens: int = 0
-    ticket: Ticket | None = None
-    cache_key: str | None = None
-    idem_key: str | None = None
-    events: list[dict] = field(default_factory=list)
-    finish: Finish | None = None
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    settled: bool = False
-
-
-class Recorder:
-    """Wraps a flight's event stream: records the events for the cache and idempotency store,
-    and settles the flight when closed (read to the end, failed, or abandoned by the client)."""
-
-    def __init__(self, events: AsyncIterator, flight: Flight, settle: Callable[[Flight], None]):
-        self._events = events
-        self.flight = flight
-        self._settle = settle
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        ev = await self._events.__anext__()
-        f = self.flight
-        f.events.append(event_to_wire(ev))
-        if isinstance(ev, TokenEvent):
-            f.last_token_at = time.perf_counter()
-            if f.first_token_at is None:
-                f.first_token_at = f.last_token_at
-        elif isinstance(ev, Finish):
-            f.finish = ev
-        return ev
-
-    async def aclose(self) -> None:
-        try:
-            await self._events.aclose()
-        finally:
-            if not self.flight.settled:
-                self.flight.settled = True
-                self._settle(self.flight)
-
-
-_END = object()
-_detached: set[asyncio.Task] = set()
-
-
-class RunToEnd:
-    """A flight with an Idempotency-Key runs to its end even when its client goes away: its result
-    is stored, and the client's retry (same key) is answered from it instead of running twice.
-    The flight is read by a task of its own; the client reads what it has passed on."""
-
-    def __init__(self, events: Recorder):
-        self._events: asyncio.Queue = asyncio.Queue()
-        task = asyncio.get_running_loop().create_task(self._pump(events))
-        _detached.add(task)
-        task.add_done_callback(_detached.discard)
-
-    async def _pump(self, events: Recorder) -> None:
-        try:
-            async for ev in events:
-                self._events.put_nowait(ev)
-        except BaseException as e:
-            self._events.put_nowait(e)
-            if isinstance(e, asyncio.CancelledError):
-                raise
-        finally:
-            await events.aclose()  # settles the flight: the result is stored for replays
-        self._events.put_nowait(_END)
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        item = await self._events.get()
-        if item is _END:
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    async def aclose(self) -> None:
-        """The client is gone (or done): the flight goes on without it."""
-
-
-async def replay(stored: dict) -> AsyncIterator[TokenEvent | Finish]:
-    for data in stored["events"]:
-        yield event_from_wire(data)
-
-
-def render_stored(stored: dict, fmt) -> bytes:
-    """A stored result as a non-streamed body: rendered once, then only a fresh id and time."""
-    body = stored.get("json")
-    if body is None:
-        events = [event_from_wire(e) for e in stored["events"]]
-        body = stored["json"] = fmt.response(events[:-1], events[-1]).model_dump(exclude_none=True)
-    return json.dumps({**body, "id": fmt.id, "created": fmt.created}, separators=(",", ":")).encode()
 
 
 def request_hash(endpoint: str, body: dict) -> str:
@@ -165,10 +47,6 @@ class GatewayService:
         self.builder = builder
         self.model_id = model_id
         self.model_names = {model_id, *aliases}
-        self.client = client
-        self.worker_headers = {"content-type": "application/json"}
-        if worker_api_key:
-            self.worker_headers["authorization"] = f"Bearer {worker_api_key}"
         self.metrics = GatewayMetrics()
         self.quotas = Quotas()
         self.cache = ResultCache(config.result_cache_entries, config.result_cache_bytes, config.result_cache_ttl_s)
@@ -178,6 +56,8 @@ class GatewayService:
             overload_percentile=config.overload_percentile, overload_min_tokens=config.overload_min_tokens,
             block_size=pool.block_size)
         self.index = PrefixIndex(pool.block_size, self.router_config.index_blocks_per_worker)
+        self.workers = WorkerClient(pool, client, self.admission, self.index, self.router_config, config.kv_transport,
+                                    config.ttft_slo_s, worker_api_key)
 
     # -- auth ----------------------------------------------------------------------------
 
@@ -226,7 +106,7 @@ class GatewayService:
         except BaseException as e:
             self._settle_early(flight, e)
             raise
-        events = Recorder(self._generate(flight, plan, need), flight, self._settle)
+        events = Recorder(self.workers.generate(flight, plan, need), flight, self._settle)
         return (RunToEnd(events) if idem_key else events), {"X-Cascade-Cache": "miss"}
 
     async def _claim(self, flight: Flight, body: dict) -> dict | None:
@@ -263,81 +143,6 @@ class GatewayService:
         raise errors.too_many_requests(
             f"The {d.scope}'s {'requests per second' if d.reason == 'rps' else 'tokens per minute'} quota "
             "is used up.", d.retry_after_s, f"quota_{d.reason}")
-
-    # -- running on the workers ----------------------------------------------------------
-
-    def _route(self, plan: Plan, worker: Worker) -> tuple[str | None, Worker | None, int]:
-        """(prefill URL or None for local prefill, the prefill worker, prompt tokens it computes)."""
-        tokens = plan.prompt_token_ids
-        prefill = self.pool.by_role("prefill") if worker.role == "decode" else []
-        if not prefill:
-            hit = self.index.match(tokens).get(worker.url, 0)
-            self.index.insert(worker.url, tokens)
-            return None, worker, len(tokens) - hit
-        try:
-            choice = choose_prefill([w.load() for w in prefill], self.index.match(tokens), self.router_config)
-        except NoWorkerError:
-            return None, worker, len(tokens)
-        self.index.insert(choice.worker_id, tokens)
-        return choice.worker_id, self.pool.workers[choice.worker_id], len(tokens) - choice.hit_tokens
-
-    def _transport(self, prefill_url: str, decode_url: str) -> str:
-        if self.config.kv_transport != "auto":
-            return self.config.kv_transport
-        return "shm" if urlsplit(prefill_url).hostname == urlsplit(decode_url).hostname else "tcp"
-
-    async def _generate(self, flight: Flight, plan: Plan, need: int) -> AsyncIterator[TokenEvent | Finish]:
-        rid = uuid.uuid4().hex
-        record = RequestRecord(request_id=rid, prompt_token_ids=plan.prompt_token_ids,
-                               sampling=sampling_to_dict(plan.params), priority=plan.priority)
-        for attempt in range(3):
-            worker = flight.ticket.worker
-            prefill_url, prefill_worker, work = self._route(plan, worker)
-            body = GenerateRequest(record=record.model_copy(update={"request_id": f"{rid}-{attempt}"}),
-                                   prefill_url=prefill_url,
-                                   transport=self._transport(prefill_url, worker.url) if prefill_url else "tcp")
-            prefill_worker.pending_prefill_tokens += work
-            started = False
-            try:
-                async with self.client.stream("POST", f"{worker.url}/internal/generate",
-                                              content=body.model_dump_json(), headers=self.worker_headers) as resp:
-                    if resp.status_code != 200:
-                        err = _error_of(await resp.aread(), resp.status_code)
-                        if err.code in _RETRYABLE and attempt < 2:
-                            log.warning("attempt %d of %s failed (%s); retrying", attempt, rid, err.message)
-                            if err.code == "prefill_unreachable" and prefill_url:
-                                self.pool.mark_down(prefill_url, err.message)
-                            continue
-                        raise err
-                    async for line in resp.aiter_lines():
-                        if not line:
-                            continue
-                        data = json.loads(line)
-                        if "error" in data:
-                            raise errors.APIError(502, data["error"].get("message", "worker error"), "server_error",
-                                                  code="worker_error")
-                        ev = event_from_wire(data)
-                        if not started:
-                            started = True
-                            prefill_worker.pending_prefill_tokens -= work
-                        yield ev
-                        if isinstance(ev, Finish):
-                            return
-                raise errors.APIError(502, "The cloud worker ended the stream without finishing.", "server_error",
-                                      code="worker_failed")
-            except httpx.HTTPError as e:
-                self.pool.mark_down(worker.url, repr(e))
-                if not started and attempt < 2 and isinstance(e, httpx.ConnectError):
-                    self.admission.release(flight.ticket)  # that worker is gone: find room elsewhere
-                    flight.ticket = await self.admission.admit(need, self.config.ttft_slo_s, ("decode", "both"))
-                    continue
-                raise errors.APIError(502, f"The cloud worker failed: {e!r}", "server_error",
-                                      code="worker_failed") from e
-            finally:
-                if not started:
-                    prefill_worker.pending_prefill_tokens -= work
-        raise errors.APIError(503, "The request could not be placed on a worker; retry later.", "server_error",
-                              code="no_capacity", headers={"Retry-After": "1"})
 
     # -- settling --------------------------------------------------------------------------
 
@@ -389,12 +194,3 @@ class GatewayService:
 
     def _count(self, f: Flight, outcome: str) -> None:
         self.metrics.requests.labels(f.tenant, f.endpoint, outcome).inc()
-
-
-def _error_of(content: bytes, status: int) -> errors.APIError:
-    try:
-        e = json.loads(content)["error"]
-        return errors.APIError(status if status >= 500 else 502, e.get("message", ""), "server_error",
-                               code=e.get("code") or "worker_error")
-    except (ValueError, KeyError, TypeError):
-        return errors.APIError(502, f"the worker answered {status}", "server_error", code="worker_error")

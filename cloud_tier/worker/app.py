@@ -9,41 +9,22 @@ from contextlib import asynccontextmanager
 import httpx
 from fastapi import FastAPI
 
-from cascade.api import build_openai_app
+from cascade.web import build_openai_app
 from cloud_tier.config import CloudConfig
 from cloud_tier.disagg.decode import DecodeService
 from cloud_tier.disagg.prefill import PrefillService
 from cloud_tier.engine.async_engine import AsyncLLMEngine
-from cloud_tier.engine.config import EngineConfig
 from cloud_tier.engine.llm_engine import LLMEngine
 from cloud_tier.worker.metrics import WorkerMetrics
-from cloud_tier.worker.routes import internal, router, v1
+from cloud_tier.worker.routes import internal, ops, v1
 from cloud_tier.worker.service import WorkerService
-
-
-def engine_config(config: CloudConfig) -> EngineConfig:
-    e = config.engine
-    return EngineConfig(model=e.model, dtype=e.dtype, device=e.device, block_size=e.block_size,
-                        kv_cache_memory_bytes=e.kv_cache_memory_bytes, max_model_len=e.max_model_len,
-                        max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
-                        enable_prefix_caching=e.enable_prefix_caching,
-                        enable_chunked_prefill=e.enable_chunked_prefill, threads=e.threads)
-
-
-def served_names(model: str) -> tuple[str, set[str]]:
-    """The id clients use for the model, and the other names accepted for it."""
-    from model_distribution.catalog import PACKAGED
-
-    for p in PACKAGED:
-        if model.lower() in (p.name, *p.aliases):
-            return p.name, {*p.aliases, model}
-    return model, {model}
+from model_distribution.catalog import served_names
 
 
 def build_app(config: CloudConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine = await asyncio.to_thread(LLMEngine, engine_config(config))
+        engine = await asyncio.to_thread(LLMEngine, config.engine)
         async_engine = AsyncLLMEngine(engine)
         name, aliases = served_names(config.engine.model)
         role = config.worker.role
@@ -64,4 +45,4 @@ def build_app(config: CloudConfig) -> FastAPI:
             await client.aclose()
             async_engine.shutdown()
 
-    return build_openai_app("cascade cloud worker", lifespan, config, "cloud", router, v1, internal)
+    return build_openai_app("cascade cloud worker", lifespan, config, "cloud", ops, v1, internal)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -12,12 +13,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from cascade import errors
-from cascade.api import openai_response, parse_body, read_json, require_api_key
 from cascade.generation import event_to_wire
 from cascade.openai_format import ChatFormatter, CompletionFormatter
 from cascade.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from cascade.web import openai_response, parse_body, read_json, require_api_key
 from cloud_tier.disagg.decode import PrefillFailed
-from cloud_tier.disagg.protocol import GenerateRequest, PrefillRequest, WorkerLoadReport
+from cloud_tier.disagg.protocol import GenerateRequest, PrefillRequest, ServedModel, WorkerLoadReport
 from cloud_tier.worker.service import WorkerService
 
 log = logging.getLogger(__name__)
@@ -27,13 +28,13 @@ def service(request: Request) -> WorkerService:
     return request.app.state.service
 
 
-router = APIRouter()
+ops = APIRouter()  # health and metrics
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 internal = APIRouter(prefix="/internal", dependencies=[Depends(require_api_key)])
 
 
-@router.get("/healthz")
-@router.get("/health")
+@ops.get("/healthz")
+@ops.get("/health")
 async def healthz(request: Request):
     svc = service(request)
     if svc.engine.error is not None:
@@ -42,7 +43,7 @@ async def healthz(request: Request):
             "engine": svc.engine.stats(), "kv_address": svc.decode.address if svc.decode else None}
 
 
-@router.get("/metrics")
+@ops.get("/metrics")
 async def metrics(request: Request):
     svc = service(request)
     svc.metrics.refresh(svc.engine.stats())
@@ -114,6 +115,11 @@ async def load(request: Request) -> WorkerLoadReport:
                             prefix_cache_queries=st["prefix_cache_queries"],
                             prefix_cache_hits=st["prefix_cache_hits"],
                             kv_address=svc.decode.address if svc.decode else None)
+
+
+@internal.get("/tokenizer")
+async def served_model(request: Request) -> ServedModel:
+    return await asyncio.to_thread(service(request).served_model)  # the first call writes files
 
 
 @internal.post("/prefill")

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from cascade import errors
 from cascade.generation import Finish, TokenEvent, TopToken
 from cascade.protocol import ChatCompletionRequest, CompletionRequest
+from cloud_tier import tokenizer_files
 from cloud_tier.disagg.decode import DecodeService
 from cloud_tier.disagg.prefill import PrefillService
-from cloud_tier.disagg.protocol import GenerateRequest
+from cloud_tier.disagg.protocol import GenerateRequest, ServedModel
 from cloud_tier.disagg.records import params_of
 from cloud_tier.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from cloud_tier.engine.outputs import RequestOutput
@@ -23,7 +24,7 @@ from cloud_tier.worker.metrics import WorkerMetrics
 
 
 @dataclass
-class Job:
+class EngineJob:
     request: Request
     logprobs: int | None
     arrived: float
@@ -42,6 +43,15 @@ class WorkerService:
         self.builder = RequestBuilder(engine.tokenizer, self.max_model_len, default_max_tokens)
         self.prefill = prefill
         self.decode = decode
+        self._served: ServedModel | None = None
+
+    def served_model(self) -> ServedModel:
+        """The model's names and tokenizer for a gateway (dumped once, on first ask)."""
+        if self._served is None:
+            self._served = ServedModel(model=self.model_id, aliases=sorted(self.model_names - {self.model_id}),
+                                       max_model_len=self.max_model_len,
+                                       tokenizer_files=tokenizer_files.dump(self.engine.tokenizer))
+        return self._served
 
     def check_model(self, model: str) -> None:
         if model not in self.model_names:
@@ -49,26 +59,26 @@ class WorkerService:
 
     # -- OpenAI request -> job -----------------------------------------------------------
 
-    def chat_job(self, req: ChatCompletionRequest) -> Job:
+    def chat_job(self, req: ChatCompletionRequest) -> EngineJob:
         self.check_model(req.model)
         return self._job(self.builder.chat(req))
 
-    def completion_job(self, req: CompletionRequest) -> Job:
+    def completion_job(self, req: CompletionRequest) -> EngineJob:
         self.check_model(req.model)
         return self._job(self.builder.completion(req))
 
-    def _job(self, plan: Plan) -> Job:
+    def _job(self, plan: Plan) -> EngineJob:
         try:
             request = self.engine.prepare(plan.prompt_token_ids, plan.params, priority=plan.priority)
         except EngineDeadError as e:
             raise errors.APIError(503, str(e), "server_error", code="engine_unavailable") from e
         except (ValueError, TypeError) as e:
             raise errors.bad_request(str(e)) from e
-        return Job(request, plan.logprobs, time.perf_counter())
+        return EngineJob(request, plan.logprobs, time.perf_counter())
 
     # -- running ---------------------------------------------------------------------------
 
-    async def run(self, job: Job) -> AsyncIterator[TokenEvent | Finish]:
+    async def run(self, job: EngineJob) -> AsyncIterator[TokenEvent | Finish]:
         """The engine's outputs for ``job`` as generation events (aborted if not read to the end)."""
         async for ev in self.events(self.engine.stream(job.request), job.arrived):
             yield ev

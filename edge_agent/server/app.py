@@ -14,14 +14,14 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from cascade.api import build_openai_app
 from cascade.config import cascade_home
+from cascade.web import build_openai_app
 from edge_agent.backends.base import Backend
 from edge_agent.config import EdgeConfig
 from edge_agent.server.escalation import Escalator
 from edge_agent.server.metrics import EdgeMetrics
 from edge_agent.server.outbox import Outbox
-from edge_agent.server.routes import router, v1
+from edge_agent.server.routes import ops, v1
 from edge_agent.server.service import EdgeService
 from edge_agent.server.telemetry import spool_forever
 from edge_agent.upstream import Upstream
@@ -103,4 +103,4 @@ def build_app(config: EdgeConfig, catalog: Catalog | None = None) -> FastAPI:
                 await upstream.close()
             svc.close()
 
-    return build_openai_app("cascade edge agent", lifespan, config, "edge", router, v1)
+    return build_openai_app("cascade edge agent", lifespan, config, "edge", ops, v1)

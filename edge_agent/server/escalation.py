@@ -17,12 +17,21 @@ from pathlib import Path
 from cascade import errors
 from cascade.generation import Finish, TokenEvent
 from cascade.policy.confidence import Confidence, ConfidenceConfig
-from cascade.policy.decide import Decision, PolicyConfig, RequestSignals, after_local, decide
+from cascade.policy.decide import (
+    Decision,
+    PolicyConfig,
+    RequestSignals,
+    after_local,
+    decide,
+    when_queue_full,
+)
 from cascade.policy.hard import DifficultyModel, HardConfig, features
 from cascade.policy.overflow import LoadSignals
+from cascade.policy.refine import wants_refinement
+from cascade.policy.session_order import goes_behind_backlog
 from edge_agent.config import CascadeConfig
 from edge_agent.server.outbox import Outbox
-from edge_agent.server.service import EdgeService, Job
+from edge_agent.server.service import EdgeService, LocalJob
 from edge_agent.upstream import Upstream, UpstreamRefused, UpstreamUnavailable
 
 log = logging.getLogger(__name__)
@@ -36,7 +45,7 @@ def policy_config(c: CascadeConfig) -> PolicyConfig:
         hard=HardConfig(max_prompt_tokens=c.max_prompt_tokens, threshold=c.difficulty_threshold, model=model),
         confidence=ConfidenceConfig(window=c.hold_tokens, min_mean_logprob=c.min_mean_logprob,
                                     min_token_logprob=c.min_token_logprob, max_mean_entropy=c.max_mean_entropy),
-        latency_budget_s=c.latency_budget_s, default_mode=c.mode, default_offline=c.offline)
+        latency_budget_s=c.latency_budget_s)
 
 
 @dataclass
@@ -117,7 +126,8 @@ class Escalator:
         self.upstream = upstream
         self.outbox = outbox
 
-    def signals(self, req, job: Job | None, prompt_text: str, prompt_tokens: int) -> RequestSignals:
+    def signals(self, req, job: LocalJob | None, prompt_text: str, prompt_tokens: int,
+                session_backlog: bool = False) -> RequestSignals:
         opts = req.cascade
         svc = self.service
         pool = svc.pool
@@ -132,7 +142,8 @@ class Escalator:
             difficulty=self.policy.hard.model.score(features(prompt_text)) if self.policy.hard.model.weights else 0.0,
             load=load, latency_budget_s=opts.latency_budget_s if opts else None,
             upstream=self.upstream is not None,
-            cloud_available=self.upstream.available if self.upstream else False)
+            cloud_available=self.upstream.available if self.upstream else False,
+            session_backlog=session_backlog)
 
     async def route(self, req, endpoint: str, body: dict, make_job, prompt_text: str,
                     session: str | None = None, app_key: str | None = None) -> Routed | Queued:
@@ -148,11 +159,10 @@ class Escalator:
                 raise
             too_long_locally, n_prompt = e, self.service.description.n_ctx
         signals = self.signals(req, job, prompt_text, n_prompt)
+        if session and goes_behind_backlog(True, signals.offline):  # only then is the backlog asked for
+            backlog = await asyncio.to_thread(self.outbox.queue.session_pending, session)
+            signals = replace(signals, session_backlog=backlog)
         decision = decide(signals, self.policy)
-        if decision.tier == "cloud" and session and signals.offline == "queue" and await asyncio.to_thread(
-                self.outbox.queue.session_pending, session):
-            # the session still has requests waiting for the cloud: this one goes behind them, in order
-            decision = Decision("queue", decision.reason, status=202)
         if decision.tier == "cloud":
             try:
                 return await self._cloud(endpoint, body, decision.reason)
@@ -172,8 +182,8 @@ class Escalator:
                                            "X-Cascade-Reason": decision.reason})
         if job is None:  # too long for this device, and kept here (mode local)
             raise too_long_locally
-        routed = await self._local(job, decision, endpoint, body)
-        if routed.degraded and req.cascade is not None and req.cascade.refine and self.upstream is not None:
+        routed = await self._local(job, decision, signals, endpoint, body)
+        if wants_refinement(routed.degraded, bool(req.cascade and req.cascade.refine), signals.upstream):
             # the app takes the degraded local answer now and the cloud's when it comes
             refinement = Queued(await self.outbox.submit(endpoint, body, "refine", session, req.cascade), "refine")
             routed.cascade_field["refinement"] = refinement.location
@@ -189,15 +199,18 @@ class Escalator:
         self._count(Decision("cloud", reason))
         return Routed(esc.events, "cloud", reason, model=esc.model or None)
 
-    async def _local(self, job: Job, decision: Decision, endpoint: str, body: dict) -> Routed:
+    async def _local(self, job: LocalJob, decision: Decision, signals: RequestSignals, endpoint: str,
+                     body: dict) -> Routed:
         svc = self.service
         try:
             reservation = svc.admit()
         except errors.APIError:  # the queue is full: the cloud may take it instead
-            if decision.reason != "easy" or self.upstream is None or not self.upstream.available:
+            full = when_queue_full(decision, replace(signals, cloud_available=bool(
+                self.upstream and self.upstream.available)))
+            if full.tier != "cloud":
                 raise
             try:
-                return await self._cloud(endpoint, body, "overflow")
+                return await self._cloud(endpoint, body, full.reason)
             except UpstreamUnavailable:
                 raise errors.too_many_requests("The edge agent's queue is full and the cloud cannot be "
                                                "reached; retry later.", svc.pool.predicted_wait_s(),
@@ -231,7 +244,7 @@ class Escalator:
                 routed = await self._cloud(endpoint, body, after.reason, draft)
             except UpstreamUnavailable as e:
                 log.warning("low-confidence escalation failed: %s; answering locally", e)
-                after = Decision("edge", "low_confidence_cloud_unavailable", degraded=True)
+                after = after_local(conf, self.policy.confidence, cloud_available=False)
             else:
                 await events.aclose()  # nothing of the local answer was released
                 routed.cascade_field.update(info)

@@ -9,9 +9,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from cascade.api import openai_response, parse_body, read_json, require_api_key
 from cascade.openai_format import ChatFormatter, CompletionFormatter
 from cascade.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from cascade.web import openai_response, parse_body, read_json, require_api_key
 from edge_agent.server.escalation import Escalator, Queued, Routed
 from edge_agent.server.service import EdgeService
 
@@ -26,12 +26,12 @@ def escalator(request: Request) -> Escalator:
     return request.app.state.escalator
 
 
-router = APIRouter()
+ops = APIRouter()  # health and metrics
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
 
-@router.get("/healthz")
-@router.get("/health")
+@ops.get("/healthz")
+@ops.get("/health")
 async def healthz(request: Request):
     svc = service(request)
     esc = escalator(request)
@@ -44,7 +44,7 @@ async def healthz(request: Request):
                                                  "retry_after_s": round(up.breaker.retry_after_s(), 3)}}
 
 
-@router.get("/metrics")
+@ops.get("/metrics")
 async def metrics(request: Request):
     return PlainTextResponse(generate_latest(service(request).metrics.registry),
                              media_type=CONTENT_TYPE_LATEST)

@@ -16,13 +16,13 @@ from cascade.protocol import ChatCompletionRequest, CompletionRequest
 from edge_agent.backends.base import Backend, Finish, GenerationOptions, TokenEvent
 from edge_agent.config import EdgeConfig
 from edge_agent.server.metrics import EdgeMetrics
-from edge_agent.server.slots import QueueFull, SlotPool
+from edge_agent.server.slots import SlotPool, TooManyWaiting
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class Job:
+class LocalJob:
     """One request, ready to generate: its prompt tokens and sampling options."""
 
     kind: str  # "chat" | "completion"
@@ -61,7 +61,7 @@ class EdgeService:
         if model not in self.model_names:
             raise errors.model_not_found(model)
 
-    def chat_job(self, req: ChatCompletionRequest) -> Job:
+    def chat_job(self, req: ChatCompletionRequest) -> LocalJob:
         self.check_model(req.model)
         backend = self.backends[0]
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -73,9 +73,9 @@ class EdgeService:
         stops = tuple(req.stop_list()) + backend.chat_stop_strings()
         options = self._options(req, len(tokens), req.token_limit(), stops,
                                 req.top_logprobs or 0, "messages")
-        return Job("chat", tokens, options)
+        return LocalJob("chat", tokens, options)
 
-    def completion_job(self, req: CompletionRequest) -> Job:
+    def completion_job(self, req: CompletionRequest) -> LocalJob:
         self.check_model(req.model)
         backend = self.backends[0]
         if isinstance(req.prompt, str):
@@ -87,7 +87,7 @@ class EdgeService:
                 raise errors.bad_request(f"prompt token ids must be in [0, {vocab}).", "prompt")
         options = self._options(req, len(tokens), req.token_limit(), tuple(req.stop_list()),
                                 req.logprobs or 0, "prompt")
-        return Job("completion", tokens, options)
+        return LocalJob("completion", tokens, options)
 
     def _options(self, req, n_prompt: int, max_tokens: int | None, stops: tuple[str, ...],
                  top_logprobs: int, prompt_param: str) -> GenerationOptions:
@@ -124,14 +124,14 @@ class EdgeService:
         """A place in line for a slot, or 429 with Retry-After when the queue is full."""
         try:
             reservation = self.pool.reserve()
-        except QueueFull as e:
+        except TooManyWaiting as e:
             self.metrics.rejected.labels(reason="queue_full").inc()
             raise errors.too_many_requests(
                 "The edge agent's queue is full; retry later.", e.retry_after_s, "queue_full") from e
         self.metrics.observe_queue(self.pool)
         return reservation
 
-    async def run(self, job: Job, reservation: asyncio.Future[Backend]) -> AsyncIterator[TokenEvent | Finish]:
+    async def run(self, job: LocalJob, reservation: asyncio.Future[Backend]) -> AsyncIterator[TokenEvent | Finish]:
         """Wait for the reserved slot, generate in a worker thread, yield its events.
 
         If the consumer stops early (client gone), the generation is cancelled and the slot

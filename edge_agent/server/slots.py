@@ -10,7 +10,7 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 
 
-class QueueFull(Exception):
+class TooManyWaiting(Exception):
     def __init__(self, retry_after_s: float):
         super().__init__("the local queue is full")
         self.retry_after_s = retry_after_s
@@ -42,14 +42,14 @@ class SlotPool(Generic[T]):
 
     def reserve(self) -> asyncio.Future[T]:
         """A place in line, decided now: a future that resolves to a slot (at once if one is
-        free). Raises QueueFull when ``max_waiting`` requests already wait. The caller awaits
+        free). Raises TooManyWaiting when ``max_waiting`` requests already wait. The caller awaits
         the future and, if it gives up, calls ``cancel`` with it."""
         fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         if self._free and not self._waiters:
             fut.set_result(self._free.popleft())
             return fut
         if len(self._waiters) >= self.max_waiting:
-            raise QueueFull(self.predicted_wait_s())
+            raise TooManyWaiting(self.predicted_wait_s())
         self._waiters.append(fut)
         return fut
 

@@ -9,7 +9,7 @@ from tests.conftest import REPO
 
 
 def cascade(*args, home, env=None):
-    return subprocess.run([sys.executable, "-m", "cascade.cli", *args], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "cascade_cli", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=60, env={**os.environ, "CASCADE_HOME": str(home), **(env or {})})
 
 

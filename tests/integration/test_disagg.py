@@ -9,7 +9,7 @@ import pytest
 
 from cloud_tier.disagg.messages import RequestRecord, TransferAck, TransferHeader
 from cloud_tier.disagg.protocol import PrefillRequest
-from cloud_tier.disagg.records import logprob_record, logprobs_of, params_of, sampling_to_dict
+from cloud_tier.disagg.records import logprob_record, logprobs_of, params_of
 from cloud_tier.disagg.transport import (
     KVReceiver,
     ShmSender,
@@ -55,7 +55,7 @@ def _handoff(prefill: LLMEngine, decode: LLMEngine, prompt: str, params: Samplin
     """Prefill ``prompt`` on one engine, move it over ``transport``, adopt it on the other."""
     req, handoff = _prefill(prefill, prompt, params)
     record = RequestRecord(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                           output_token_ids=req.output_token_ids, sampling=sampling_to_dict(params),
+                           output_token_ids=req.output_token_ids, sampling=params.to_dict(),
                            sampler_state=handoff.sampler_state,
                            logprobs=[logprob_record(lp) for lp in handoff.logprobs])
     adopted = {}
@@ -124,7 +124,7 @@ def test_prefill_worker_releases_the_kv_when_the_decode_target_is_dead(smollm2_e
         try:
             svc = PrefillService(engine, timeout_s=2)
             record = RequestRecord(request_id="dead-target", prompt_token_ids=smollm2_engine.tokenizer.encode(
-                "Hello there, " * 20), sampling=sampling_to_dict(SamplingParams(temperature=0, max_tokens=8)))
+                "Hello there, " * 20), sampling=SamplingParams(temperature=0, max_tokens=8).to_dict())
             resp = await svc.prefill(PrefillRequest(record=record, kv_target="127.0.0.1:9", transport="tcp"))
             await engine.call(lambda e: None)  # the release is queued to the engine thread: let it run
             stats = await engine.call(lambda e: (e.kv.num_free_blocks, e.kv.num_blocks, dict(e.scheduler.held)))

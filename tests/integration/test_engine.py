@@ -37,7 +37,8 @@ def test_generate_api_with_text_and_token_ids(smollm2_engine):
     outs = smollm2_engine.generate(["Hello", "Tell me about Paris"], SamplingParams(temperature=0.0, max_tokens=8))
     assert [len(o.token_ids) for o in outs] == [8, 8]
     assert all(o.text and o.finish_reason == "length" for o in outs)
-    by_ids = smollm2_engine.generate([smollm2_engine.tokenizer.encode("Hello")], SamplingParams(temperature=0.0, max_tokens=8))
+    by_ids = smollm2_engine.generate([smollm2_engine.tokenizer.encode("Hello")],
+                                     SamplingParams(temperature=0.0, max_tokens=8))
     assert by_ids[0].token_ids == outs[0].token_ids
     assert outs[0].text == smollm2_engine.tokenizer.decode(outs[0].token_ids, skip_special_tokens=True)
 
@@ -103,12 +104,14 @@ def test_stop_strings_and_stop_token_ids(smollm2_engine):
                                                                  include_stop_str_in_output=True))[0]
     assert kept.text == full.text[:full.text.index("6") + 1]
     stop_id = full.token_ids[2]
-    by_id = smollm2_engine.generate(["1, 2, 3,"], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=(stop_id,)))[0]
+    by_id = smollm2_engine.generate(["1, 2, 3,"], SamplingParams(temperature=0.0, max_tokens=12,
+                                                                 stop_token_ids=(stop_id,)))[0]
     assert by_id.token_ids == full.token_ids[:3] and by_id.finish_reason == "stop"
 
 
 def test_logprobs_are_the_models_distribution(smollm2_engine):
-    out = smollm2_engine.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=4, logprobs=3))[0]
+    out = smollm2_engine.generate(["The capital of France is"],
+                                  SamplingParams(temperature=0.0, max_tokens=4, logprobs=3))[0]
     assert len(out.logprobs) == 4
     for token, lp in zip(out.token_ids, out.logprobs, strict=True):
         assert lp.token_id == token and lp.logprob <= 0

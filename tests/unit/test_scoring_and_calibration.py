@@ -7,16 +7,18 @@ import random
 
 import pytest
 
-from cascade import calibrate as cal
-from cascade.scoring import Task, matches, token_f1
-from cascade.tasks import generate
+from cascade.config import write_section
+from cascade.eval import calibration as cal
+from cascade.eval.scoring import Task, matches, token_f1
+from cascade.eval.tasks import generate
 
 
 @pytest.mark.parametrize("response,answer,numeric,expected", [
     ("42", "42", True, True), ("The answer is 42.", "42", True, True), ("41", "42", True, False),
     ("-7", "-7", True, True), ("1,200 grams", "1200", True, True),
     ("Paris.", "Paris", False, True), ("The capital is Paris", "paris", False, True),
-    ("Parisian food", "Paris", False, False), ("The capital is Bogotá.", "Bogota", False, True), ("Buenos Aires!", "Buenos Aires", False, True),
+    ("Parisian food", "Paris", False, False), ("The capital is Bogotá.", "Bogota", False, True),
+    ("Buenos Aires!", "Buenos Aires", False, True),
     ("APPLE", "APPLE", False, True), ("apple", "APPLE", False, False),
     ("Au\nmore text", "Au", False, True), ("", "Au", False, False),
 ])
@@ -86,10 +88,10 @@ def test_threshold_for_extremes():
 def test_write_config_keeps_other_sections(tmp_path):
     path = tmp_path / "edge.toml"
     path.write_text('[server]\nport = 9000\n\n[cascade]\nmode = "auto"\n')
-    cal.write_config(path, {"min_mean_logprob": -1.25, "difficulty_threshold": 1.01})
+    write_section(path, "cascade", {"min_mean_logprob": -1.25, "difficulty_threshold": 1.01})
     from edge_agent.config import EdgeConfig
 
     cfg = EdgeConfig.load(path)
     assert cfg.server.port == 9000 and cfg.cascade.min_mean_logprob == -1.25 and cfg.cascade.mode == "auto"
-    cal.write_config(path, {"min_mean_logprob": -math.inf})
+    write_section(path, "cascade", {"min_mean_logprob": -math.inf})
     assert EdgeConfig.load(path).cascade.min_mean_logprob == -math.inf

@@ -11,14 +11,14 @@ import math
 import httpx
 import pytest
 
-from bench.serve_bench import (
+from cascade.eval.loadgen import (
     LatencyStats,
     RequestOutcome,
     arrival_times,
     compute_metrics,
     send_one,
 )
-from bench.sharegpt import (
+from cascade.eval.sharegpt import (
     SHAREGPT_RECORDS,
     Conversation,
     Turn,

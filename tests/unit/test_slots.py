@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from edge_agent.server.slots import QueueFull, SlotPool
+from edge_agent.server.slots import SlotPool, TooManyWaiting
 
 
 def run(coro):
@@ -32,7 +32,7 @@ def test_full_queue_refuses_with_a_retry_estimate():
         pool.reserve()
         pool.release("s0", held_s=4.0)  # mean service time moves toward 4 s
         pool.reserve()
-        with pytest.raises(QueueFull) as e:
+        with pytest.raises(TooManyWaiting) as e:
             pool.reserve()
         assert e.value.retry_after_s > 0
     run(scenario())

@@ -4,7 +4,7 @@ import pytest
 
 from cloud_tier.engine.kv_cache_manager import KVCacheManager
 from cloud_tier.engine.request import Request
-from cloud_tier.engine.sampling_params import SamplingParams
+from cloud_tier.sampling import SamplingParams
 
 BS = 4
 

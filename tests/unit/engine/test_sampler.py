@@ -6,7 +6,7 @@ import torch
 
 from cloud_tier.engine.request import Request
 from cloud_tier.engine.sampler import Sampler, _processed_probs
-from cloud_tier.engine.sampling_params import SamplingParams
+from cloud_tier.sampling import SamplingParams
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
 

@@ -4,8 +4,8 @@ import pytest
 
 from cloud_tier.engine.kv_cache_manager import KVCacheManager
 from cloud_tier.engine.request import Request, RequestStatus
-from cloud_tier.engine.sampling_params import SamplingParams
 from cloud_tier.engine.scheduler import Scheduler, SchedulerConfig
+from cloud_tier.sampling import SamplingParams
 
 EOS = 2
 

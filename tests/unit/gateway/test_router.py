@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from cloud_tier.gateway.router import (
+from cloud_tier.gateway.placement import (
     NoWorkerError,
     PrefixIndex,
     RouterConfig,

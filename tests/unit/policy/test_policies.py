@@ -8,9 +8,18 @@ import pytest
 
 from cascade.policy.backpressure import CircuitBreaker
 from cascade.policy.confidence import Confidence, ConfidenceConfig, low_confidence
-from cascade.policy.decide import Decision, PolicyConfig, RequestSignals, after_local, decide
+from cascade.policy.decide import (
+    Decision,
+    PolicyConfig,
+    RequestSignals,
+    after_local,
+    decide,
+    when_queue_full,
+)
 from cascade.policy.hard import DifficultyModel, HardConfig, features, fit, is_hard, too_long
-from cascade.policy.overflow import LoadSignals, overflows, predicted_latency_s
+from cascade.policy.overflow import LoadSignals, overflow_on_full_queue, overflows, predicted_latency_s
+from cascade.policy.refine import wants_refinement
+from cascade.policy.session_order import goes_behind_backlog
 
 IDLE = LoadSignals(waiting=0, free_slots=1, service_time_s=2.0, decode_tok_s=40.0, max_tokens=40)
 BUSY = LoadSignals(waiting=5, free_slots=0, service_time_s=2.0, decode_tok_s=40.0, max_tokens=40)
@@ -41,12 +50,70 @@ def sig(**kw) -> RequestSignals:
     (sig(mode="cloud", cloud_available=False), Decision("edge", "cloud_unavailable", degraded=True)),
     (sig(difficulty=0.9, cloud_available=False, offline="fail"), Decision("reject", "cloud_unavailable", status=503)),
     (sig(difficulty=0.9, cloud_available=False, offline="queue"), Decision("queue", "cloud_unavailable", status=202)),
-    (sig(prompt_tokens=3000, cloud_available=False, offline="queue"), Decision("queue", "cloud_unavailable", status=202)),
+    (sig(prompt_tokens=3000, cloud_available=False, offline="queue"),
+     Decision("queue", "cloud_unavailable", status=202)),
     (sig(prompt_tokens=3000, cloud_available=False), Decision("reject", "cloud_unavailable", status=503)),
     (sig(difficulty=0.2, cloud_available=False), Decision("edge", "easy", check_confidence=True)),
 ], ids=lambda v: v.reason if isinstance(v, Decision) else "")
 def test_decide(signals, expected):
     assert decide(signals, CFG) == expected
+
+
+@pytest.mark.parametrize("signals,expected", [
+    # a session with requests queued for the cloud: an escalation with offline "queue" waits behind them
+    (sig(mode="cloud", offline="queue", session_backlog=True), Decision("queue", "forced", status=202)),
+    (sig(difficulty=0.9, offline="queue", session_backlog=True), Decision("queue", "hard", status=202)),
+    # ... but not one that may be answered locally or refused, nor one with no backlog
+    (sig(mode="cloud", offline="local", session_backlog=True), Decision("cloud", "forced")),
+    (sig(mode="cloud", offline="fail", session_backlog=True), Decision("cloud", "forced")),
+    (sig(mode="cloud", offline="queue", session_backlog=False), Decision("cloud", "forced")),
+    # a request answered locally never waits for the cloud's backlog
+    (sig(offline="queue", session_backlog=True), Decision("edge", "easy", check_confidence=True)),
+    (sig(mode="local", offline="queue", session_backlog=True), Decision("edge", "local")),
+    # with the cloud away the backlog changes nothing: queued for the reason it is away
+    (sig(mode="cloud", offline="queue", session_backlog=True, cloud_available=False),
+     Decision("queue", "cloud_unavailable", status=202)),
+], ids=lambda v: f"{v.tier}-{v.reason}" if isinstance(v, Decision) else "")
+def test_session_order(signals, expected):
+    assert decide(signals, CFG) == expected
+
+
+@pytest.mark.parametrize("backlog,offline,expected", [
+    (True, "queue", True), (True, "local", False), (True, "fail", False), (False, "queue", False),
+])
+def test_goes_behind_backlog(backlog, offline, expected):
+    assert goes_behind_backlog(backlog, offline) is expected
+
+
+@pytest.mark.parametrize("decision,signals,expected", [
+    # an easy request the full local queue refused: the cloud takes it
+    (Decision("edge", "easy"), sig(), Decision("cloud", "overflow")),
+    # kept local on purpose, degraded after a failed escalation, or no cloud: the queue's 429
+    (Decision("edge", "local"), sig(mode="local"), Decision("reject", "queue_full", status=429)),
+    (Decision("edge", "cloud_unavailable", degraded=True), sig(cloud_available=False),
+     Decision("reject", "queue_full", status=429)),
+    (Decision("edge", "edge_only"), sig(upstream=False), Decision("reject", "queue_full", status=429)),
+    (Decision("edge", "easy"), sig(cloud_available=False), Decision("reject", "queue_full", status=429)),
+    (Decision("edge", "easy"), sig(upstream=False), Decision("reject", "queue_full", status=429)),
+])
+def test_when_queue_full(decision, signals, expected):
+    assert when_queue_full(decision, signals) == expected
+
+
+@pytest.mark.parametrize("reason,upstream,available,expected", [
+    ("easy", True, True, True), ("easy", True, False, False), ("easy", False, True, False),
+    ("local", True, True, False), ("cloud_unavailable", True, True, False),
+])
+def test_overflow_on_full_queue(reason, upstream, available, expected):
+    assert overflow_on_full_queue(reason, upstream, available) is expected
+
+
+@pytest.mark.parametrize("degraded,requested,upstream,expected", [
+    (True, True, True, True), (False, True, True, False), (True, False, True, False),
+    (True, True, False, False),
+])
+def test_wants_refinement(degraded, requested, upstream, expected):
+    assert wants_refinement(degraded, requested, upstream) is expected
 
 
 def test_no_confidence_check_without_thresholds_or_outside_auto():

@@ -18,9 +18,9 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 import pytest
 
+from cascade.processes import free_port
 from sync.mqtt import MQTTConfig, TelemetryPublisher, encode_telemetry, telemetry_topic
 from sync.queue import Kind, NewItem, OfflineQueue
-from tests.conftest import free_port
 
 MOSQUITTO = shutil.which("mosquitto") or shutil.which("mosquitto", path="/usr/sbin")
 FLEET, DEVICE = "fleet-a", "dev-1"

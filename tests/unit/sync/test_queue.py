@@ -50,7 +50,8 @@ def test_an_item_goes_queued_sending_done_with_its_result_in_the_inbox(queue):
     assert queue.claim(Kind.REQUEST, 10) == []  # leased
     queue.complete(i, 200, {"choices": [{"message": {"content": "hi"}}]})
     got = queue.get(i)
-    assert got.state == State.DONE and got.result_status == 200 and got.result["choices"][0]["message"]["content"] == "hi"
+    assert got.state == State.DONE and got.result_status == 200
+    assert got.result["choices"][0]["message"]["content"] == "hi"
     assert got.payload == req(1).payload
 
 

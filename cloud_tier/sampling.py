@@ -1,7 +1,9 @@
-"""Per-request sampling and stopping parameters."""
+"""Per-request sampling and stopping parameters: what the gateway asks of a worker (in the
+request record) and what the engine samples with. Plain data, no torch."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -53,3 +55,16 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+    def to_dict(self) -> dict:
+        """The JSON form carried in a ``RequestRecord`` (``from_dict`` reads it back)."""
+        d = dataclasses.asdict(self)
+        d.pop("extra", None)
+        d["stop"] = list(self.stop)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SamplingParams:
+        """ValueError/TypeError on fields that are unknown or out of range."""
+        return cls(**d)

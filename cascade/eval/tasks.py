@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from cascade.scoring import Task
+from cascade.eval.scoring import Task
 
 CAPITALS = {
     "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo",

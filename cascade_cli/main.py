@@ -9,6 +9,8 @@ import logging
 import os
 import sys
 
+from cascade.units import format_size
+
 # Every process we start: OpenMP threads (llama.cpp, torch) must not spin-wait on 2 cores.
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
@@ -51,7 +53,7 @@ def cmd_models_list(args) -> int:
         return 0
     rows = [("NAME", "FORMAT", "QUANT", "SIZE", "KIND", "STATE", "PATH")]
     for m in models:
-        rows.append((m.name, m.format, m.quantization, _size(m.size_bytes), m.kind,
+        rows.append((m.name, m.format, m.quantization, format_size(m.size_bytes), m.kind,
                      "ready" if m.ready else "packed", str(m.path)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for r in rows:
@@ -73,17 +75,9 @@ def cmd_models_quantize(args) -> int:
     except (ModelNotFound, QuantizeError) as e:
         print(f"cascade: {e}", file=sys.stderr)
         return 2
-    print(f"{name}: {dst} ({_size(dst.stat().st_size)}, from {info.name} {info.quantization})")
+    print(f"{name}: {dst} ({format_size(dst.stat().st_size)}, from {info.name} {info.quantization})")
     print(name)
     return 0
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return str(n)
 
 
 def cmd_cloud_worker(args) -> int:
@@ -110,8 +104,9 @@ def cmd_cloud_worker(args) -> int:
 
 def cmd_cloud_serve(args) -> int:
     from cascade.config import ConfigError
+    from cloud_tier import serve
     from cloud_tier.config import CloudConfig
-    from cloud_tier.gateway import daemon
+    from cloud_tier.worker.processes import StartupError
     from model_distribution.catalog import ModelNotFound
 
     overrides = {
@@ -123,90 +118,21 @@ def cmd_cloud_serve(args) -> int:
                    "kv_cache_memory_bytes": args.kv_cache_bytes},
     }
     try:
-        daemon.run(CloudConfig.load(args.config, overrides), args.config)
-    except (ConfigError, ModelNotFound, daemon.StartupError) as e:
+        serve.run(CloudConfig.load(args.config, overrides), args.config)
+    except (ConfigError, ModelNotFound, StartupError) as e:
         print(f"cascade: {e}", file=sys.stderr)
         return 2
     return 0
 
 
 def cmd_calibrate(args) -> int:
-    import asyncio
-    import math
-    from pathlib import Path
+    from cascade_cli import calibrate
 
-    import httpx
-
-    from cascade import calibrate as cal
-    from cascade.config import ConfigError, cascade_home
-    from edge_agent.config import EdgeConfig
-
-    home = cascade_home()
-    config_path = Path(args.config) if args.config else home / "edge.toml"
-    try:
-        edge_cfg = EdgeConfig.load(config_path if config_path.is_file() else None)
-    except ConfigError as e:
-        print(f"cascade: {e}", file=sys.stderr)
-        return 2
-    cloud_url = args.cloud or edge_cfg.upstream.url
-    if not cloud_url:
-        print("cascade: no cloud to compare with: pass --cloud URL or set [upstream] url", file=sys.stderr)
-        return 2
-    key = args.api_key if args.api_key is not None else edge_cfg.upstream.api_key
-    try:
-        edge_model = args.edge_model or httpx.get(f"{args.edge.rstrip('/')}/v1/models", timeout=10).json()["data"][0]["id"]
-        cloud_model = args.cloud_model or edge_cfg.upstream.model or httpx.get(
-            f"{cloud_url.rstrip('/').removesuffix('/v1')}/v1/models", timeout=10,
-            headers={"authorization": f"Bearer {key}"} if key else {}).json()["data"][0]["id"]
-        tasks = cal.load_prompts(args.prompts, args.num_prompts, args.seed)
-        done = [0]
-
-        def tick():
-            done[0] += 1
-            if done[0] % 50 == 0 or done[0] == len(tasks):
-                print(f"  {done[0]}/{len(tasks)} prompts answered by both tiers", file=sys.stderr)
-        samples = asyncio.run(cal.collect(tasks, args.edge, edge_model, cloud_url, cloud_model, key,
-                                          args.max_tokens, args.concurrency, tick))
-    except (httpx.HTTPError, OSError, KeyError, ValueError) as e:
-        print(f"cascade: calibration failed: {e}", file=sys.stderr)
-        return 1
-    calib, held = cal.split(samples, args.holdout, args.seed)
-    results, info = cal.evaluate(calib, held, args.target_escalation)
-    best = max(results, key=lambda r: -1 if math.isnan(r.apgr) else r.apgr)
-    out_dir = home / "calibration"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model_path = out_dir / "difficulty.json"
-    model_path.write_text(json.dumps(info["difficulty_model"], indent=2))
-    updates = {"difficulty_model": str(model_path)}
-    if best.name == "confidence":
-        updates.update(min_mean_logprob=-best.threshold, difficulty_threshold=1.01)
-    else:
-        updates.update(difficulty_threshold=best.threshold, min_mean_logprob=-math.inf)
-    cal.write_config(config_path, updates)
-    plot_path = Path(args.plot) if args.plot else out_dir / "calibration.png"
-    cal.plot(results, info["q_edge"], info["q_cloud"], args.target_escalation, plot_path)
-    (out_dir / "samples.json").write_text(json.dumps(
-        [{"prompt": s.task.prompt, "answer": s.task.answer, "edge": s.edge_text, "cloud": s.cloud_text,
-          "confidence": s.confidence, "edge_score": s.edge_score, "cloud_score": s.cloud_score} for s in samples],
-        indent=1))
-    q_e, q_c = info["q_edge"], info["q_cloud"]
-    print(f"{len(samples)} prompts ({len(calib)} to fit, {len(held)} held out); edge {edge_model} @ {args.edge}, "
-          f"cloud {cloud_model} @ {cloud_url}")
-    print(f"held-out quality: edge only {q_e:.3f}, cloud only {q_c:.3f} (edge keeps {q_e / q_c:.1%} alone)"
-          if q_c else f"held-out quality: edge only {q_e:.3f}, cloud only {q_c:.3f}")
-    print(f"{'signal':12s} {'threshold':>10s} {'escalated':>10s} {'quality kept':>13s} {'APGR':>6s}")
-    for r in results:
-        print(f"{r.name:12s} {r.threshold:10.4f} {r.escalation:10.1%} {r.quality_kept:13.1%} {r.apgr:6.3f}"
-              f"{'  <- written' if r is best else ''}")
-    random_kept = (q_e + args.target_escalation * (q_c - q_e)) / q_c if q_c else float("nan")
-    print(f"{'random':12s} {'':>10s} {args.target_escalation:10.1%} {random_kept:13.1%} {0.5:6.3f}")
-    print(f"wrote [cascade] {', '.join(f'{k}={v}' for k, v in updates.items())} to {config_path}")
-    print(f"plot: {plot_path}")
-    return 0
+    return calibrate.run(args)
 
 
 def cmd_demo(args) -> int:
-    from cascade import demo
+    from cascade_cli import demo
 
     return demo.main(args)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import httpx
 
 from cloud_tier.disagg.protocol import WorkerLoadReport
-from cloud_tier.gateway.router import WorkerLoad
+from cloud_tier.gateway.placement import WorkerLoad
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
 """``cascade demo``: the whole chain on one machine, as a scripted scenario.
 
 While the cloud tier starts, the device is offline: escalations are queued (202) and delivered
-once it is up; the agent's telemetry goes to a local Mosquitto (when installed) over MQTT. Then: a cloud tier (`cascade cloud serve`: gateway + 1 prefill + 1 decode worker, SmolLM2-135M at full
+once it is up; the agent's telemetry goes to a local Mosquitto (when installed) over MQTT.
+Then: a cloud tier (`cascade cloud serve`: gateway + 1 prefill + 1 decode worker, SmolLM2-135M at full
 precision on our engine), an edge agent on a harsher Q2_K variant of the same model (derived
 with `cascade models quantize`, as a fleet ships a smaller model to devices), the agent's
 upstream pointed at the cloud with a device key, then a mix of easy and hard requests, and a
@@ -13,14 +14,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
+
+from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
 
 # (what the app sends, the cascade options it adds)
 SCRIPT = [
@@ -33,26 +34,6 @@ SCRIPT = [
     ("Say hello to the factory floor.", {"mode": "local"}),
     ("What is the chemical symbol for gold?", None),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, what: str, timeout_s: float = 900) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the {what} exited with code {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"the {what} at {url} did not become healthy in {timeout_s:.0f} s")
 
 
 def stream_chat(base: str, model: str, prompt: str, cascade: dict | None) -> dict:
@@ -111,7 +92,7 @@ def offline_scene(edge: str, db: Path) -> list[tuple[str, str]]:
     print(f"-- app: Is the store open today?  {{offline: local}}\n-- {r['tier']} ({r['reason']}"
           f"{', degraded' if r['degraded'] else ''}): {r['text'][:120]}")
     print(f"-- $ cascade edge queue --db {db}")
-    backlog = subprocess.run([sys.executable, "-m", "cascade.cli", "edge", "queue", "--db", str(db)],
+    backlog = subprocess.run(cascade_command("edge", "queue", "--db", str(db), log_level=None),
                              capture_output=True, text=True)
     print("   " + backlog.stdout.strip().replace("\n", "\n   "))
     return queued
@@ -151,8 +132,7 @@ class TelemetryWatch:
         from sync.mqtt import telemetry_topic
 
         self.port, self.topic = free_port(), telemetry_topic(fleet, device)
-        self.broker = subprocess.Popen([binary, "-p", str(self.port)], stdout=subprocess.DEVNULL,
-                                       stderr=subprocess.DEVNULL)
+        self.broker = spawn([binary, "-p", str(self.port)], log=Path(os.devnull))
         self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="cascade-demo-watch")
         self.client.on_connect = lambda client, *_: client.subscribe(self.topic, qos=1)
         self.client.on_message = lambda client, userdata, msg: self.records.append(json.loads(msg.payload))
@@ -182,16 +162,7 @@ class TelemetryWatch:
         if self.client is not None:
             self.client.loop_stop()
         if self.broker is not None:
-            _stop(self.broker)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            stop(self.broker)
 
 
 def main(args) -> int:
@@ -201,7 +172,7 @@ def main(args) -> int:
            "CASCADE_EDGE_SERVER_LOG_LEVEL": "warning", "CASCADE_CLOUD_SERVER_LOG_LEVEL": "warning",
            "CASCADE_CLOUD_GATEWAY_DB": str(work / "gateway.db")}
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    cli = [sys.executable, "-m", "cascade.cli", "--log-level", "WARNING"]
+    cli = cascade_command()
 
     print("== deriving the edge model: SmolLM2-135M Q4_1 -> Q2_K (cascade models quantize)")
     subprocess.run([*cli, "models", "quantize", "smollm2-135m", "--type", "q2_k"], env=env, check=True,
@@ -213,8 +184,8 @@ def main(args) -> int:
     cloud_url, edge_url = f"http://127.0.0.1:{cloud_port}", f"http://127.0.0.1:{edge_port}"
     print(f"== starting the cloud tier on {cloud_url}: gateway + 1 prefill + 1 decode worker "
           "(first run converts the model, about a minute)")
-    cloud = subprocess.Popen([*cli, "cloud", "serve", "--port", str(cloud_port), "--prefill", "1", "--decode", "1",
-                              "--max-model-len", "2048"], env=env)
+    cloud = spawn([*cli, "cloud", "serve", "--port", str(cloud_port), "--prefill", "1", "--decode", "1",
+                   "--max-model-len", "2048"], env=env, die_with_parent=True)
     edge = None
     watch = TelemetryWatch("demo", "kiosk-1")
     try:
@@ -228,11 +199,11 @@ def main(args) -> int:
         if not extra:  # an uncalibrated default: escalate when the first 8 tokens average below -1.2
             edge_env.update(CASCADE_EDGE_CASCADE_HOLD_TOKENS="8", CASCADE_EDGE_CASCADE_MIN_MEAN_LOGPROB="-1.2")
         print(f"   thresholds: {calibrated if extra else 'uncalibrated defaults (run cascade calibrate)'}")
-        edge = subprocess.Popen([*cli, "edge", "run", "--port", str(edge_port), "--model", "smollm2-135m-q2_k",
-                                 "--n-ctx", "512", *extra], env=edge_env)
-        wait_healthy(edge_url, edge, "edge agent")
+        edge = spawn([*cli, "edge", "run", "--port", str(edge_port), "--model", "smollm2-135m-q2_k",
+                      "--n-ctx", "512", *extra], env=edge_env, die_with_parent=True)
+        wait_healthy(edge_url, edge, 900, "edge agent")
         queued = offline_scene(edge_url, work / "queue.db")
-        wait_healthy(cloud_url, cloud, "cloud tier")
+        wait_healthy(cloud_url, cloud, 900, "cloud tier")
         print(f"\n== the cloud tier is up on {cloud_url}: the queue drains")
         drain(edge_url, queued)
         rows = []
@@ -257,6 +228,6 @@ def main(args) -> int:
         return 0
     finally:
         if edge is not None:
-            _stop(edge)
-        _stop(cloud)
+            stop(edge)
+        stop(cloud)
         watch.stop()

@@ -1,0 +1,61 @@
+"""Reading a request: the bearer key, the JSON body (bounded), and its validation."""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from cascade import errors
+
+T = TypeVar("T", bound=BaseModel)
+
+
+def require_api_key(request: Request) -> None:
+    """A FastAPI dependency: when the app's ``config.server.api_key`` is set, the request must
+    carry ``Authorization: Bearer <key>`` (compared in constant time), else 401."""
+    expected = request.app.state.config.server.api_key
+    if not expected:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+        raise errors.unauthorized()
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    """The request body as a JSON object: 413 past ``limit`` bytes, 400 for bad UTF-8 or JSON."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise _too_large(limit)
+    try:
+        text = bytes(body).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise errors.bad_request("The request body is not valid UTF-8.", None, "invalid_encoding") from e
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise errors.bad_request(f"The request body is not valid JSON: {e}.", None, "invalid_json") from e
+    if not isinstance(data, dict):
+        raise errors.bad_request("The request body must be a JSON object.", None, "invalid_json")
+    return data
+
+
+def _too_large(limit: int) -> errors.APIError:
+    return errors.APIError(413, f"The request body exceeds {limit} bytes.", "invalid_request_error",
+                           None, "request_too_large")
+
+
+def parse_body(model: type[T], data: dict) -> T:
+    """Validate ``data`` as ``model``; a failure is a 400 naming the first bad parameter."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise errors.validation_error(e.errors()) from e

@@ -1,0 +1,123 @@
+"""A gateway request's flight (what it holds, settled once) and the event streams it is served
+from: recorded while it runs, run to its end when it has an Idempotency-Key, replayed from a
+stored result."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from cascade.generation import Finish, TokenEvent, event_from_wire, event_to_wire
+from cloud_tier.gateway.admission import Ticket
+from cloud_tier.gateway.keys import ApiKey
+
+
+@dataclass
+class Flight:
+    """One admitted request's commitments and timings, settled once in ``close``."""
+
+    tenant: str
+    key: ApiKey
+    endpoint: str
+    arrived: float
+    predicted_tokens: int = 0
+    ticket: Ticket | None = None
+    cache_key: str | None = None
+    idem_key: str | None = None
+    events: list[dict] = field(default_factory=list)
+    finish: Finish | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    settled: bool = False
+
+
+class Recorder:
+    """Wraps a flight's event stream: records the events for the cache and idempotency store,
+    and settles the flight when closed (read to the end, failed, or abandoned by the client)."""
+
+    def __init__(self, events: AsyncIterator, flight: Flight, settle: Callable[[Flight], None]):
+        self._events = events
+        self.flight = flight
+        self._settle = settle
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        ev = await self._events.__anext__()
+        f = self.flight
+        f.events.append(event_to_wire(ev))
+        if isinstance(ev, TokenEvent):
+            f.last_token_at = time.perf_counter()
+            if f.first_token_at is None:
+                f.first_token_at = f.last_token_at
+        elif isinstance(ev, Finish):
+            f.finish = ev
+        return ev
+
+    async def aclose(self) -> None:
+        try:
+            await self._events.aclose()
+        finally:
+            if not self.flight.settled:
+                self.flight.settled = True
+                self._settle(self.flight)
+
+
+_END = object()
+_detached: set[asyncio.Task] = set()
+
+
+class RunToEnd:
+    """A flight with an Idempotency-Key runs to its end even when its client goes away: its result
+    is stored, and the client's retry (same key) is answered from it instead of running twice.
+    The flight is read by a task of its own; the client reads what it has passed on."""
+
+    def __init__(self, events: Recorder):
+        self._events: asyncio.Queue = asyncio.Queue()
+        task = asyncio.get_running_loop().create_task(self._pump(events))
+        _detached.add(task)
+        task.add_done_callback(_detached.discard)
+
+    async def _pump(self, events: Recorder) -> None:
+        try:
+            async for ev in events:
+                self._events.put_nowait(ev)
+        except BaseException as e:
+            self._events.put_nowait(e)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+        finally:
+            await events.aclose()  # settles the flight: the result is stored for replays
+        self._events.put_nowait(_END)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        item = await self._events.get()
+        if item is _END:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        """The client is gone (or done): the flight goes on without it."""
+
+
+async def replay(stored: dict) -> AsyncIterator[TokenEvent | Finish]:
+    for data in stored["events"]:
+        yield event_from_wire(data)
+
+
+def render_stored(stored: dict, fmt) -> bytes:
+    """A stored result as a non-streamed body: rendered once, then only a fresh id and time."""
+    body = stored.get("json")
+    if body is None:
+        events = [event_from_wire(e) for e in stored["events"]]
+        body = stored["json"] = fmt.response(events[:-1], events[-1]).model_dump(exclude_none=True)
+    return json.dumps({**body, "id": fmt.id, "created": fmt.created}, separators=(",", ":")).encode()

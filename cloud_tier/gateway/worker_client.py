@@ -1,0 +1,127 @@
+"""Running a placed request on the workers: choose the prefill worker (prefix- and load-aware),
+call the decode worker's ``/internal/generate`` and relay its NDJSON events; retry on another
+attempt what failed before the first token for a reason a retry can fix (a prefill worker
+unreachable, a transfer that failed, no KV room), and find another decode worker when the
+chosen one cannot be reached."""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
+
+import httpx
+
+from cascade import errors
+from cascade.generation import Finish, TokenEvent, event_from_wire
+from cloud_tier.disagg.messages import RequestRecord
+from cloud_tier.disagg.protocol import GenerateRequest
+from cloud_tier.gateway.admission import Admission
+from cloud_tier.gateway.placement import NoWorkerError, PrefixIndex, RouterConfig, choose_prefill
+from cloud_tier.gateway.streams import Flight
+from cloud_tier.gateway.worker_pool import Worker, WorkerPool
+from cloud_tier.request_builder import Plan
+
+log = logging.getLogger(__name__)
+
+_RETRYABLE = {"prefill_unreachable", "transfer_failed", "no_capacity", "prefill_error"}
+ATTEMPTS = 3
+
+
+class WorkerClient:
+    def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, admission: Admission, index: PrefixIndex,
+                 router_config: RouterConfig, kv_transport: str, ttft_slo_s: float, worker_api_key: str = ""):
+        self.pool = pool
+        self.client = client
+        self.admission = admission
+        self.index = index
+        self.router_config = router_config
+        self.kv_transport = kv_transport
+        self.ttft_slo_s = ttft_slo_s
+        self.worker_headers = {"content-type": "application/json"}
+        if worker_api_key:
+            self.worker_headers["authorization"] = f"Bearer {worker_api_key}"
+
+    def route(self, plan: Plan, worker: Worker) -> tuple[str | None, Worker | None, int]:
+        """(prefill URL or None for local prefill, the prefill worker, prompt tokens it computes)."""
+        tokens = plan.prompt_token_ids
+        prefill = self.pool.by_role("prefill") if worker.role == "decode" else []
+        if not prefill:
+            hit = self.index.match(tokens).get(worker.url, 0)
+            self.index.insert(worker.url, tokens)
+            return None, worker, len(tokens) - hit
+        try:
+            choice = choose_prefill([w.load() for w in prefill], self.index.match(tokens), self.router_config)
+        except NoWorkerError:
+            return None, worker, len(tokens)
+        self.index.insert(choice.worker_id, tokens)
+        return choice.worker_id, self.pool.workers[choice.worker_id], len(tokens) - choice.hit_tokens
+
+    def transport(self, prefill_url: str, decode_url: str) -> str:
+        if self.kv_transport != "auto":
+            return self.kv_transport
+        return "shm" if urlsplit(prefill_url).hostname == urlsplit(decode_url).hostname else "tcp"
+
+    async def generate(self, flight: Flight, plan: Plan, need: int) -> AsyncIterator[TokenEvent | Finish]:
+        rid = uuid.uuid4().hex
+        record = RequestRecord(request_id=rid, prompt_token_ids=plan.prompt_token_ids,
+                               sampling=plan.params.to_dict(), priority=plan.priority)
+        for attempt in range(ATTEMPTS):
+            worker = flight.ticket.worker
+            prefill_url, prefill_worker, work = self.route(plan, worker)
+            body = GenerateRequest(record=record.model_copy(update={"request_id": f"{rid}-{attempt}"}),
+                                   prefill_url=prefill_url,
+                                   transport=self.transport(prefill_url, worker.url) if prefill_url else "tcp")
+            prefill_worker.pending_prefill_tokens += work
+            started = False
+            try:
+                async with self.client.stream("POST", f"{worker.url}/internal/generate",
+                                              content=body.model_dump_json(), headers=self.worker_headers) as resp:
+                    if resp.status_code != 200:
+                        err = _error_of(await resp.aread(), resp.status_code)
+                        if err.code in _RETRYABLE and attempt < ATTEMPTS - 1:
+                            log.warning("attempt %d of %s failed (%s); retrying", attempt, rid, err.message)
+                            if err.code == "prefill_unreachable" and prefill_url:
+                                self.pool.mark_down(prefill_url, err.message)
+                            continue
+                        raise err
+                    async for line in resp.aiter_lines():
+                        if not line:
+                            continue
+                        data = json.loads(line)
+                        if "error" in data:
+                            raise errors.APIError(502, data["error"].get("message", "worker error"), "server_error",
+                                                  code="worker_error")
+                        ev = event_from_wire(data)
+                        if not started:
+                            started = True
+                            prefill_worker.pending_prefill_tokens -= work
+                        yield ev
+                        if isinstance(ev, Finish):
+                            return
+                raise errors.APIError(502, "The cloud worker ended the stream without finishing.", "server_error",
+                                      code="worker_failed")
+            except httpx.HTTPError as e:
+                self.pool.mark_down(worker.url, repr(e))
+                if not started and attempt < ATTEMPTS - 1 and isinstance(e, httpx.ConnectError):
+                    self.admission.release(flight.ticket)  # that worker is gone: find room elsewhere
+                    flight.ticket = await self.admission.admit(need, self.ttft_slo_s, ("decode", "both"))
+                    continue
+                raise errors.APIError(502, f"The cloud worker failed: {e!r}", "server_error",
+                                      code="worker_failed") from e
+            finally:
+                if not started:
+                    prefill_worker.pending_prefill_tokens -= work
+        raise errors.APIError(503, "The request could not be placed on a worker; retry later.", "server_error",
+                              code="no_capacity", headers={"Retry-After": "1"})
+
+
+def _error_of(content: bytes, status: int) -> errors.APIError:
+    try:
+        e = json.loads(content)["error"]
+        return errors.APIError(status if status >= 500 else 502, e.get("message", ""), "server_error",
+                               code=e.get("code") or "worker_error")
+    except (ValueError, KeyError, TypeError):
+        return errors.APIError(502, f"the worker answered {status}", "server_error", code="worker_error")

@@ -1,0 +1,62 @@
+"""The workers ``cascade cloud serve`` starts on this host: child processes on free loopback
+ports, which die with the gateway (even when it is killed) and are stopped with it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+from dataclasses import dataclass, field
+
+from cascade.processes import NotHealthy, cascade_command, free_port, spawn, stop, wait_healthy
+from cloud_tier.config import CloudConfig
+
+log = logging.getLogger(__name__)
+
+
+class StartupError(RuntimeError):
+    """A worker did not come up."""
+
+
+@dataclass
+class WorkerProcesses:
+    """The workers this gateway started; stopped with it."""
+
+    config: CloudConfig
+    config_path: str | None = None
+    procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+
+    def start(self, timeout_s: float = 600.0) -> list[str]:
+        """Start the configured prefill, decode and co-located workers; their URLs once healthy."""
+        from cloud_tier.engine.llm_engine import resolve_model_dir
+
+        g, e = self.config.gateway, self.config.engine
+        resolve_model_dir(e.model)  # convert the model once, before the workers race for it
+        roles = ["prefill"] * g.prefill + ["decode"] * g.decode + ["both"] * g.both
+        threads = g.worker_threads or e.threads or max(1, (os.cpu_count() or 1) // len(roles))
+        host = "127.0.0.1"
+        for role in roles:
+            port = free_port(host)
+            cmd = cascade_command(
+                "cloud", "worker", "--role", role, "--host", host, "--port", str(port), "--model", e.model,
+                "--threads", str(threads), "--dtype", e.dtype, "--device", e.device,
+                "--max-model-len", str(e.max_model_len), "--kv-cache-bytes", str(e.kv_cache_memory_bytes),
+                "--max-num-seqs", str(e.max_num_seqs), "--max-num-batched-tokens", str(e.max_num_batched_tokens),
+                log_level=logging.getLevelName(log.getEffectiveLevel()))
+            if self.config_path:
+                cmd += ["--config", self.config_path]
+            if self.config.server.api_key:
+                cmd += ["--api-key", self.config.server.api_key]
+            url = f"http://{host}:{port}"
+            log.info("starting %s worker on %s (%d threads)", role, url, threads)
+            self.procs.append((url, spawn(cmd, die_with_parent=True)))
+        for url, proc in self.procs:
+            try:
+                wait_healthy(url, proc, timeout_s, "worker")
+            except NotHealthy as err:
+                raise StartupError(str(err)) from err
+        return [url for url, _ in self.procs]
+
+    def stop(self) -> None:
+        for _, p in self.procs:
+            stop(p, timeout_s=10)
