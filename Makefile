@@ -22,8 +22,10 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/edge_overhead.py
 
+# ruff (style, line length 120) and the layer contract in pyproject.toml (import-linter)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 setup: $(STAMP)
 

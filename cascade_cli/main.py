@@ -9,6 +9,8 @@ import logging
 import os
 import sys
 
+import cascade
+from cascade.cli_help import DefaultsHelp
 from cascade.units import format_size
 
 # Every process we start: OpenMP threads (llama.cpp, torch) must not spin-wait on 2 cores.
@@ -109,6 +111,8 @@ def cmd_cloud_serve(args) -> int:
     from cloud_tier.worker.processes import StartupError
     from model_distribution.catalog import ModelNotFound
 
+    if args.both and args.prefill is None and args.decode is None:
+        args.prefill = args.decode = 0  # `--both N` alone: N co-located workers, nothing else
     overrides = {
         "gateway": {"host": args.host, "port": args.port, "prefill": args.prefill, "decode": args.decode,
                     "both": args.both, "workers": args.workers, "worker_threads": args.worker_threads,
@@ -137,98 +141,143 @@ def cmd_demo(args) -> int:
     return demo.main(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cascade", description="Edge-cloud LLM serving.")
-    p.add_argument("--log-level", default=os.environ.get("CASCADE_LOG_LEVEL", "INFO"))
-    sub = p.add_subparsers(dest="command", required=True)
+def _log_level(value: str) -> str:
+    if value.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise argparse.ArgumentTypeError(f"{value!r} is not one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
+    return value.upper()
 
-    edge = sub.add_parser("edge", help="the device daemon").add_subparsers(dest="edge_command", required=True)
-    run = edge.add_parser("run", help="serve the OpenAI-compatible API from a local model")
-    run.add_argument("--config", help="edge.toml (every key also from CASCADE_EDGE_<SECTION>_<KEY>)")
-    run.add_argument("--host")
-    run.add_argument("--port", type=int)
-    run.add_argument("--model", help="catalogue name or path to a .gguf file")
-    run.add_argument("--api-key", help="require this bearer key on /v1")
-    run.add_argument("--n-ctx", type=int)
-    run.add_argument("--threads", type=int, help="decode threads per slot (0: auto)")
-    run.add_argument("--threads-batch", type=int, help="prompt threads per slot (0: one per core)")
-    run.add_argument("--parallel", type=int, help="requests generated at once (slots)")
-    run.add_argument("--max-waiting", type=int, help="queued requests before 429")
+
+def _parser(sub, name: str, help_: str, **kw) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help_, description=help_, formatter_class=DefaultsHelp, **kw)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from cloud_tier.config import EngineConfig, GatewayConfig, WorkerConfig
+    from cloud_tier.config import ServerConfig as CloudServer
+    from edge_agent.config import ModelConfig, QueueConfig
+    from edge_agent.config import ServerConfig as EdgeServer
+
+    edge_srv, edge_model, edge_queue = EdgeServer(), ModelConfig(), QueueConfig()
+    cloud_srv, eng, wkr, gw = CloudServer(), EngineConfig(), WorkerConfig(), GatewayConfig()
+
+    p = argparse.ArgumentParser(prog="cascade", formatter_class=DefaultsHelp,
+                                description="Edge-cloud LLM serving: the edge agent, the cloud tier, calibration, "
+                                            "and the demo. Every config key is also an environment variable "
+                                            "CASCADE_<DEPLOYABLE>_<SECTION>_<KEY>; flags win over both.")
+    p.add_argument("--version", action="version", version=f"cascade {cascade.__version__}")
+    p.add_argument("--log-level", default=os.environ.get("CASCADE_LOG_LEVEL", "INFO"), type=_log_level,
+                   help="log level of this process and the workers it starts (default: $CASCADE_LOG_LEVEL, "
+                        "else INFO); logs go to standard error")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    edge = _parser(sub, "edge", "the device daemon and its offline queue").add_subparsers(
+        dest="edge_command", required=True, metavar="COMMAND")
+    run = _parser(edge, "run", "serve the OpenAI-compatible API from a local model (stop: Ctrl-C or SIGTERM)")
+    run.add_argument("--config", help="edge.toml (default: none: built-in defaults and the environment)")
+    run.add_argument("--host", help=f"address to listen on (default: {edge_srv.host})")
+    run.add_argument("--port", type=int, help=f"port to listen on (default: {edge_srv.port})")
+    run.add_argument("--model", help=f"catalogue name (cascade models list) or path to a .gguf file "
+                                     f"(default: {edge_model.name})")
+    run.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: none)")
+    run.add_argument("--n-ctx", type=int, help=f"context length of each slot, in tokens (default: {edge_model.n_ctx})")
+    run.add_argument("--threads", type=int, help="decode threads per slot (default: 0 = cores - 1 on machines "
+                                                 "of up to 4 cores, else every core)")
+    run.add_argument("--threads-batch", type=int, help="prompt threads per slot (default: 0 = one per core)")
+    run.add_argument("--parallel", type=int, help=f"requests generated at once, each in its own slot "
+                                                  f"(default: {edge_model.parallel})")
+    run.add_argument("--max-waiting", type=int, help=f"requests waiting for a slot before 429 "
+                                                     f"(default: {edge_queue.max_waiting})")
     run.set_defaults(func=cmd_edge_run)
 
     from edge_agent.queue_cli import add_queue_parser
 
     add_queue_parser(edge)
 
-    models = sub.add_parser("models", help="the models on this machine").add_subparsers(
-        dest="models_command", required=True)
-    ls = models.add_parser("list", help="list models: name, format, quantization, size, path")
-    ls.add_argument("--json", action="store_true")
-    ls.add_argument("--path", action="append", help="another folder to search for .gguf files")
+    models = _parser(sub, "models", "the models on this machine").add_subparsers(
+        dest="models_command", required=True, metavar="COMMAND")
+    ls = _parser(models, "list", "list models: name, format, quantization, size, kind, state, path")
+    ls.add_argument("--json", action="store_true", help="print JSON")
+    ls.add_argument("--path", action="append", help="another folder to search for .gguf files (repeatable)")
     ls.set_defaults(func=cmd_models_list)
-    qz = models.add_parser("quantize", help="derive a harsher-quantized edge variant with llama.cpp")
+    qz = _parser(models, "quantize", "derive a harsher-quantized edge variant with llama.cpp")
     qz.add_argument("model", help="catalogue name or .gguf path")
-    qz.add_argument("--type", default="q2_k", help="q2_k (default), q3_k_m, q4_0, q4_k_m, q5_k_m, q6_k, q8_0 ...")
+    qz.add_argument("--type", default="q2_k", help="target type: q2_k, q3_k_m, q4_0, q4_k_m, q5_k_m, q6_k, q8_0 ...")
     qz.add_argument("--name", help="the new model's name (default: <model>-<type>)")
-    qz.add_argument("--threads", type=int, default=0)
+    qz.add_argument("--threads", type=int, default=0, help="quantizer threads (0: every core)")
     qz.set_defaults(func=cmd_models_quantize)
 
-    cloud = sub.add_parser("cloud", help="the cloud tier").add_subparsers(dest="cloud_command", required=True)
-    worker = cloud.add_parser("worker", help="one engine behind an OpenAI-compatible API")
-    worker.add_argument("--config", help="cloud.toml (every key also from CASCADE_CLOUD_<SECTION>_<KEY>)")
-    worker.add_argument("--role", choices=["both", "prefill", "decode"])
-    worker.add_argument("--host")
-    worker.add_argument("--port", type=int)
-    worker.add_argument("--model", help="catalogue name, .gguf path or HF directory")
-    worker.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    worker.add_argument("--device", help="cpu, cuda, cuda:1 ...")
-    worker.add_argument("--api-key", help="require this bearer key on /v1")
-    worker.add_argument("--kv-cache-bytes", type=int, help="memory for KV blocks")
-    worker.add_argument("--max-model-len", type=int)
-    worker.add_argument("--max-num-seqs", type=int)
-    worker.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step")
-    worker.add_argument("--threads", type=int, help="torch threads (0: default)")
+    cloud = _parser(sub, "cloud", "the cloud tier: gateway, workers, API keys").add_subparsers(
+        dest="cloud_command", required=True, metavar="COMMAND")
+    worker = _parser(cloud, "worker", "one engine behind an OpenAI-compatible API (and the internal API)")
+    worker.add_argument("--config", help="cloud.toml (default: none)")
+    worker.add_argument("--role", choices=["both", "prefill", "decode"],
+                        help=f"both: prefill and decode here; prefill or decode: one half of a pair "
+                             f"(default: {wkr.role})")
+    worker.add_argument("--host", help=f"address to listen on (default: {cloud_srv.host})")
+    worker.add_argument("--port", type=int, help=f"port to listen on (default: {cloud_srv.port})")
+    worker.add_argument("--model", help=f"catalogue name, .gguf path or HF directory (default: {eng.model})")
+    worker.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help=f"(default: {eng.dtype})")
+    worker.add_argument("--device", help=f"cpu, cuda, cuda:1 ... (default: {eng.device})")
+    worker.add_argument("--api-key", help="require 'Authorization: Bearer KEY' of callers (default: none)")
+    worker.add_argument("--kv-cache-bytes", type=int,
+                        help=f"memory for KV blocks (default: {eng.kv_cache_memory_bytes})")
+    worker.add_argument("--max-model-len", type=int, help=f"longest prompt + output, in tokens "
+                                                          f"(default: {eng.max_model_len})")
+    worker.add_argument("--max-num-seqs", type=int, help=f"requests in one batch (default: {eng.max_num_seqs})")
+    worker.add_argument("--max-num-batched-tokens", type=int,
+                        help=f"token budget of one step (default: {eng.max_num_batched_tokens})")
+    worker.add_argument("--threads", type=int, help="torch threads (default: 0 = torch's choice)")
     worker.set_defaults(func=cmd_cloud_worker)
 
-    serve = cloud.add_parser("serve", help="the gateway, with its prefill and decode workers")
-    serve.add_argument("--config", help="cloud.toml (every key also from CASCADE_CLOUD_<SECTION>_<KEY>)")
-    serve.add_argument("--host")
-    serve.add_argument("--port", type=int, help="the gateway's port (default 8000)")
-    serve.add_argument("--prefill", type=int, help="prefill workers to start (default 1)")
-    serve.add_argument("--decode", type=int, help="decode workers to start (default 1)")
-    serve.add_argument("--both", type=int, help="co-located workers to start (default 0)")
-    serve.add_argument("--workers", help="comma-separated URLs of workers started elsewhere (starts none)")
-    serve.add_argument("--model", help="catalogue name, .gguf path or HF directory")
-    serve.add_argument("--worker-threads", type=int, help="torch threads per started worker (0: share the cores)")
-    serve.add_argument("--kv-transport", choices=["tcp", "shm", "auto"])
-    serve.add_argument("--max-model-len", type=int)
-    serve.add_argument("--kv-cache-bytes", type=int, help="memory for KV blocks, per worker")
-    serve.add_argument("--worker-api-key", help="the bearer key between the gateway and its workers")
+    serve = _parser(cloud, "serve", "the gateway, with the prefill and decode workers it starts "
+                                    "(or in front of --workers started elsewhere); stop: Ctrl-C or SIGTERM")
+    serve.add_argument("--config", help="cloud.toml (default: none)")
+    serve.add_argument("--host", help=f"the gateway's address (default: {gw.host})")
+    serve.add_argument("--port", type=int, help=f"the gateway's port (default: {gw.port})")
+    serve.add_argument("--prefill", type=int, help=f"prefill workers to start (default: {gw.prefill}; 0 when only "
+                                                   "--both is given)")
+    serve.add_argument("--decode", type=int, help=f"decode workers to start (default: {gw.decode}; 0 when only "
+                                                  "--both is given)")
+    serve.add_argument("--both", type=int, help=f"co-located workers to start (default: {gw.both})")
+    serve.add_argument("--workers", help="comma-separated URLs of workers started elsewhere; starts none, and "
+                                         "needs no torch here (default: none)")
+    serve.add_argument("--model", help=f"for the workers it starts: catalogue name, .gguf path or HF directory "
+                                       f"(default: {eng.model})")
+    serve.add_argument("--worker-threads", type=int, help="torch threads per started worker "
+                                                          "(default: 0 = the cores shared out)")
+    serve.add_argument("--kv-transport", choices=["tcp", "shm", "auto"],
+                       help=f"prefill -> decode KV transport; auto: shm on one host (default: {gw.kv_transport})")
+    serve.add_argument("--max-model-len", type=int, help=f"for the workers it starts (default: {eng.max_model_len})")
+    serve.add_argument("--kv-cache-bytes", type=int, help=f"memory for KV blocks, per started worker "
+                                                          f"(default: {eng.kv_cache_memory_bytes})")
+    serve.add_argument("--worker-api-key", help="the bearer key between the gateway and its workers (default: none)")
     serve.set_defaults(func=cmd_cloud_serve)
 
     from cloud_tier.gateway.keys_cli import add_keys_parser
 
     add_keys_parser(cloud)
 
-    calib = sub.add_parser("calibrate", help="choose the cascade's escalation thresholds from a prompt set")
+    calib = _parser(sub, "calibrate", "choose the cascade's escalation thresholds from a prompt set and write "
+                                      "them into the edge config")
     calib.add_argument("--prompts", default="tasks", help="tasks (generated, with answers), sharegpt, or a file "
                        "(JSON lines with prompt/answer, or one prompt per line)")
-    calib.add_argument("--num-prompts", "-n", type=int, default=600)
-    calib.add_argument("--target-escalation", type=float, default=0.3)
+    calib.add_argument("--num-prompts", "-n", type=int, default=600, help="prompts to run")
+    calib.add_argument("--target-escalation", type=float, default=0.3,
+                       help="share of requests to escalate, 0..1")
     calib.add_argument("--holdout", type=float, default=0.5, help="share of prompts held out to judge")
     calib.add_argument("--edge", default="http://127.0.0.1:8081", help="the edge agent to calibrate")
     calib.add_argument("--edge-model", help="default: the agent's model")
     calib.add_argument("--cloud", help="the cloud tier's URL (default: [upstream] url)")
     calib.add_argument("--api-key", help="the cloud key (default: [upstream] api_key)")
-    calib.add_argument("--cloud-model", help="default: [upstream] model, else the edge's model name")
+    calib.add_argument("--cloud-model", help="default: [upstream] model, else the cloud's first model")
     calib.add_argument("--config", help="the edge.toml to write (default: $CASCADE_HOME/edge.toml)")
     calib.add_argument("--plot", help="PNG path (default: $CASCADE_HOME/calibration/calibration.png)")
-    calib.add_argument("--max-tokens", type=int, default=32)
-    calib.add_argument("--concurrency", type=int, default=4)
-    calib.add_argument("--seed", type=int, default=0)
+    calib.add_argument("--max-tokens", type=int, default=32, help="tokens per answer")
+    calib.add_argument("--concurrency", type=int, default=4, help="prompts in flight")
+    calib.add_argument("--seed", type=int, default=0, help="for sampling prompts and the split")
     calib.set_defaults(func=cmd_calibrate)
 
-    demo = sub.add_parser("demo", help="run the scripted end-to-end scenario on this machine")
+    demo = _parser(sub, "demo", "run the scripted end-to-end scenario on this machine")
     demo.add_argument("--port", type=int, default=0, help="edge agent port (0: a free one)")
     demo.set_defaults(func=cmd_demo)
     return p

@@ -92,7 +92,10 @@ def cmd_drop(args) -> int:
 def add_queue_parser(edge_subparsers) -> None:
     """Add ``queue status|list|retry|drop`` to the ``cascade edge`` subcommands."""
     states = ["queued", "sending", "done", "failed", "expired"]
-    queue = edge_subparsers.add_parser("queue", help="the offline queue: backlog, retry, drop")
+    from cascade.cli_help import DefaultsHelp as help_format
+
+    queue = edge_subparsers.add_parser("queue", help="the offline queue: backlog, retry, drop (works while the "
+                                       "agent runs)", formatter_class=help_format)
     queue.set_defaults(func=cmd_status, queue_command="status", json=False)
     common = {"--config": "edge.toml (its [sync] path; CASCADE_EDGE_SYNC_PATH too)",
               "--db": "the queue file (default: [sync] path, else $CASCADE_HOME/edge/queue.db)"}
@@ -101,24 +104,24 @@ def add_queue_parser(edge_subparsers) -> None:
     sub = queue.add_subparsers(dest="queue_command")
 
     def command(name: str, help_: str, func):
-        p = sub.add_parser(name, help=help_)
+        p = sub.add_parser(name, help=help_, description=help_, formatter_class=help_format)
         for flag, h in common.items():
             p.add_argument(flag, help=h, default=argparse.SUPPRESS)  # given before or after the verb
         p.set_defaults(func=func)
         return p
 
     status = command("status", "counts by state and kind, oldest pending age, bytes", cmd_status)
-    status.add_argument("--json", action="store_true")
+    status.add_argument("--json", action="store_true", help="print JSON")
     ls = command("list", "items, oldest first", cmd_list)
-    ls.add_argument("--state", choices=states)
-    ls.add_argument("--kind", choices=["request", "telemetry"])
-    ls.add_argument("--limit", type=int, default=50)
-    ls.add_argument("--json", action="store_true")
+    ls.add_argument("--state", choices=states, help="only items in this state")
+    ls.add_argument("--kind", choices=["request", "telemetry"], help="only items of this kind")
+    ls.add_argument("--limit", type=int, default=50, help="items at most")
+    ls.add_argument("--json", action="store_true", help="print JSON")
     retry = command("retry", "queue failed or expired items again (all of them unless named)", cmd_retry)
-    retry.add_argument("ids", nargs="*")
-    retry.add_argument("--state", choices=["failed", "expired"])
+    retry.add_argument("ids", nargs="*", help="item ids (none: every failed and expired item)")
+    retry.add_argument("--state", choices=["failed", "expired"], help="only items in this state")
     drop = command("drop", "delete items, results included", cmd_drop)
-    drop.add_argument("ids", nargs="*")
-    drop.add_argument("--state", choices=states)
-    drop.add_argument("--kind", choices=["request", "telemetry"])
+    drop.add_argument("ids", nargs="*", help="item ids")
+    drop.add_argument("--state", choices=states, help="every item in this state")
+    drop.add_argument("--kind", choices=["request", "telemetry"], help="every item of this kind")
 

@@ -9,6 +9,8 @@ import socket
 import threading
 import time
 
+from cascade.processes import free_port
+
 _KEY = re.compile(rb"idempotency-key: *([^\r\n]+)", re.I)
 
 
@@ -21,13 +23,7 @@ class Proxy:
         self._drop = 0
         self.forwarded: list[tuple[float, str]] = []  # (time, idempotency key) of each request sent on
         self.dropped = 0
-        self.port = port or self._free_port()
-
-    @staticmethod
-    def _free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+        self.port = port or free_port()
 
     @property
     def url(self) -> str:

@@ -90,28 +90,33 @@ def cmd_keys_revoke(args) -> int:
 
 def add_keys_parser(subparsers) -> None:
     """Add ``keys create|list|revoke`` to the ``cascade cloud`` subcommands."""
-    keys = subparsers.add_parser("keys", help="the gateway's API keys").add_subparsers(
-        dest="keys_command", required=True)
+    from cascade.cli_help import DefaultsHelp as help_format
+
+    keys = subparsers.add_parser("keys", help="the gateway's API keys (works while the gateway runs)").add_subparsers(
+        dest="keys_command", required=True, metavar="COMMAND")
     db_help = "the gateway database (default: $CASCADE_HOME/cloud/gateway.db)"
 
-    create = keys.add_parser("create", help="a new key for a tenant; prints it once, last")
-    create.add_argument("--tenant", required=True)
-    create.add_argument("--device", help="bind the key to this device")
+    create = keys.add_parser("create", help="a new key for a tenant; prints it once, last",
+                             description="A new key for a tenant; prints it once, alone on the last line.",
+                             formatter_class=help_format)
+    create.add_argument("--tenant", required=True, help="the tenant the key belongs to (quotas, cache, billing)")
+    create.add_argument("--device", help="bind the key to this device (a device key is never admin)")
     create.add_argument("--rps", type=float, default=0.0, help="this key's requests/s (0: none)")
     create.add_argument("--tpm", type=float, default=0.0, help="this key's tokens/min (0: none)")
     create.add_argument("--admin", action="store_true", help="add the admin scope")
-    create.add_argument("--tenant-rps", type=float, help="set the tenant's requests/s")
-    create.add_argument("--tenant-tpm", type=float, help="set the tenant's tokens/min")
+    create.add_argument("--tenant-rps", type=float, help="set the tenant's requests/s, over all its keys (0: none)")
+    create.add_argument("--tenant-tpm", type=float, help="set the tenant's tokens/min, over all its keys (0: none)")
     create.add_argument("--db", help=db_help)
     create.set_defaults(func=cmd_keys_create)
 
-    ls = keys.add_parser("list", help="the keys (never the keys themselves)")
-    ls.add_argument("--tenant")
-    ls.add_argument("--json", action="store_true")
+    ls = keys.add_parser("list", help="the keys (never the keys themselves)", formatter_class=help_format)
+    ls.add_argument("--tenant", help="only this tenant's keys")
+    ls.add_argument("--json", action="store_true", help="print JSON")
     ls.add_argument("--db", help=db_help)
     ls.set_defaults(func=cmd_keys_list)
 
-    revoke = keys.add_parser("revoke", help="revoke a key by its id (exit 1: no such key)")
-    revoke.add_argument("key_id")
+    revoke = keys.add_parser("revoke", help="revoke a key by its id (exit 1: no such key)",
+                             formatter_class=help_format)
+    revoke.add_argument("key_id", help="the id `cascade cloud keys list` shows")
     revoke.add_argument("--db", help=db_help)
     revoke.set_defaults(func=cmd_keys_revoke)

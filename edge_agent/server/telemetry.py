@@ -57,7 +57,7 @@ def snapshot(service: EdgeService, outbox: Outbox, device: str, fleet: str, star
                   "requests": q["by_kind"]["request"]},
         "model": {"name": d.name, "quantization": d.quantization, "architecture": d.architecture,
                   "n_ctx": d.n_ctx},
-        "agent": {"version": getattr(cascade, "__version__", "0"), "python": platform.python_version()},
+        "agent": {"version": cascade.__version__, "python": platform.python_version()},
     }
 
 

@@ -1,5 +1,7 @@
 """`cascade cloud worker --role both` through the official `openai` client."""
 
+import sys
+
 import httpx
 import openai
 import pytest
@@ -70,3 +72,35 @@ def test_health_and_metrics(worker, client):
     for name in ("cascade_worker_kv_blocks_total", "cascade_worker_prefix_cache_hits_tokens",
                  "cascade_worker_generation_tokens_total", "cascade_worker_time_to_first_token_seconds_bucket"):
         assert name in text
+
+
+# A gateway-only host: `cascade cloud serve --workers URL` with torch impossible to import.
+NO_TORCH = ("import sys; sys.modules['torch'] = None; sys.modules['cloud_tier.engine'] = None; "
+            "from cascade_cli.main import main; sys.exit(main())")
+
+
+def test_a_gateway_without_torch_serves_in_front_of_a_worker(worker, tmp_path):
+    from cascade.processes import free_port, spawn, stop, wait_healthy
+    from tests.conftest import create_key
+
+    port = free_port()
+    log = tmp_path / "gateway.log"
+    gateway = spawn([sys.executable, "-c", NO_TORCH, "--log-level", "WARNING", "cloud", "serve", "--workers",
+                     worker.url, "--port", str(port)], env={"CASCADE_HOME": str(tmp_path)}, log=log)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, gateway, 120, "gateway without torch", log=log)
+        key = create_key(tmp_path, "--tenant", "no-torch")
+        via_gateway = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+        direct = openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        # the model's names and context come from the worker, not from a model on this host
+        assert [m.id for m in via_gateway.models.list().data] == [MODEL]
+        args = dict(model=MODEL, messages=QUESTION, max_tokens=12, temperature=0)
+        got = via_gateway.chat.completions.create(**args)
+        want = direct.chat.completions.create(**args)
+        assert got.choices[0].message.content == want.choices[0].message.content
+        assert got.usage.prompt_tokens == want.usage.prompt_tokens  # the same tokenizer, taken from the worker
+        assert httpx.get(f"{url}/healthz").json()["workers"][worker.url]["healthy"] is True
+    finally:
+        stop(gateway)
+    assert "Traceback" not in log.read_text()
