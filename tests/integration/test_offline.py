@@ -77,7 +77,8 @@ def proxy(cloud_both):
 
 def test_queued_while_the_cloud_is_down_then_delivered_once_in_session_order(tmp_path, engine_home, cloud_both, proxy):
     key = create_key(engine_home, "--tenant", "offline-order", "--device", "kiosk-9")
-    agent = start_agent(tmp_path, agent_env(proxy, key))  # the proxy is down: the cloud cannot be reached
+    # the proxy is down: the cloud cannot be reached; the circuit opens for 1 s at a time, so the loop tries often
+    agent = start_agent(tmp_path, {**agent_env(proxy, key), "CASCADE_EDGE_UPSTREAM_MAX_BACKOFF_S": "1"})
     calls: list[dict] = []
     hook = _callback_server(calls)
     try:
@@ -99,7 +100,7 @@ def test_queued_while_the_cloud_is_down_then_delivered_once_in_session_order(tmp
         assert degraded.json()["cascade"]["refinement"] == refinement
         first = httpx.get(f"{agent.url}/v1/requests/{accepted['a'][0]}").json()
         assert first["state"] == "queued" and "response" not in first
-        time.sleep(1.5)
+        _wait_for_a_failed_try(agent)
         assert gateway_count(cloud_both, "offline-order") == 0  # nothing reached the cloud
 
         proxy.up()
@@ -191,8 +192,8 @@ def test_a_full_queue_refuses_requests_and_ttls_expire(tmp_path, engine_home, cl
         assert "retry-after" in full.headers
         bad = post(agent, "e", callback_url="http://example.com/hook")  # not on this device
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "cascade.callback_url"
-        time.sleep(2.0)
-        assert httpx.get(f"{agent.url}/v1/requests/{short.json()['id']}").json()["state"] == "expired"
+        _wait(lambda: httpx.get(f"{agent.url}/v1/requests/{short.json()['id']}").json()["state"] == "expired",
+              "the 0.5 s TTL to expire the first request", 15)
         assert post(agent, "f").status_code == 202  # the expired one no longer takes room
         assert httpx.get(f"{agent.url}/v1/requests/{ids[0]}").json()["state"] == "queued"
         assert httpx.get(f"{agent.url}/v1/requests/not-an-id").status_code == 404
@@ -317,9 +318,9 @@ def test_telemetry_is_spooled_while_the_broker_is_down_and_published_after(tmp_p
 
         broker.stop()
         down_at = time.time()
-        time.sleep(2.0)
-        pending = httpx.get(f"{agent.url}/healthz").json()["queue"]["pending"]
-        assert pending >= 4  # spooled while the broker was away
+        # 6 = at least the 4 asserted below, made while it is away, plus what was unacked when it went
+        _wait(lambda: httpx.get(f"{agent.url}/healthz").json()["queue"]["pending"] >= 6,
+              "records spooled while the broker is away", 15)
         broker.start()
         up_at = time.time()
         _wait(lambda: httpx.get(f"{agent.url}/healthz").json()["queue"]["pending"] <= 1, "the spool to drain", 30)
@@ -333,6 +334,23 @@ def test_telemetry_is_spooled_while_the_broker_is_down_and_published_after(tmp_p
         agent.stop()
         sub.close()
         broker.stop()
+
+
+def _wait_for_a_failed_try(agent: Agent, timeout_s: float = 15) -> None:
+    """Until the agent's circuit to the cloud opens again (its retry-after goes up, not down): the
+    delivery loop has tried the cloud since the call, and failed."""
+    def retry_after() -> float:
+        return httpx.get(f"{agent.url}/healthz", timeout=10).json()["upstream"]["retry_after_s"]
+
+    last = retry_after()
+
+    def reopened() -> bool:
+        nonlocal last
+        now = retry_after()
+        went_up, last = now > last, now
+        return went_up
+
+    _wait(reopened, "the delivery loop to try the unreachable cloud", timeout_s)
 
 
 def _wait(predicate, what: str, timeout_s: float = 15) -> None:

@@ -9,6 +9,9 @@ import pytest
 from cascade.policy.backpressure import CircuitBreaker
 from sync.delivery import DeliveryConfig, DeliveryLoop, Outcome, backoff_s
 from sync.queue import Kind, NewItem, OfflineQueue, State
+from tests.unit.sync.fakes import FakeClock
+
+BREAKER_BACKOFF_S = 0.05
 
 
 class Cloud:
@@ -47,9 +50,18 @@ def queue(tmp_path):
     q.close()
 
 
-def make(queue, cloud, **config) -> DeliveryLoop:
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+def make(queue, cloud, clock: FakeClock | None = None, **config) -> DeliveryLoop:
+    """A loop whose items retry at once (no backoff) and whose breaker stays open for
+    BREAKER_BACKOFF_S of ``clock`` after each failure: only the test moves that clock."""
     cfg = DeliveryConfig(base_backoff_s=0.0, max_backoff_s=0.0, poll_s=0.05, **config)
-    return DeliveryLoop(queue, cloud.send, cloud.probe, CircuitBreaker(base_backoff_s=0.05, max_backoff_s=0.05), cfg)
+    breaker = CircuitBreaker(base_backoff_s=BREAKER_BACKOFF_S, max_backoff_s=BREAKER_BACKOFF_S,
+                             clock=clock or FakeClock())
+    return DeliveryLoop(queue, cloud.send, cloud.probe, breaker, cfg)
 
 
 def put(queue, *qs, session=None):
@@ -89,36 +101,42 @@ async def test_a_batch_is_delivered_into_the_inbox(queue):
 
 
 @in_loop
-async def test_a_passing_failure_is_retried_and_the_session_waits_for_it(queue):
+async def test_a_passing_failure_is_retried_and_the_session_waits_for_it(queue, clock):
     a1, a2 = put(queue, "a1", "a2", session="a")
     cloud = Cloud(script=[503])
-    loop = make(queue, cloud)
+    loop = make(queue, cloud, clock)
     await loop.run_once()  # a1 -> 503: back to queued; a2 must not overtake it
     assert queue.get(a1).state == State.QUEUED and queue.get(a1).last_error.startswith("HTTP 503")
     assert queue.get(a2).state == State.QUEUED and cloud.sent == [a1]
-    assert loop.breaker.state != "closed"  # a 5xx says the cloud is not usable now
-    for _ in range(20):
-        await asyncio.sleep(0.06)
-        await loop.run_once()
-        if queue.get(a2).state == State.DONE:
-            break
+    assert loop.breaker.state == "open"  # a 5xx says the cloud is not usable now
+    assert await loop.run_once() > 0  # a round while it is open: it sends nothing, and says to wait
+    assert cloud.sent == [a1] and cloud.probes == 0
+    clock.t += BREAKER_BACKOFF_S
+    assert loop.breaker.state == "half_open"
+    await loop.run_once()  # a probe closes the circuit, then a1 goes again (a2 still waits for it)
+    assert cloud.probes == 1 and loop.breaker.state == "closed"
+    assert queue.get(a1).state == State.DONE and queue.get(a2).state == State.QUEUED
+    await loop.run_once()
+    assert queue.get(a2).state == State.DONE
     assert cloud.sent == [a1, a1, a2]  # in order, a1 once more
-    assert cloud.probes >= 1  # the circuit was closed again by a probe, not by a blind send
+    assert cloud.probes == 1  # the circuit was closed again by a probe, not by a blind send
 
 
 @in_loop
-async def test_an_unreachable_cloud_opens_the_shared_breaker_and_nothing_is_sent_until_a_probe(queue):
+async def test_an_unreachable_cloud_opens_the_shared_breaker_and_nothing_is_sent_until_a_probe(queue, clock):
     (i,) = put(queue, "x")
     cloud = Cloud(up=False)
-    loop = make(queue, cloud)
+    loop = make(queue, cloud, clock)
     await loop.run_once()
     assert loop.breaker.state == "open" and queue.get(i).state == State.QUEUED
     assert not loop.breaker.allow()  # the cascade sees the same breaker: it stops escalating too
-    await asyncio.sleep(0.06)
+    await loop.run_once()  # still open: neither a send nor a probe
+    assert cloud.probes == 0 and queue.get(i).attempts == 1
+    clock.t += BREAKER_BACKOFF_S
     await loop.run_once()  # half-open: one probe, which fails
     assert cloud.probes == 1 and loop.breaker.state == "open" and queue.get(i).attempts == 1
     cloud.up = True
-    await asyncio.sleep(0.06)
+    clock.t += BREAKER_BACKOFF_S
     await loop.run_once()
     assert loop.breaker.state == "closed" and queue.get(i).state == State.DONE
 

@@ -4,14 +4,7 @@ import multiprocessing
 import pytest
 
 from sync.idempotency import Claim, ClaimState, IdempotencyStore
-
-
-class FakeClock:
-    def __init__(self, t: float = 1_000_000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
+from tests.unit.sync.fakes import FakeClock
 
 
 @pytest.fixture

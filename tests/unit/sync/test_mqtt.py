@@ -164,6 +164,36 @@ class SilentBroker:
         self.drop_connections()
 
 
+class WatchedPublisher(TelemetryPublisher):
+    """A TelemetryPublisher whose publish rounds a test can wait for: after ``look_again()`` the
+    publisher has looked at the queue (and its connection and in-flight bound) since the call."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._rounds = threading.Condition()
+        self._started = self._finished = 0  # publish rounds begun / the last one ended, numbered
+
+    def _publish_round(self) -> bool:
+        with self._rounds:
+            self._started += 1
+            n = self._started
+        try:
+            return super()._publish_round()
+        finally:
+            with self._rounds:
+                self._finished = n
+                self._rounds.notify_all()
+
+    def look_again(self, timeout_s: float = 10.0) -> None:
+        """Wake the publisher and wait until a round that began after this call has ended."""
+        with self._rounds:
+            target = self._started + 1
+        self.notify()
+        with self._rounds:
+            if not self._rounds.wait_for(lambda: self._finished >= target, timeout_s):
+                raise AssertionError(f"no publish round within {timeout_s} s")
+
+
 @pytest.fixture
 def broker(tmp_path):
     if MOSQUITTO is None:
@@ -200,9 +230,9 @@ def queue(tmp_path):
 def start_publisher(queue):
     started = []
 
-    def start(port: int, **kw) -> TelemetryPublisher:
+    def start(port: int, **kw) -> WatchedPublisher:
         config = MQTTConfig(port=port, fleet=FLEET, device=DEVICE, reconnect_min_s=0.1, reconnect_max_s=0.5, **kw)
-        publisher = TelemetryPublisher(queue, config)
+        publisher = WatchedPublisher(queue, config)
         publisher.start()
         started.append(publisher)
         return publisher
@@ -236,7 +266,7 @@ def test_spooled_telemetry_is_published_as_spooled_and_deleted_once_acked(broker
     publisher = start_publisher(broker.port, poll_s=30)  # a long poll: only notify() can be quick
     wait_until(lambda: len(subscriber.received) == 10, "the first 10 messages")
     wait_until(lambda: pending(queue) == 0 and publisher.stats()["acked"] == 10, "the first 10 acks")
-    time.sleep(0.2)  # the publisher is idle now, in its 30 s wait
+    publisher.look_again()  # it has seen the empty queue: idle now, in its 30 s wait
     sent |= (later := spool(queue, 10, 5))
     publisher.notify()
     wait_until(lambda: subscriber.ids() >= set(later), "the 5 notified messages", timeout_s=5)
@@ -254,8 +284,7 @@ def test_telemetry_spooled_while_the_broker_is_down_arrives_when_it_starts(broke
     broker.stop()  # the subscriber's session (and its subscription) is saved
     publisher = start_publisher(broker.port)
     sent = spool(queue, 0, 30)
-    publisher.notify()
-    time.sleep(0.5)
+    publisher.look_again()  # it has looked at the 30 spooled items since
     assert not publisher.connected
     assert pending(queue) == 30 and publisher.stats()["published"] == 0  # nothing claimed while disconnected
 
@@ -279,7 +308,9 @@ def test_a_broker_restart_mid_stream_loses_no_spooled_item(broker, subscriber, q
     spooler.start()
     wait_until(lambda: len(subscriber.received) >= 40, "the stream to start")
     broker.stop()
-    time.sleep(1.5)
+    spooled_before = len(sent)
+    wait_until(lambda: not publisher.connected and len(sent) >= min(spooled_before + 100, 200),
+               "the publisher to lose the broker while 100 more items are spooled")
     broker.start()
     spooler.join()
     wait_until(lambda: subscriber.ids() == set(sent), "every spooled item after the restart", timeout_s=20)
@@ -299,14 +330,14 @@ def test_an_item_stays_in_the_queue_until_its_puback_even_across_a_lost_connecti
     first_five = list(sent)[:5]
     publisher = start_publisher(silent_broker.port, max_inflight=5)
     wait_until(lambda: len(silent_broker.published) == 5, "5 publishes")
-    time.sleep(0.3)  # time enough to send more, were the in-flight bound not kept
+    publisher.look_again()  # a round with 3 items queued: it would send more, were the in-flight bound not kept
     assert [body["id"] for body in silent_broker.published] == first_five
     assert publisher.stats()["in_flight"] == 5 and publisher.stats()["acked"] == 0
     assert queue.stats()["by_kind"]["telemetry"] == {"queued": 3, "sending": 5, "done": 0, "failed": 0, "expired": 0}
 
     silent_broker.drop_connections()  # the unacked five go back to the queue and out again after the reconnect
     wait_until(lambda: len(silent_broker.published) == 10, "5 publishes after the reconnect")
-    time.sleep(0.3)
+    publisher.look_again()
     assert [body["id"] for body in silent_broker.published[5:]] == first_five
     assert publisher.stats() == {"connected": True, "published": 10, "acked": 0, "released": 5,
                                  "reconnects": 1, "in_flight": 5}
