@@ -124,7 +124,7 @@ class CompletionRequest(_SamplingFields):
     @classmethod
     def _one_prompt(cls, v: Any) -> str | list[int]:
         if isinstance(v, list) and v and isinstance(v[0], str):
-            return v[0]  # a batch of one prompt
+            v = v[0]  # a batch of one prompt (which must not be empty either)
         if isinstance(v, str) and v == "":
             raise ValueError("prompt must not be empty")
         return v

@@ -95,6 +95,15 @@ def smollm2_engine(engine_home):
 
 
 @pytest.fixture(scope="session")
+def cloud_worker(engine_home, smollm2_engine):  # the engine fixture has converted the model already
+    """`cascade cloud worker --role both` on SmolLM2-135M, shared by the worker and API tests."""
+    w = Server(engine_home, ["cloud", "worker"], "--role", "both", "--model", "smollm2-135m",
+               "--max-model-len", "1024", "--kv-cache-bytes", str(256 << 20)).wait_healthy()
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="session")
 def cloud_both(engine_home, smollm2_engine):
     """`cascade cloud serve --both 1` on SmolLM2-135M: the cloud of the cascade and offline tests
     (each test uses a tenant of its own, so counts and quotas do not mix)."""

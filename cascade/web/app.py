@@ -10,7 +10,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+import cascade
 from cascade import errors
+from cascade.web.openapi import install_openapi
 from cascade.web.tier_header import TierHeader
 
 log = logging.getLogger(__name__)
@@ -18,13 +20,15 @@ log = logging.getLogger(__name__)
 
 def build_openai_app(title: str, lifespan, config, tier: str, *routers) -> FastAPI:
     """The shell every one of our servers shares: OpenAI error bodies, ``config`` and the start
-    time on ``app.state``, the routers, and ``X-Cascade-Tier`` on every response."""
-    app = FastAPI(title=title, lifespan=lifespan)
+    time on ``app.state``, the routers, ``X-Cascade-Tier`` on every response, and an OpenAPI
+    document that declares the bodies and errors the routes document (``cascade.web.openapi``)."""
+    app = FastAPI(title=title, version=cascade.__version__, lifespan=lifespan)
     app.state.config = config
     app.state.started = int(time.time())
     install_error_handlers(app)
     for r in routers:
         app.include_router(r)
+    install_openapi(app)
     app.add_middleware(TierHeader, tier=tier)
     return app
 

@@ -38,13 +38,14 @@ class PrefillService:
             req = self.engine.prepare(rec.prompt_token_ids, params_of(rec), rid, rec.priority)
         except (ValueError, TypeError) as e:
             return PrefillResponse(request_id=rid, ok=False, code="bad_request", message=str(e))
+        rid = req.request_id  # the engine names a request that came without an id
         req.kv_transfer = True
         final = None
         async for out in self.engine.stream(req):
             final = out
         prefill_ms = (time.perf_counter() - started) * 1e3
         first = rec.model_copy(update={
-            "output_token_ids": list(final.token_ids),
+            "request_id": rid, "output_token_ids": list(final.token_ids),
             "logprobs": [logprob_record(lp) for lp in final.new_logprobs],
             "num_cached_tokens": max(req.num_cached_tokens, 0)})
         if final.finish_reason != "transfer":  # it ended on its first token: nothing to hand over

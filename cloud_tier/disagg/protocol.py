@@ -9,13 +9,35 @@ sent and parsed as JSON with ``model_dump_json`` / ``model_validate_json`` (neve
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict
 
 from cloud_tier.disagg.messages import RequestRecord
 
 Transport = Literal["tcp", "shm"]
+
+_HOST_PORT = re.compile(r"^[A-Za-z0-9.\-]+:\d{1,5}$|^\[[0-9A-Fa-f:.]+\]:\d{1,5}$")
+
+
+def _worker_url(v: str) -> str:
+    """A worker's base URL: http(s), a host, printable ASCII (what the HTTP client will take)."""
+    parts = urlsplit(v) if v.isascii() and v.isprintable() else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL of a worker: {v[:80]!r}")
+    return v
+
+
+def _host_port(v: str) -> str:
+    if not _HOST_PORT.match(v) or not 0 < int(v.rsplit(":", 1)[1]) < 65536:
+        raise ValueError(f"not a host:port address: {v[:80]!r}")
+    return v
+
+
+WorkerURL = Annotated[str, AfterValidator(_worker_url)]
+HostPort = Annotated[str, AfterValidator(_host_port)]
 
 
 class _Body(BaseModel):
@@ -27,13 +49,13 @@ class GenerateRequest(_Body):
     """Run ``record`` here: prefilled by ``prefill_url`` (disaggregated) or locally (None)."""
 
     record: RequestRecord
-    prefill_url: str | None = None
+    prefill_url: WorkerURL | None = None
     transport: Transport = "tcp"
 
 
 class PrefillRequest(_Body):
     record: RequestRecord
-    kv_target: str  # host:port of the decode worker's KV receiver
+    kv_target: HostPort  # host:port of the decode worker's KV receiver
     transport: Transport = "tcp"
 
 

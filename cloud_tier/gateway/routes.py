@@ -9,10 +9,11 @@ from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
+import cascade
 from cascade import errors
 from cascade.openai_format import ChatFormatter, CompletionFormatter
-from cascade.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from cascade.web import openai_response, parse_body, read_json
+from cascade.protocol import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList
+from cascade.web import openai_response, openapi, parse_body, read_json
 from cloud_tier.gateway.keys import ApiKey
 from cloud_tier.gateway.service import GatewayService
 from cloud_tier.gateway.streams import render_stored, replay
@@ -29,19 +30,22 @@ def _key(request: Request, scope: str = "infer") -> ApiKey:
 ops = APIRouter()  # health and metrics
 v1 = APIRouter(prefix="/v1")
 admin = APIRouter(prefix="/v1/admin")
+_GENERATION_ERRORS = openapi.errors(400, 401, 403, 404, 409, 413, 422, 429, 500, 502, 503)
+_ADMIN_ERRORS = openapi.errors(401, 403, 500)
 
 
-@ops.get("/healthz")
-@ops.get("/health")
+@ops.get("/healthz", responses=openapi.errors(503))
+@ops.get("/health", responses=openapi.errors(503))
 async def healthz(request: Request):
     svc = service(request)
     workers = {w.url: {"role": w.role, "healthy": w.healthy} for w in svc.pool.workers.values()}
     if not any(w.healthy for w in svc.pool.workers.values()):
         raise errors.APIError(503, "no healthy worker", "server_error", code="no_workers")
-    return {"status": "ok", "tier": "cloud", "role": "gateway", "model": svc.model_id, "workers": workers}
+    return {"status": "ok", "tier": "cloud", "role": "gateway", "version": cascade.__version__,
+            "model": svc.model_id, "workers": workers}
 
 
-@ops.get("/metrics")
+@ops.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request):
     svc = service(request)
     svc.metrics.refresh(svc.pool, svc.admission)
@@ -54,13 +58,13 @@ def _card(request: Request) -> ModelCard:
                      meta={"max_model_len": svc.builder.max_model_len})
 
 
-@v1.get("/models")
+@v1.get("/models", responses=openapi.errors(401, 403, 500))
 async def list_models(request: Request) -> ModelList:
     _key(request)
     return ModelList(data=[_card(request)])
 
 
-@v1.get("/models/{model:path}")
+@v1.get("/models/{model:path}", responses=openapi.errors(401, 403, 404, 500))
 async def get_model(request: Request, model: str) -> ModelCard:
     _key(request)
     service(request).check_model(model)
@@ -88,12 +92,14 @@ async def _serve(request: Request, endpoint: str, schema, formatter):
     return resp
 
 
-@v1.post("/chat/completions")
+@v1.post("/chat/completions", openapi_extra=openapi.body(ChatCompletionRequest),
+         responses={**openapi.generation(ChatCompletion, "chat.completion.chunk"), **_GENERATION_ERRORS})
 async def chat_completions(request: Request):
     return await _serve(request, "chat", ChatCompletionRequest, ChatFormatter)
 
 
-@v1.post("/completions")
+@v1.post("/completions", openapi_extra=openapi.body(CompletionRequest),
+         responses={**openapi.generation(Completion, "text_completion"), **_GENERATION_ERRORS})
 async def completions(request: Request):
     return await _serve(request, "completions", CompletionRequest, CompletionFormatter)
 
@@ -113,13 +119,13 @@ def _key_json(k: ApiKey) -> dict:
     return d
 
 
-@admin.get("/keys")
+@admin.get("/keys", responses=_ADMIN_ERRORS)
 async def list_keys(request: Request):
     key = _key(request, "admin")
     return {"object": "list", "data": [_key_json(k) for k in service(request).keys.list(key.tenant)]}
 
 
-@admin.post("/keys")
+@admin.post("/keys", openapi_extra=openapi.body(NewKey), responses=openapi.errors(400, 401, 403, 413, 500))
 async def create_key(request: Request):
     key = _key(request, "admin")
     svc = service(request)
@@ -131,7 +137,7 @@ async def create_key(request: Request):
     return {"key": plaintext, **_key_json(record)}
 
 
-@admin.get("/workers")
+@admin.get("/workers", responses=_ADMIN_ERRORS)
 async def workers(request: Request):
     _key(request, "admin")
     svc = service(request)

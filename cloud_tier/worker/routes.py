@@ -12,13 +12,14 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+import cascade
 from cascade import errors
 from cascade.generation import event_to_wire
 from cascade.openai_format import ChatFormatter, CompletionFormatter
-from cascade.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from cascade.web import openai_response, parse_body, read_json, require_api_key
+from cascade.protocol import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList
+from cascade.web import openai_response, openapi, parse_body, read_json, require_api_key
 from cloud_tier.disagg.decode import PrefillFailed
-from cloud_tier.disagg.protocol import GenerateRequest, PrefillRequest, ServedModel, WorkerLoadReport
+from cloud_tier.disagg.protocol import GenerateRequest, PrefillRequest, PrefillResponse, ServedModel, WorkerLoadReport
 from cloud_tier.worker.service import WorkerService
 
 log = logging.getLogger(__name__)
@@ -31,19 +32,21 @@ def service(request: Request) -> WorkerService:
 ops = APIRouter()  # health and metrics
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 internal = APIRouter(prefix="/internal", dependencies=[Depends(require_api_key)])
+_GENERATION_ERRORS = openapi.errors(400, 401, 404, 413, 500, 503)
 
 
-@ops.get("/healthz")
-@ops.get("/health")
+@ops.get("/healthz", responses=openapi.errors(503))
+@ops.get("/health", responses=openapi.errors(503))
 async def healthz(request: Request):
     svc = service(request)
     if svc.engine.error is not None:
         raise errors.APIError(503, f"engine stopped: {svc.engine.error}", "server_error", code="engine_unavailable")
-    return {"status": "ok", "tier": "cloud", "role": svc.role, "model": svc.model_id, "pid": os.getpid(),
+    return {"status": "ok", "tier": "cloud", "role": svc.role, "version": cascade.__version__,
+            "model": svc.model_id, "pid": os.getpid(),
             "engine": svc.engine.stats(), "kv_address": svc.decode.address if svc.decode else None}
 
 
-@ops.get("/metrics")
+@ops.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request):
     svc = service(request)
     svc.metrics.refresh(svc.engine.stats())
@@ -56,18 +59,19 @@ def _card(request: Request) -> ModelCard:
                      meta={"max_model_len": svc.max_model_len, "dtype": request.app.state.config.engine.dtype})
 
 
-@v1.get("/models")
+@v1.get("/models", responses=openapi.errors(401, 500))
 async def list_models(request: Request) -> ModelList:
     return ModelList(data=[_card(request)])
 
 
-@v1.get("/models/{model:path}")
+@v1.get("/models/{model:path}", responses=openapi.errors(401, 404, 500))
 async def get_model(request: Request, model: str) -> ModelCard:
     service(request).check_model(model)
     return _card(request)
 
 
-@v1.post("/chat/completions")
+@v1.post("/chat/completions", openapi_extra=openapi.body(ChatCompletionRequest),
+         responses={**openapi.generation(ChatCompletion, "chat.completion.chunk"), **_GENERATION_ERRORS})
 async def chat_completions(request: Request):
     svc = service(request)
     req = parse_body(ChatCompletionRequest, await read_json(request, request.app.state.config.server.max_body_bytes))
@@ -77,7 +81,8 @@ async def chat_completions(request: Request):
                                  _counter(svc, "chat"))
 
 
-@v1.post("/completions")
+@v1.post("/completions", openapi_extra=openapi.body(CompletionRequest),
+         responses={**openapi.generation(Completion, "text_completion"), **_GENERATION_ERRORS})
 async def completions(request: Request):
     svc = service(request)
     req = parse_body(CompletionRequest, await read_json(request, request.app.state.config.server.max_body_bytes))
@@ -105,7 +110,7 @@ async def _body(request: Request, model):
         raise errors.validation_error(e.errors()) from e
 
 
-@internal.get("/load")
+@internal.get("/load", responses=openapi.errors(401, 500))
 async def load(request: Request) -> WorkerLoadReport:
     svc = service(request)
     st = svc.engine.stats()
@@ -117,12 +122,13 @@ async def load(request: Request) -> WorkerLoadReport:
                             kv_address=svc.decode.address if svc.decode else None)
 
 
-@internal.get("/tokenizer")
+@internal.get("/tokenizer", responses=openapi.errors(401, 500))
 async def served_model(request: Request) -> ServedModel:
     return await asyncio.to_thread(service(request).served_model)  # the first call writes files
 
 
-@internal.post("/prefill")
+@internal.post("/prefill", openapi_extra=openapi.body(PrefillRequest),
+               responses={**openapi.generation(PrefillResponse), **openapi.errors(400, 401, 413, 500)})
 async def prefill(request: Request):
     svc = service(request)
     if svc.prefill is None:
@@ -132,7 +138,10 @@ async def prefill(request: Request):
     return Response(resp.model_dump_json(), media_type="application/json")
 
 
-@internal.post("/generate")
+@internal.post("/generate", openapi_extra=openapi.body(GenerateRequest), response_class=Response,
+               responses={200: {"description": "Generation events, one JSON object a line (cascade.generation).",
+                                "content": {"application/x-ndjson": {"schema": {"type": "string"}}}},
+                          **openapi.errors(400, 401, 413, 500, 502, 503)})
 async def generate(request: Request):
     """NDJSON generation events. A failure before the first event is an HTTP error (so the
     gateway can retry elsewhere); after it, an ``{"error": ...}`` line ends the stream."""

@@ -9,9 +9,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+import cascade
 from cascade.openai_format import ChatFormatter, CompletionFormatter
-from cascade.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from cascade.web import openai_response, parse_body, read_json, require_api_key
+from cascade.protocol import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList
+from cascade.web import openai_response, openapi, parse_body, read_json, require_api_key
 from edge_agent.server.escalation import Escalator, Queued, Routed
 from edge_agent.server.service import EdgeService
 
@@ -28,6 +29,8 @@ def escalator(request: Request) -> Escalator:
 
 ops = APIRouter()  # health and metrics
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+# what a generation can answer: its own refusals, and the cloud's 4xx passed on when it escalates
+_GENERATION = {**openapi.queued(), **openapi.errors(400, 401, 403, 404, 409, 413, 422, 429, 500, 503)}
 
 
 @ops.get("/healthz")
@@ -37,14 +40,14 @@ async def healthz(request: Request):
     esc = escalator(request)
     up = esc.upstream
     q = await asyncio.to_thread(esc.outbox.queue.pending)
-    return {"status": "ok", "tier": "edge", "model": svc.model_id,
+    return {"status": "ok", "tier": "edge", "version": cascade.__version__, "model": svc.model_id,
             "queue": {"pending": q["items"], "pending_bytes": q["bytes"], "oldest_pending_age_s": q["oldest_age_s"]},
             "slots": {"total": svc.pool.size, "busy": svc.pool.busy, "waiting": svc.pool.waiting},
             "upstream": None if up is None else {"url": up.base_url, "circuit": up.breaker.state,
                                                  "retry_after_s": round(up.breaker.retry_after_s(), 3)}}
 
 
-@ops.get("/metrics")
+@ops.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request):
     return PlainTextResponse(generate_latest(service(request).metrics.registry),
                              media_type=CONTENT_TYPE_LATEST)
@@ -58,24 +61,26 @@ def _model_card(request: Request) -> ModelCard:
                            "architecture": d.architecture, "chat_template": d.chat_template})
 
 
-@v1.get("/models")
+@v1.get("/models", responses=openapi.errors(401, 500))
 async def list_models(request: Request) -> ModelList:
     return ModelList(data=[_model_card(request)])
 
 
-@v1.get("/models/{model:path}")
+@v1.get("/models/{model:path}", responses=openapi.errors(401, 404, 500))
 async def get_model(request: Request, model: str) -> ModelCard:
     service(request).check_model(model)
     return _model_card(request)
 
 
-@v1.post("/chat/completions")
+@v1.post("/chat/completions", openapi_extra=openapi.body(ChatCompletionRequest),
+         responses={**openapi.generation(ChatCompletion, "chat.completion.chunk"), **_GENERATION})
 async def chat_completions(request: Request):
     return await _serve(request, "chat", ChatCompletionRequest, ChatFormatter,
                         lambda svc, req: svc.chat_job(req), lambda req: "\n".join(m.text() for m in req.messages))
 
 
-@v1.post("/completions")
+@v1.post("/completions", openapi_extra=openapi.body(CompletionRequest),
+         responses={**openapi.generation(Completion, "text_completion"), **_GENERATION})
 async def completions(request: Request):
     return await _serve(request, "completions", CompletionRequest, CompletionFormatter,
                         lambda svc, req: svc.completion_job(req),
@@ -96,7 +101,7 @@ async def _serve(request: Request, endpoint: str, schema, formatter, make_job, p
     return await _respond(request, svc, routed, fmt, endpoint, req.stream, req.include_usage_in_stream())
 
 
-@v1.get("/requests/{request_id}")
+@v1.get("/requests/{request_id}", responses=openapi.errors(401, 404, 500))
 async def queued_request(request: Request, request_id: str):
     """A queued request's state: queued | sending | done (with the cloud's response) | failed | expired."""
     return await escalator(request).outbox.status(request_id)

@@ -15,7 +15,8 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import REPO, Agent, create_key, free_port
+from cascade.processes import free_port
+from tests.conftest import REPO, Agent, create_key
 
 MODEL = "smollm2-135m"
 EASY = [{"role": "user", "content": "Which city is the capital of France?"}]

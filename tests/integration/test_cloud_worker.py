@@ -7,18 +7,14 @@ import openai
 import pytest
 
 from cloud_tier.engine import SamplingParams
-from tests.conftest import Server
 
 MODEL = "smollm2-135m"
 QUESTION = [{"role": "user", "content": "Which city is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def worker(engine_home, smollm2_engine):  # the engine fixture has converted the model already
-    w = Server(engine_home, ["cloud", "worker"], "--role", "both", "--model", MODEL, "--max-model-len", "1024",
-               "--kv-cache-bytes", str(256 << 20)).wait_healthy()
-    yield w
-    w.stop()
+def worker(cloud_worker):
+    return cloud_worker
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +100,15 @@ def test_a_gateway_without_torch_serves_in_front_of_a_worker(worker, tmp_path):
     finally:
         stop(gateway)
     assert "Traceback" not in log.read_text()
+
+
+def test_a_prefill_without_a_request_id_frees_its_kv(worker):
+    """The engine names a request that came without an id; the prefill side must free the KV it
+    held under that name (it once looked it up under "" and leaked a block, with a 500)."""
+    free = httpx.get(f"{worker.url}/internal/load").json()["kv_blocks_free"]
+    body = {"kv_target": "127.0.0.1:1", "record": {"prompt_token_ids": [3, 4, 5], "request_id": "",
+                                                   "sampling": {"max_tokens": 4, "temperature": 0}}}
+    r = httpx.post(f"{worker.url}/internal/prefill", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["ok"] is False and r.json()["code"] == "transfer_failed"  # nobody listens at the target
+    assert httpx.get(f"{worker.url}/internal/load").json()["kv_blocks_free"] == free
