@@ -100,10 +100,13 @@ def _cheap(body: dict) -> None:
 def _around_known_bugs(body: dict) -> None:
     """Leave out of the fuzz what is known to break the cloud worker (and so the gateway in front
     of it), until it is fixed; the edge agent's llama.cpp takes these values."""
-    for field in ("temperature", "repetition_penalty"):  # 0 in float32: NaN probabilities stop the engine
+    # issue 12, item 22: a temperature or repetition penalty this small overflows the float32
+    # logits, the sampler draws from NaN probabilities and the engine thread stops (every later
+    # request then gets 503); remove this once the engine clamps them and fails one request only
+    for field in ("temperature", "repetition_penalty"):
         v = body.get(field)
-        if isinstance(v, float) and 0 < v < 1e-30:
-            body[field] = 1e-30
+        if isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < 1e-2:
+            body[field] = 1e-2
 
 
 def _fuzz(name: str, operation, headers: dict[str, str], statuses: list[int]) -> None:
