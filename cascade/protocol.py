@@ -15,6 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
+INT32 = (-(2**31), 2**31 - 1)  # what the queue and the engines store a priority in
+INT64 = (-(2**63), 2**63 - 1)
+MAX_TTL_S = 365 * 24 * 3600.0
 
 
 class TextPart(BaseModel):
@@ -47,17 +50,19 @@ class CascadeOptions(BaseModel):
     mode: Literal["auto", "local", "cloud"] | None = None
     offline: Literal["queue", "local", "fail"] | None = None
     hint: Literal["easy", "hard"] | None = None  # the app's own judgement of the request
-    latency_budget_s: Annotated[float, Field(gt=0)] | None = None  # for the overflow rule
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    latency_budget_s: Annotated[float, Field(gt=0, le=MAX_TTL_S)] | None = None  # for the overflow rule
     # the offline queue (used when the cloud cannot be reached)
     session: Annotated[str, Field(min_length=1, max_length=255)] | None = None  # queued items of a session keep order
     refine: bool = False  # offline "local": also queue the request for the cloud's answer
     callback_url: Annotated[str, Field(max_length=2048)] | None = None  # POSTed to when the queued request ends
-    priority: int = 0  # queued: higher is sent first
-    ttl_s: Annotated[float, Field(gt=0)] | None = None  # queued: expires if not delivered by then
+    priority: Annotated[int, Field(ge=INT32[0], le=INT32[1])] = 0  # queued: higher is sent first
+    ttl_s: Annotated[float, Field(gt=0, le=MAX_TTL_S)] | None = None  # queued: expires if not delivered by then
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -65,7 +70,7 @@ class _SamplingFields(BaseModel):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=INT64[0], le=INT64[1])] | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -17,6 +17,7 @@ import httpx
 from cascade.eval.calibration import Sample, SignalResult
 from cascade.eval.scoring import Task
 from cascade.eval.tasks import generate
+from cascade.policy.backpressure import parse_retry_after
 
 
 def load_prompts(source: str, n: int, seed: int) -> list[Task]:
@@ -49,7 +50,7 @@ async def _ask(client: httpx.AsyncClient, url: str, headers: dict, prompt: str, 
         r = await client.post(f"{url.rstrip('/').removesuffix('/v1')}/v1/chat/completions", json=body,
                               headers=headers)
         if r.status_code == 429 and attempt < 4:
-            await asyncio.sleep(float(r.headers.get("retry-after", "1")))
+            await asyncio.sleep(parse_retry_after(r.headers.get("retry-after"), limit_s=60.0) or 1.0)
             continue
         r.raise_for_status()
         return r.json()

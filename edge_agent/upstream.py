@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import httpx
 
 from cascade.generation import Finish, TokenEvent, TopToken
-from cascade.policy.backpressure import CircuitBreaker
+from cascade.policy.backpressure import CircuitBreaker, parse_retry_after
 from edge_agent.config import UpstreamConfig
 from sync.delivery import Outcome
 from sync.queue import Item
@@ -182,10 +182,7 @@ class UpstreamRefused(Exception):
 
 
 def _retry_after(value: str | None) -> float | None:
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
+    return parse_retry_after(value)
 
 
 async def _next_chunk(lines: AsyncIterator[str]) -> dict | None:

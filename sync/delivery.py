@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cascade.policy.backpressure import CircuitBreaker
+from cascade.policy.backpressure import CircuitBreaker, exponential_backoff_s
 from sync.queue import Item, Kind, OfflineQueue
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class DeliveryConfig:
 
 def backoff_s(attempts: int, config: DeliveryConfig, rng: random.Random = random._inst) -> float:
     """Exponential backoff with "equal jitter": half fixed, half random, capped."""
-    ceiling = min(config.max_backoff_s, config.base_backoff_s * 2 ** max(0, attempts - 1))
+    ceiling = exponential_backoff_s(attempts, config.base_backoff_s, config.max_backoff_s)
     return ceiling / 2 + rng.uniform(0, ceiling / 2)
 
 

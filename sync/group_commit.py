@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from sync.queue import KeyReused, NewItem, OfflineQueue, QueueFull
+from sync.queue import NewItem, OfflineQueue
 
 
 class GroupCommit:
@@ -29,7 +29,8 @@ class GroupCommit:
             batch, self._pending = self._pending, []
             try:
                 ids = await asyncio.to_thread(self.queue.enqueue_many, [item for item, _ in batch])
-            except (QueueFull, KeyReused):  # all or nothing failed: give each item its own answer
+            except Exception:  # the batch is all or nothing: give each item its own answer, so one
+                # bad item (a full queue, a reused key, a value SQLite refuses) fails only itself
                 for item, fut in batch:
                     try:
                         (one,) = await asyncio.to_thread(self.queue.enqueue_many, [item])
@@ -37,10 +38,6 @@ class GroupCommit:
                         _settle(fut, error=e)
                     else:
                         _settle(fut, one)
-                continue
-            except Exception as e:
-                for _, fut in batch:
-                    _settle(fut, error=e)
                 continue
             for (_, fut), item_id in zip(batch, ids, strict=True):
                 _settle(fut, item_id)

@@ -4,9 +4,46 @@ queueing behind the cloud. After that time one probe goes through; a success clo
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
+
+MAX_RETRY_AFTER_S = 3600.0  # a peer's Retry-After is honoured up to this (a typo must not park us for days)
+_MAX_DOUBLINGS = 30  # 2**30 * any base is past every cap: no overflow after a long outage
+
+
+def exponential_backoff_s(failures: int, base_s: float, max_s: float) -> float:
+    """``base_s * 2**(failures - 1)``, capped at ``max_s``; finite for any number of failures."""
+    return min(max_s, base_s * 2.0 ** min(max(failures - 1, 0), _MAX_DOUBLINGS))
+
+
+def clamp_retry_after(seconds: float | None, limit_s: float = MAX_RETRY_AFTER_S) -> float | None:
+    """A wait a peer asked for, made safe: None for NaN, at least 0, at most ``limit_s``."""
+    if seconds is None or math.isnan(seconds):
+        return None
+    return min(max(seconds, 0.0), limit_s)
+
+
+def parse_retry_after(value: str | None, now: float | None = None,
+                      limit_s: float = MAX_RETRY_AFTER_S) -> float | None:
+    """An HTTP ``Retry-After`` in seconds: delta-seconds or an HTTP-date (RFC 9110), clamped;
+    None when absent or unreadable. ``now`` is the wall clock (``time.time()``) for a date."""
+    if value is None:
+        return None
+    value = value.strip()
+    try:
+        return clamp_retry_after(float(value), limit_s)
+    except ValueError:
+        pass
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:  # an HTTP-date is GMT; a peer that left the zone out means it too
+        return None
+    return clamp_retry_after(when.timestamp() - (time.time() if now is None else now), limit_s)
 
 
 @dataclass
@@ -42,7 +79,8 @@ class CircuitBreaker:
         self.failures += 1
         self.probing = False
         self.last_error = error
-        backoff = min(self.max_backoff_s, self.base_backoff_s * 2 ** (self.failures - 1))
+        backoff = exponential_backoff_s(self.failures, self.base_backoff_s, self.max_backoff_s)
+        retry_after_s = clamp_retry_after(retry_after_s)
         self.open_until = self.clock() + (retry_after_s if retry_after_s is not None else backoff)
 
     def retry_after_s(self) -> float:

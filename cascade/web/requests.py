@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 from typing import TypeVar
 
 from fastapi import Request
@@ -40,12 +41,30 @@ async def read_json(request: Request, limit: int) -> dict:
     except UnicodeDecodeError as e:
         raise errors.bad_request("The request body is not valid UTF-8.", None, "invalid_encoding") from e
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
     except json.JSONDecodeError as e:
+        raise errors.bad_request(f"The request body is not valid JSON: {e}.", None, "invalid_json") from e
+    except ValueError as e:  # NaN, Infinity, or a number too large for a float
         raise errors.bad_request(f"The request body is not valid JSON: {e}.", None, "invalid_json") from e
     if not isinstance(data, dict):
         raise errors.bad_request("The request body must be a JSON object.", None, "invalid_json")
+    try:  # a \ud800 escape decodes to a lone surrogate, which no encoder downstream will take
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise errors.bad_request("The request body has a string with a lone UTF-16 surrogate "
+                                 "(an unpaired \\ud800-\\udfff escape).", None, "invalid_encoding") from e
     return data
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is out of range")
+    return value
 
 
 def _too_large(limit: int) -> errors.APIError:

@@ -276,7 +276,9 @@ class LlamaCppBackend(Backend):
         if o.min_p > 0.0:
             s.add_min_p(o.min_p, 1)
         s.add_temp(o.temperature)
-        s.add_dist(o.seed if o.seed is not None else random.getrandbits(32) % llama_cpp.LLAMA_DEFAULT_SEED)
+        # llama.cpp's seed is a uint32 whose top value means "random": fold any int below it, so
+        # every seed (-1 and 4294967295 included) is reproducible
+        s.add_dist((o.seed if o.seed is not None else random.getrandbits(32)) % llama_cpp.LLAMA_DEFAULT_SEED)
         return s
 
     def _top(self, logprobs: np.ndarray, k: int) -> tuple[TopToken, ...]:

@@ -126,8 +126,7 @@ class Escalator:
         self.upstream = upstream
         self.outbox = outbox
 
-    def signals(self, req, job: LocalJob | None, prompt_text: str, prompt_tokens: int,
-                session_backlog: bool = False) -> RequestSignals:
+    def signals(self, req, job: LocalJob | None, prompt_text: str, prompt_tokens: int) -> RequestSignals:
         opts = req.cascade
         svc = self.service
         pool = svc.pool
@@ -142,8 +141,7 @@ class Escalator:
             difficulty=self.policy.hard.model.score(features(prompt_text)) if self.policy.hard.model.weights else 0.0,
             load=load, latency_budget_s=opts.latency_budget_s if opts else None,
             upstream=self.upstream is not None,
-            cloud_available=self.upstream.available if self.upstream else False,
-            session_backlog=session_backlog)
+            cloud_available=self.upstream.available if self.upstream else False)
 
     async def route(self, req, endpoint: str, body: dict, make_job, prompt_text: str,
                     session: str | None = None, app_key: str | None = None) -> Routed | Queued:
@@ -159,7 +157,7 @@ class Escalator:
                 raise
             too_long_locally, n_prompt = e, self.service.description.n_ctx
         signals = self.signals(req, job, prompt_text, n_prompt)
-        if session and goes_behind_backlog(True, signals.offline):  # only then is the backlog asked for
+        if session and goes_behind_backlog(True, signals.offline):  # the rule could apply: ask the queue
             backlog = await asyncio.to_thread(self.outbox.queue.session_pending, session)
             signals = replace(signals, session_backlog=backlog)
         decision = decide(signals, self.policy)

@@ -118,3 +118,36 @@ def test_api_key_when_configured(tmp_path):
         assert httpx.get(f"{a.url}/healthz").status_code == 200  # health stays open for supervisors
     finally:
         a.stop()
+
+
+# issue 12, items 2 and 6: numbers and strings no encoder downstream takes are refused at the door
+@pytest.mark.parametrize("raw, code", [
+    (b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "\\ud800"}]}', "invalid_encoding"),
+    (b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}], "cascade": {"session": "\\udfff"}}',
+     "invalid_encoding"),
+    (b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}], "temperature": NaN}', "invalid_json"),
+    (b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}], "cascade": {"ttl_s": Infinity}}',
+     "invalid_json"),
+    (b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}], "cascade": {"ttl_s": 1e400}}',
+     "invalid_json"),
+])
+def test_lone_surrogates_and_non_finite_numbers_are_400(agent, raw, code):
+    assert_error(post(agent, "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}),
+                 400, code=code)
+
+
+@pytest.mark.parametrize("cascade, param", [
+    ({"priority": 2**70}, "cascade.priority"), ({"priority": -(2**40)}, "cascade.priority"),
+    ({"ttl_s": 10**12}, "cascade.ttl_s"), ({"latency_budget_s": 10**12}, "cascade.latency_budget_s"),
+])
+def test_out_of_range_cascade_options_are_400(agent, cascade, param):
+    r = post(agent, "/v1/chat/completions", json={"model": MODEL, "messages": OK_MESSAGES, "cascade": cascade})
+    assert_error(r, 400, param=param)
+
+
+def test_every_seed_is_reproducible(agent):
+    """-1 and 4294967295 meant "random" to llama.cpp: the same seed must give the same text."""
+    for seed in (-1, 4294967295):
+        body = {"model": MODEL, "messages": OK_MESSAGES, "max_tokens": 12, "temperature": 1.0, "seed": seed}
+        a, b = (post(agent, "/v1/chat/completions", json=body).json() for _ in range(2))
+        assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]

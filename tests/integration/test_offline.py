@@ -65,7 +65,6 @@ def wait_done(agent: Agent, ids, timeout_s: float = 240) -> dict[str, dict]:
 def kill(agent: Agent) -> None:
     agent.proc.send_signal(signal.SIGKILL)
     agent.proc.wait()
-    agent._log_file.close()
 
 
 @pytest.fixture

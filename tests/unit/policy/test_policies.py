@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from cascade.policy.backpressure import CircuitBreaker
+from cascade.policy.backpressure import CircuitBreaker, exponential_backoff_s, parse_retry_after
 from cascade.policy.confidence import Confidence, ConfidenceConfig, low_confidence
 from cascade.policy.decide import (
     Decision,
@@ -214,3 +214,39 @@ def test_features_and_a_fitted_difficulty_model_separate_easy_from_hard():
     assert DifficultyModel.from_json(model.to_json()) == model
     assert is_hard(0.8, HardConfig(threshold=0.7)) and not is_hard(0.8, HardConfig())
     assert math.isclose(DifficultyModel().score(features("x")), 0.5)
+
+
+# -- back-pressure arithmetic after a long outage (issue 12, item 5) ---------------------------
+
+def test_the_breaker_survives_any_number_of_failures():
+    clock = [0.0]
+    b = CircuitBreaker(base_backoff_s=1.0, max_backoff_s=60.0, clock=lambda: clock[0])
+    for _ in range(5000):  # 2 ** 1024 overflowed a float at the 1,025th consecutive failure
+        b.failure("unreachable")
+    assert b.failures == 5000 and b.state == "open" and b.retry_after_s() == 60.0
+
+
+@pytest.mark.parametrize("retry_after,expected", [
+    (5.0, 5.0), (0.0, 0.0), (-3.0, 0.0), (math.inf, 3600.0), (1e400, 3600.0), (math.nan, 1.0),
+])
+def test_a_peers_retry_after_is_clamped(retry_after, expected):
+    b = CircuitBreaker(base_backoff_s=1.0, clock=lambda: 100.0)
+    b.failure("429", retry_after)
+    assert b.retry_after_s() == expected and math.isfinite(b.open_until)
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("120", 120.0), (" 7 ", 7.0), ("0", 0.0), ("-5", 0.0), ("inf", 3600.0), ("1e400", 3600.0), ("nan", None),
+    ("Wed, 21 Oct 2015 07:28:00 GMT", 90.0),  # an HTTP-date: 90 s after `now` below
+    ("Wed, 21 Oct 2015 07:00:00 GMT", 0.0),  # in the past: now
+    ("Wed, 21 Oct 2015 07:28:00", None),  # no zone: not an HTTP-date
+    ("soon", None), ("", None), (None, None),
+])
+def test_retry_after_is_read_in_both_forms(value, expected):
+    now = 1445412390.0  # 2015-10-21 07:26:30 GMT
+    assert parse_retry_after(value, now=now) == expected
+
+
+def test_exponential_backoff_is_finite_and_capped():
+    assert exponential_backoff_s(1, 0.5, 60) == 0.5 and exponential_backoff_s(3, 0.5, 60) == 2.0
+    assert exponential_backoff_s(10**6, 0.5, 60) == 60 and exponential_backoff_s(0, 0.5, 60) == 0.5

@@ -267,6 +267,24 @@ def test_group_commit_shares_transactions_and_answers_each_caller(tmp_path):
     assert {it.id for it in full.items(limit=100)} == set(accepted)
 
 
+def test_one_item_sqlite_refuses_fails_only_itself_in_a_group_commit(tmp_path):
+    """issue 12, item 6: a priority SQLite cannot store made 10 of 13 concurrent enqueues fail."""
+    import asyncio
+
+    from sync.group_commit import GroupCommit
+
+    async def put_all(writer):
+        items = [req(i) for i in range(12)]
+        items.insert(5, NewItem(Kind.REQUEST, {"q": "bad"}, endpoint="chat", priority=2**70))
+        return await asyncio.gather(*(writer.put(it) for it in items), return_exceptions=True)
+
+    q = OfflineQueue(tmp_path / "q.db")
+    results = asyncio.run(put_all(GroupCommit(q)))
+    assert isinstance(results[5], OverflowError | ValueError)  # sqlite3: Python int too large to convert
+    assert all(isinstance(r, str) for i, r in enumerate(results) if i != 5)
+    assert len(q.items(limit=100)) == 12
+
+
 def test_an_app_key_enqueues_once_and_a_reused_key_for_another_request_is_refused(queue):
     from sync.queue import KeyReused
 
