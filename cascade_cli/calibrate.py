@@ -173,4 +173,6 @@ def run(args) -> int:
     print(f"{'random':12s} {'':>10s} {args.target_escalation:10.1%} {random_kept:13.1%} {0.5:6.3f}")
     print(f"wrote [cascade] {', '.join(f'{k}={v}' for k, v in updates.items())} to {config_path}")
     print(f"plot: {plot_path}")
+    print(f"apply it: cascade edge run --config {config_path}  (an agent running now keeps its old thresholds "
+          "until restarted with that config)")
     return 0

@@ -163,6 +163,7 @@ def test_calibrate_writes_thresholds_and_a_plot(engine_home, cloud, edge, tmp_pa
         env={**os.environ, "CASCADE_HOME": str(engine_home)}, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "APGR" in out.stdout and "random" in out.stdout
+    assert f"cascade edge run --config {config}" in out.stdout  # it says how to apply what it wrote
     from edge_agent.config import EdgeConfig
 
     cfg = EdgeConfig.load(config)
