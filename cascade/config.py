@@ -8,6 +8,7 @@ increasing precedence, from the dataclass defaults, the TOML file, environment v
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import tomllib
 import types
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -83,10 +86,15 @@ def _from_environ(sections: dict[str, type], deployable: str, environ) -> dict[s
         rest = name[len(prefix):].lower()
         section = next((s for s in sections if rest.startswith(s + "_")), None)
         if section is None:
+            log.warning("ignoring %s: there is no [%s] section (sections: %s)", name, rest.partition("_")[0],
+                        ", ".join(sections))
             continue
         key = rest[len(section) + 1:]
-        if key in {f.name for f in dataclasses.fields(sections[section])}:
+        keys = [f.name for f in dataclasses.fields(sections[section])]
+        if key in keys:
             out.setdefault(section, {})[key] = raw
+        else:  # a typo would otherwise be silently ignored
+            log.warning("ignoring %s: [%s] has no key %r (keys: %s)", name, section, key, ", ".join(keys))
     return out
 
 

@@ -50,7 +50,7 @@ class CascadeOptions(BaseModel):
     mode: Literal["auto", "local", "cloud"] | None = None
     offline: Literal["queue", "local", "fail"] | None = None
     hint: Literal["easy", "hard"] | None = None  # the app's own judgement of the request
-    model_config = ConfigDict(allow_inf_nan=False)
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")  # a typo ("modee") is a 400, not ignored
 
     latency_budget_s: Annotated[float, Field(gt=0, le=MAX_TTL_S)] | None = None  # for the overflow rule
     # the offline queue (used when the cloud cannot be reached)

@@ -151,3 +151,11 @@ def test_every_seed_is_reproducible(agent):
         body = {"model": MODEL, "messages": OK_MESSAGES, "max_tokens": 12, "temperature": 1.0, "seed": seed}
         a, b = (post(agent, "/v1/chat/completions", json=body).json() for _ in range(2))
         assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+
+
+def test_an_unknown_key_in_the_cascade_options_is_a_400_naming_it(agent):
+    """issue 12, item 11: {"modee": "cloud"} was ignored, and the request ran in the default mode."""
+    body = {"model": MODEL, "messages": OK_MESSAGES, "cascade": {"modee": "cloud"}}
+    r = post(agent, "/v1/chat/completions", json=body)
+    err = assert_error(r, 400, param="cascade.modee")
+    assert "modee" in err["message"]

@@ -68,3 +68,16 @@ def test_cascade_home_follows_the_environment(monkeypatch, tmp_path):
     assert cascade_home() == tmp_path
     monkeypatch.delenv("CASCADE_HOME")
     assert cascade_home().name == ".cascade"
+
+
+def test_an_unknown_environment_variable_is_named_in_a_warning(caplog):
+    """issue 12, item 11: a typo in CASCADE_EDGE_* was silently ignored."""
+    env = {"CASCADE_EDGE_CASCADE_MODEE": "cloud", "CASCADE_EDGE_SERVR_PORT": "1", "CASCADE_EDGE_SERVER_PORT": "9100",
+           "CASCADE_CLOUD_SERVER_PORT": "1"}  # another deployable's variable is not this one's business
+    with caplog.at_level("WARNING", logger="cascade.config"):
+        c = EdgeConfig.load(environ=env)
+    assert c.server.port == 9100 and c.cascade.mode == "auto"
+    text = caplog.text
+    assert "CASCADE_EDGE_CASCADE_MODEE" in text and "'modee'" in text
+    assert "CASCADE_EDGE_SERVR_PORT" in text and "CASCADE_CLOUD_SERVER_PORT" not in text
+    assert len(caplog.records) == 2  # the known variable is not warned about
