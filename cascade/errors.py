@@ -7,9 +7,6 @@ Every API of ours (edge agent, gateway, workers) raises ``APIError`` for a reque
 from __future__ import annotations
 
 import json
-import logging
-
-log = logging.getLogger(__name__)
 
 
 class APIError(Exception):

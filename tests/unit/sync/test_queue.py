@@ -6,7 +6,7 @@ import pytest
 
 from sync.ids import timestamp_ms, uuid7
 from sync.queue import Kind, NewItem, OfflineQueue, QueueFull, State
-from tests.unit.sync.test_idempotency import FakeClock
+from tests.unit.sync.fakes import FakeClock
 
 
 @pytest.fixture
