@@ -26,6 +26,19 @@ def _edge_overrides(args) -> dict:
     }
 
 
+def _edge_config_path(args) -> str | None:
+    """--config, else $CASCADE_HOME/edge.toml when it exists (what `cascade calibrate` writes),
+    else none; says on stderr which it is."""
+    from cascade.config import cascade_home
+
+    path = args.config
+    if path is None and not args.no_config and (cascade_home() / "edge.toml").is_file():
+        path = str(cascade_home() / "edge.toml")
+    print(f"cascade: config {path}" if path else "cascade: no config file (built-in defaults and the environment)",
+          file=sys.stderr)
+    return path
+
+
 def cmd_edge_run(args) -> int:
     from cascade.config import ConfigError
     from edge_agent import daemon
@@ -33,7 +46,7 @@ def cmd_edge_run(args) -> int:
     from model_distribution.catalog import ModelNotFound
 
     try:
-        daemon.run(EdgeConfig.load(args.config, _edge_overrides(args)))
+        daemon.run(EdgeConfig.load(_edge_config_path(args), _edge_overrides(args)))
     except (ConfigError, ModelNotFound) as e:
         print(f"cascade: {e}", file=sys.stderr)
         return 2
@@ -173,7 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     edge = _parser(sub, "edge", "the device daemon and its offline queue").add_subparsers(
         dest="edge_command", required=True, metavar="COMMAND")
     run = _parser(edge, "run", "serve the OpenAI-compatible API from a local model (stop: Ctrl-C or SIGTERM)")
-    run.add_argument("--config", help="edge.toml (default: none: built-in defaults and the environment)")
+    run.add_argument("--config", help="edge.toml (default: $CASCADE_HOME/edge.toml if it exists, else built-in "
+                     "defaults and the environment)")
+    run.add_argument("--no-config", action="store_true", help="ignore $CASCADE_HOME/edge.toml")
     run.add_argument("--host", help=f"address to listen on (default: {edge_srv.host})")
     run.add_argument("--port", type=int, help=f"port to listen on (default: {edge_srv.port})")
     run.add_argument("--model", help=f"catalogue name (cascade models list) or path to a .gguf file "

@@ -6,6 +6,7 @@ back-pressure circuit: a 429 or an unreachable cloud opens it; a success closes 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import uuid
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from cascade import errors
 from cascade.generation import Finish, TokenEvent, TopToken
 from cascade.policy.backpressure import CircuitBreaker, parse_retry_after
 from edge_agent.config import UpstreamConfig
@@ -26,12 +28,29 @@ ENDPOINTS = {"chat": "/chat/completions", "completions": "/completions"}
 
 
 class UpstreamUnavailable(Exception):
-    """The cloud could not take the request (unreachable, 429, 5xx): serve it another way."""
+    """The cloud could not take the request (unreachable, 429, 5xx, or it refused this device:
+    ``refused``): serve it another way."""
 
-    def __init__(self, message: str, status: int | None = None, retry_after_s: float | None = None):
+    def __init__(self, message: str, status: int | None = None, retry_after_s: float | None = None,
+                 refused: bool = False):
         super().__init__(message)
         self.status = status
         self.retry_after_s = retry_after_s
+        self.refused = refused
+
+
+class UpstreamRefused(Exception):
+    """The cloud rejected the request itself (4xx other than 429): pass it on to the app."""
+
+    def __init__(self, status: int, body: str):
+        super().__init__(body)
+        self.status = status
+        self.body = body
+
+
+class UpstreamBroken(Exception):
+    """The cloud's answer was not an OpenAI answer: HTML from a captive portal, a body that is
+    not a completion, a stream cut short or with an unreadable chunk."""
 
 
 @dataclass
@@ -43,11 +62,23 @@ class Escalation:
     idempotency_key: str
 
 
+def idempotency_key(device: str, app_key: str | None) -> str:
+    """The key the cloud sees for a request: one derived from the app's own Idempotency-Key
+    (so a retry of it, live or queued, runs once on the cloud), else a fresh one."""
+    if app_key is None:
+        return uuid.uuid4().hex
+    return "app-" + hashlib.sha256(f"{device}\0{app_key}".encode()).hexdigest()[:32]
+
+
+REFUSAL = {401, 403}  # the cloud refuses this device: its key is wrong or revoked
+
+
 class Upstream:
     def __init__(self, config: UpstreamConfig, device: str = "", session_header: str | None = None):
         base = config.url.rstrip("/")
         self.base_url = base if base.endswith("/v1") else f"{base}/v1"
         self.config = config
+        self.device = device
         headers = {"content-type": "application/json", "accept": "text/event-stream"}
         if config.api_key:
             headers["authorization"] = f"Bearer {config.api_key}"
@@ -65,42 +96,79 @@ class Upstream:
     @property
     def available(self) -> bool:
         """Whether the circuit lets a request through now (closed, or half-open for a probe)."""
-        return self.breaker.state != "open" and not self.breaker.probing
+        return self.breaker.available
+
+    @property
+    def refused(self) -> bool:
+        """The cloud's last word was that it refuses this device (401/403)."""
+        return self.breaker.refused and self.breaker.failures > 0
+
+    def note_refusal(self, status: int, text: str, retry_after_s: float | None = None) -> None:
+        """The cloud refused this device: its own breaker state, logged once when it starts."""
+        if not self.refused:
+            log.error("the cloud refuses this device (HTTP %d): check [upstream] api_key; asking again "
+                      "on a slow schedule: %s", status, text[:200])
+        self.breaker.refusal(f"refused: HTTP {status} (check [upstream] api_key)", retry_after_s)
 
     async def escalate(self, endpoint: str, body: dict, reason: str, draft: str | None = None,
-                       session: str | None = None, retries: int = 1) -> Escalation:
+                       session: str | None = None, retries: int = 1, app_key: str | None = None) -> Escalation:
         """Start the request on the cloud, streamed; returns once its first chunk arrived (so a
-        refusal is known before anything is sent to the app). UpstreamUnavailable otherwise."""
+        refusal is known before anything is sent to the app). UpstreamUnavailable otherwise.
+        Every exit settles the breaker: a success, a failure, a refusal of this device, or (when
+        cancelled) the probe slot given back."""
         if not self.breaker.allow():
             raise UpstreamUnavailable(f"the cloud is backing off ({self.breaker.last_error})",
-                                      retry_after_s=self.breaker.retry_after_s())
-        key = uuid.uuid4().hex
+                                      retry_after_s=self.breaker.retry_after_s(), refused=self.refused)
+        key = idempotency_key(self.device, app_key)
         headers = {"idempotency-key": key, "x-cascade-reason": reason}
         if session:
             headers["x-cascade-session"] = session
         if draft:
             headers["x-cascade-draft"] = json.dumps(draft[:2000])
-        payload = {k: v for k, v in body.items() if k != "cascade"}
-        payload["model"] = await self._model() or payload.get("model")
-        payload["stream"] = True
-        payload["stream_options"] = {"include_usage": True}
-        for attempt in range(retries + 1):
-            try:
-                return await self._open(endpoint, payload, headers, key)
-            except httpx.HTTPError as e:
-                # nothing has reached the app yet, and the Idempotency-Key makes the cloud run
-                # the request once however often it is sent: a retry is safe here
-                if attempt < retries:
-                    await asyncio.sleep(0.2 * (attempt + 1))
-                    continue
-                self.breaker.failure(f"unreachable: {e!r}")
-                raise UpstreamUnavailable(f"the cloud is unreachable: {e!r}") from e
+        try:
+            payload = {k: v for k, v in body.items() if k != "cascade"}
+            payload["model"] = await self._model() or payload.get("model")
+            payload["stream"] = True
+            payload["stream_options"] = {"include_usage": True}
+            for attempt in range(retries + 1):
+                try:
+                    esc = await self._open(endpoint, payload, headers, key)
+                except httpx.HTTPError as e:
+                    # nothing has reached the app yet, and the Idempotency-Key makes the cloud run
+                    # the request once however often it is sent: a retry is safe here
+                    if attempt < retries:
+                        await asyncio.sleep(0.2 * (attempt + 1))
+                        continue
+                    raise UpstreamUnavailable(f"the cloud is unreachable: {e!r}") from e
+                self.breaker.success()
+                return esc
+        except UpstreamRefused:
+            self.breaker.success()  # it is up; the request itself was refused
+            raise
+        except UpstreamUnavailable as e:
+            if e.refused:
+                self.note_refusal(e.status or 401, str(e), e.retry_after_s)
+            else:
+                self.breaker.failure(str(e)[:300], e.retry_after_s)
+            raise
+        except UpstreamBroken as e:
+            self.breaker.failure(f"broken answer: {e}")
+            raise UpstreamUnavailable(f"the cloud's answer was not usable: {e}") from e
+        except Exception as e:  # our own failure to send: nothing says the cloud is down or up
+            self.breaker.abandon()
+            raise UpstreamUnavailable(f"the request could not be sent: {e!r}") from e
+        except BaseException:  # cancelled: the probe slot goes back, nothing learnt
+            self.breaker.abandon()
+            raise
         raise AssertionError("unreachable")
 
     async def deliver(self, item: Item) -> Outcome:
         """Send one queued request, not streamed, under its own id as the Idempotency-Key (so a
-        resend after a crash or a lost response is answered from the cloud's stored result)."""
-        headers = {"idempotency-key": item.id, "x-cascade-reason": item.reason or "queued",
+        resend after a crash or a lost response is answered from the cloud's stored result), or
+        under the key derived from the app's own key when it gave one. Only a JSON completion
+        counts as delivered: any other 2xx (a captive portal's HTML) is tried again."""
+        key = idempotency_key(self.device, item.app_key) if item.app_key else item.id
+        headers = {"idempotency-key": key, "x-cascade-reason": item.reason or "queued",
                    "accept": "application/json"}
         if item.session:
             headers["x-cascade-session"] = item.session
@@ -110,25 +178,38 @@ class Upstream:
             r = await self.client.post(self.base_url + ENDPOINTS[item.endpoint], json=payload, headers=headers)
         except httpx.HTTPError as e:
             return Outcome(0, error=f"unreachable: {e!r}")
-        try:
-            body = r.json()
-        except ValueError:
-            body = {"error": {"message": r.text[:500], "type": "upstream_error"}}
-        return Outcome(r.status_code, body, _retry_after(r.headers.get("retry-after")),
-                       "" if r.is_success else f"HTTP {r.status_code}: {r.text[:200]}")
+        retry_after = _retry_after(r.headers.get("retry-after"))
+        if r.status_code in REFUSAL:  # the delivery loop puts the breaker in its refused state
+            return Outcome(r.status_code, None, retry_after,
+                           f"refused: HTTP {r.status_code} (the cloud refuses this device's key; "
+                           f"check [upstream] api_key): {r.text[:200]}")
+        if r.is_success:
+            body = _json_object(r)
+            if body is None or not isinstance(body.get("choices"), list):
+                return Outcome(502, None, retry_after,
+                               f"HTTP {r.status_code} but not a completion ({_content_type(r)}): {r.text[:200]}")
+            return Outcome(r.status_code, body, retry_after)
+        body = _json_object(r) or {"error": {"message": r.text[:500], "type": "upstream_error"}}
+        return Outcome(r.status_code, body, retry_after, f"HTTP {r.status_code}: {r.text[:200]}")
 
-    async def probe(self) -> bool:
-        """A cheap check that the cloud answers (and takes this agent's key): GET /v1/models."""
+    async def probe(self) -> Outcome:
+        """A cheap check that the cloud answers, and takes this agent's key: GET /v1/models must
+        answer an OpenAI model list (a captive portal's 200 is not the cloud)."""
         try:
             r = await self.client.get(self.base_url + "/models", timeout=5.0)
-        except httpx.HTTPError:
-            return False
-        if r.is_success and not self.config.model and self._cloud_model is None:
-            try:
-                self._cloud_model = r.json()["data"][0]["id"]
-            except (ValueError, KeyError, IndexError):
-                pass
-        return r.is_success
+        except httpx.HTTPError as e:
+            return Outcome(0, error=f"unreachable: {e!r}")
+        if r.status_code in REFUSAL:
+            return Outcome(r.status_code, None, None, f"refused: HTTP {r.status_code} (check [upstream] api_key)")
+        if not r.is_success:
+            return Outcome(r.status_code, None, _retry_after(r.headers.get("retry-after")),
+                           f"probe: HTTP {r.status_code}")
+        models = _model_ids(_json_object(r))
+        if models is None:
+            return Outcome(502, None, None, f"probe: HTTP {r.status_code} but not a model list ({_content_type(r)})")
+        if not self.config.model and self._cloud_model is None and models:
+            self._cloud_model = models[0]
+        return Outcome(r.status_code, {"models": models})
 
     async def _model(self) -> str | None:
         """The model to ask for: ``[upstream] model``, else the cloud's first (asked once)."""
@@ -138,8 +219,11 @@ class Upstream:
             try:
                 r = await self.client.get(self.base_url + "/models")
                 r.raise_for_status()
-                self._cloud_model = r.json()["data"][0]["id"]
-            except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+                models = _model_ids(_json_object(r))
+                if not models:
+                    raise ValueError(f"not a model list ({_content_type(r)})")
+                self._cloud_model = models[0]
+            except (httpx.HTTPError, ValueError) as e:
                 log.warning("cannot list the cloud's models (%s); asking for the app's model name", e)
                 return None
         return self._cloud_model
@@ -147,66 +231,90 @@ class Upstream:
     async def _open(self, endpoint: str, payload: dict, headers: dict, key: str) -> Escalation:
         req = self.client.build_request("POST", self.base_url + ENDPOINTS[endpoint], json=payload, headers=headers)
         resp = await self.client.send(req, stream=True)
-        if resp.status_code != 200:
-            text = (await resp.aread()).decode("utf-8", "replace")[:500]
-            await resp.aclose()
-            retry_after = _retry_after(resp.headers.get("retry-after"))
-            if resp.status_code in (401, 403, 404) or resp.status_code == 429 or resp.status_code >= 500:
-                # 429/5xx: the cloud is busy or down; 401/403/404: this agent's upstream key or
-                # model is misconfigured, not the app's request: either way, serve it another way
-                if resp.status_code in (401, 403, 404):
-                    log.error("the cloud refused this agent (%d): check [upstream] api_key and model: %s",
-                              resp.status_code, text[:200])
-                self.breaker.failure(f"HTTP {resp.status_code}", retry_after)
-                raise UpstreamUnavailable(f"the cloud answered {resp.status_code}: {text}", resp.status_code,
-                                          retry_after)
-            self.breaker.success()  # it is up; the request itself was refused
-            raise UpstreamRefused(resp.status_code, text)
-        lines = resp.aiter_lines()
         try:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode("utf-8", "replace")[:500]
+                retry_after = _retry_after(resp.headers.get("retry-after"))
+                if resp.status_code in REFUSAL:
+                    raise UpstreamUnavailable(f"the cloud refused this device ({resp.status_code}): {text}",
+                                              resp.status_code, retry_after, refused=True)
+                if resp.status_code in (404, 429) or resp.status_code >= 500 or resp.status_code < 400:
+                    # 429/5xx: the cloud is busy or down; 404: this agent's model is not there;
+                    # a 1xx-3xx is no answer: either way, serve it another way
+                    if resp.status_code == 404:
+                        log.error("the cloud has no such model (404): check [upstream] model: %s", text[:200])
+                    raise UpstreamUnavailable(f"the cloud answered {resp.status_code}: {text}", resp.status_code,
+                                              retry_after)
+                raise UpstreamRefused(resp.status_code, text)
+            if "text/event-stream" not in resp.headers.get("content-type", ""):
+                text = (await resp.aread()).decode("utf-8", "replace")[:200]
+                raise UpstreamBroken(f"HTTP 200 but not an event stream ({_content_type(resp)}): {text}")
+            lines = resp.aiter_lines()
             first = await _next_chunk(lines)
+            if first is None:
+                raise UpstreamBroken("the stream ended before its first chunk")
         except BaseException:
             await resp.aclose()
             raise
-        self.breaker.success()
-        return Escalation(first.get("model", "") if first else "", _events(resp, lines, first, endpoint), key)
-
-
-class UpstreamRefused(Exception):
-    """The cloud rejected the request itself (4xx other than 429): pass it on to the app."""
-
-    def __init__(self, status: int, body: str):
-        super().__init__(body)
-        self.status = status
-        self.body = body
+        return Escalation(first.get("model", ""), _events(resp, lines, first, endpoint), key)
 
 
 def _retry_after(value: str | None) -> float | None:
     return parse_retry_after(value)
 
 
+def _content_type(r: httpx.Response) -> str:
+    return r.headers.get("content-type", "no content-type").split(";")[0]
+
+
+def _json_object(r: httpx.Response) -> dict | None:
+    try:
+        body = r.json()
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def _model_ids(body: dict | None) -> list[str] | None:
+    """The ids of an OpenAI model list, or None when ``body`` is not one."""
+    data = body.get("data") if body else None
+    if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
+        return None
+    return [m["id"] for m in data]
+
+
 async def _next_chunk(lines: AsyncIterator[str]) -> dict | None:
+    """The next chunk of an OpenAI stream; None at ``[DONE]``. UpstreamBroken for a stream that
+    ends without ``[DONE]``, a chunk that is not a JSON object, or an in-band error."""
     async for line in lines:
         if not line.startswith("data:"):
             continue
         data = line[5:].strip()
         if data == "[DONE]":
             return None
-        chunk = json.loads(data)
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            raise UpstreamBroken(f"unreadable chunk: {data[:100]!r}") from None
+        if not isinstance(chunk, dict):
+            raise UpstreamBroken(f"a chunk that is not an object: {data[:100]!r}")
         if "error" in chunk:
-            raise httpx.RemoteProtocolError(chunk["error"].get("message", "upstream error"))
+            err = chunk["error"]
+            raise UpstreamBroken((err.get("message") if isinstance(err, dict) else None) or str(err)[:200])
         return chunk
-    return None
+    raise UpstreamBroken("the stream was cut (no [DONE])")
 
 
-async def _events(resp: httpx.Response, lines: AsyncIterator[str], first: dict | None,
+async def _events(resp: httpx.Response, lines: AsyncIterator[str], first: dict,
                   endpoint: str) -> AsyncIterator[TokenEvent | Finish]:
-    """OpenAI chunks -> generation events: one TokenEvent per chunk with text, then a Finish."""
-    finish_reason, usage = "stop", None
+    """OpenAI chunks -> generation events: one TokenEvent per chunk with text, then a Finish.
+    A stream that ends with neither ``[DONE]`` nor a finish reason, or breaks (an unreadable
+    chunk, an in-band error), is no answer: a 502 (in-band once streaming), never a short "stop"."""
+    finish_reason, usage = None, None
     try:
         chunk = first
         while chunk is not None:
-            if chunk.get("usage"):
+            if isinstance(chunk.get("usage"), dict):
                 usage = chunk["usage"]
             for choice in chunk.get("choices") or []:
                 text = (choice.get("delta") or {}).get("content") if endpoint == "chat" else choice.get("text")
@@ -216,9 +324,19 @@ async def _events(resp: httpx.Response, lines: AsyncIterator[str], first: dict |
                                      tuple(TopToken(-1, t["token"], float(t["logprob"]), t["token"].encode())
                                            for t in (lp or {}).get("top_logprobs") or []))
                 if choice.get("finish_reason"):
-                    finish_reason = choice["finish_reason"]
-            chunk = await _next_chunk(lines)
+                    finish_reason = str(choice["finish_reason"])
+            try:
+                chunk = await _next_chunk(lines)
+            except UpstreamBroken:
+                if finish_reason is None:
+                    raise
+                chunk = None  # finished, only the end of the stream was lost
         usage = usage or {}
-        yield Finish(finish_reason, int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)))
+        yield Finish(finish_reason or "stop", int(usage.get("prompt_tokens", 0)),
+                     int(usage.get("completion_tokens", 0)))
+    except (UpstreamBroken, httpx.HTTPError, AttributeError, TypeError, KeyError, ValueError) as e:
+        log.warning("the cloud's stream broke: %r", e)
+        raise errors.APIError(502, f"The cloud tier's answer broke off: {e}", "server_error",
+                              code="upstream_broken") from e
     finally:
         await resp.aclose()

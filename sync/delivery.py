@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 _PASSING = {408, 409, 425, 429}
 # answers that say the cloud (or this device's access to it) is not usable now
 _UNAVAILABLE = {401, 403, 404, 429}
+# of those, the cloud refusing this device (a wrong or revoked key): the breaker's refused state
+_REFUSED = {401, 403}
 
 
 @dataclass
@@ -50,6 +52,10 @@ class Outcome:
     @property
     def cloud_unavailable(self) -> bool:
         return self.status == 0 or self.status >= 500 or self.status in _UNAVAILABLE
+
+    @property
+    def device_refused(self) -> bool:
+        return self.status in _REFUSED
 
 
 @dataclass
@@ -143,8 +149,9 @@ class DeliveryLoop:
                 delay = max(backoff_s(item.attempts, self.config), out.retry_after_s or 0.0)
                 await asyncio.to_thread(self.queue.retry_later, item.id, out.error or f"HTTP {out.status}", delay)
         if any(o.cloud_unavailable for o in outcomes):
-            worst = next(o for o in outcomes if o.cloud_unavailable)
-            self.breaker.failure(worst.error or f"HTTP {worst.status}", worst.retry_after_s)
+            worst = next((o for o in outcomes if o.device_refused), None) or next(
+                o for o in outcomes if o.cloud_unavailable)
+            self._unavailable(worst)
         elif any(o.delivered or o.refused for o in outcomes):
             self.breaker.success()
         return 0.0
@@ -156,17 +163,30 @@ class DeliveryLoop:
             return Outcome(0, error=repr(e))
 
     async def _probe(self) -> bool:
+        """One cheap probe (``probe`` answers an Outcome, or a bool) settles the half-open breaker."""
         try:
-            ok = await self.probe()
+            out = await self.probe()
         except Exception as e:
-            ok, err = False, repr(e)
-        else:
-            err = "probe failed"
-        if ok:
+            out = Outcome(0, error=repr(e))
+        if isinstance(out, bool):
+            out = Outcome(200) if out else Outcome(0, error="probe failed")
+        if out.delivered:
             self.breaker.success()
+            return True
+        self._unavailable(out)
+        if out.device_refused:  # say why on what waits, so `cascade edge queue list` shows it
+            await asyncio.to_thread(self.queue.note_error, Kind.REQUEST, out.error or f"HTTP {out.status}")
+        return False
+
+    def _unavailable(self, out: Outcome) -> None:
+        error = out.error or f"HTTP {out.status}"
+        if out.device_refused:
+            if not self.breaker.refused:
+                log.error("the cloud refuses this device (HTTP %d): check [upstream] api_key; queued requests "
+                          "wait and are tried again on a slow schedule: %s", out.status, error)
+            self.breaker.refusal(error, out.retry_after_s)
         else:
-            self.breaker.failure(err)
-        return ok
+            self.breaker.failure(error, out.retry_after_s)
 
     async def _callbacks(self) -> None:
         for item in await asyncio.to_thread(self.queue.pending_callbacks):

@@ -128,14 +128,24 @@ class OfflineQueue(QueueView, SQLiteStore):
             n, size = self._pending(conn).values()
             need_n = n + len(rows) - self.max_items
             need_b = size + sum(r[2] for r in rows) - self.max_bytes
+            keep = [True] * len(rows)
             if need_n > 0 or need_b > 0:
+                # new telemetry that would not fit even with all queued telemetry gone is dropped
+                # first (newest first), so a record too large to ever fit costs nothing else
+                old_n, old_b = conn.execute("SELECT count(*), coalesce(sum(bytes), 0) FROM outbox "
+                                            "WHERE kind = 'telemetry' AND state = 'queued'").fetchone()
+                for i in reversed(range(len(rows))):
+                    if need_n <= old_n and need_b <= old_b:
+                        break
+                    if rows[i][0].kind == Kind.TELEMETRY:
+                        keep[i] = False
+                        need_n, need_b = need_n - 1, need_b - rows[i][2]
                 need_n, need_b = self._drop_telemetry(conn, need_n, need_b)
             # what still does not fit: drop the telemetry among the new items, newest first
-            keep = [True] * len(rows)
             for i in reversed(range(len(rows))):
                 if need_n <= 0 and need_b <= 0:
                     break
-                if rows[i][0].kind == Kind.TELEMETRY:
+                if rows[i][0].kind == Kind.TELEMETRY and keep[i]:
                     keep[i] = False
                     need_n, need_b = need_n - 1, need_b - rows[i][2]
             if need_n > 0 or need_b > 0:
@@ -255,6 +265,13 @@ class OfflineQueue(QueueView, SQLiteStore):
             conn.execute("UPDATE outbox SET state = 'queued', next_attempt_at = ?, last_error = ?, lease_until = 0, "
                          "updated_at = ? WHERE id = ? AND state = 'sending'",
                          (now + delay_s, error[:500], now, item_id))
+
+    def note_error(self, kind: Kind | str, error: str) -> int:
+        """Record why the items of ``kind`` waiting now cannot go (the cloud refuses this device)
+        without touching their state or attempts. Returns how many."""
+        with self._write() as conn:
+            return conn.execute("UPDATE outbox SET last_error = ? WHERE kind = ? AND state = 'queued'",
+                                (error[:500], Kind(kind).value)).rowcount
 
     def release(self, item_ids: Iterable[str]) -> None:
         """Give claimed items back untried (the attempt does not count)."""

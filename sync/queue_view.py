@@ -19,6 +19,12 @@ class QueueView:
                 "FROM outbox AS o LEFT JOIN inbox AS i ON i.id = o.id WHERE o.id = ?", (item_id,)).fetchone()
         return None if row is None else item_of(row, with_result=True)
 
+    def by_app_key(self, app_key: str) -> Item | None:
+        """The item stored under the app's own Idempotency-Key, if any (with its payload)."""
+        with self._lock:
+            row = self._db.conn.execute("SELECT id FROM outbox WHERE app_key = ?", (app_key,)).fetchone()
+        return None if row is None else self.get(row[0])
+
     def items(self, state: str | None = None, kind: str | None = None, limit: int = 100) -> list[Item]:
         where, args = [], []
         if state:

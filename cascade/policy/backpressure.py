@@ -1,6 +1,10 @@
 """Cloud back-pressure: a circuit breaker. A 429 or an unreachable cloud opens it (until the
 Retry-After, or a backoff); while open the agent serves locally, marked degraded, instead of
-queueing behind the cloud. After that time one probe goes through; a success closes it."""
+queueing behind the cloud. After that time one probe goes through; a success closes it.
+
+A refusal of this device (401/403: a wrong or revoked key) is a state of its own, ``refused``:
+the cloud is up but will not serve us, which no amount of quick retrying changes, so it is
+tried again on a slow schedule (``REFUSED_BACKOFF_S`` and up) and reported as what it is."""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 
 MAX_RETRY_AFTER_S = 3600.0  # a peer's Retry-After is honoured up to this (a typo must not park us for days)
+REFUSED_BACKOFF_S = 30.0  # a refused device asks again after this, doubling up to MAX_REFUSED_BACKOFF_S
+MAX_REFUSED_BACKOFF_S = 600.0
 _MAX_DOUBLINGS = 30  # 2**30 * any base is past every cap: no overflow after a long outage
 
 
@@ -54,13 +60,23 @@ class CircuitBreaker:
     open_until: float = 0.0
     failures: int = 0
     probing: bool = False
+    refused: bool = False  # the last failure was the cloud refusing this device (401/403)
     last_error: str = ""
 
     @property
     def state(self) -> str:
+        """closed | open | half_open | refused (open because the cloud refused this device)."""
         if self.failures == 0:
             return "closed"
-        return "open" if self.clock() < self.open_until else "half_open"
+        if self.clock() < self.open_until:
+            return "refused" if self.refused else "open"
+        return "half_open"
+
+    @property
+    def available(self) -> bool:
+        """Whether a request may go now: closed, or half-open with no probe in flight."""
+        s = self.state
+        return s == "closed" or (s == "half_open" and not self.probing)
 
     def allow(self) -> bool:
         """May a request go to the cloud now? In half-open state, only one probe at a time."""
@@ -73,15 +89,30 @@ class CircuitBreaker:
         return True
 
     def success(self) -> None:
-        self.failures, self.open_until, self.probing, self.last_error = 0, 0.0, False, ""
+        self.failures, self.open_until, self.probing, self.refused, self.last_error = 0, 0.0, False, False, ""
 
     def failure(self, error: str, retry_after_s: float | None = None) -> None:
+        self._open(error, retry_after_s, self.base_backoff_s, self.max_backoff_s, refused=False)
+
+    def refusal(self, error: str, retry_after_s: float | None = None) -> None:
+        """The cloud refused this device (401/403): open, on the slow schedule."""
+        self._open(error, retry_after_s, REFUSED_BACKOFF_S, max(MAX_REFUSED_BACKOFF_S, self.max_backoff_s),
+                   refused=True)
+
+    def abandon(self) -> None:
+        """A request let through ended without telling anything (cancelled): free the probe slot
+        so the next caller probes, without counting a failure or a success."""
+        self.probing = False
+
+    def _open(self, error: str, retry_after_s: float | None, base_s: float, max_s: float, refused: bool) -> None:
         self.failures += 1
         self.probing = False
+        self.refused = refused
         self.last_error = error
-        backoff = exponential_backoff_s(self.failures, self.base_backoff_s, self.max_backoff_s)
+        backoff = exponential_backoff_s(self.failures, base_s, max_s)
         retry_after_s = clamp_retry_after(retry_after_s)
-        self.open_until = self.clock() + (retry_after_s if retry_after_s is not None else backoff)
+        self.open_until = self.clock() + (max(retry_after_s, base_s if refused else 0.0)
+                                          if retry_after_s is not None else backoff)
 
     def retry_after_s(self) -> float:
         return max(0.0, self.open_until - self.clock())

@@ -10,7 +10,8 @@ Precedence, first match wins:
      its offline policy is ``queue`` (``session_order``)
   5. an escalation while the cloud is unavailable (circuit open): by the offline policy,
      ``queue`` -> queue "cloud_unavailable" (202: stored, delivered when the cloud returns),
-     ``local`` -> edge "cloud_unavailable" degraded (if the prompt fits locally), else reject 503
+     ``local`` -> edge "cloud_unavailable" degraded (if the prompt fits locally), else reject 503;
+     the reason is "cloud_refused" instead when the cloud refuses this device (401/403)
   6. otherwise                       -> edge  "easy", its answer checked for low confidence
 After a local answer (or its first K tokens): ``after_local`` escalates "low_confidence".
 When the local queue is full: ``when_queue_full`` (overflow to the cloud, or the queue's 429).
@@ -47,6 +48,7 @@ class RequestSignals:
     latency_budget_s: float | None = None
     upstream: bool = True  # an upstream is configured
     cloud_available: bool = True  # the back-pressure circuit lets a request through
+    cloud_refused: bool = False  # not available because the cloud refuses this device (401/403)
     session_backlog: bool = False  # the request's session has requests queued for the cloud
 
 
@@ -88,12 +90,13 @@ def decide(s: RequestSignals, config: PolicyConfig) -> Decision:
         if goes_behind_backlog(s.session_backlog, s.offline):
             return Decision("queue", reason, status=202)
         return Decision("cloud", reason)
+    why = "cloud_refused" if s.cloud_refused else "cloud_unavailable"
     if s.offline == "queue":
-        return Decision("queue", "cloud_unavailable", status=202)
+        return Decision("queue", why, status=202)
     fits_locally = s.prompt_tokens + 1 <= s.n_ctx
     if s.offline == "local" and fits_locally:
-        return Decision("edge", "cloud_unavailable", degraded=True)
-    return Decision("reject", "cloud_unavailable", status=503)
+        return Decision("edge", why, degraded=True)
+    return Decision("reject", why, status=503)
 
 
 def after_local(conf: Confidence, config: ConfidenceConfig, cloud_available: bool) -> Decision | None:

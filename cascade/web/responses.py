@@ -33,6 +33,9 @@ async def openai_response(request: Request, events: AsyncIterator, fmt, stream: 
     except asyncio.CancelledError:
         count("499")
         raise
+    except errors.APIError as e:
+        count(str(e.status))
+        raise
     finally:
         watcher.cancel()
     count("200")
@@ -74,6 +77,9 @@ async def _sse(events: AsyncIterator, fmt, include_usage: bool, count: Callable[
     except asyncio.CancelledError:
         status = "499"  # the client went away; closing ``events`` stops the generation
         raise
+    except errors.APIError as e:  # a refusal after the first byte (a peer's stream broke): in-band
+        status = str(e.status)
+        yield e.sse()
     except Exception as e:  # after the first byte, the only way to tell the client is in-band
         log.exception("generation failed mid-stream")
         status = "500"

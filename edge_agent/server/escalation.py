@@ -141,13 +141,18 @@ class Escalator:
             difficulty=self.policy.hard.model.score(features(prompt_text)) if self.policy.hard.model.weights else 0.0,
             load=load, latency_budget_s=opts.latency_budget_s if opts else None,
             upstream=self.upstream is not None,
-            cloud_available=self.upstream.available if self.upstream else False)
+            cloud_available=self.upstream.available if self.upstream else False,
+            cloud_refused=self.upstream.refused if self.upstream else False)
 
     async def route(self, req, endpoint: str, body: dict, make_job, prompt_text: str,
                     session: str | None = None, app_key: str | None = None) -> Routed | Queued:
         """``make_job()`` builds the local job (it raises 400 when the prompt cannot run here).
         A request the cloud should answer but cannot reach is queued (``Queued``) when its
-        offline policy says so."""
+        offline policy says so. Everything the request could be refused for is checked before a
+        local slot is reserved; a reservation is given back on every exit."""
+        self.outbox.check_callback(req.cascade.callback_url if req.cascade else None)
+        if app_key is not None and (earlier := await self.outbox.earlier(body, app_key)) is not None:
+            return Queued(earlier.id, earlier.reason)  # the app's retry of a request queued under its key
         job, too_long_locally = None, None
         try:
             job = make_job()
@@ -163,9 +168,9 @@ class Escalator:
         decision = decide(signals, self.policy)
         if decision.tier == "cloud":
             try:
-                return await self._cloud(endpoint, body, decision.reason)
+                return await self._cloud(endpoint, body, decision.reason, app_key=app_key)
             except UpstreamUnavailable as e:
-                decision = decide(replace(signals, cloud_available=False), self.policy)
+                decision = decide(replace(signals, cloud_available=False, cloud_refused=e.refused), self.policy)
                 log.warning("escalation failed (%s); %s: %s", e, decision.tier, decision.reason)
         if decision.tier == "queue":
             self._count(decision)
@@ -174,23 +179,30 @@ class Escalator:
         if decision.tier == "reject":
             self._count(decision)
             retry = self.upstream.breaker.retry_after_s() if self.upstream else 1.0
-            raise errors.APIError(decision.status, "The cloud tier cannot be reached and this request cannot be "
-                                  "answered on the device.", "server_error", code="cloud_unavailable",
+            what = ("refuses this device's key" if decision.reason == "cloud_refused" else "cannot be reached")
+            raise errors.APIError(decision.status, f"The cloud tier {what} and this request cannot be "
+                                  "answered on the device.", "server_error", code=decision.reason,
                                   headers={"Retry-After": str(max(1, round(retry))),
                                            "X-Cascade-Reason": decision.reason})
         if job is None:  # too long for this device, and kept here (mode local)
             raise too_long_locally
-        routed = await self._local(job, decision, signals, endpoint, body)
+        routed = await self._local(job, decision, signals, endpoint, body, app_key)
         if wants_refinement(routed.degraded, bool(req.cascade and req.cascade.refine), signals.upstream):
             # the app takes the degraded local answer now and the cloud's when it comes
-            refinement = Queued(await self.outbox.submit(endpoint, body, "refine", session, req.cascade), "refine")
+            try:
+                refinement = Queued(await self.outbox.submit(endpoint, body, "refine", session, req.cascade),
+                                    "refine")
+            except BaseException:
+                await routed.events.aclose()  # the local answer will not be read: its slot goes back
+                raise
             routed.cascade_field["refinement"] = refinement.location
             routed.extra_headers["X-Cascade-Refinement"] = refinement.location
         return routed
 
-    async def _cloud(self, endpoint: str, body: dict, reason: str, draft: str | None = None) -> Routed:
+    async def _cloud(self, endpoint: str, body: dict, reason: str, draft: str | None = None,
+                     app_key: str | None = None) -> Routed:
         try:
-            esc = await self.upstream.escalate(endpoint, body, reason, draft)
+            esc = await self.upstream.escalate(endpoint, body, reason, draft, app_key=app_key)
         except UpstreamRefused as e:
             raise errors.APIError(e.status, f"The cloud tier refused the request: {e.body[:300]}",
                                   code="upstream_refused") from e
@@ -198,7 +210,7 @@ class Escalator:
         return Routed(esc.events, "cloud", reason, model=esc.model or None)
 
     async def _local(self, job: LocalJob, decision: Decision, signals: RequestSignals, endpoint: str,
-                     body: dict) -> Routed:
+                     body: dict, app_key: str | None = None) -> Routed:
         svc = self.service
         try:
             reservation = svc.admit()
@@ -208,7 +220,7 @@ class Escalator:
             if full.tier != "cloud":
                 raise
             try:
-                return await self._cloud(endpoint, body, full.reason)
+                return await self._cloud(endpoint, body, full.reason, app_key=app_key)
             except UpstreamUnavailable:
                 raise errors.too_many_requests("The edge agent's queue is full and the cloud cannot be "
                                                "reached; retry later.", svc.pool.predicted_wait_s(),
@@ -239,10 +251,15 @@ class Escalator:
         if after is not None and after.tier == "cloud":
             draft = "".join(e.text for e in held if isinstance(e, TokenEvent))
             try:
-                routed = await self._cloud(endpoint, body, after.reason, draft)
-            except UpstreamUnavailable as e:
+                routed = await self._cloud(endpoint, body, after.reason, draft, app_key)
+            except (UpstreamUnavailable, errors.APIError) as e:
+                # the cloud cannot take it or refused it (a 4xx): the local answer the app could
+                # have had all along is still here, so it gets that rather than an error
                 log.warning("low-confidence escalation failed: %s; answering locally", e)
                 after = after_local(conf, self.policy.confidence, cloud_available=False)
+            except BaseException:
+                await events.aclose()
+                raise
             else:
                 await events.aclose()  # nothing of the local answer was released
                 routed.cascade_field.update(info)

@@ -34,6 +34,11 @@ def open_queue(config: SyncConfig, lease_s: float = 120.0) -> OfflineQueue:
                         keep_s=config.keep_s, lease_s=lease_s, synchronous=config.synchronous)
 
 
+def _stored(body: dict) -> dict:
+    """What of a request is queued: the body without our options and the streaming fields."""
+    return {k: v for k, v in body.items() if k not in ("cascade", "stream", "stream_options")}
+
+
 def describe(item: Item) -> dict:
     """An item as the app sees it at ``GET /v1/requests/{id}`` (and in a callback)."""
     out = {"id": item.id, "object": "cascade.request", "state": item.state, "kind": item.kind,
@@ -98,7 +103,7 @@ class Outbox:
         ``Idempotency-Key`` (``app_key``) a retried POST gets the first one's id, not a second item."""
         callback = opts.callback_url if opts else None
         self.check_callback(callback)
-        payload = {k: v for k, v in body.items() if k not in ("cascade", "stream", "stream_options")}
+        payload = _stored(body)
         item = NewItem(Kind.REQUEST, payload, endpoint=endpoint, session=session,
                        priority=opts.priority if opts else 0, ttl_s=opts.ttl_s if opts else None,
                        callback_url=callback, reason=reason, app_key=app_key)
@@ -113,6 +118,18 @@ class Outbox:
         if self.loop is not None:
             self.loop.notify()
         return item_id
+
+    async def earlier(self, body: dict, app_key: str) -> Item | None:
+        """The request queued under the app's ``Idempotency-Key`` ``app_key``, if any: a retry of
+        it is answered with that item (whether the cloud is back or not), never sent again. 422
+        when the key was used for a different request."""
+        item = await asyncio.to_thread(self.queue.by_app_key, app_key)
+        if item is None or item.kind != Kind.REQUEST:
+            return None
+        if item.payload != _stored(body):
+            raise errors.APIError(422, f"the Idempotency-Key {app_key!r} was used for a different request.",
+                                  "invalid_request_error", "Idempotency-Key", "idempotency_key_reused")
+        return item
 
     async def spool_telemetry(self, record: dict) -> str | None:
         return await self._writer.put(NewItem(Kind.TELEMETRY, record, priority=-1))

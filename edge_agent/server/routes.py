@@ -44,7 +44,8 @@ async def healthz(request: Request):
             "queue": {"pending": q["items"], "pending_bytes": q["bytes"], "oldest_pending_age_s": q["oldest_age_s"]},
             "slots": {"total": svc.pool.size, "busy": svc.pool.busy, "waiting": svc.pool.waiting},
             "upstream": None if up is None else {"url": up.base_url, "circuit": up.breaker.state,
-                                                 "retry_after_s": round(up.breaker.retry_after_s(), 3)}}
+                                                 "retry_after_s": round(up.breaker.retry_after_s(), 3),
+                                                 "last_error": up.breaker.last_error or None}}
 
 
 @ops.get("/metrics", response_class=PlainTextResponse)

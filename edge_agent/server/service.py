@@ -7,7 +7,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from cascade import errors
@@ -19,6 +19,38 @@ from edge_agent.server.metrics import EdgeMetrics
 from edge_agent.server.slots import SlotPool, TooManyWaiting
 
 log = logging.getLogger(__name__)
+
+
+class LocalRun:
+    """A local generation's events (``async for``). Its slot reservation is given back however it
+    ends: by the generator once it has started, or by ``aclose()`` (or, as a last resort, by
+    garbage collection) when nobody ever iterated it, e.g. a request refused after its slot was
+    reserved. An async generator that never started runs no ``finally``, hence this wrapper."""
+
+    def __init__(self, events: AsyncIterator, give_back: Callable[[], None]):
+        self._events = events
+        self._give_back: Callable[[], None] | None = give_back
+        self._loop = asyncio.get_running_loop()
+
+    def __aiter__(self) -> LocalRun:
+        return self
+
+    async def __anext__(self):
+        self._give_back = None  # from here the generator owns the reservation
+        return await self._events.__anext__()
+
+    async def aclose(self) -> None:
+        self._settle()
+        await self._events.aclose()
+
+    def _settle(self) -> None:
+        give_back, self._give_back = self._give_back, None
+        if give_back is not None:
+            give_back()
+
+    def __del__(self):
+        if self._give_back is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._settle)
 
 
 @dataclass
@@ -131,7 +163,17 @@ class EdgeService:
         self.metrics.observe_queue(self.pool)
         return reservation
 
-    async def run(self, job: LocalJob, reservation: asyncio.Future[Backend]) -> AsyncIterator[TokenEvent | Finish]:
+    def run(self, job: LocalJob, reservation: asyncio.Future[Backend]) -> LocalRun:
+        """The job's events, generated on the reserved slot. Closing them (``aclose``), whether
+        iteration started or not, gives the reservation back."""
+        return LocalRun(self._generate(job, reservation), lambda: self._give_back(reservation))
+
+    def _give_back(self, reservation: asyncio.Future[Backend]) -> None:
+        self.pool.cancel(reservation)
+        self.metrics.observe_queue(self.pool)
+
+    async def _generate(self, job: LocalJob,
+                        reservation: asyncio.Future[Backend]) -> AsyncIterator[TokenEvent | Finish]:
         """Wait for the reserved slot, generate in a worker thread, yield its events.
 
         If the consumer stops early (client gone), the generation is cancelled and the slot
