@@ -85,6 +85,10 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(self.model_dir, self.tokenizer, hf_config)
         per_block = ModelRunner.bytes_per_block(self.model, config.block_size, self.dtype)
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // per_block)
+        if num_blocks * config.block_size < self.max_model_len:  # one such request could never run
+            raise ValueError(f"the KV cache holds {num_blocks * config.block_size} tokens ({num_blocks} blocks of "
+                             f"{config.block_size}), less than max_model_len {self.max_model_len}: raise the KV "
+                             f"budget ({num_blocks * per_block} bytes) or lower max_model_len")
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  model_identity=f"{self.model_dir.name}:{config.dtype}")
         self.scheduler = Scheduler(SchedulerConfig(
@@ -120,9 +124,10 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt is {len(token_ids)} tokens; this model's maximum context "
                              f"length is {self.max_model_len} tokens")
-        return Request(request_id or uuid.uuid4().hex, token_ids, params, eos_token_ids=self.eos_token_ids,
-                       priority=priority,
-                       arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+        req = Request(request_id or uuid.uuid4().hex, token_ids, params, eos_token_ids=self.eos_token_ids,
+                      priority=priority, arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+        self.scheduler.check_admissible(req)  # reads only the configuration: safe on any thread
+        return req
 
     def add(self, req: Request) -> str:
         """Queue a request made by ``make_request``."""

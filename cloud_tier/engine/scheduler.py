@@ -78,15 +78,35 @@ class Scheduler:
     # -- requests in and out -------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self._check_new_id(request.request_id)
+        self.check_admissible(request)
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def peak_kv_tokens(self, request: Request) -> int:
+        """The most tokens of KV ``request`` can hold at once: everything but its last token,
+        which is sampled and never computed (a prefill for a transfer stops at its prompt)."""
+        if request.kv_transfer:
+            return request.num_prompt_tokens
+        last = min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.config.max_model_len)
+        return max(last - 1, request.num_tokens)
+
+    def check_admissible(self, request: Request) -> None:
+        """ValueError for a request that could never run here, even alone: admitted, it would
+        preempt itself forever and block the queue behind it."""
         if request.num_tokens >= self.config.max_model_len:
             raise ValueError(f"prompt of {request.num_tokens} tokens does not fit max_model_len "
                              f"{self.config.max_model_len}")
-        if self.kv.blocks_for_tokens(request.num_tokens + 1) > self.kv.num_blocks:
-            raise ValueError("prompt does not fit the whole KV cache")
-        self.requests[request.request_id] = request
-        self._enqueue(request)
+        peak = self.peak_kv_tokens(request)
+        capacity = self.kv.num_blocks * self.kv.block_size
+        if self.kv.blocks_for_tokens(peak) > self.kv.num_blocks:
+            raise ValueError(f"request {request.request_id!r} can need {peak} tokens of KV (prompt "
+                             f"{request.num_prompt_tokens} + max_tokens {request.sampling_params.max_tokens}) "
+                             f"but the whole KV cache holds {capacity} tokens: lower max_tokens or the prompt")
+
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self.requests or request_id in self.held:
+            raise ValueError(f"duplicate request id {request_id!r}: a request with this id is in flight")
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests from outside (abort, a stop string matched) and free their blocks."""
@@ -107,10 +127,10 @@ class Scheduler:
         """Take over a request prefilled elsewhere: its prompt's KV is about to be written into
         the blocks allocated here, so it runs from ``num_computed_tokens == prompt length`` with
         its first token already sampled. False (nothing changed) if the blocks do not fit."""
-        if request.request_id in self.requests:
-            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self._check_new_id(request.request_id)
         if request.num_computed_tokens or request.num_output_tokens != 1:
             raise ValueError("an adopted request has its first token and nothing computed yet")
+        self.check_admissible(request)
         if self.kv.allocate_slots(request, request.num_prompt_tokens) is None:
             return False
         request.num_computed_tokens = request.num_prompt_tokens

@@ -76,7 +76,7 @@ def test_preemption_under_a_small_kv_budget_gives_the_same_outputs(smollm2_engin
     prompts = [f"Write a list of {n} fruits:" for n in range(3, 11)]
     params = SamplingParams(temperature=0.0, max_tokens=40)
     reference = run_to_end(smollm2_engine, prompts, params)
-    small = LLMEngine.from_model("smollm2-135m", dtype="float32", max_model_len=1024, num_kv_blocks=14,
+    small = LLMEngine.from_model("smollm2-135m", dtype="float32", max_model_len=224, num_kv_blocks=14,
                                  block_size=16, max_num_batched_tokens=128)
     outs = run_to_end(small, prompts, params)
     assert small.scheduler.num_preemptions > 0
@@ -157,3 +157,8 @@ def test_async_engine_streams_and_aborts_on_early_exit(smollm2_engine):
         finally:
             engine.shutdown()
     asyncio.run(scenario())
+
+
+def test_kv_budget_below_max_model_len_is_refused_at_start(engine_home):
+    with pytest.raises(ValueError, match=r"64 tokens.*max_model_len 1024"):
+        LLMEngine.from_model("smollm2-135m", dtype="float32", max_model_len=1024, num_kv_blocks=4, block_size=16)

@@ -111,7 +111,7 @@ def test_priority_then_arrival_order():
 
 def test_preemption_recomputes_the_lowest_priority_request():
     s = make(num_blocks=4, block_size=4, budget=64)
-    a, b = req("a", 7, max_tokens=20, arrival=0.0), req("b", 7, max_tokens=20, arrival=1.0, start=100)
+    a, b = req("a", 7, max_tokens=9, arrival=0.0), req("b", 7, max_tokens=9, arrival=1.0, start=100)
     s.add_request(a)
     s.add_request(b)
     step(s)  # a: blocks 0,1 ; b: blocks 2,3 ; no block free
@@ -175,3 +175,40 @@ def test_requests_that_can_never_fit_are_refused_at_the_door():
         s.add_request(req("a", 64))
     with pytest.raises(ValueError, match="KV cache"):
         s.add_request(req("b", 8))
+
+
+def run_until_idle(s, max_steps=200):
+    for _ in range(max_steps):
+        if not s.has_unfinished():
+            return
+        step(s)
+    raise AssertionError("the scheduler did not drain")
+
+
+def test_request_whose_output_can_never_fit_is_refused_at_the_door():
+    s = make(num_blocks=4, block_size=4, max_len=256)  # the whole cache holds 16 tokens
+    with pytest.raises(ValueError, match=r"19 tokens.*16 tokens"):
+        s.add_request(req("big", 4, max_tokens=16))  # its peak: 4 + 16 - 1 = 19 tokens of KV
+    assert not s.has_unfinished() and s.kv.num_free_blocks == 4
+    fits = req("fits", 4, max_tokens=13, start=100)  # 4 + 13 - 1 = 16 tokens: exactly the cache
+    s.add_request(fits)
+    run_until_idle(s)
+    assert fits.status == RequestStatus.FINISHED_LENGTH and fits.num_output_tokens == 13
+
+
+def test_max_model_len_bounds_the_peak_a_request_can_need():
+    s = make(num_blocks=4, block_size=4, max_len=17)  # stops at 17 tokens: 16 computed at most
+    r = req("a", 4, max_tokens=1000)
+    s.add_request(r)
+    run_until_idle(s)
+    assert r.status == RequestStatus.FINISHED_LENGTH and r.num_tokens == 17
+
+
+def test_small_request_behind_a_refused_one_runs():
+    s = make(num_blocks=4, block_size=4, max_len=256)
+    with pytest.raises(ValueError):
+        s.add_request(req("big", 8, max_tokens=20))
+    small = req("small", 3, max_tokens=2, arrival=1.0, start=100)
+    s.add_request(small)
+    run_until_idle(s)
+    assert small.status == RequestStatus.FINISHED_LENGTH
