@@ -16,7 +16,7 @@ from cascade.protocol import ChatCompletion, ChatCompletionRequest, Completion, 
 from cascade.web import openai_response, openapi, parse_body, read_json
 from cloud_tier.gateway.keys import ApiKey
 from cloud_tier.gateway.service import GatewayService
-from cloud_tier.gateway.streams import render_stored, replay
+from cloud_tier.gateway.streams import pull_first, render_stored, replay
 
 
 def service(request: Request) -> GatewayService:
@@ -87,6 +87,10 @@ async def _serve(request: Request, endpoint: str, schema, formatter):
         if not req.stream:
             return Response(render_stored(result, fmt), media_type="application/json", headers=headers)
         result = replay(result)
+    elif req.stream:  # a failure before the first token is an HTTP error, not a 200 with an error inside
+        result = await pull_first(result, request.is_disconnected)
+        if result is None:
+            return Response(status_code=499)  # the client left before the first token
     resp = await openai_response(request, result, fmt, req.stream, req.include_usage_in_stream(), lambda _: None)
     resp.headers.update(headers)
     return resp

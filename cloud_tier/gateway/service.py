@@ -6,6 +6,7 @@ closes (``streams.Recorder``)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import math
@@ -34,6 +35,13 @@ def request_hash(endpoint: str, body: dict) -> str:
     core = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
     return hashlib.sha256(json.dumps([endpoint, core], sort_keys=True, separators=(",", ":"),
                                      default=str).encode()).hexdigest()
+
+
+def outcome_of(error: BaseException) -> str:
+    """The outcome label of a request that failed with ``error`` (not one its client left)."""
+    if isinstance(error, errors.APIError):
+        return f"429_{error.code or ''}" if error.status == 429 else f"{error.status // 100}xx"
+    return "5xx"
 
 
 class GatewayService:
@@ -157,7 +165,7 @@ class GatewayService:
         if fin is None:
             if f.idem_key:
                 self.idempotency.release(f.tenant, f.idem_key)
-            self._count(f, "5xx" if f.first_token_at is None else "499")
+            self._count(f, outcome_of(f.error) if f.error is not None else "499")  # no error: the client left
             return
         stored = {"events": f.events}
         if f.cache_key:
@@ -185,12 +193,7 @@ class GatewayService:
             self.quotas.reconcile(f.tenant, f.key.key_id, f.predicted_tokens, 0)
         if f.idem_key:
             self.idempotency.release(f.tenant, f.idem_key)
-        if isinstance(error, errors.APIError):
-            code = error.body()["error"].get("code") or ""
-            outcome = f"429_{code}" if error.status == 429 else f"{error.status // 100}xx"
-        else:
-            outcome = "499"
-        self._count(f, outcome)
+        self._count(f, "499" if isinstance(error, asyncio.CancelledError) else outcome_of(error))
 
     def _count(self, f: Flight, outcome: str) -> None:
         self.metrics.requests.labels(f.tenant, f.endpoint, outcome).inc()

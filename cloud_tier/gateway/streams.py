@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from cascade.generation import Finish, TokenEvent, event_from_wire, event_to_wire
@@ -24,6 +24,8 @@ class Flight:
     endpoint: str
     arrived: float
     predicted_tokens: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0  # token events received so far
     ticket: Ticket | None = None
     cache_key: str | None = None
     idem_key: str | None = None
@@ -31,6 +33,7 @@ class Flight:
     finish: Finish | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    error: Exception | None = None  # why the stream failed (the worker, not the client); None: it did not
     settled: bool = False
 
 
@@ -47,10 +50,17 @@ class Recorder:
         return self
 
     async def __anext__(self):
-        ev = await self._events.__anext__()
         f = self.flight
+        try:
+            ev = await self._events.__anext__()
+        except (StopAsyncIteration, asyncio.CancelledError):
+            raise  # the end, or the client is gone (cancelled): not a failure of the stream
+        except Exception as e:
+            f.error = e
+            raise
         f.events.append(event_to_wire(ev))
         if isinstance(ev, TokenEvent):
+            f.generated_tokens += 1
             f.last_token_at = time.perf_counter()
             if f.first_token_at is None:
                 f.first_token_at = f.last_token_at
@@ -107,6 +117,48 @@ class RunToEnd:
 
     async def aclose(self) -> None:
         """The client is gone (or done): the flight goes on without it."""
+
+
+class FirstPulled:
+    """An event stream whose first event was read already (to choose the HTTP status)."""
+
+    def __init__(self, first, events):
+        self._first = [first]
+        self._events = events
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self._first:
+            return self._first.pop()
+        return await self._events.__anext__()
+
+    async def aclose(self) -> None:
+        await self._events.aclose()
+
+
+async def pull_first(events, is_disconnected: Callable[[], Awaitable[bool]], poll_s: float = 0.25):
+    """Read the first event of ``events`` before a response is chosen: a failure before it raises
+    (so that it becomes the HTTP status); a client that leaves meanwhile gives None. Either way
+    ``events`` is closed then; otherwise it goes on, first event included, in what is returned."""
+    first = asyncio.ensure_future(events.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({first}, timeout=poll_s)
+            if done:
+                return FirstPulled(first.result(), events)
+            if await is_disconnected():
+                first.cancel()
+                await asyncio.gather(first, return_exceptions=True)
+                await events.aclose()
+                return None
+    except BaseException:
+        if not first.done():
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+        await events.aclose()
+        raise
 
 
 async def replay(stored: dict) -> AsyncIterator[TokenEvent | Finish]:

@@ -80,7 +80,7 @@ class WorkerClient:
                 async with self.client.stream("POST", f"{worker.url}/internal/generate",
                                               content=body.model_dump_json(), headers=self.worker_headers) as resp:
                     if resp.status_code != 200:
-                        err = _error_of(await resp.aread(), resp.status_code)
+                        err = _error_of(await resp.aread(), resp.status_code, resp.headers)
                         if err.code in _RETRYABLE and attempt < ATTEMPTS - 1:
                             log.warning("attempt %d of %s failed (%s); retrying", attempt, rid, err.message)
                             if err.code == "prefill_unreachable" and prefill_url:
@@ -118,10 +118,29 @@ class WorkerClient:
                               code="no_capacity", headers={"Retry-After": "1"})
 
 
-def _error_of(content: bytes, status: int) -> errors.APIError:
+def _error_of(content: bytes, status: int, headers: httpx.Headers | dict) -> errors.APIError:
+    """A worker's refusal as the gateway's answer: a 4xx is the request's fault and passes through
+    as it is (but a 401/403: that refuses the gateway's own credentials, a 502 to the client); a
+    5xx stays a server error, 503 and 429 with the worker's Retry-After (else 1 s)."""
     try:
         e = json.loads(content)["error"]
-        return errors.APIError(status if status >= 500 else 502, e.get("message", ""), "server_error",
-                               code=e.get("code") or "worker_error")
-    except (ValueError, KeyError, TypeError):
-        return errors.APIError(502, f"the worker answered {status}", "server_error", code="worker_error")
+        message, code = str(e.get("message", "")), str(e.get("code") or "worker_error")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        e, message, code = {}, f"the worker answered {status}", "worker_error"
+    if status in (401, 403):
+        return errors.APIError(502, f"The cloud worker refused the gateway ({status}: {message}).", "server_error",
+                               code="worker_refused_gateway")
+    if 400 <= status < 500:
+        kind = e.get("type") if isinstance(e.get("type"), str) else "invalid_request_error"
+        param = e.get("param") if isinstance(e.get("param"), str) else None
+        return errors.APIError(status, message, kind, param, code, _retry_after(status, headers))
+    if status >= 500:
+        return errors.APIError(status, message, "server_error", code=code, headers=_retry_after(status, headers))
+    return errors.APIError(502, f"the worker answered {status}", "server_error", code="worker_error")
+
+
+def _retry_after(status: int, headers: httpx.Headers | dict) -> dict[str, str]:
+    if status not in (429, 503):
+        return {}
+    given = headers.get("retry-after", "")
+    return {"Retry-After": given if given.isdigit() and 0 < int(given) <= 3600 else "1"}
