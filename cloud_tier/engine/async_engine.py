@@ -22,6 +22,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread failed; requests in flight cannot finish."""
 
 
+class RequestAbortedError(RuntimeError):
+    """The request was aborted while its stream was open."""
+
+
 class AsyncLLMEngine:
     """Owns the engine thread. Only that thread touches the engine's scheduler and model; other
     threads talk to it through an inbox, so the engine needs no locks of its own."""
@@ -50,30 +54,37 @@ class AsyncLLMEngine:
 
     def prepare(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None,
                 priority: int = 0) -> Request:
+        """A validated request (ValueError, also for the id of a request streaming here)."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error}")
+        if request_id is not None and request_id in self._streams:
+            raise ValueError(f"duplicate request id {request_id!r}: a request with this id is in flight")
         return self.engine.make_request(prompt, params, request_id, priority)
 
     async def stream(self, req: Request) -> AsyncIterator[RequestOutput]:
+        """Queue ``req`` and stream its outputs (ValueError if the engine refuses it, e.g. a
+        duplicate id; nothing else is touched then)."""
         queue = self._open(req.request_id)
         self._send("add", req)
-        async for out in self._iterate(req.request_id, queue):
+        async for out in self._iterate(req, queue):
             yield out
 
     async def adopt(self, req: Request, kv, logprobs=None, sampler_state: bytes | None = None,
                     num_cached_tokens: int = 0) -> AsyncIterator[RequestOutput]:
         """Take over a request prefilled elsewhere (see ``LLMEngine.adopt``); returns its stream
         once its KV is in this engine's cache, so the caller may release the source's copy.
-        Raises KVCapacityError or ValueError (nothing adopted)."""
+        Raises KVCapacityError or ValueError (nothing adopted). A caller that does not read the
+        stream to its end closes it or aborts the request."""
         queue = self._open(req.request_id)
         try:
             await self.call(lambda e: self._adopt_on_engine(e, req, kv, logprobs, sampler_state,
                                                             num_cached_tokens))
-        except BaseException:
-            self._streams.pop(req.request_id, None)
-            self._send("abort", req.request_id)  # in case it was adopted after its caller gave up
+        except BaseException as e:
+            self._forget_stream(req.request_id, queue)
+            if isinstance(e, asyncio.CancelledError):  # the call still runs: undo it if it adopted
+                self._send("abort_request", req)
             raise
-        return self._iterate(req.request_id, queue)
+        return self._iterate(req, queue)
 
     def _adopt_on_engine(self, engine: LLMEngine, req, kv, logprobs, sampler_state, num_cached) -> None:
         out = engine.adopt(req, kv, logprobs, sampler_state, num_cached)
@@ -89,25 +100,34 @@ class AsyncLLMEngine:
         return await future
 
     def _open(self, request_id: str) -> asyncio.Queue:
+        if request_id in self._streams:  # its outputs would go to the new caller, the first would hang
+            raise ValueError(f"duplicate request id {request_id!r}: a request with this id is in flight")
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
         return queue
 
-    async def _iterate(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    def _forget_stream(self, request_id: str, queue: asyncio.Queue) -> None:
+        """Drop this stream's entry (not a later stream's that reuses the id). On the loop's thread."""
+        target = self._streams.get(request_id)
+        if target is not None and target[1] is queue:
+            del self._streams[request_id]
+
+    async def _iterate(self, req: Request, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
+                    finished = True  # the engine ended it, or never took it
                     raise item
                 finished = item.finished
                 yield item
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
+            self._forget_stream(req.request_id, queue)
             if not finished:
-                self._send("abort", request_id)
+                self._send("abort_request", req)  # this request, not another that has its id
 
     def abort(self, request_id: str) -> None:
         self._send("abort", request_id)
@@ -127,10 +147,14 @@ class AsyncLLMEngine:
         self._wake.set()
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        """Hand ``item`` to the request's stream; the last item (finished, or an error) also
+        ends the stream's entry, whether or not anyone reads it."""
         target = self._streams.get(request_id)
         if target is not None:
             loop, queue = target
             loop.call_soon_threadsafe(queue.put_nowait, item)
+            if isinstance(item, BaseException) or item.finished:
+                loop.call_soon_threadsafe(self._forget_stream, request_id, queue)
 
     def _drain_inbox(self) -> None:
         while self._inbox:
@@ -138,7 +162,7 @@ class AsyncLLMEngine:
             if kind == "add":
                 try:
                     self.engine.add(payload)
-                except ValueError as e:
+                except Exception as e:  # this request is refused; the engine goes on
                     self._deliver(payload.request_id, e)
             elif kind == "call":
                 fn, loop, future = payload
@@ -148,8 +172,12 @@ class AsyncLLMEngine:
                     loop.call_soon_threadsafe(_settle, future, None, e)
                 else:
                     loop.call_soon_threadsafe(_settle, future, result, None)
+            elif kind == "abort_request":
+                if self.engine.abort_request(payload):
+                    self._deliver(payload.request_id, RequestAbortedError(f"request {payload.request_id!r} aborted"))
             else:
                 self.engine.abort(payload)
+                self._deliver(payload, RequestAbortedError(f"request {payload!r} aborted"))
 
     def _run(self) -> None:
         try:

@@ -149,6 +149,15 @@ class LLMEngine:
         self.release_kv(request_id)
         self._forget(request_id)
 
+    def abort_request(self, req: Request) -> bool:
+        """Abort ``req`` itself, if this engine holds it: not another request that has its id
+        (``req`` may have been refused as a duplicate). Whether it did."""
+        rid = req.request_id
+        if self.scheduler.requests.get(rid) is not req and self.scheduler.held.get(rid) is not req:
+            return False
+        self.abort(rid)
+        return True
+
     # -- disaggregation: hand a prefilled request over, or adopt one ----------------------
 
     def export_kv(self, request_id: str) -> KVHandoff:

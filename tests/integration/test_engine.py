@@ -162,3 +162,73 @@ def test_async_engine_streams_and_aborts_on_early_exit(smollm2_engine):
 def test_kv_budget_below_max_model_len_is_refused_at_start(engine_home):
     with pytest.raises(ValueError, match=r"64 tokens.*max_model_len 1024"):
         LLMEngine.from_model("smollm2-135m", dtype="float32", max_model_len=1024, num_kv_blocks=4, block_size=16)
+
+
+def prefill_for_transfer(engine, prompt, params, request_id):
+    """Prefill ``prompt`` as a prefill worker does; the handoff, with the KV released here."""
+    req = engine.make_request(prompt, params, request_id)
+    req.kv_transfer = True
+    engine.add(req)
+    while engine.has_unfinished_requests():
+        engine.step()
+    handoff = engine.export_kv(request_id)
+    engine.release_kv(request_id)
+    return handoff
+
+
+def adoptable(engine, handoff, request_id):
+    req = engine.make_request(handoff.request.prompt_token_ids, handoff.request.sampling_params, request_id)
+    req.append_token(handoff.request.output_token_ids[0])
+    return req
+
+
+def test_async_engine_refuses_duplicate_ids_and_the_first_request_is_unharmed(smollm2_engine):
+    long = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    expected = smollm2_engine.generate(["The capital of France is"], long)[0]
+
+    async def scenario():
+        engine = AsyncLLMEngine(smollm2_engine)
+        try:
+            first = engine.stream(engine.prepare("The capital of France is", long, "dup"))
+            pieces = [await anext(first)]
+            with pytest.raises(ValueError, match="duplicate"):
+                engine.prepare("Hello", GREEDY, "dup")
+            with pytest.raises(ValueError, match="duplicate"):
+                async for _ in engine.stream(smollm2_engine.make_request("Hello", GREEDY, "dup")):
+                    pass
+            pieces += [o async for o in first]
+            assert pieces[-1].finished and pieces[-1].token_ids == expected.token_ids
+
+            held = engine.prepare("Tell me about Paris", GREEDY, "held")
+            held.kv_transfer = True
+            assert [o async for o in engine.stream(held)][-1].finish_reason == "transfer"
+            with pytest.raises(ValueError, match="duplicate"):  # the held KV is about to be exported
+                async for _ in engine.stream(engine.prepare("Hello", GREEDY, "held")):
+                    pass
+            handoff = await engine.call(lambda e: e.export_kv("held"))
+            assert handoff.request is held
+            await engine.call(lambda e: e.release_kv("held"))
+            assert await engine.call(lambda e: e.kv.num_free_blocks == e.kv.num_blocks)
+        finally:
+            engine.shutdown()
+    asyncio.run(asyncio.wait_for(scenario(), 120))
+
+
+def test_async_engine_forgets_the_stream_of_an_adopted_request_never_read(smollm2_engine):
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    handoff = prefill_for_transfer(smollm2_engine, "Hello there", params, "src")
+
+    async def scenario():
+        engine = AsyncLLMEngine(smollm2_engine)
+        try:
+            await engine.adopt(adoptable(smollm2_engine, handoff, "aborted"), handoff.kv)
+            engine.abort("aborted")  # as the decode worker does when the caller went away
+            await engine.adopt(adoptable(smollm2_engine, handoff, "finishes"), handoff.kv)
+            while await engine.call(lambda e: e.has_unfinished_requests()):
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0)  # the loop runs what the engine thread scheduled
+            assert not engine._streams
+        finally:
+            engine.shutdown()
+    asyncio.run(asyncio.wait_for(scenario(), 120))
+    smollm2_engine.check_integrity()

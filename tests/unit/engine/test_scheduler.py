@@ -212,3 +212,38 @@ def test_small_request_behind_a_refused_one_runs():
     s.add_request(small)
     run_until_idle(s)
     assert small.status == RequestStatus.FINISHED_LENGTH
+
+
+def held_prefill(s, rid="p", n=6):
+    r = req(rid, n, max_tokens=8)
+    r.kv_transfer = True
+    s.add_request(r)
+    step(s)
+    assert s.held[rid] is r
+    return r
+
+
+def test_duplicate_id_of_a_held_prefill_is_refused_and_its_blocks_untouched():
+    s = make()
+    held = held_prefill(s)
+    blocks = s.kv.get_block_ids("p")
+    with pytest.raises(ValueError, match="duplicate"):
+        s.add_request(req("p", 6, start=100))
+    adopted = req("p", 6, start=200)
+    adopted.append_token(7)
+    with pytest.raises(ValueError, match="duplicate"):
+        s.adopt(adopted)
+    assert not s.has_unfinished() and s.held["p"] is held and s.kv.get_block_ids("p") == blocks
+    s.release("p")
+    assert s.kv.num_free_blocks == 64
+
+
+def test_duplicate_id_of_a_running_request_is_refused():
+    s = make()
+    first = req("a", 4, max_tokens=3)
+    s.add_request(first)
+    step(s)
+    with pytest.raises(ValueError, match="duplicate"):
+        s.add_request(req("a", 4, start=100))
+    run_until_idle(s)
+    assert first.status == RequestStatus.FINISHED_LENGTH and first.output_token_ids == [7, 7, 7]
