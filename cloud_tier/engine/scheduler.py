@@ -183,6 +183,7 @@ class Scheduler:
                 victim = max(self.running, key=Request.sort_key)
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
+                budget += self._unschedule(out, victim)  # on a (priority, arrival) tie it may have run
                 if victim is req:
                     n = 0
                     break
@@ -190,6 +191,15 @@ class Scheduler:
                 out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_ids(req.request_id)))
                 budget -= n
         return budget
+
+    @staticmethod
+    def _unschedule(out: SchedulerOutput, request: Request) -> int:
+        """Take a preempted ``request`` out of this step; the tokens it had from the budget."""
+        for i, s in enumerate(out.scheduled):
+            if s.request is request:
+                del out.scheduled[i]
+                return s.num_new_tokens
+        return 0
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:

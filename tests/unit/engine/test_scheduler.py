@@ -1,5 +1,7 @@
 """Scheduler decisions from small hand-built cases; no torch."""
 
+import dataclasses
+
 import pytest
 
 from cloud_tier.engine.kv_cache_manager import KVCacheManager
@@ -247,3 +249,19 @@ def test_duplicate_id_of_a_running_request_is_refused():
         s.add_request(req("a", 4, start=100))
     run_until_idle(s)
     assert first.status == RequestStatus.FINISHED_LENGTH and first.output_token_ids == [7, 7, 7]
+
+
+def test_preempting_a_request_scheduled_this_step_takes_it_out_and_returns_its_budget():
+    s = make(num_blocks=4, block_size=4, budget=16)
+    a, b, c = req("a", 3), req("b", 8, start=100), req("c", 2, start=200)  # one (priority, arrival)
+    for r in (a, b, c):
+        s.add_request(r)
+    assert step(s)[0] == [("a", 3), ("b", 8), ("c", 2)]  # blocks: a 1, b 2, c 1: none free
+    s.config = dataclasses.replace(s.config, max_num_batched_tokens=2)
+    plan, out, _ = step(s)  # a fits its block; b needs a 3rd: the tie makes a, already scheduled, the victim
+    assert out.preempted == ["a"] and plan == [("b", 1), ("c", 1)]
+    assert a.status == RequestStatus.PREEMPTED and a.num_computed_tokens == 0 and a.num_output_tokens == 1
+    s.config = dataclasses.replace(s.config, max_num_batched_tokens=16)
+    run_until_idle(s)
+    assert all(r.status == RequestStatus.FINISHED_LENGTH and r.output_token_ids == [7] * 4 for r in (a, b, c))
+    assert s.kv.num_free_blocks == 4
