@@ -44,6 +44,17 @@ def outcome_of(error: BaseException) -> str:
     return "5xx"
 
 
+def tokens_used(f: Flight) -> int:
+    """What a served flight is charged: all it used when it finished, or when its client left
+    (the prompt and the tokens generated until then); only the tokens it received when the cloud
+    failed it."""
+    if f.finish is not None:
+        return f.finish.prompt_tokens + f.finish.completion_tokens
+    if f.error is not None:
+        return f.generated_tokens
+    return f.prompt_tokens + f.generated_tokens
+
+
 class GatewayService:
     def __init__(self, config: GatewayConfig, pool: WorkerPool, keys: KeyStore, idempotency: IdempotencyStore,
                  builder: RequestBuilder, model_id: str, aliases: set[str], client: httpx.AsyncClient,
@@ -109,6 +120,7 @@ class GatewayService:
             plan = self.builder.chat(req) if endpoint == "chat" else self.builder.completion(req)
             self._check_quota(flight, plan.max_total_tokens)
             flight.predicted_tokens = plan.max_total_tokens
+            flight.prompt_tokens = len(plan.prompt_token_ids)
             need = math.ceil(plan.max_total_tokens / self.pool.block_size)
             flight.ticket = await self.admission.admit(need, self.config.ttft_slo_s, ("decode", "both"))
         except BaseException as e:
@@ -160,8 +172,7 @@ class GatewayService:
         if f.ticket is not None:
             self.admission.release(f.ticket)
         fin = f.finish
-        actual = fin.prompt_tokens + fin.completion_tokens if fin else 0
-        self.quotas.reconcile(f.tenant, f.key.key_id, f.predicted_tokens, actual)
+        self.quotas.reconcile(f.tenant, f.key.key_id, f.predicted_tokens, tokens_used(f))
         if fin is None:
             if f.idem_key:
                 self.idempotency.release(f.tenant, f.idem_key)

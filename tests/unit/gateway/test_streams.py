@@ -11,7 +11,7 @@ import pytest
 from cascade import errors
 from cascade.generation import Finish, TokenEvent
 from cloud_tier.gateway.keys import ApiKey
-from cloud_tier.gateway.service import outcome_of
+from cloud_tier.gateway.service import outcome_of, tokens_used
 from cloud_tier.gateway.streams import Flight, Recorder, pull_first
 from cloud_tier.gateway.worker_client import _error_of
 
@@ -111,3 +111,15 @@ def test_a_workers_refusal_becomes_the_gateways_answer(status, body, headers, wa
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     err = _error_of(content, status, httpx.Headers(headers))
     assert (err.status, err.code, err.param, err.headers.get("Retry-After")) == want
+
+
+@pytest.mark.parametrize("finish,error,generated,charged", [
+    pytest.param(Finish("length", 10, 50), None, 50, 60, id="finished: prompt + completion"),
+    pytest.param(None, None, 30, 40, id="client left: prompt + tokens generated"),
+    pytest.param(None, None, 0, 10, id="client left before the first token: the prompt"),
+    pytest.param(None, RuntimeError("cut"), 30, 30, id="cloud failed: only the tokens received"),
+])
+def test_what_a_flight_is_charged(finish, error, generated, charged):
+    f = flight()
+    f.prompt_tokens, f.finish, f.error, f.generated_tokens = 10, finish, error, generated
+    assert tokens_used(f) == charged
