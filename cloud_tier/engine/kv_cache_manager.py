@@ -32,6 +32,11 @@ class PrefixCacheStats:
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
 
+    def record(self, num_tokens: int, num_hit: int) -> None:
+        """One request admitted: its prompt's tokens looked up, ``num_hit`` of them found."""
+        self.queries += num_tokens
+        self.hits += num_hit
+
 
 def model_salt(model_identity: str) -> int:
     """The root of every hash chain: KV computed by another model or version never matches."""
@@ -82,7 +87,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The longest cached prefix of the request's tokens, in whole blocks, and its length.
-        At least one token is always left to compute, since the last one gives the logits."""
+        At least one token is always left to compute, since the last one gives the logits. A pure
+        lookup: the caller records in ``stats`` what it admits."""
         if not self.enable_prefix_caching:
             return KVCacheBlocks(), 0
         bs = self.block_size
@@ -95,8 +101,6 @@ class KVCacheManager:
                 break
             hits.append(block)
             parent = hashes[i]
-        self.stats.queries += request.num_tokens
-        self.stats.hits += len(hits) * bs
         return KVCacheBlocks(tuple(hits)), len(hits) * bs
 
     # -- allocation ----------------------------------------------------------------------

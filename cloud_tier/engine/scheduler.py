@@ -208,14 +208,15 @@ class Scheduler:
             num_hit = 0
             if req.num_computed_tokens == 0:
                 computed, num_hit = self.kv.get_computed_blocks(req)
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_hit
             n = req.num_tokens - req.num_computed_tokens - num_hit
             if n > budget and not self.config.enable_chunked_prefill:
                 break
             n = self._chunk(req, budget, num_hit)
             if self.kv.allocate_slots(req, n, computed) is None:
                 break  # no room: it stays first in line (FCFS), nothing behind it jumps ahead
+            if req.num_cached_tokens < 0:  # first admitted (not a resumption after preemption)
+                req.num_cached_tokens = num_hit
+                self.kv.stats.record(req.num_tokens, num_hit)
             self.waiting.pop(0)
             req.num_computed_tokens += num_hit
             req.status = RequestStatus.RUNNING

@@ -265,3 +265,19 @@ def test_preempting_a_request_scheduled_this_step_takes_it_out_and_returns_its_b
     run_until_idle(s)
     assert all(r.status == RequestStatus.FINISHED_LENGTH and r.output_token_ids == [7] * 4 for r in (a, b, c))
     assert s.kv.num_free_blocks == 4
+
+
+def test_prefix_cache_queries_count_a_request_once_however_long_it_waits():
+    s = make(num_blocks=4, block_size=4, budget=64)
+    big = req("big", 12, max_tokens=4)
+    s.add_request(big)
+    waiter = req("waiter", 6, max_tokens=1, arrival=1.0, start=100)
+    s.add_request(waiter)
+    steps = 0
+    while waiter.status == RequestStatus.WAITING:
+        step(s)
+        steps += 1
+    assert steps > 2  # it was looked at, and refused room, several times
+    run_until_idle(s)
+    assert s.kv.stats.queries == 12 + 6 and s.kv.stats.hits == 0
+    assert waiter.num_cached_tokens == 0
