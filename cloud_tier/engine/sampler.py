@@ -116,7 +116,9 @@ def _processed_probs(logits: torch.Tensor, params) -> torch.Tensor:
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
-        drop |= before > torch.tensor(top_p, device=dev, dtype=probs.dtype)[:, None]
+        # top_p 1.0 keeps everything: compared with 1.0, the sum's rounding would drop tail tokens
+        p = torch.tensor([x if x < 1.0 else float("inf") for x in top_p], device=dev, dtype=probs.dtype)
+        drop |= before > p[:, None]
         drop |= probs < torch.tensor(min_p, device=dev, dtype=probs.dtype)[:, None] * probs[:, :1]
         drop[:, 0] = False  # the most likely token always survives
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))

@@ -66,3 +66,11 @@ def test_penalties_push_repeated_tokens_down():
     assert Sampler()(LOGITS.clone(), [r]).token_ids == [1]
     rep = req(temperature=0.0, repetition_penalty=100.0)  # prompt token 0 is penalised too
     assert Sampler()(torch.tensor([[2.0, 1.0, 0.0]]), [rep]).token_ids == [1]
+
+
+def test_a_top_p_1_row_is_untouched_when_batched_with_top_k_rows():
+    logits = torch.randn(2, 49152, generator=torch.Generator().manual_seed(0)) * 3  # a vocabulary's worth
+    batched = _processed_probs(logits.clone(), [SamplingParams(), SamplingParams(top_k=5)])[0]
+    alone = _processed_probs(logits[:1].clone(), [SamplingParams()])[0]
+    assert torch.equal(batched, alone)  # cumulative-sum rounding drops no tail token
+    assert torch.count_nonzero(batched) == 49152
