@@ -17,6 +17,8 @@ MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
 INT32 = (-(2**31), 2**31 - 1)  # what the queue and the engines store a priority in
 INT64 = (-(2**63), 2**63 - 1)
+Count = Annotated[int, Field(ge=1, le=INT32[1])]  # a number of tokens: positive, within 32 bits
+TokenId = Annotated[int, Field(ge=INT32[0], le=INT32[1])]  # checked against the vocabulary where it runs
 MAX_TTL_S = 365 * 24 * 3600.0
 
 
@@ -65,10 +67,10 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Count | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=INT32[1])] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     seed: Annotated[int, Field(ge=INT64[0], le=INT64[1])] | None = None
     stop: str | list[str] | None = None
@@ -102,7 +104,7 @@ class _SamplingFields(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
@@ -119,8 +121,9 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | Annotated[list[int], Field(min_length=1)] | Annotated[list[str], Field(min_length=1, max_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    prompt: (str | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[str], Field(min_length=1, max_length=1)])
+    max_tokens: Count | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None

@@ -61,6 +61,8 @@ class UpstreamConfig:
     model: str = ""  # the model to ask for upstream; "": the name the app used
     timeout_s: float = 60.0
     max_backoff_s: float = 60.0  # the longest the circuit stays open after failures (a 429's Retry-After aside)
+    refused_backoff_s: float = 30.0  # after a 401/403 (key wrong or revoked) ask again after this, doubling to 600 s
+    max_retry_after_s: float = 3600.0  # a cloud's Retry-After is honoured up to this
 
 
 @dataclass

@@ -87,7 +87,8 @@ class Upstream:
         self.client = httpx.AsyncClient(
             headers=headers, timeout=httpx.Timeout(config.timeout_s, connect=min(5.0, config.timeout_s)),
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=16))
-        self.breaker = CircuitBreaker(max_backoff_s=config.max_backoff_s)
+        self.breaker = CircuitBreaker(max_backoff_s=config.max_backoff_s, refused_backoff_s=config.refused_backoff_s,
+                                      max_retry_after_s=config.max_retry_after_s)
         self._cloud_model: str | None = None
 
     async def close(self) -> None:

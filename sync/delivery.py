@@ -40,18 +40,21 @@ class Outcome:
     retry_after_s: float | None = None
     error: str = ""
 
+    local_error: bool = False  # this device could not send it (its own bug, an unencodable body)
+
     @property
     def delivered(self) -> bool:
         return 200 <= self.status < 300
 
     @property
     def refused(self) -> bool:
-        """The cloud looked at the request and said no for good (a 4xx about the request)."""
-        return 400 <= self.status < 500 and self.status not in _PASSING | _UNAVAILABLE
+        """The cloud looked at the request and said no for good (a 4xx about the request), or
+        this device cannot send it at all: either way it is ``failed``, not tried again."""
+        return self.local_error or (400 <= self.status < 500 and self.status not in _PASSING | _UNAVAILABLE)
 
     @property
     def cloud_unavailable(self) -> bool:
-        return self.status == 0 or self.status >= 500 or self.status in _UNAVAILABLE
+        return not self.local_error and (self.status == 0 or self.status >= 500 or self.status in _UNAVAILABLE)
 
     @property
     def device_refused(self) -> bool:
@@ -152,15 +155,18 @@ class DeliveryLoop:
             worst = next((o for o in outcomes if o.device_refused), None) or next(
                 o for o in outcomes if o.cloud_unavailable)
             self._unavailable(worst)
-        elif any(o.delivered or o.refused for o in outcomes):
+        elif any(o.delivered or (o.refused and not o.local_error) for o in outcomes):
             self.breaker.success()
         return 0.0
 
     async def _attempt(self, item: Item) -> Outcome:
         try:
             return await self.send(item)
-        except Exception as e:  # the sender's own failure counts as no answer
-            return Outcome(0, error=repr(e))
+        except Exception as e:  # our own failure to send it says nothing about the cloud: that item fails
+            log.exception("queued request %s could not be sent", item.id)
+            return Outcome(0, {"error": {"message": f"this device could not send the request: {e!r}",
+                                         "type": "local_error", "param": None, "code": "send_failed"}},
+                           error=repr(e), local_error=True)
 
     async def _probe(self) -> bool:
         """One cheap probe (``probe`` answers an Outcome, or a bool) settles the half-open breaker."""

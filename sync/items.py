@@ -71,6 +71,7 @@ class Item:
     callback_url: str | None
     reason: str
     updated_at: float
+    app_key: str | None = None  # the app's own Idempotency-Key, when it gave one
     result_status: int | None = None  # from the inbox, once done or failed
     result: Any = None
 
@@ -86,7 +87,7 @@ class Item:
 
 COLUMN_NAMES = ("seq", "id", "kind", "state", "endpoint", "session", "priority", "payload", "bytes", "created_at",
           "expires_at", "attempts", "next_attempt_at", "last_error", "callback_url", "reason", "updated_at",
-          "lease_until")
+          "lease_until", "app_key")
 COLUMNS = ", ".join(COLUMN_NAMES)
 O_COLUMNS = ", ".join(f"o.{c}" for c in COLUMN_NAMES)  # the same, in a join with the inbox
 

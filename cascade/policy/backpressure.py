@@ -4,7 +4,7 @@ queueing behind the cloud. After that time one probe goes through; a success clo
 
 A refusal of this device (401/403: a wrong or revoked key) is a state of its own, ``refused``:
 the cloud is up but will not serve us, which no amount of quick retrying changes, so it is
-tried again on a slow schedule (``REFUSED_BACKOFF_S`` and up) and reported as what it is."""
+tried again on a slow schedule (``refused_backoff_s``, doubling) and reported as what it is."""
 
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 
 MAX_RETRY_AFTER_S = 3600.0  # a peer's Retry-After is honoured up to this (a typo must not park us for days)
-REFUSED_BACKOFF_S = 30.0  # a refused device asks again after this, doubling up to MAX_REFUSED_BACKOFF_S
-MAX_REFUSED_BACKOFF_S = 600.0
+MAX_REFUSED_BACKOFF_S = 600.0  # a refused device asks again after refused_backoff_s, doubling up to this
 _MAX_DOUBLINGS = 30  # 2**30 * any base is past every cap: no overflow after a long outage
 
 
@@ -60,6 +59,8 @@ class CircuitBreaker:
     open_until: float = 0.0
     failures: int = 0
     probing: bool = False
+    refused_backoff_s: float = 30.0
+    max_retry_after_s: float = MAX_RETRY_AFTER_S
     refused: bool = False  # the last failure was the cloud refusing this device (401/403)
     last_error: str = ""
 
@@ -96,8 +97,8 @@ class CircuitBreaker:
 
     def refusal(self, error: str, retry_after_s: float | None = None) -> None:
         """The cloud refused this device (401/403): open, on the slow schedule."""
-        self._open(error, retry_after_s, REFUSED_BACKOFF_S, max(MAX_REFUSED_BACKOFF_S, self.max_backoff_s),
-                   refused=True)
+        self._open(error, retry_after_s, self.refused_backoff_s,
+                   max(MAX_REFUSED_BACKOFF_S, self.max_backoff_s, self.refused_backoff_s), refused=True)
 
     def abandon(self) -> None:
         """A request let through ended without telling anything (cancelled): free the probe slot
@@ -110,7 +111,7 @@ class CircuitBreaker:
         self.refused = refused
         self.last_error = error
         backoff = exponential_backoff_s(self.failures, base_s, max_s)
-        retry_after_s = clamp_retry_after(retry_after_s)
+        retry_after_s = clamp_retry_after(retry_after_s, self.max_retry_after_s)
         self.open_until = self.clock() + (max(retry_after_s, base_s if refused else 0.0)
                                           if retry_after_s is not None else backoff)
 

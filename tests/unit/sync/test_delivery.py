@@ -181,3 +181,48 @@ async def test_callbacks_are_called_once_with_the_result(queue):
         await loop.run_once()
     assert [c[0] for c in calls] == [i, i] and calls[0][1] == "done" and calls[0][2]["choices"]
     assert queue.pending_callbacks() == []
+
+
+@in_loop
+async def test_a_local_send_error_fails_that_item_and_never_the_breaker(queue, clock):
+    bad, good = put(queue, "bad", "good")
+    cloud = Cloud()
+    sent = cloud.send
+
+    async def send(item):
+        if item.payload["q"] == "bad":
+            raise UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed")
+        return await sent(item)
+
+    loop = DeliveryLoop(queue, send, cloud.probe, CircuitBreaker(clock=clock), DeliveryConfig(poll_s=0.05))
+    for _ in range(3):
+        await loop.run_once()
+    assert queue.get(bad).state == State.FAILED and queue.get(bad).result["error"]["code"] == "send_failed"
+    assert queue.get(good).state == State.DONE
+    assert loop.breaker.state == "closed" and loop.breaker.failures == 0
+
+
+@in_loop
+async def test_a_refused_key_is_the_refused_state_on_a_slow_schedule_and_says_so_on_what_waits(queue, clock):
+    (i,) = put(queue, "x")
+    cloud = Cloud(script=[401])
+    breaker = CircuitBreaker(base_backoff_s=0.05, max_backoff_s=0.05, refused_backoff_s=30.0, clock=clock)
+    loop = DeliveryLoop(queue, cloud.send, lambda: _refused_probe(), breaker, DeliveryConfig(poll_s=0.05,
+                                                                                              base_backoff_s=0.0))
+    await loop.run_once()
+    assert breaker.state == "refused" and breaker.retry_after_s() == pytest.approx(30.0)
+    assert queue.get(i).state == State.QUEUED and queue.get(i).attempts == 1
+    clock.t += 30.0
+    await loop.run_once()  # the probe is refused too: slower still, and the waiting item says why
+    assert breaker.state == "refused" and breaker.retry_after_s() == pytest.approx(60.0)
+    assert "refused" in queue.get(i).last_error and queue.get(i).attempts == 1
+
+
+async def _refused_probe():
+    return Outcome(401, error="refused: HTTP 401 (check [upstream] api_key)")
+
+
+def test_outcomes_of_a_refused_device_and_a_local_error():
+    assert Outcome(401).device_refused and Outcome(403).device_refused and Outcome(401).cloud_unavailable
+    local = Outcome(0, local_error=True)
+    assert local.refused and not local.cloud_unavailable and not local.delivered
