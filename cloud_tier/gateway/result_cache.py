@@ -1,74 +1,38 @@
-"""Exact-match cache of deterministic results, keyed per tenant, bounded by count, bytes and age."""
+"""Exact-match cache of deterministic results, keyed per tenant on the prompt's token ids and the
+sampling settings, bounded by count, bytes and age."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-# Fields that do not change what the model generates. Every other field is part of the key, so a
-# field we do not know about (tools, response_format, logit_bias, ...) can only cost a miss, never
-# serve a result computed for a different request.
-IGNORED_FIELDS = frozenset({"stream", "stream_options", "user", "cascade"})
-FLOAT_FIELDS = frozenset({"temperature", "top_p", "min_p", "presence_penalty",
-                          "frequency_penalty", "repetition_penalty"})
+if TYPE_CHECKING:
+    from cloud_tier.request_builder import Plan
 
 
-class _NotCacheable(Exception):
-    pass
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
-def _content_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content.strip()
-    if isinstance(content, list):
-        if not all(isinstance(p, Mapping) and p.get("type") == "text" for p in content):
-            raise _NotCacheable  # an image or audio part: its bytes are not in the key
-        return "".join(str(p.get("text", "")) for p in content).strip()
-    raise _NotCacheable
-
-
-def _normalize(field: str, value: Any) -> Any:
-    if field == "messages":
-        if not isinstance(value, list) or not all(isinstance(m, Mapping) for m in value):
-            raise _NotCacheable
-        # role and content normalized; name, tool_calls, tool_call_id, ... kept as given
-        return [{**m, "content": _content_text(m.get("content"))} for m in value]
-    if field == "stop":
-        return sorted([value] if isinstance(value, str) else value)
-    if field in FLOAT_FIELDS and _is_number(value):
-        return float(value)  # 0 and 0.0 ask for the same thing
-    return value
-
-
-def cache_key(tenant: str, model: str, endpoint: str, body: Mapping) -> str | None:
-    """sha256 of the request's canonical form, or None when its output is not deterministic:
-    only temperature == 0 or an int seed qualifies (an absent temperature means OpenAI's 1).
-    The tenant is always in the key, so no tenant can read another's entry."""
-    temperature, seed = body.get("temperature"), body.get("seed")
-    deterministic = ((_is_number(temperature) and temperature == 0)
-                     or (isinstance(seed, int) and not isinstance(seed, bool)))
-    if not deterministic:
+def cache_key(tenant: str, model: str, endpoint: str, plan: Plan) -> str | None:
+    """sha256 of what the model is asked (the prompt's token ids, exactly as the engine gets them)
+    and how it samples (every SamplingParams field), or None when the output is not
+    deterministic: only temperature 0 or a seed qualifies. Keying on the token ids, not on the
+    request's text, means two prompts share an entry only if the model sees the same tokens (the
+    endpoint is in the key because it shapes the answer). The tenant is always in the key, so no
+    tenant can read another's entry."""
+    params = plan.params
+    if not (params.temperature == 0 or params.seed is not None):
         return None
-    try:
-        fields = {k: _normalize(k, v) for k, v in body.items()
-                  if k not in IGNORED_FIELDS and k != "model" and v is not None
-                  and not (k == "stop" and v == [])}
-        canonical = json.dumps({"tenant": tenant, "model": model, "endpoint": endpoint,
-                                "body": fields}, sort_keys=True, separators=(",", ":"),
-                               ensure_ascii=False, allow_nan=False)
-    except (_NotCacheable, TypeError, ValueError):
-        return None  # a shape we cannot canonicalize safely is simply not cached
+    settings = params.to_dict()
+    for f in dataclasses.fields(params):
+        if f.type in ("float", float):
+            settings[f.name] = float(settings[f.name])  # 0 and 0.0 ask for the same thing
+    canonical = json.dumps({"tenant": tenant, "model": model, "endpoint": endpoint,
+                            "prompt_token_ids": plan.prompt_token_ids, "params": settings},
+                           sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 

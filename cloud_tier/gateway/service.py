@@ -1,5 +1,5 @@
-"""The gateway's request pipeline, in order: idempotency -> result cache -> validation (the
-model's tokenizer) -> quotas -> KV admission -> routing and the decode worker's event stream
+"""The gateway's request pipeline, in order: idempotency -> validation (the model's tokenizer)
+-> result cache (on the prompt's token ids) -> quotas -> KV admission -> routing and the decode worker's event stream
 (``worker_client``), relayed as OpenAI SSE or JSON. Whatever happens, a request's commitments
 (KV ticket, quota charge, idempotency claim) are settled exactly once when its event stream
 closes (``streams.Recorder``)."""
@@ -108,7 +108,8 @@ class GatewayService:
                 self._count(flight, "replay")
                 return stored, {"X-Cascade-Idempotent-Replay": "true", "X-Cascade-Cache": "miss"}
         try:
-            flight.cache_key = cache_key(key.tenant, self.model_id, endpoint, body)
+            plan = self.builder.chat(req) if endpoint == "chat" else self.builder.completion(req)
+            flight.cache_key = cache_key(key.tenant, self.model_id, endpoint, plan)
             hit = self.cache.get(flight.cache_key) if flight.cache_key else None
             self.metrics.cache.labels("hit" if hit else "miss").inc()
             if hit is not None:
@@ -117,7 +118,6 @@ class GatewayService:
                     self.idempotency.complete(key.tenant, idem_key, hit)
                 self._count(flight, "cache_hit")
                 return hit, {"X-Cascade-Cache": "hit"}
-            plan = self.builder.chat(req) if endpoint == "chat" else self.builder.completion(req)
             self._check_quota(flight, plan.max_total_tokens)
             flight.predicted_tokens = plan.max_total_tokens
             flight.prompt_tokens = len(plan.prompt_token_ids)

@@ -1,19 +1,22 @@
-"""Gateway result cache: canonical keys for deterministic requests, TTL and LRU bounds."""
+"""Gateway result cache: keys on the prompt's token ids and the sampling settings for
+deterministic requests, TTL and LRU bounds."""
 
 import pytest
 
 from cloud_tier.gateway.result_cache import ResultCache, cache_key
+from cloud_tier.request_builder import Plan
+from cloud_tier.sampling import SamplingParams
 
-CHAT = "/v1/chat/completions"
-BASE = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
-
-
-def chat(**overrides):
-    return {**BASE, **overrides}
+CHAT = "chat"
+BASE = Plan([1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0), None)
 
 
-def key(body, tenant="t", model="m", endpoint=CHAT):
-    return cache_key(tenant, model, endpoint, body)
+def plan(tokens=(1, 2, 3), **params) -> Plan:
+    return Plan(list(tokens), SamplingParams(**{"max_tokens": 8, "temperature": 0.0, **params}), None)
+
+
+def key(p, tenant="t", model="m", endpoint=CHAT):
+    return cache_key(tenant, model, endpoint, p)
 
 
 class FakeClock:
@@ -26,70 +29,48 @@ class FakeClock:
 
 # --- cache_key --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("variant", [
-    pytest.param(chat(messages=[{"role": "user", "content": "  hi \n"}]), id="whitespace"),
-    pytest.param(chat(messages=[{"role": "user", "content": [{"type": "text", "text": "h"},
-                                                             {"type": "text", "text": "i"}]}]),
-                 id="text-parts-joined"),
-    pytest.param(chat(temperature=0.0), id="int-or-float-temperature"),
-    pytest.param(chat(stream=True, stream_options={"include_usage": True}), id="stream-ignored"),
-    pytest.param(chat(user="alice"), id="user-ignored"),
-    pytest.param(chat(cascade={"mode": "cloud"}), id="cascade-field-ignored"),
-    pytest.param(chat(model="alias"), id="body-model-ignored-for-resolved-model"),
-    pytest.param(chat(top_p=None), id="null-is-absent"),
-    pytest.param(chat(stop=[]), id="empty-stop-is-absent"),
-])
-def test_equivalent_requests_share_a_key(variant):
-    assert key(variant) == key(BASE) is not None
-
-
-def test_stop_order_and_single_string_are_normalized():
-    assert key(chat(stop=["b", "a"])) == key(chat(stop=["a", "b"]))
-    assert key(chat(stop="a")) == key(chat(stop=["a"]))
+def test_the_same_prompt_tokens_and_settings_share_a_key():
+    assert key(plan()) == key(BASE) is not None and len(key(BASE)) == 64
+    assert key(plan(temperature=0)) == key(BASE)  # 0 and 0.0 ask for the same thing
 
 
 @pytest.mark.parametrize("other", [
     pytest.param({"tenant": "u"}, id="tenant"),
     pytest.param({"model": "m2"}, id="model"),
-    pytest.param({"endpoint": "/v1/completions"}, id="endpoint"),
-    pytest.param({"body": chat(max_tokens=5)}, id="max_tokens"),
-    pytest.param({"body": chat(max_completion_tokens=5)}, id="max_completion_tokens"),
-    pytest.param({"body": chat(top_p=0.5)}, id="top_p"),
-    pytest.param({"body": chat(top_k=5)}, id="top_k"),
-    pytest.param({"body": chat(seed=1)}, id="seed"),
-    pytest.param({"body": chat(stop=["x"])}, id="stop"),
-    pytest.param({"body": chat(logprobs=True, top_logprobs=2)}, id="logprobs"),
-    pytest.param({"body": chat(repetition_penalty=1.1)}, id="repetition_penalty"),
-    pytest.param({"body": chat(response_format={"type": "json_object"})}, id="unknown-field"),
-    pytest.param({"body": chat(messages=[{"role": "system", "content": "hi"}])}, id="role"),
-    pytest.param({"body": chat(messages=[{"role": "user", "content": "hi", "name": "bob"}])},
-                 id="message-name"),
-    pytest.param({"body": chat(messages=[{"role": "user", "content": "hi!"}])}, id="content"),
+    pytest.param({"endpoint": "completions"}, id="endpoint"),
+    # "...The sky is\n\n" and "...The sky is": the same text but for whitespace, other tokens
+    pytest.param({"p": plan(tokens=(1, 2, 3, 198, 198))}, id="prompt-tokens"),
+    pytest.param({"p": plan(tokens=(3, 2, 1))}, id="prompt-token-order"),
+    pytest.param({"p": plan(max_tokens=5)}, id="max_tokens"),
+    pytest.param({"p": plan(top_p=0.5)}, id="top_p"),
+    pytest.param({"p": plan(top_k=5)}, id="top_k"),
+    pytest.param({"p": plan(min_p=0.1)}, id="min_p"),
+    pytest.param({"p": plan(seed=1)}, id="seed"),
+    pytest.param({"p": plan(stop=("x",))}, id="stop"),
+    pytest.param({"p": plan(stop_token_ids=(7,))}, id="stop_token_ids"),
+    pytest.param({"p": plan(ignore_eos=True)}, id="ignore_eos"),
+    pytest.param({"p": plan(logprobs=2)}, id="logprobs"),
+    pytest.param({"p": plan(logprobs=0)}, id="logprobs-0-is-not-none"),
+    pytest.param({"p": plan(repetition_penalty=1.1)}, id="repetition_penalty"),
+    pytest.param({"p": plan(presence_penalty=0.5)}, id="presence_penalty"),
+    pytest.param({"p": plan(frequency_penalty=0.5)}, id="frequency_penalty"),
 ])
-def test_a_difference_that_changes_the_output_changes_the_key(other):
-    args = {"tenant": "t", "model": "m", "endpoint": CHAT, "body": BASE, **other}
-    assert key(args["body"], args["tenant"], args["model"], args["endpoint"]) != key(BASE)
+def test_a_difference_the_model_sees_changes_the_key(other):
+    args = {"tenant": "t", "model": "m", "endpoint": CHAT, "p": BASE, **other}
+    assert key(args["p"], args["tenant"], args["model"], args["endpoint"]) != key(BASE)
 
 
-@pytest.mark.parametrize("body", [
-    pytest.param({"model": "m", "messages": BASE["messages"]}, id="temperature-absent-means-1"),
-    pytest.param(chat(temperature=0.7), id="positive-temperature"),
-    pytest.param(chat(temperature=False), id="bool-is-not-zero"),
-    pytest.param(chat(temperature=1, seed="7"), id="seed-must-be-int"),
-    pytest.param(chat(temperature=1, seed=True), id="seed-bool-is-not-int"),
-    pytest.param(chat(messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]), id="non-text-part"),
-    pytest.param(chat(temperature=None), id="null-temperature"),
+@pytest.mark.parametrize("p", [
+    pytest.param(plan(temperature=1.0), id="temperature-1"),
+    pytest.param(plan(temperature=0.7), id="positive-temperature"),
 ])
-def test_non_deterministic_or_uncanonical_requests_have_no_key(body):
-    assert key(body) is None
+def test_non_deterministic_requests_have_no_key(p):
+    assert key(p) is None
 
 
-def test_seeded_sampling_is_cacheable_and_completions_prompt_is_keyed():
-    body = {"model": "m", "prompt": "Once upon", "temperature": 0.8, "seed": 3}
-    k = cache_key("t", "m", "/v1/completions", body)
-    assert k is not None and len(k) == 64
-    assert cache_key("t", "m", "/v1/completions", {**body, "prompt": "Once"}) != k
+def test_seeded_sampling_is_cacheable():
+    seeded = plan(temperature=0.8, seed=3)
+    assert key(seeded) is not None and key(seeded) != key(plan(temperature=0.8, seed=4))
 
 
 # --- ResultCache ------------------------------------------------------------------------------
