@@ -224,7 +224,10 @@ class LLMEngine:
         req, out = t.request, t.output
         out.new_token_ids = [token]
         out.token_ids.append(token)
-        out.delta_text = t.detok.add(token)
+        # as vLLM: the stop token is in token_ids, its text only if asked for
+        hidden = (req.status == RequestStatus.FINISHED_STOPPED and req.is_stop_token(token)
+                  and not req.sampling_params.include_stop_str_in_output)
+        out.delta_text = "" if hidden else t.detok.add(token)
         out.new_logprobs = [logprobs] if logprobs is not None else []
         if out.logprobs is not None and logprobs is not None:
             out.logprobs.append(logprobs)

@@ -76,5 +76,10 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
+    def is_stop_token(self, token_id: int) -> bool:
+        """EOS (unless ignored) or one of ``stop_token_ids``."""
+        p = self.sampling_params
+        return token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids)
+
     def sort_key(self) -> tuple[int, float]:
         return (self.priority, self.arrival_time)

@@ -249,7 +249,7 @@ class Scheduler:
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         p = req.sampling_params
-        if (not p.ignore_eos and token in req.eos_token_ids) or token in p.stop_token_ids:
+        if req.is_stop_token(token):
             return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH

@@ -232,3 +232,14 @@ def test_async_engine_forgets_the_stream_of_an_adopted_request_never_read(smollm
             engine.shutdown()
     asyncio.run(asyncio.wait_for(scenario(), 120))
     smollm2_engine.check_integrity()
+
+
+def test_stop_token_text_is_left_out_unless_asked_for(smollm2_engine):
+    full = smollm2_engine.generate(["1, 2, 3,"], SamplingParams(temperature=0.0, max_tokens=12))[0]
+    stop_id = full.token_ids[2]
+    decode = smollm2_engine.tokenizer.decode
+    for include, n in ((False, 2), (True, 3)):
+        out = smollm2_engine.generate(["1, 2, 3,"], SamplingParams(
+            temperature=0.0, max_tokens=12, stop_token_ids=(stop_id,), include_stop_str_in_output=include))[0]
+        assert out.token_ids == full.token_ids[:3] and out.finish_reason == "stop"
+        assert out.text == decode(full.token_ids[:n], skip_special_tokens=True)
