@@ -36,6 +36,15 @@ def test_edge_run_refuses_an_unknown_model_or_bad_config(tmp_path):
     assert r.returncode == 2 and "prot" in r.stderr
 
 
+def test_edge_run_reads_the_calibrated_config_in_cascade_home_by_default(tmp_path):
+    (tmp_path / "edge.toml").write_text("[cascade]\nmin_mean_logprb = -1.0\n")  # what calibrate writes, with a typo
+    r = cascade("edge", "run", home=tmp_path)
+    assert r.returncode == 2 and "min_mean_logprb" in r.stderr  # it was read
+    assert f"config {tmp_path / 'edge.toml'}" in r.stderr  # and it says which file
+    r = cascade("edge", "run", "--no-config", "--model", "nope", home=tmp_path)
+    assert r.returncode == 2 and "no config file" in r.stderr and "min_mean_logprb" not in r.stderr
+
+
 def test_edge_queue_shows_the_backlog_and_retries_and_drops(tmp_path):
     from sync.queue import Kind, NewItem, OfflineQueue
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -250,3 +251,39 @@ def test_retry_after_is_read_in_both_forms(value, expected):
 def test_exponential_backoff_is_finite_and_capped():
     assert exponential_backoff_s(1, 0.5, 60) == 0.5 and exponential_backoff_s(3, 0.5, 60) == 2.0
     assert exponential_backoff_s(10**6, 0.5, 60) == 60 and exponential_backoff_s(0, 0.5, 60) == 0.5
+
+
+def test_a_refusal_is_its_own_state_on_a_slow_schedule():
+    now = [0.0]
+    b = CircuitBreaker(base_backoff_s=1.0, max_backoff_s=4.0, refused_backoff_s=30.0, clock=lambda: now[0])
+    b.refusal("refused: HTTP 401")
+    assert b.state == "refused" and not b.available and b.retry_after_s() == 30.0
+    now[0] = 30.0
+    assert b.state == "half_open" and b.allow() and not b.available
+    b.refusal("refused: HTTP 401")
+    assert b.retry_after_s() == 60.0  # doubling, past the outage cap of 4 s
+    now[0] = 100.0
+    b.allow()
+    b.success()
+    assert b.state == "closed" and not b.refused and b.available
+    b.failure("HTTP 503")
+    assert b.state == "open" and not b.refused
+
+
+def test_an_abandoned_probe_frees_the_half_open_slot():
+    now = [0.0]
+    b = CircuitBreaker(clock=lambda: now[0])
+    b.failure("unreachable")
+    now[0] = 5.0
+    assert b.allow() and not b.allow()  # one probe at a time
+    b.abandon()  # the probe's caller was cancelled: nothing learnt
+    assert b.allow()
+
+
+def test_decisions_name_a_refusal_apart_from_an_outage():
+    s = RequestSignals(prompt_tokens=10, max_tokens=10, n_ctx=512, mode="cloud", cloud_available=False,
+                       cloud_refused=True)
+    assert decide(s, PolicyConfig()) == Decision("edge", "cloud_refused", degraded=True)
+    assert decide(replace(s, offline="queue"), PolicyConfig()).reason == "cloud_refused"
+    assert decide(replace(s, offline="fail"), PolicyConfig()) == Decision("reject", "cloud_refused", status=503)
+    assert decide(replace(s, cloud_refused=False), PolicyConfig()).reason == "cloud_unavailable"

@@ -294,3 +294,12 @@ def test_an_app_key_enqueues_once_and_a_reused_key_for_another_request_is_refuse
     assert b == c != d and queue.stats()["pending_items"] == 3
     with pytest.raises(KeyReused):
         queue.enqueue("request", {"q": 2}, endpoint="chat", app_key="k1")
+
+
+def test_a_telemetry_record_too_large_to_ever_fit_costs_no_other_record(tmp_path, clock):
+    q = OfflineQueue(tmp_path / "small.db", max_items=10, max_bytes=2000, clock=clock)
+    kept = [q.enqueue("telemetry", {"n": i, "pad": "x" * 100}) for i in range(5)]
+    assert q.enqueue("telemetry", {"huge": "x" * 5000}) is None  # dropped by itself
+    assert q.stats()["by_kind"]["telemetry"]["queued"] == 5 and all(q.get(i) for i in kept)
+    assert q.stats()["telemetry_dropped"] == 1
+    q.close()
