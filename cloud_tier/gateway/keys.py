@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from cascade.protocol import INT32
 from sync.sqlite import SQLiteStore
 
 SCOPES = ("infer", "admin")
@@ -35,6 +36,12 @@ def _check_limit(name: str, value: float) -> None:
         raise ValueError(f"{name} must be a finite number >= 0 (0: no limit), not {value!r}")
 
 
+def check_priority(value: int) -> None:
+    """A priority is an int32 (what the engines store); lower is served first."""
+    if not (isinstance(value, int) and not isinstance(value, bool) and INT32[0] <= value <= INT32[1]):
+        raise ValueError(f"priority must be an integer in [{INT32[0]}, {INT32[1]}], not {value!r}")
+
+
 def _check_tenant(tenant: str) -> None:
     if not (isinstance(tenant, str) and _TENANT_RE.fullmatch(tenant)):
         raise ValueError(f"tenant names are 1-64 characters of [A-Za-z0-9_.-], not {tenant!r}")
@@ -50,9 +57,13 @@ class ApiKey:
     tpm: float
     created_at: float
     revoked: bool = False
+    # the engine priority of this key's requests (lower is served first, and preempts later ones); a
+    # request may only ask for a later one (a larger number)
+    priority: int = 0
 
     def __post_init__(self):
         _check_tenant(self.tenant)
+        check_priority(self.priority)
         if self.device is not None and not _DEVICE_RE.fullmatch(self.device):
             raise ValueError(f"device names are 1-128 characters of [A-Za-z0-9_.:-], "
                              f"not {self.device!r}")
@@ -85,7 +96,7 @@ def _hash(key: str) -> str:
 def _row_to_key(row: dict) -> ApiKey:
     return ApiKey(key_id=row["key_id"], tenant=row["tenant"], device=row["device"],
                   scopes=frozenset(row["scopes"].split()), rps=row["rps"], tpm=row["tpm"],
-                  created_at=row["created_at"], revoked=bool(row["revoked"]))
+                  created_at=row["created_at"], revoked=bool(row["revoked"]), priority=row["priority"])
 
 
 class KeyStore(SQLiteStore):
@@ -115,18 +126,21 @@ class KeyStore(SQLiteStore):
                 not_null={"key_hash", "tenant", "scopes", "rps", "tpm", "created_at", "revoked"},
                 foreign_keys=[("tenant", "tenants", "name")], if_not_exists=True)
             self._db["api_keys"].create_index(["tenant"], if_not_exists=True)
+            if "priority" not in self._db["api_keys"].columns_dict:  # a database from before priorities
+                self._db["api_keys"].add_column("priority", int, not_null_default=0)
 
     def create(self, tenant: str, device: str | None = None, scopes: Iterable[str] = ("infer",),
-               rps: float = 0.0, tpm: float = 0.0) -> tuple[str, ApiKey]:
+               rps: float = 0.0, tpm: float = 0.0, priority: int = 0) -> tuple[str, ApiKey]:
         """A new key for ``tenant`` (created with no limits if new). ``rps``/``tpm`` are the
-        key's own limits. Returns the plaintext, never stored, and the key's record."""
+        key's own limits, ``priority`` its requests' engine priority. Returns the plaintext, never
+        stored, and the key's record."""
         if isinstance(scopes, str):
             scopes = (scopes,)
         for _ in range(5):
             key_id = "".join(secrets.choice(_KEY_ID_ALPHABET) for _ in range(8))
             record = ApiKey(key_id=key_id, tenant=tenant, device=device,
                             scopes=frozenset(scopes), rps=float(rps), tpm=float(tpm),
-                            created_at=time.time())  # validates
+                            created_at=time.time(), priority=priority)  # validates
             plaintext = f"{KEY_PREFIX}{key_id}-{secrets.token_urlsafe(32)}"
             try:
                 with self._write() as conn:
@@ -134,9 +148,9 @@ class KeyStore(SQLiteStore):
                                  "VALUES (?, 0, 0, ?)", (tenant, record.created_at))
                     conn.execute(
                         "INSERT INTO api_keys (key_id, key_hash, tenant, device, scopes, rps, "
-                        "tpm, created_at, revoked) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0)",
+                        "tpm, created_at, revoked, priority) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
                         (key_id, _hash(plaintext), tenant, device, " ".join(sorted(record.scopes)),
-                         record.rps, record.tpm, record.created_at))
+                         record.rps, record.tpm, record.created_at, record.priority))
             except sqlite3.IntegrityError:
                 continue  # key_id taken (1 in 36^8 per existing key): draw another
             return plaintext, record

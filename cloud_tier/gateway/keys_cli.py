@@ -33,7 +33,7 @@ def cmd_keys_create(args) -> int:
         # checked before anything is written, so a bad flag leaves the database as it was
         TenantLimits(args.tenant, args.tenant_rps or 0.0, args.tenant_tpm or 0.0)
         plaintext, key = store.create(args.tenant, device=args.device, scopes=scopes,
-                                      rps=args.rps, tpm=args.tpm)
+                                      rps=args.rps, tpm=args.tpm, priority=args.priority)
         limits = store.set_tenant_limits(args.tenant, rps=args.tenant_rps, tpm=args.tenant_tpm)
     except ValueError as e:
         print(f"cascade: {e}", file=sys.stderr)
@@ -41,7 +41,7 @@ def cmd_keys_create(args) -> int:
     finally:
         store.close()
     print(f"key {key.key_id}: tenant {key.tenant}, device {key.device or '-'}, "
-          f"scopes {','.join(sorted(key.scopes))}")
+          f"scopes {','.join(sorted(key.scopes))}, priority {key.priority}")
     print(f"  key limits: rps {_limit(key.rps)}, tpm {_limit(key.tpm)}; "
           f"tenant limits: rps {_limit(limits.rps)}, tpm {_limit(limits.tpm)}")
     print("  the key is shown once, on the next line:")
@@ -57,18 +57,18 @@ def cmd_keys_list(args) -> int:
         store.close()
     if args.json:
         print(json.dumps([{"key_id": k.key_id, "tenant": k.tenant, "device": k.device,
-                           "scopes": sorted(k.scopes), "rps": k.rps, "tpm": k.tpm,
+                           "scopes": sorted(k.scopes), "rps": k.rps, "tpm": k.tpm, "priority": k.priority,
                            "created_at": k.created_at, "revoked": k.revoked} for k in keys],
                          indent=2))
         return 0
     if not keys:
         print("no keys")
         return 0
-    rows = [("KEY ID", "TENANT", "DEVICE", "SCOPES", "RPS", "TPM", "CREATED", "REVOKED")]
+    rows = [("KEY ID", "TENANT", "DEVICE", "SCOPES", "RPS", "TPM", "PRIORITY", "CREATED", "REVOKED")]
     for k in keys:
         created = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(k.created_at))
         rows.append((k.key_id, k.tenant, k.device or "-", ",".join(sorted(k.scopes)),
-                     _limit(k.rps), _limit(k.tpm), created, "yes" if k.revoked else "no"))
+                     _limit(k.rps), _limit(k.tpm), str(k.priority), created, "yes" if k.revoked else "no"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
@@ -103,6 +103,9 @@ def add_keys_parser(subparsers) -> None:
     create.add_argument("--device", help="bind the key to this device (a device key is never admin)")
     create.add_argument("--rps", type=float, default=0.0, help="this key's requests/s (0: none)")
     create.add_argument("--tpm", type=float, default=0.0, help="this key's tokens/min (0: none)")
+    create.add_argument("--priority", type=int, default=0,
+                        help="the engine priority of this key's requests (lower is served first and preempts "
+                             "later ones; a request may only ask for a later one, a larger number)")
     create.add_argument("--admin", action="store_true", help="add the admin scope")
     create.add_argument("--tenant-rps", type=float, help="set the tenant's requests/s, over all its keys (0: none)")
     create.add_argument("--tenant-tpm", type=float, help="set the tenant's tokens/min, over all its keys (0: none)")

@@ -115,6 +115,7 @@ class NewKey(BaseModel):
     scopes: list[str] = ["infer"]
     rps: float = Field(0.0, ge=0)
     tpm: float = Field(0.0, ge=0)
+    priority: int | None = None  # default: the creating key's; never ahead of it
 
 
 def _key_json(k: ApiKey) -> dict:
@@ -134,8 +135,12 @@ async def create_key(request: Request):
     key = _key(request, "admin")
     svc = service(request)
     new = parse_body(NewKey, await read_json(request, svc.config.max_body_bytes))
+    priority = key.priority if new.priority is None else new.priority
+    if priority < key.priority:
+        raise errors.APIError(403, f"A key may not create a key that runs ahead of its own priority "
+                              f"({key.priority}).", "permission_error", "priority", "priority_not_allowed")
     try:
-        plaintext, record = svc.keys.create(key.tenant, new.device, new.scopes, new.rps, new.tpm)
+        plaintext, record = svc.keys.create(key.tenant, new.device, new.scopes, new.rps, new.tpm, priority)
     except ValueError as e:
         raise errors.bad_request(str(e)) from e
     return {"key": plaintext, **_key_json(record)}

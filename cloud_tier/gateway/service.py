@@ -7,6 +7,7 @@ closes (``streams.Recorder``)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import math
@@ -18,7 +19,7 @@ import httpx
 from cascade import errors
 from cloud_tier.config import GatewayConfig
 from cloud_tier.gateway.admission import Admission
-from cloud_tier.gateway.keys import ApiKey, KeyStore
+from cloud_tier.gateway.keys import ApiKey, KeyStore, check_priority
 from cloud_tier.gateway.metrics import GatewayMetrics
 from cloud_tier.gateway.placement import PrefixIndex, RouterConfig
 from cloud_tier.gateway.quotas import Limits, Quotas
@@ -42,6 +43,23 @@ def outcome_of(error: BaseException) -> str:
     if isinstance(error, errors.APIError):
         return f"429_{error.code or ''}" if error.status == 429 else f"{error.status // 100}xx"
     return "5xx"
+
+
+def request_priority(key: ApiKey, requested: object) -> int:
+    """The engine priority a request runs at: its key's, or a later one it asks for (the engine
+    serves lower numbers first and preempts for them, so a request may only lower its own
+    standing, never jump ahead of other tenants). Anything else is a 400."""
+    if requested is None:
+        return key.priority
+    try:
+        check_priority(requested)
+    except ValueError as e:
+        raise errors.bad_request(f"Invalid value for 'priority': {e}.", "priority", "invalid_value") from e
+    if requested < key.priority:
+        raise errors.bad_request(
+            f"priority {requested} would run ahead of this key's priority {key.priority}; a request may only "
+            f"ask for {key.priority} or more (lower numbers are served first).", "priority", "priority_not_allowed")
+    return requested
 
 
 def tokens_used(f: Flight) -> int:
@@ -108,7 +126,9 @@ class GatewayService:
                 self._count(flight, "replay")
                 return stored, {"X-Cascade-Idempotent-Replay": "true", "X-Cascade-Cache": "miss"}
         try:
+            priority = request_priority(key, (req.model_extra or {}).get("priority"))
             plan = self.builder.chat(req) if endpoint == "chat" else self.builder.completion(req)
+            plan = dataclasses.replace(plan, priority=priority)
             flight.cache_key = cache_key(key.tenant, self.model_id, endpoint, plan)
             hit = self.cache.get(flight.cache_key) if flight.cache_key else None
             self.metrics.cache.labels("hit" if hit else "miss").inc()

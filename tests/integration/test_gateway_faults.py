@@ -191,6 +191,15 @@ def test_priority_comes_from_the_key_and_a_request_may_only_lower_its_own(gatewa
     assert _priority_sent(worker, client(gateway, key_of(gateway, "plain"))) == 0  # the default
 
 
+def test_an_admin_key_may_not_create_a_key_ahead_of_its_own_priority(gateway):
+    auth = {"authorization": f"Bearer {key_of(gateway, 'gold', '--priority', '5', '--admin')}"}
+    post = lambda body: httpx.post(f"{gateway.url}/v1/admin/keys", json=body, headers=auth, timeout=30)  # noqa: E731
+    r = post({"priority": 1})
+    assert r.status_code == 403 and r.json()["error"]["param"] == "priority"
+    assert post({}).json()["priority"] == 5 and post({"priority": 9}).json()["priority"] == 9
+    assert post({"priority": 2**31}).status_code == 400
+
+
 @pytest.mark.parametrize("priority", [-1_000_000_000, -1, 2**31, 1e300, 1.5, "high", True])
 def test_a_priority_out_of_bounds_or_not_an_integer_is_a_400(gateway, worker, priority):
     calls = len(worker.generate_bodies)

@@ -238,3 +238,46 @@ def test_cli_default_db_is_under_cascade_home(tmp_path, monkeypatch, capsys):
     args = parser.parse_args(["keys", "create", "--tenant", "acme"])
     assert args.func(args) == 0
     assert (tmp_path / "home" / "cloud" / "gateway.db").is_file()
+
+
+# --- priority ----------------------------------------------------------------------------------
+
+def test_a_key_carries_its_priority_default_zero(store):
+    plain, key = store.create("acme")
+    assert key.priority == 0 and store.verify(plain).priority == 0
+    plain, key = store.create("acme", priority=5)
+    assert key.priority == 5 and store.verify(plain).priority == 5
+    assert [k.priority for k in store.list("acme")] == [0, 5]
+
+
+@pytest.mark.parametrize("priority", [2**31, -(2**31) - 1, 1.5, True, "5"])
+def test_a_priority_outside_int32_or_not_an_int_is_refused(store, priority):
+    with pytest.raises(ValueError, match="priority"):
+        store.create("acme", priority=priority)
+    assert store.list() == []
+
+
+def test_a_database_from_before_priorities_gets_them_at_zero(db):
+    with contextlib.closing(sqlite3.connect(db)) as conn, conn:
+        conn.execute("CREATE TABLE tenants (name TEXT PRIMARY KEY, rps FLOAT NOT NULL, tpm FLOAT NOT NULL, "
+                     "created_at FLOAT NOT NULL)")
+        conn.execute("CREATE TABLE api_keys (key_id TEXT PRIMARY KEY, key_hash TEXT NOT NULL, tenant TEXT NOT NULL, "
+                     "device TEXT, scopes TEXT NOT NULL, rps FLOAT NOT NULL, tpm FLOAT NOT NULL, "
+                     "created_at FLOAT NOT NULL, revoked INTEGER NOT NULL)")
+        conn.execute("INSERT INTO tenants VALUES ('acme', 0, 0, 0)")
+        conn.execute("INSERT INTO api_keys VALUES ('abcdefgh', 'x', 'acme', NULL, 'infer', 0, 0, 0, 0)")
+    store = KeyStore(db)
+    try:
+        assert [k.priority for k in store.list()] == [0]
+    finally:
+        store.close()
+
+
+def test_cli_create_sets_the_keys_priority(db, capsys):
+    assert run_cli(["keys", "create", "--tenant", "acme", "--priority", "7"], db) == 0
+    out = capsys.readouterr().out
+    assert "priority 7" in out
+    assert run_cli(["keys", "list", "--json"], db) == 0
+    assert [k["priority"] for k in json.loads(capsys.readouterr().out)] == [7]
+    assert run_cli(["keys", "create", "--tenant", "acme", "--priority", str(2**31)], db) == 2
+    assert "priority" in capsys.readouterr().err
