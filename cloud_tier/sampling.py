@@ -4,7 +4,12 @@ request record) and what the engine samples with. Plain data, no torch."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
+
+# As vLLM: a smaller temperature or repetition penalty would overflow the logits to inf/NaN.
+MIN_TEMPERATURE = 0.01
+MIN_REPETITION_PENALTY = 0.01
 
 
 @dataclass(frozen=True)
@@ -12,7 +17,7 @@ class SamplingParams:
     """How one request samples and when it stops (vLLM's field names and meanings)."""
 
     max_tokens: int = 16
-    temperature: float = 1.0  # 0: greedy
+    temperature: float = 1.0  # 0: greedy; (0, 0.01) samples as 0.01
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
@@ -21,13 +26,16 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's and top-k
-    repetition_penalty: float = 1.0  # > 1 discourages tokens seen in prompt or output
+    repetition_penalty: float = 1.0  # > 1 discourages tokens seen in prompt or output; at least 0.01
     presence_penalty: float = 0.0  # OpenAI: on tokens present in the output
     frequency_penalty: float = 0.0  # OpenAI: by count in the output
     include_stop_str_in_output: bool = False
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -44,6 +52,9 @@ class SamplingParams:
             raise ValueError("repetition_penalty must be > 0")
         if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
             raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
+        object.__setattr__(self, "repetition_penalty", max(self.repetition_penalty, MIN_REPETITION_PENALTY))
         object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 

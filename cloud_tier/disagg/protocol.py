@@ -92,3 +92,6 @@ class ServedModel(_Body):
     aliases: list[str]  # other names accepted for it
     max_model_len: int
     tokenizer_files: dict[str, str]  # cloud_tier.tokenizer_files.dump
+    # LLMEngine.model_identity: the model, its dtype and its KV layout (block size, KV dtype, layers,
+    # KV heads, head size). Workers whose identities differ cannot exchange KV ("" if not told).
+    model_identity: str = ""

@@ -22,6 +22,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread failed; requests in flight cannot finish."""
 
 
+class RequestFailedError(RuntimeError):
+    """This request could not go on (the engine goes on); the message says why."""
+
+
 class RequestAbortedError(RuntimeError):
     """The request was aborted while its stream was open."""
 
@@ -188,7 +192,11 @@ class AsyncLLMEngine:
                     self._wake.clear()
                     continue
                 for out in self.engine.step():
-                    self._deliver(out.request_id, _snapshot(out))
+                    item = _snapshot(out) if out.error is None else RequestFailedError(out.error)
+                    self._deliver(out.request_id, item)
+                if self.engine.stalled:  # nothing can run until a held KV is released: no busy loop
+                    self._wake.wait(0.05)
+                    self._wake.clear()
         except BaseException as e:  # every waiting stream and call learns of it; nothing hangs
             log.exception("engine loop failed")
             self.error = e

@@ -81,6 +81,11 @@ class BlockPool:
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
         self.cached[block_hash] = block
 
+    def uncache(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop these blocks from the prefix cache (they stay where they are, free or in use)."""
+        for block in blocks:
+            self._evict(block)
+
     def reset_prefix_cache(self) -> None:
         for block in list(self.cached.values()):
             self._evict(block)

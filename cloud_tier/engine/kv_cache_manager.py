@@ -149,6 +149,14 @@ class KVCacheManager:
         self._num_cached_blocks.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
 
+    def discard(self, request: Request) -> None:
+        """Free the blocks of a request whose KV may never have been written (its step or its
+        adoption failed): those no other request holds also leave the prefix cache, so no later
+        prompt reuses them. Others holding one were in the same failed step and are discarded too."""
+        blocks = self.req_blocks.get(request.request_id, [])
+        self.free(request)
+        self.pool.uncache(b for b in blocks if b.ref_cnt == 0)
+
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
 

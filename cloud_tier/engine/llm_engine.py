@@ -19,6 +19,7 @@ import torch
 
 from cloud_tier.config import EngineConfig
 from cloud_tier.engine.detokenizer import IncrementalDetokenizer
+from cloud_tier.engine.handoff import KVCapacityError, KVHandoff, KVLayout, model_identity
 from cloud_tier.engine.kv_cache_manager import KVCacheManager
 from cloud_tier.engine.model_runner import ModelRunner
 from cloud_tier.engine.models.loader import load_model, read_config
@@ -44,21 +45,6 @@ def resolve_model_dir(model: str) -> Path:
     catalog = Catalog(cascade_home())
     gguf = catalog.ensure_ready(catalog.get(model))
     return ensure_hf_dir(gguf, cascade_home() / "engine" / "models")
-
-
-class KVCapacityError(RuntimeError):
-    """An adopted request's KV does not fit the free blocks right now."""
-
-
-@dataclass
-class KVHandoff:
-    """A request prefilled here for another worker: its record, first token's logprobs, seeded
-    random state, and its prompt's KV blocks (``ModelRunner.read_blocks`` layout)."""
-
-    request: Request
-    logprobs: list[TokenLogprobs]
-    sampler_state: bytes | None
-    kv: torch.Tensor
 
 
 @dataclass
@@ -89,8 +75,11 @@ class LLMEngine:
             raise ValueError(f"the KV cache holds {num_blocks * config.block_size} tokens ({num_blocks} blocks of "
                              f"{config.block_size}), less than max_model_len {self.max_model_len}: raise the KV "
                              f"budget ({num_blocks * per_block} bytes) or lower max_model_len")
+        num_layers, n_kv, head_dim = self.model.kv_shape
+        self.kv_layout = KVLayout(config.block_size, config.dtype, num_layers, n_kv, head_dim)
+        self.model_identity = model_identity(self.model_dir.name, config.dtype, self.kv_layout)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 model_identity=f"{self.model_dir.name}:{config.dtype}")
+                                 model_identity=self.model_identity)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
@@ -99,7 +88,7 @@ class LLMEngine:
                                   self.device, config.seed)
         self._tracked: dict[str, _Tracked] = {}
         self._handoffs: dict[str, tuple[list[TokenLogprobs], bytes | None]] = {}
-        self.model_identity = f"{self.model_dir.name}:{config.dtype}"
+        self.stalled = False  # the last step ran nothing while requests wait (KV held for transfers)
         log.info("engine ready: %s (%s, %s), %d KV blocks of %d tokens (%.0f MiB)", self.model_dir.name,
                  config.dtype, config.device, num_blocks, config.block_size, num_blocks * per_block / 2**20)
 
@@ -179,14 +168,16 @@ class LLMEngine:
               sampler_state: bytes | None = None, num_cached_tokens: int = 0) -> RequestOutput:
         """Continue a request prefilled elsewhere: ``req`` carries its prompt and first token,
         ``kv`` its prompt's blocks. Returns the output for the first token; later steps go on
-        from there. KVCapacityError (nothing changed) if the blocks do not fit now."""
+        from there. KVCapacityError (nothing changed) if the blocks do not fit now; ValueError
+        (nothing changed) if ``kv`` is not in this cache's layout or the request is refused."""
+        num_blocks = self.kv.blocks_for_tokens(req.num_prompt_tokens)
+        self.runner.check_payload(kv, num_blocks)
         if not self.scheduler.adopt(req):
-            raise KVCapacityError(f"{self.kv.blocks_for_tokens(req.num_prompt_tokens)} KV blocks needed, "
-                                  f"{self.kv.num_free_blocks} free")
+            raise KVCapacityError(f"{num_blocks} KV blocks needed, {self.kv.num_free_blocks} free")
         try:
             self.runner.write_blocks(self.kv.get_block_ids(req.request_id), kv)
-        except ValueError:
-            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
+        except Exception:  # the prompt's blocks are hashed already: keep them out of the prefix cache
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
             raise
         req.num_cached_tokens = num_cached_tokens
         if sampler_state is not None:
@@ -204,21 +195,61 @@ class LLMEngine:
     # -- the loop ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One batch: returns an output for every request that got tokens or finished."""
+        """One batch: returns an output for every request that got tokens or finished. A request
+        that cannot go on ends with finish_reason "error" (its output says why); the others and
+        the engine go on."""
         scheduled = self.scheduler.schedule()
+        self.stalled = scheduled.is_empty and self.scheduler.has_unfinished()
         if scheduled.is_empty:
             return []
-        result = self.runner.execute(scheduled)
+        try:
+            result = self.runner.execute(scheduled)
+        except Exception as e:  # which request broke the batch is unknown: it all fails, unwritten KV unused
+            log.exception("a step of %d requests failed", len(scheduled.scheduled))
+            failed = (self._fail(s.request, f"the engine step failed: {e!r}") for s in scheduled.scheduled)
+            return [out for out in failed if out is not None]
         self.scheduler.update(scheduled, result.sampled)
         now = time.monotonic()
         outputs = []
         for s in scheduled.scheduled:
             rid = s.request.request_id
             tracked = self._tracked.get(rid)
-            if tracked is None or rid not in result.sampled:
+            if tracked is None:
                 continue
-            outputs.append(self._process(tracked, result.sampled[rid], result.logprobs.get(rid), now))
+            if rid in result.failed:
+                out = self._fail(s.request, result.failed[rid])
+            elif rid in result.sampled:
+                try:
+                    out = self._process(tracked, result.sampled[rid], result.logprobs.get(rid), now)
+                except Exception as e:  # a bug on this request's output side fails it alone
+                    log.exception("the output of %s failed", rid)
+                    out = self._fail(s.request, f"its output failed: {e!r}")
+            else:
+                continue
+            if out is not None:
+                outputs.append(out)
         return outputs
+
+    def _fail(self, req: Request, why: str) -> RequestOutput | None:
+        """End ``req`` with an error, its blocks freed and kept out of the prefix cache; its
+        final output (None if nothing tracks it)."""
+        rid = req.request_id
+        log.warning("request %s failed: %s", rid, why)
+        if req.is_finished:  # it ended in this step's update: only a held prefill still has blocks
+            self.scheduler.release(rid)
+            req.status = RequestStatus.FINISHED_ERROR
+        else:
+            self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ERROR)
+        self._handoffs.pop(rid, None)
+        tracked = self._tracked.get(rid)
+        self._forget(rid)
+        if tracked is None:
+            return None
+        out = tracked.output
+        out.new_token_ids, out.new_logprobs, out.delta_text = [], [], ""
+        out.finished, out.finish_reason, out.error = True, req.status.finish_reason, why
+        out.num_cached_tokens = max(req.num_cached_tokens, 0)
+        return out
 
     def _process(self, t: _Tracked, token: int, logprobs, now: float) -> RequestOutput:
         req, out = t.request, t.output

@@ -3,7 +3,7 @@ computes logits only where a token is sampled, and samples."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,6 +17,7 @@ class ModelOutput:
     sampled: dict[str, int]  # request id -> token, for requests that reached their last token
     logprobs: dict[str, TokenLogprobs]
     logits: dict[str, torch.Tensor] | None = None  # kept only when asked (parity tests)
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why no token could be sampled
 
 
 class ModelRunner:
@@ -58,13 +59,18 @@ class ModelRunner:
                            for k, v in self.kv_caches])
         return out.cpu()
 
-    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        """Write a transfer's payload (``read_blocks``' layout) into these blocks."""
+    def check_payload(self, kv: torch.Tensor, num_blocks: int) -> None:
+        """ValueError unless ``kv`` is ``num_blocks`` blocks in ``read_blocks``' layout here."""
         layers, bs, n_kv, hd = self.kv_block_shape()
-        expected = (layers, 2, len(block_ids), bs, n_kv, hd)
+        expected = (layers, 2, num_blocks, bs, n_kv, hd)
         if tuple(kv.shape) != expected or kv.dtype != self.dtype:
             raise ValueError(f"KV payload {tuple(kv.shape)} {kv.dtype} does not match this cache's "
                              f"{expected} {self.dtype}")
+
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Write a transfer's payload (``read_blocks``' layout) into these blocks."""
+        self.check_payload(kv, len(block_ids))
+        _, bs, n_kv, hd = self.kv_block_shape()
         idx = torch.tensor(block_ids, device=self.device)
         kv = kv.to(self.device)
         for layer, (k, v) in enumerate(self.kv_caches):
@@ -92,7 +98,9 @@ class ModelRunner:
             return ModelOutput({}, {})
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)]).float()
         result = self.sampler(logits, sample_reqs)
-        sampled = {r.request_id: t for r, t in zip(sample_reqs, result.token_ids, strict=True)}
+        failed = {sample_reqs[i].request_id: why for i, why in result.errors.items()}
+        sampled = {r.request_id: t for r, t in zip(sample_reqs, result.token_ids, strict=True)
+                   if r.request_id not in failed}
         logprobs = {r.request_id: lp for r, lp in zip(sample_reqs, result.logprobs, strict=True) if lp is not None}
         kept = {r.request_id: logits[i].cpu() for i, r in enumerate(sample_reqs)} if self.keep_logits else None
-        return ModelOutput(sampled, logprobs, kept)
+        return ModelOutput(sampled, logprobs, kept, failed)

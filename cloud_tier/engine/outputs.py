@@ -18,7 +18,8 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "transfer" | "error"
+    error: str | None = None  # why, when finish_reason is "error"
     num_cached_tokens: int = 0
     arrival_time: float = 0.0
     first_token_time: float | None = None

@@ -21,6 +21,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4  # max_tokens or the model's context
     FINISHED_ABORTED = 5
     FINISHED_TRANSFERRED = 6  # prefill done, first token sampled, KV kept for a decode worker
+    FINISHED_ERROR = 7  # this request could not go on (its step failed, or its logits); the engine goes on
 
     @property
     def finished(self) -> bool:
@@ -28,7 +29,7 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {3: "stop", 4: "length", 5: "abort", 6: "transfer"}.get(int(self))
+        return {3: "stop", 4: "length", 5: "abort", 6: "transfer", 7: "error"}.get(int(self))
 
 
 @dataclass(eq=False)  # a mutable record: equal only to itself

@@ -3,7 +3,7 @@ seeds, and logprobs of the model's own distribution (before any of that processi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,8 +19,9 @@ class TokenLogprobs:
 
 @dataclass
 class SampleResult:
-    token_ids: list[int]
+    token_ids: list[int]  # a failed row's is meaningless
     logprobs: list[TokenLogprobs | None]
+    errors: dict[int, str] = field(default_factory=dict)  # row -> why it could not be sampled
 
 
 class Sampler:
@@ -42,7 +43,8 @@ class Sampler:
         g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
-        """``logits`` [B, V] float32, one row per request in ``requests``."""
+        """``logits`` [B, V] float32, one row per request in ``requests``. A row that cannot be
+        sampled (non-finite logits) is reported in ``errors``; the other rows are unaffected."""
         params = [r.sampling_params for r in requests]
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
@@ -53,21 +55,30 @@ class Sampler:
                 if r.sampling_params.needs_penalties:
                     _apply_penalties(logits[i], r, self.device)
         tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+        # NaN or +inf anywhere, or no finite logit at all, has no meaningful sample
+        bad = logits.isnan().any(dim=-1) | logits.isposinf().any(dim=-1) | ~logits.isfinite().any(dim=-1)
         greedy = [i for i, p in enumerate(params) if p.greedy]
         if greedy:
             idx = torch.tensor(greedy, device=logits.device)
             tokens[idx] = logits[idx].argmax(dim=-1)
         rand = [i for i, p in enumerate(params) if not p.greedy]
         if rand:
-            probs = _processed_probs(logits[rand], [params[i] for i in rand])
-            tokens[torch.tensor(rand, device=logits.device)] = self._draw(probs, [requests[i] for i in rand])
+            idx = torch.tensor(rand, device=logits.device)
+            probs = _processed_probs(logits[idx], [params[i] for i in rand])
+            unusable = bad[idx] | ~probs.isfinite().all(dim=-1) | ~(probs.sum(dim=-1) > 0)
+            bad[idx] = unusable
+            probs[unusable] = 0.0  # a placeholder draw, so the rest of the batch can be drawn
+            probs[unusable, 0] = 1.0
+            tokens[idx] = self._draw(probs, [requests[i] for i in rand])
         token_list = tokens.tolist()
+        errors = {i: "the logits are not finite (NaN or infinity): no token can be sampled"
+                  for i in bad.nonzero().flatten().tolist()}
         out_logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         if raw_logprobs is not None:
             for i, p in enumerate(params):
-                if p.logprobs is not None:
+                if p.logprobs is not None and i not in errors:
                     out_logprobs[i] = _token_logprobs(raw_logprobs[i], token_list[i], p.logprobs)
-        return SampleResult(token_list, out_logprobs)
+        return SampleResult(token_list, out_logprobs, errors)
 
     def _draw(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         out = torch.empty(len(requests), dtype=torch.long, device=probs.device)

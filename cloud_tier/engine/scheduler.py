@@ -278,6 +278,8 @@ class Scheduler:
         request.status = status
         if status == RequestStatus.FINISHED_TRANSFERRED:
             self.held[request.request_id] = request
+        elif status == RequestStatus.FINISHED_ERROR:  # its KV may never have been written
+            self.kv.discard(request)
         else:
             self.kv.free(request)
         self.requests.pop(request.request_id, None)

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from cloud_tier.engine import LLMEngine, SamplingParams
-from cloud_tier.engine.async_engine import AsyncLLMEngine
+from cloud_tier.engine.async_engine import AsyncLLMEngine, RequestFailedError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 SYSTEM = ("You are a meticulous assistant for a logistics company. Answer questions about shipments, "
@@ -243,3 +243,82 @@ def test_stop_token_text_is_left_out_unless_asked_for(smollm2_engine):
             temperature=0.0, max_tokens=12, stop_token_ids=(stop_id,), include_stop_str_in_output=include))[0]
         assert out.token_ids == full.token_ids[:3] and out.finish_reason == "stop"
         assert out.text == decode(full.token_ids[:n], skip_special_tokens=True)
+
+
+def corrupted(params: SamplingParams, **fields) -> SamplingParams:
+    """``params`` with values the door refuses, as if set after validation."""
+    for name, value in fields.items():
+        object.__setattr__(params, name, value)
+    return params
+
+
+def test_one_request_that_cannot_be_sampled_fails_alone_and_the_engine_goes_on(smollm2_engine):
+    expected = smollm2_engine.generate(["The capital of France is"], GREEDY)[0]
+
+    async def scenario():
+        engine = AsyncLLMEngine(smollm2_engine)
+        try:
+            async def run(prompt, params):
+                return [o async for o in engine.generate(prompt, params)][-1]
+
+            bad = corrupted(SamplingParams(max_tokens=16), temperature=float("nan"))
+            tiny = SamplingParams(temperature=1e-39, repetition_penalty=1e-39, max_tokens=4)  # the API accepts it
+            good, failed, small = await asyncio.gather(
+                run("The capital of France is", GREEDY), run("Hello", bad), run("Hi", tiny), return_exceptions=True)
+            assert isinstance(failed, RequestFailedError) and "finite" in str(failed)
+            assert good.token_ids == expected.token_ids and small.finished
+            assert engine.error is None
+            assert (await run("The capital of France is", GREEDY)).token_ids == expected.token_ids
+        finally:
+            engine.shutdown()
+    asyncio.run(asyncio.wait_for(scenario(), 120))
+    smollm2_engine.check_integrity()
+
+
+def test_a_failed_step_fails_its_batch_and_leaves_no_unwritten_kv_in_the_prefix_cache(smollm2_engine):
+    engine = smollm2_engine
+    engine.kv.reset_prefix_cache()
+    prompt = shared_prefix_prompts(engine, 64)[0]
+    expected = run_to_end(engine, [prompt], GREEDY)[0]
+    engine.kv.reset_prefix_cache()
+    good = engine.make_request(prompt, GREEDY)
+    broken = engine.make_request("Hello", GREEDY)
+    broken.token_ids[-1] = engine.model.config["vocab_size"] + 5  # the forward pass raises on it
+    engine.add(good)
+    engine.add(broken)
+    outs = engine.step()
+    assert {o.request_id for o in outs} == {good.request_id, broken.request_id}
+    assert all(o.finished and o.finish_reason == "error" and o.error for o in outs)
+    engine.check_integrity()
+    assert not engine.has_unfinished_requests() and engine.kv.num_free_blocks == engine.kv.num_blocks
+    again = run_to_end(engine, [prompt], GREEDY)[0]
+    assert again.num_cached_tokens == 0 and again.token_ids == expected.token_ids
+
+
+def test_adopting_kv_of_another_layout_is_refused_and_leaves_nothing_in_the_prefix_cache(smollm2_engine):
+    import torch
+
+    engine = smollm2_engine
+    engine.kv.reset_prefix_cache()
+    prompt = shared_prefix_prompts(engine, 64)[0]
+    handoff = prefill_for_transfer(engine, prompt, GREEDY, "src")
+    expected = run_to_end(engine, [prompt], GREEDY)[0]
+    engine.kv.reset_prefix_cache()
+    layers, _, blocks, bs, heads, dim = handoff.kv.shape
+    other = torch.zeros(layers, 2, -(-blocks // 2), 2 * bs, heads, dim)  # a prefill worker with 32-token blocks
+    with pytest.raises(ValueError, match="KV"):
+        engine.adopt(adoptable(engine, handoff, "adopted"), other)
+    engine.check_integrity()
+    assert not engine.has_unfinished_requests() and engine.kv.num_free_blocks == engine.kv.num_blocks
+    again = run_to_end(engine, [prompt], GREEDY)[0]
+    assert again.num_cached_tokens == 0 and again.token_ids == expected.token_ids
+
+
+def test_the_model_identity_names_the_kv_layout(smollm2_engine, engine_home):
+    identity = smollm2_engine.model_identity
+    layers, _, n_kv, head_dim = smollm2_engine.runner.kv_block_shape()
+    for part in ("float32", "block_size=16", f"layers={layers}", f"kv_heads={n_kv}", f"head_dim={head_dim}"):
+        assert part in identity
+    other = LLMEngine.from_model("smollm2-135m", dtype="float32", max_model_len=256, num_kv_blocks=8, block_size=32)
+    assert other.model_identity != identity  # a receiver refuses its KV at the door
+    assert other.model_identity.replace("block_size=32", "block_size=16") == identity

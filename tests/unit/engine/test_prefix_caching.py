@@ -153,3 +153,18 @@ def test_integrity_check_catches_a_leaked_reference():
     m.pool.blocks[0].ref_cnt += 1
     with pytest.raises(AssertionError):
         m.check_integrity()
+
+
+def test_discarded_blocks_leave_the_prefix_cache_unless_another_request_holds_them():
+    m = make_manager()
+    a = make_request("a", range(9))  # blocks 0, 1 cached
+    prefill(m, a)
+    b = make_request("b", [*range(8), *range(50, 59)])  # hits 0, 1; caches its own 3, 4
+    _, hit, _ = prefill(m, b)
+    assert hit == 8
+    m.discard(b)  # b's step failed: its own blocks may hold nothing
+    m.check_integrity()
+    assert m.get_computed_blocks(make_request("c", [*range(8), *range(50, 59)]))[1] == 8  # a's, still good
+    m.discard(a)
+    assert not m.pool.cached and m.num_free_blocks == 10
+    m.check_integrity()

@@ -74,3 +74,23 @@ def test_a_top_p_1_row_is_untouched_when_batched_with_top_k_rows():
     alone = _processed_probs(logits[:1].clone(), [SamplingParams()])[0]
     assert torch.equal(batched, alone)  # cumulative-sum rounding drops no tail token
     assert torch.count_nonzero(batched) == 49152
+
+
+def test_a_tiny_temperature_or_repetition_penalty_samples_without_overflow():
+    logits = torch.tensor([[3.0, 2.0, -1.0, 0.5]] * 3)
+    reqs = [req("t", temperature=1e-39), req("r", temperature=1.0, repetition_penalty=1e-39, seed=3),
+            req("b", temperature=1e-39, repetition_penalty=1e-39)]
+    out = Sampler()(logits, reqs)
+    assert not out.errors and out.token_ids[0] == 0 and out.token_ids[2] == 0
+
+
+def test_a_row_of_non_finite_logits_fails_only_its_request():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]] * 4))
+    logits[1, 2] = math.nan
+    logits[3, :] = -math.inf
+    reqs = [req("g", temperature=0.0), req("nan", temperature=1.0), req("s", temperature=1.0, seed=9),
+            req("none", temperature=1.0)]
+    out = Sampler()(logits, reqs)
+    assert set(out.errors) == {1, 3} and "finite" in out.errors[1]
+    alone = Sampler()(logits[2:3].clone(), [req("s", temperature=1.0, seed=9)])
+    assert out.token_ids[0] == 0 and out.token_ids[2] == alone.token_ids[0]
