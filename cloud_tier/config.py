@@ -98,6 +98,7 @@ class GatewayConfig:
     result_cache_bytes: int = 64 << 20
     result_cache_ttl_s: float = 600.0
     idempotency_ttl_s: float = 86400.0
+    idempotency_lease_s: float = 600.0  # a claim not renewed for this long was left by a crashed gateway
     health_interval_s: float = 0.5
     startup_timeout_s: float = 600.0  # for a worker to give the model's tokenizer
     request_timeout_s: float = 600.0
@@ -114,6 +115,8 @@ class GatewayConfig:
             raise ValueError("kv_high_watermark must be in (0, 1]")
         if self.ttft_slo_s <= 0 or self.tpot_slo_s <= 0:
             raise ValueError("SLOs must be positive")
+        if not 0 < self.idempotency_lease_s <= self.idempotency_ttl_s:
+            raise ValueError("idempotency_lease_s must be > 0 and at most idempotency_ttl_s")
 
 
 @dataclass

@@ -1,9 +1,11 @@
 """The cloud's Idempotency-Key store: per tenant, a key maps to the one response it produced.
 
-A row's life: ``claim`` writes it ``in_progress``; the claimant then ``complete``s it (``done``,
-the result stored for replays) or ``release``s it (``released``: free for the next claim). An
-``in_progress`` row whose lease has run out was left by a crashed gateway and is free too. Every
-row is deleted ``ttl_s`` after it was claimed.
+A row's life: ``claim`` writes it ``in_progress`` under a fresh owner token; the claimant then
+``complete``s it (``done``, the result stored for replays) or ``release``s it (``released``: free
+for the next claim), and ``renew``s its lease while it runs (``heartbeat``). An ``in_progress``
+row whose lease has run out was left by a crashed gateway and is free too; its old owner's
+``complete``, ``release`` and ``renew`` are then no-ops, so they never touch the next claim.
+Every row is deleted ``ttl_s`` after it was claimed.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -42,6 +45,7 @@ class _Row(StrEnum):
 class Claim:
     state: ClaimState
     result: Any = None  # the stored result when state is DONE
+    owner: str | None = field(default=None, compare=False)  # the claimant's token when state is NEW
 
 
 class IdempotencyStore(SQLiteStore):
@@ -60,11 +64,13 @@ class IdempotencyStore(SQLiteStore):
         with self._write():
             self._db["idempotency"].create(
                 {"tenant": str, "key": str, "request_hash": str, "state": str, "result": str,
-                 "created_at": float, "updated_at": float},
+                 "created_at": float, "updated_at": float, "owner": str},
                 pk=("tenant", "key"),
                 not_null={"request_hash", "state", "created_at", "updated_at"},
                 if_not_exists=True)
             self._db["idempotency"].create_index(["created_at"], if_not_exists=True)
+            if "owner" not in self._db["idempotency"].columns_dict:  # a store from before owners
+                self._db["idempotency"].add_column("owner", str)
 
     def _is_free(self, state: str, created_at: float, updated_at: float, now: float) -> bool:
         return (state == _Row.RELEASED
@@ -72,7 +78,8 @@ class IdempotencyStore(SQLiteStore):
                 or (state == _Row.IN_PROGRESS and updated_at + self.lease_s <= now))
 
     def claim(self, tenant: str, key: str, request_hash: str) -> Claim:
-        """Claim ``key`` for a request whose canonical form hashes to ``request_hash``."""
+        """Claim ``key`` for a request whose canonical form hashes to ``request_hash``. A NEW claim
+        carries the owner token that ``complete``, ``release`` and ``renew`` need."""
         if not 0 < len(key) <= MAX_KEY_LEN:
             raise ValueError(f"an idempotency key is 1-{MAX_KEY_LEN} characters")
         now = self._clock()
@@ -81,11 +88,12 @@ class IdempotencyStore(SQLiteStore):
                 "SELECT request_hash, state, result, created_at, updated_at FROM idempotency "
                 "WHERE tenant = ? AND key = ?", (tenant, key)).fetchone()
             if row is None or self._is_free(row[1], row[3], row[4], now):
+                owner = secrets.token_hex(16)
                 conn.execute(
                     "INSERT OR REPLACE INTO idempotency (tenant, key, request_hash, state, "
-                    "result, created_at, updated_at) VALUES (?, ?, ?, ?, NULL, ?, ?)",
-                    (tenant, key, request_hash, _Row.IN_PROGRESS.value, now, now))
-                return Claim(ClaimState.NEW)
+                    "result, created_at, updated_at, owner) VALUES (?, ?, ?, ?, NULL, ?, ?, ?)",
+                    (tenant, key, request_hash, _Row.IN_PROGRESS.value, now, now, owner))
+                return Claim(ClaimState.NEW, owner=owner)
         stored_hash, state, result = row[0], row[1], row[2]
         if stored_hash != request_hash:
             return Claim(ClaimState.MISMATCH)
@@ -93,26 +101,43 @@ class IdempotencyStore(SQLiteStore):
             return Claim(ClaimState.DONE, json.loads(result))
         return Claim(ClaimState.IN_PROGRESS)
 
-    def complete(self, tenant: str, key: str, result: Any) -> None:
-        """Store the claimed request's JSON-serialisable ``result`` for replays."""
+    def complete(self, tenant: str, key: str, result: Any, *, owner: str) -> bool:
+        """Store the claimed request's JSON-serialisable ``result`` for replays. False (nothing
+        stored) when ``owner`` no longer holds the claim."""
         payload = json.dumps(result, separators=(",", ":"))  # fails before anything is written
-        with self._write() as conn:
-            stored = conn.execute(
-                "UPDATE idempotency SET state = ?, result = ?, updated_at = ? "
-                "WHERE tenant = ? AND key = ? AND state = ?",
-                (_Row.DONE.value, payload, self._clock(), tenant, key,
-                 _Row.IN_PROGRESS.value)).rowcount
+        stored = self._update_held(tenant, key, owner, "state = ?, result = ?", (_Row.DONE.value, payload))
         if not stored:
-            log.warning("idempotency key %r of tenant %r was not in progress; result not stored",
+            log.warning("idempotency key %r of tenant %r is not held by this request; result not stored",
                         key, tenant)
+        return stored
 
-    def release(self, tenant: str, key: str) -> None:
-        """The claimed request failed: the next claim of ``key`` is new."""
+    def release(self, tenant: str, key: str, *, owner: str) -> bool:
+        """The claimed request failed: the next claim of ``key`` is new. False (a no-op) when
+        ``owner`` no longer holds the claim."""
+        return self._update_held(tenant, key, owner, "state = ?", (_Row.RELEASED.value,))
+
+    def renew(self, tenant: str, key: str, *, owner: str) -> bool:
+        """Extend the lease of a claim still running; False when ``owner`` no longer holds it
+        (finished, or its lease ran out and someone else claimed it)."""
+        return self._update_held(tenant, key, owner, "request_hash = request_hash", ())
+
+    def _update_held(self, tenant: str, key: str, owner: str, assignments: str, values: tuple) -> bool:
+        # the owner token alone decides: a claim taken over after its lease has another owner
         with self._write() as conn:
-            conn.execute(
-                "UPDATE idempotency SET state = ?, updated_at = ? "
-                "WHERE tenant = ? AND key = ? AND state = ?",
-                (_Row.RELEASED.value, self._clock(), tenant, key, _Row.IN_PROGRESS.value))
+            return conn.execute(
+                f"UPDATE idempotency SET {assignments}, updated_at = ? "
+                "WHERE tenant = ? AND key = ? AND owner = ? AND state = ?",
+                (*values, self._clock(), tenant, key, owner, _Row.IN_PROGRESS.value)).rowcount > 0
+
+    async def heartbeat(self, tenant: str, key: str, owner: str, every_s: float | None = None) -> None:
+        """Renew the claim every ``every_s`` (default: a third of the lease) while its request runs;
+        returns when the claim is no longer held. Cancel it when the request ends."""
+        every_s = self.lease_s / 3 if every_s is None else every_s
+        while True:
+            await asyncio.sleep(every_s)
+            if not await asyncio.to_thread(self.renew, tenant, key, owner=owner):
+                log.warning("idempotency key %r of tenant %r: the claim was lost while running", key, tenant)
+                return
 
     async def wait(self, tenant: str, key: str, timeout_s: float, poll_s: float = 0.05, *,
                    request_hash: str | None = None) -> Claim:

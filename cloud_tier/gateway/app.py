@@ -60,7 +60,8 @@ def build_app(config: CloudConfig, worker_urls: list[str]) -> FastAPI:
     async def lifespan(app: FastAPI):
         db = db_path(config)
         keys = KeyStore(db)
-        idem = IdempotencyStore(db.with_name("idempotency.db"), ttl_s=g.idempotency_ttl_s)
+        idem = IdempotencyStore(db.with_name("idempotency.db"), ttl_s=g.idempotency_ttl_s,
+                                lease_s=g.idempotency_lease_s)
         client = httpx.AsyncClient(timeout=httpx.Timeout(g.request_timeout_s, connect=5.0),
                                    limits=httpx.Limits(max_connections=1024, max_keepalive_connections=128))
         pool = WorkerPool(worker_urls, client, config.server.api_key, g.health_interval_s)

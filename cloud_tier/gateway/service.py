@@ -134,8 +134,7 @@ class GatewayService:
             self.metrics.cache.labels("hit" if hit else "miss").inc()
             if hit is not None:
                 self._check_quota(flight, 0)
-                if idem_key:
-                    self.idempotency.complete(key.tenant, idem_key, hit)
+                self._end_claim(flight, hit)
                 self._count(flight, "cache_hit")
                 return hit, {"X-Cascade-Cache": "hit"}
             self._check_quota(flight, plan.max_total_tokens)
@@ -158,6 +157,10 @@ class GatewayService:
                 claim = await self.idempotency.wait(t, k, self.config.request_timeout_s, request_hash=rhash)
         except ValueError as e:
             raise errors.bad_request(str(e), "Idempotency-Key", "invalid_idempotency_key") from e
+        if claim.state == ClaimState.NEW:  # ours: keep the lease while the request runs
+            flight.idem_owner = claim.owner
+            flight.heartbeat = asyncio.get_running_loop().create_task(self.idempotency.heartbeat(t, k, claim.owner))
+            return None
         if claim.state == ClaimState.DONE:
             return claim.result
         if claim.state == ClaimState.MISMATCH:
@@ -194,15 +197,13 @@ class GatewayService:
         fin = f.finish
         self.quotas.reconcile(f.tenant, f.key.key_id, f.predicted_tokens, tokens_used(f))
         if fin is None:
-            if f.idem_key:
-                self.idempotency.release(f.tenant, f.idem_key)
+            self._end_claim(f)
             self._count(f, outcome_of(f.error) if f.error is not None else "499")  # no error: the client left
             return
         stored = {"events": f.events}
         if f.cache_key:
             self.cache.put(f.cache_key, stored, sum(len(json.dumps(e)) for e in f.events))
-        if f.idem_key:
-            self.idempotency.complete(f.tenant, f.idem_key, stored)
+        self._end_claim(f, stored)
         m, t = self.metrics, f.tenant
         m.tokens_in.labels(t).inc(fin.prompt_tokens)
         m.tokens_out.labels(t).inc(fin.completion_tokens)
@@ -222,9 +223,22 @@ class GatewayService:
             self.admission.release(f.ticket)
         if f.predicted_tokens:
             self.quotas.reconcile(f.tenant, f.key.key_id, f.predicted_tokens, 0)
-        if f.idem_key:
-            self.idempotency.release(f.tenant, f.idem_key)
+        self._end_claim(f)
         self._count(f, "499" if isinstance(error, asyncio.CancelledError) else outcome_of(error))
+
+    def _end_claim(self, f: Flight, result: dict | None = None) -> None:
+        """Stop renewing the flight's Idempotency-Key claim, then store its result, or free the key
+        when there is none (a no-op for a claim another request has taken over meanwhile)."""
+        if f.heartbeat is not None:
+            f.heartbeat.cancel()
+            f.heartbeat = None
+        if f.idem_owner is None:
+            return
+        owner, f.idem_owner = f.idem_owner, None
+        if result is None:
+            self.idempotency.release(f.tenant, f.idem_key, owner=owner)
+        else:
+            self.idempotency.complete(f.tenant, f.idem_key, result, owner=owner)
 
     def _count(self, f: Flight, outcome: str) -> None:
         self.metrics.requests.labels(f.tenant, f.endpoint, outcome).inc()

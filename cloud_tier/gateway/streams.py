@@ -29,6 +29,8 @@ class Flight:
     ticket: Ticket | None = None
     cache_key: str | None = None
     idem_key: str | None = None
+    idem_owner: str | None = None  # our claim's owner token while we hold it
+    heartbeat: asyncio.Task | None = None  # renews that claim's lease while the flight runs
     events: list[dict] = field(default_factory=list)
     finish: Finish | None = None
     first_token_at: float | None = None

@@ -20,59 +20,63 @@ def store(tmp_path, clock):
 
 
 def test_first_claim_is_new_then_replays_the_stored_result(store):
-    assert store.claim("acme", "k1", "h1") == Claim(ClaimState.NEW)
+    claim = store.claim("acme", "k1", "h1")
+    assert claim == Claim(ClaimState.NEW) and claim.owner
     assert store.claim("acme", "k1", "h1") == Claim(ClaimState.IN_PROGRESS)
     result = {"id": "chatcmpl-1", "choices": [{"text": "hi"}], "usage": {"total_tokens": 3}}
-    store.complete("acme", "k1", result)
+    assert store.complete("acme", "k1", result, owner=claim.owner) is True
     assert store.claim("acme", "k1", "h1") == Claim(ClaimState.DONE, result)
     assert store.claim("acme", "k1", "h1").state == "done"  # StrEnum: compares to strings
     assert store.stats() == {"in_progress": 0, "done": 1, "released": 0}
 
 
 def test_same_key_for_another_request_is_a_mismatch(store):
-    store.claim("acme", "k1", "h1")
+    acme_k1 = store.claim("acme", "k1", "h1").owner
     assert store.claim("acme", "k1", "h2") == Claim(ClaimState.MISMATCH)
-    store.complete("acme", "k1", [1, 2])
+    store.complete("acme", "k1", [1, 2], owner=acme_k1)
     assert store.claim("acme", "k1", "h2") == Claim(ClaimState.MISMATCH)
 
 
 def test_keys_are_scoped_per_tenant(store):
-    assert store.claim("a", "k1", "h1").state == ClaimState.NEW
+    a_k1 = store.claim("a", "k1", "h1")
+    assert a_k1.state == ClaimState.NEW
     assert store.claim("b", "k1", "h2").state == ClaimState.NEW
-    store.complete("a", "k1", "from a")
+    store.complete("a", "k1", "from a", owner=a_k1.owner)
     assert store.claim("a", "k1", "h1") == Claim(ClaimState.DONE, "from a")
     assert store.claim("b", "k1", "h2") == Claim(ClaimState.IN_PROGRESS)
 
 
 def test_released_key_is_claimable_again(store):
-    store.claim("acme", "k1", "h1")
-    store.release("acme", "k1")
+    acme_k1 = store.claim("acme", "k1", "h1").owner
+    store.release("acme", "k1", owner=acme_k1)
     assert store.stats()["released"] == 1
-    assert store.claim("acme", "k1", "h2") == Claim(ClaimState.NEW)  # any request may take it
-    store.complete("acme", "k1", "second")
+    second = store.claim("acme", "k1", "h2")
+    assert second == Claim(ClaimState.NEW) and second.owner != acme_k1  # any request may take it
+    store.complete("acme", "k1", "second", owner=second.owner)
     assert store.claim("acme", "k1", "h2") == Claim(ClaimState.DONE, "second")
 
 
 def test_release_and_complete_do_not_touch_a_finished_key(store):
-    store.claim("acme", "k1", "h1")
-    store.complete("acme", "k1", "first")
-    store.release("acme", "k1")
-    store.complete("acme", "k1", "second")
+    acme_k1 = store.claim("acme", "k1", "h1").owner
+    store.complete("acme", "k1", "first", owner=acme_k1)
+    store.release("acme", "k1", owner=acme_k1)
+    store.complete("acme", "k1", "second", owner=acme_k1)
     assert store.claim("acme", "k1", "h1") == Claim(ClaimState.DONE, "first")
 
 
 def test_unserialisable_result_raises_and_stores_nothing(store):
-    store.claim("acme", "k1", "h1")
+    acme_k1 = store.claim("acme", "k1", "h1").owner
     with pytest.raises(TypeError):
-        store.complete("acme", "k1", object())
+        store.complete("acme", "k1", object(), owner=acme_k1)
     assert store.claim("acme", "k1", "h1") == Claim(ClaimState.IN_PROGRESS)
 
 
 def test_concurrent_duplicate_waits_for_the_first_result(store):
     async def first():
-        assert store.claim("acme", "k1", "h1").state == ClaimState.NEW
+        claim = store.claim("acme", "k1", "h1")
+        assert claim.state == ClaimState.NEW
         await asyncio.sleep(0.05)  # the request runs
-        store.complete("acme", "k1", {"answer": 42})
+        store.complete("acme", "k1", {"answer": 42}, owner=claim.owner)
         return "ran"
 
     async def duplicate():
@@ -91,10 +95,10 @@ def test_concurrent_duplicate_waits_for_the_first_result(store):
 
 def test_waiter_takes_over_a_released_key(store):
     async def scenario():
-        store.claim("acme", "k1", "h1")
+        acme_k1 = store.claim("acme", "k1", "h1").owner
         waiter = asyncio.create_task(store.wait("acme", "k1", timeout_s=5, poll_s=0.005))
         await asyncio.sleep(0.02)
-        store.release("acme", "k1")
+        store.release("acme", "k1", owner=acme_k1)
         return await waiter
 
     assert asyncio.run(scenario()) == Claim(ClaimState.NEW)
@@ -108,8 +112,8 @@ def test_wait_times_out_in_progress(store):
 
 
 def test_wait_with_another_request_hash_reports_mismatch(store):
-    store.claim("acme", "k1", "h1")
-    store.complete("acme", "k1", "x")
+    acme_k1 = store.claim("acme", "k1", "h1").owner
+    store.complete("acme", "k1", "x", owner=acme_k1)
     claim = asyncio.run(store.wait("acme", "k1", timeout_s=1, request_hash="h2"))
     assert claim == Claim(ClaimState.MISMATCH)
 
@@ -130,21 +134,21 @@ def test_abandoned_claim_is_free_after_the_lease(store, clock):
 
 
 def test_a_done_key_is_kept_past_the_lease(store, clock):
-    store.claim("acme", "k1", "h1")
-    store.complete("acme", "k1", "r")
+    acme_k1 = store.claim("acme", "k1", "h1").owner
+    store.complete("acme", "k1", "r", owner=acme_k1)
     clock.t += 3599
     assert store.claim("acme", "k1", "h1") == Claim(ClaimState.DONE, "r")
 
 
 def test_expired_keys_are_collected(store, clock):
-    store.claim("acme", "old", "h1")
-    store.complete("acme", "old", "r")
-    store.claim("acme", "released", "h1")
-    store.release("acme", "released")
+    acme_old = store.claim("acme", "old", "h1").owner
+    store.complete("acme", "old", "r", owner=acme_old)
+    acme_released = store.claim("acme", "released", "h1").owner
+    store.release("acme", "released", owner=acme_released)
     store.claim("acme", "abandoned", "h1")
     clock.t += 1800
-    store.claim("acme", "young", "h1")
-    store.complete("acme", "young", "y")
+    acme_young = store.claim("acme", "young", "h1").owner
+    store.complete("acme", "young", "y", owner=acme_young)
     clock.t += 1800
     assert store.collect_expired() == 3
     assert store.stats() == {"in_progress": 0, "done": 1, "released": 0}
@@ -156,8 +160,8 @@ def test_expired_keys_are_collected(store, clock):
 
 
 def test_expired_but_uncollected_key_claims_new(store, clock):
-    store.claim("acme", "k1", "h1")
-    store.complete("acme", "k1", "r")
+    acme_k1 = store.claim("acme", "k1", "h1").owner
+    store.complete("acme", "k1", "r", owner=acme_k1)
     clock.t += 3600
     assert store.claim("acme", "k1", "h2") == Claim(ClaimState.NEW)
 
@@ -166,9 +170,10 @@ def test_two_stores_share_one_file(tmp_path, clock):
     a = IdempotencyStore(tmp_path / "idem.db", clock=clock)
     b = IdempotencyStore(tmp_path / "idem.db", clock=clock)
     try:
-        assert a.claim("acme", "k1", "h1").state == ClaimState.NEW
+        claim = a.claim("acme", "k1", "h1")
+        assert claim.state == ClaimState.NEW
         assert b.claim("acme", "k1", "h1").state == ClaimState.IN_PROGRESS
-        a.complete("acme", "k1", {"ok": True})
+        a.complete("acme", "k1", {"ok": True}, owner=claim.owner)
         assert b.claim("acme", "k1", "h1") == Claim(ClaimState.DONE, {"ok": True})
     finally:
         a.close()
@@ -205,3 +210,89 @@ def test_key_length_is_bounded(store, key):
 def test_lease_must_fit_in_the_ttl(tmp_path):
     with pytest.raises(ValueError):
         IdempotencyStore(tmp_path / "idem.db", ttl_s=10, lease_s=60)
+
+
+# --- owners and leases ------------------------------------------------------------------------
+
+def test_a_first_flight_past_its_lease_cannot_complete_or_release_the_seconds_claim(store, clock):
+    first = store.claim("acme", "k1", "h1").owner
+    clock.t += 60  # the first flight runs past its lease (and is not renewed): a duplicate runs
+    second = store.claim("acme", "k1", "h1")
+    assert second.state == ClaimState.NEW and second.owner != first
+    assert store.release("acme", "k1", owner=first) is False  # the first ends: the second's claim stays
+    assert store.complete("acme", "k1", "from the first", owner=first) is False
+    assert store.claim("acme", "k1", "h1") == Claim(ClaimState.IN_PROGRESS)
+    assert store.complete("acme", "k1", "from the second", owner=second.owner) is True
+    assert store.claim("acme", "k1", "h1") == Claim(ClaimState.DONE, "from the second")
+
+
+def test_a_renewed_claim_outlives_its_lease(store, clock):
+    owner = store.claim("acme", "k1", "h1").owner
+    for _ in range(5):  # 250 s of running, renewed every 50 s: never free
+        clock.t += 50
+        assert store.renew("acme", "k1", owner=owner) is True
+        assert store.claim("acme", "k1", "h1") == Claim(ClaimState.IN_PROGRESS)
+    assert store.renew("acme", "k1", owner="someone else") is False
+    clock.t += 60
+    assert store.claim("acme", "k1", "h1").state == ClaimState.NEW  # not renewed for a lease: free
+    assert store.renew("acme", "k1", owner=owner) is False  # and the old owner has lost it
+
+
+def test_a_finished_claim_is_not_renewed(store):
+    owner = store.claim("acme", "k1", "h1").owner
+    store.complete("acme", "k1", "r", owner=owner)
+    assert store.renew("acme", "k1", owner=owner) is False
+
+
+def test_heartbeat_keeps_a_running_claim_past_a_short_lease(tmp_path):
+    store = IdempotencyStore(tmp_path / "idem.db", lease_s=0.3)
+
+    async def scenario():
+        owner = store.claim("acme", "k1", "h1").owner
+        beat = asyncio.create_task(store.heartbeat("acme", "k1", owner))
+        await asyncio.sleep(1.0)  # more than three leases
+        held = store.claim("acme", "k1", "h1")
+        beat.cancel()
+        await asyncio.gather(beat, return_exceptions=True)
+        await asyncio.sleep(0.4)  # no heartbeat: free after a lease
+        return held, store.claim("acme", "k1", "h1")
+
+    try:
+        held, after = asyncio.run(scenario())
+    finally:
+        store.close()
+    assert held == Claim(ClaimState.IN_PROGRESS)
+    assert after.state == ClaimState.NEW
+
+
+def test_heartbeat_ends_when_the_claim_is_no_longer_held(tmp_path):
+    store = IdempotencyStore(tmp_path / "idem.db", lease_s=0.3)
+
+    async def scenario():
+        owner = store.claim("acme", "k1", "h1").owner
+        beat = asyncio.create_task(store.heartbeat("acme", "k1", owner))
+        store.complete("acme", "k1", "r", owner=owner)
+        return await asyncio.wait_for(beat, 2.0)
+
+    try:
+        assert asyncio.run(scenario()) is None
+    finally:
+        store.close()
+
+
+def test_a_store_from_before_owners_is_migrated(tmp_path, clock):
+    import sqlite3
+
+    path = tmp_path / "idem.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE idempotency (tenant TEXT, key TEXT, request_hash TEXT NOT NULL, "
+                     "state TEXT NOT NULL, "
+                     "result TEXT, created_at FLOAT NOT NULL, updated_at FLOAT NOT NULL, PRIMARY KEY (tenant, key))")
+        conn.execute("INSERT INTO idempotency VALUES ('acme', 'k1', 'h1', 'done', '\"r\"', ?, ?)", (clock.t, clock.t))
+    store = IdempotencyStore(path, clock=clock)
+    try:
+        assert store.claim("acme", "k1", "h1") == Claim(ClaimState.DONE, "r")
+        owner = store.claim("acme", "k2", "h1").owner
+        assert store.complete("acme", "k2", "r2", owner=owner) is True
+    finally:
+        store.close()
