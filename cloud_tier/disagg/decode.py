@@ -38,12 +38,17 @@ class DecodeService:
         self._pending: dict[str, asyncio.Future] = {}
         self.adopted = 0
         self.rejected = 0
+        self.cancelled = 0
 
     async def start(self, host: str, port: int = 0) -> None:
         await self.receiver.start(host, port)
 
     async def close(self) -> None:
         await self.receiver.close()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
 
     @property
     def address(self) -> str:

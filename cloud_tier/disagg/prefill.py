@@ -28,9 +28,19 @@ class PrefillService:
         self.engine = engine
         self.senders: dict[str, KVSender] = {"tcp": TcpSender(timeout_s), "shm": ShmSender(timeout_s)}
         self.transferred_bytes = 0
+        self.transfers_ok = 0
         self.failed_transfers = 0
+        self.in_flight = 0
+        self.cancelled = 0
 
     async def prefill(self, body: PrefillRequest) -> PrefillResponse:
+        self.in_flight += 1
+        try:
+            return await self._prefill(body)
+        finally:
+            self.in_flight -= 1
+
+    async def _prefill(self, body: PrefillRequest) -> PrefillResponse:
         rec = body.record
         rid = rec.request_id
         started = time.perf_counter()
@@ -76,6 +86,7 @@ class PrefillService:
                                    prefill_ms=prefill_ms)
         transfer_ms = (time.perf_counter() - started) * 1e3
         if ack.ok:
+            self.transfers_ok += 1
             self.transferred_bytes += payload.nbytes
         else:
             self.failed_transfers += 1

@@ -20,6 +20,8 @@ from cascade.protocol import ChatCompletion, ChatCompletionRequest, Completion, 
 from cascade.web import openai_response, openapi, parse_body, read_json, require_api_key
 from cloud_tier.disagg.decode import PrefillFailed
 from cloud_tier.disagg.protocol import GenerateRequest, PrefillRequest, PrefillResponse, ServedModel, WorkerLoadReport
+from cloud_tier.engine.async_engine import EngineDeadError
+from cloud_tier.worker.protocol import WorkerStats
 from cloud_tier.worker.service import WorkerService
 
 log = logging.getLogger(__name__)
@@ -120,6 +122,15 @@ async def load(request: Request) -> WorkerLoadReport:
                             prefix_cache_queries=st["prefix_cache_queries"],
                             prefix_cache_hits=st["prefix_cache_hits"],
                             kv_address=svc.decode.address if svc.decode else None)
+
+
+@internal.get("/stats", responses=openapi.errors(401, 500, 503))
+async def stats(request: Request) -> WorkerStats:
+    """What this worker holds now: the engine's requests and KV blocks, prefills and transfers in flight."""
+    try:
+        return await service(request).stats()
+    except EngineDeadError as e:
+        raise errors.APIError(503, str(e), "server_error", code="engine_unavailable") from e
 
 
 @internal.get("/tokenizer", responses=openapi.errors(401, 500))

@@ -21,6 +21,7 @@ from cloud_tier.engine.outputs import RequestOutput
 from cloud_tier.engine.request import Request
 from cloud_tier.request_builder import Plan, RequestBuilder
 from cloud_tier.worker.metrics import WorkerMetrics
+from cloud_tier.worker.protocol import DecodeStats, EngineStats, PrefillStats, WorkerStats
 
 
 @dataclass
@@ -52,6 +53,18 @@ class WorkerService:
                                        max_model_len=self.max_model_len,
                                        tokenizer_files=tokenizer_files.dump(self.engine.tokenizer))
         return self._served
+
+    async def stats(self) -> WorkerStats:
+        """What this worker holds now, the engine's part read between two steps (EngineDeadError
+        if the engine stopped)."""
+        engine = await self.engine.call(_engine_stats)
+        p, d = self.prefill, self.decode
+        return WorkerStats(
+            role=self.role, engine=engine,
+            prefill=None if p is None else PrefillStats(in_flight=p.in_flight, transfers_ok=p.transfers_ok,
+                                                        transfers_failed=p.failed_transfers, cancelled=p.cancelled),
+            decode=None if d is None else DecodeStats(pending=d.pending, adopted=d.adopted, rejected=d.rejected,
+                                                      cancelled=d.cancelled))
 
     def check_model(self, model: str) -> None:
         if model not in self.model_names:
@@ -131,6 +144,12 @@ class WorkerService:
                     return
         finally:
             await outputs.aclose()
+
+
+def _engine_stats(engine) -> EngineStats:  # on the engine thread
+    st = engine.stats()
+    return EngineStats(running=st["running"], waiting=st["waiting"], held=len(engine.scheduler.held),
+                       kv_blocks_free=st["kv_blocks_free"], kv_blocks_total=st["kv_blocks_total"])
 
 
 def _top_token(decode, token_id: int, logprob: float) -> TopToken:
