@@ -103,6 +103,9 @@ class GatewayConfig:
     startup_timeout_s: float = 600.0  # for a worker to give the model's tokenizer
     request_timeout_s: float = 600.0
     max_body_bytes: int = 4 << 20
+    # /metrics: open unless a key is set (then "Authorization: Bearer <metrics_key>"); per tenant unless off
+    metrics_key: str = ""
+    metrics_tenant_labels: bool = True
 
     def __post_init__(self):
         if self.kv_transport not in ("tcp", "shm", "auto"):

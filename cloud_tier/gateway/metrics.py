@@ -1,4 +1,5 @@
-"""The gateway's Prometheus metrics (its own registry): per tenant and per worker."""
+"""The gateway's Prometheus metrics (its own registry): per tenant (unless ``tenant_labels`` is
+off, for a scraper that should not learn who the tenants are) and per worker."""
 
 from __future__ import annotations
 
@@ -9,20 +10,22 @@ _TPOT = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2)
 
 
 class GatewayMetrics:
-    def __init__(self):
+    def __init__(self, tenant_labels: bool = True):
         r = self.registry = CollectorRegistry()
+        self.tenant_labels = tenant_labels
+        t = ["tenant"] if tenant_labels else []
         self.requests = Counter("cascade_gateway_requests_total",
                                 "Requests by tenant, endpoint and outcome (ok, cache_hit, replay, 4xx, "
-                                "429_<reason>, 5xx, 499)", ["tenant", "endpoint", "outcome"], registry=r)
-        self.tokens_in = Counter("cascade_gateway_prompt_tokens_total", "Prompt tokens", ["tenant"], registry=r)
-        self.tokens_out = Counter("cascade_gateway_completion_tokens_total", "Generated tokens", ["tenant"],
-                                  registry=r)
+                                "429_<reason>, 5xx: failed by the cloud, 499: the client left)",
+                                [*t, "endpoint", "outcome"], registry=r)
+        self.tokens_in = Counter("cascade_gateway_prompt_tokens_total", "Prompt tokens", t, registry=r)
+        self.tokens_out = Counter("cascade_gateway_completion_tokens_total", "Generated tokens", t, registry=r)
         self.goodput = Counter("cascade_gateway_goodput_requests_total",
-                               "Requests that met both the TTFT and the TPOT objectives", ["tenant"], registry=r)
+                               "Requests that met both the TTFT and the TPOT objectives", t, registry=r)
         self.ttft = Histogram("cascade_gateway_time_to_first_token_seconds", "Arrival to first token",
-                              ["tenant"], buckets=_LATENCY, registry=r)
+                              t, buckets=_LATENCY, registry=r)
         self.tpot = Histogram("cascade_gateway_time_per_output_token_seconds", "Mean time between tokens",
-                              ["tenant"], buckets=_TPOT, registry=r)
+                              t, buckets=_TPOT, registry=r)
         self.cache = Counter("cascade_gateway_result_cache_total", "Result cache lookups", ["result"], registry=r)
         self.worker_kv_total = Gauge("cascade_gateway_worker_kv_blocks_total", "KV blocks", ["worker", "role"],
                                      registry=r)
@@ -37,6 +40,11 @@ class GatewayMetrics:
                                     ["worker", "role"], registry=r)
         self.admission_waiting = Gauge("cascade_gateway_admission_waiting", "Requests waiting for KV room",
                                        registry=r)
+
+    def of(self, metric, tenant: str, *labels: str):
+        """``metric`` for ``tenant`` and ``labels`` (the tenant left out when tenant labels are off)."""
+        values = (tenant, *labels) if self.tenant_labels else labels
+        return metric.labels(*values) if values else metric
 
     def refresh(self, pool, admission) -> None:
         for w in pool.workers.values():

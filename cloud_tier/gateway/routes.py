@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hmac
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
@@ -45,9 +46,14 @@ async def healthz(request: Request):
             "model": svc.model_id, "workers": workers}
 
 
-@ops.get("/metrics", response_class=PlainTextResponse)
+@ops.get("/metrics", response_class=PlainTextResponse, responses=openapi.errors(401))
 async def metrics(request: Request):
     svc = service(request)
+    if svc.config.metrics_key:  # [gateway] metrics_key: a scraper must present it
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                   svc.config.metrics_key.encode()):
+            raise errors.unauthorized("This gateway's /metrics needs its metrics key as a bearer token.")
     svc.metrics.refresh(svc.pool, svc.admission)
     return PlainTextResponse(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -79,7 +85,7 @@ async def _serve(request: Request, endpoint: str, schema, formatter):
         req = parse_body(schema, body)
         svc.check_model(req.model)
     except errors.APIError:
-        svc.metrics.requests.labels(key.tenant, endpoint, "4xx").inc()
+        svc.count(key.tenant, endpoint, "4xx")
         raise
     result, headers = await svc.begin(key, endpoint, body, req, request.headers.get("idempotency-key"))
     fmt = formatter(svc.model_id, req.logprobs)

@@ -84,7 +84,7 @@ class GatewayService:
         self.builder = builder
         self.model_id = model_id
         self.model_names = {model_id, *aliases}
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(config.metrics_tenant_labels)
         self.quotas = Quotas()
         self.cache = ResultCache(config.result_cache_entries, config.result_cache_bytes, config.result_cache_ttl_s)
         self.admission = Admission(pool, config.kv_high_watermark, config.max_queue)
@@ -205,15 +205,15 @@ class GatewayService:
             self.cache.put(f.cache_key, stored, sum(len(json.dumps(e)) for e in f.events))
         self._end_claim(f, stored)
         m, t = self.metrics, f.tenant
-        m.tokens_in.labels(t).inc(fin.prompt_tokens)
-        m.tokens_out.labels(t).inc(fin.completion_tokens)
+        m.of(m.tokens_in, t).inc(fin.prompt_tokens)
+        m.of(m.tokens_out, t).inc(fin.completion_tokens)
         ttft = (f.first_token_at or time.perf_counter()) - f.arrived
         tpot = ((f.last_token_at - f.first_token_at) / (fin.completion_tokens - 1)
                 if fin.completion_tokens > 1 and f.first_token_at else 0.0)
-        m.ttft.labels(t).observe(ttft)
-        m.tpot.labels(t).observe(tpot)
+        m.of(m.ttft, t).observe(ttft)
+        m.of(m.tpot, t).observe(tpot)
         if ttft <= self.config.ttft_slo_s and tpot <= self.config.tpot_slo_s:
-            m.goodput.labels(t).inc()
+            m.of(m.goodput, t).inc()
         self._count(f, "ok")
 
     def _settle_early(self, f: Flight, error: BaseException) -> None:
@@ -241,4 +241,7 @@ class GatewayService:
             self.idempotency.complete(f.tenant, f.idem_key, result, owner=owner)
 
     def _count(self, f: Flight, outcome: str) -> None:
-        self.metrics.requests.labels(f.tenant, f.endpoint, outcome).inc()
+        self.count(f.tenant, f.endpoint, outcome)
+
+    def count(self, tenant: str, endpoint: str, outcome: str) -> None:
+        self.metrics.of(self.metrics.requests, tenant, endpoint, outcome).inc()
