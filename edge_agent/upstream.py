@@ -337,7 +337,7 @@ async def _events(resp: httpx.Response, lines: AsyncIterator[str], first: dict,
                      int(usage.get("completion_tokens", 0)))
     except (UpstreamBroken, httpx.HTTPError, AttributeError, TypeError, KeyError, ValueError) as e:
         log.warning("the cloud's stream broke: %r", e)
-        raise errors.APIError(502, f"The cloud tier's answer broke off: {e}", "server_error",
+        raise errors.APIError(502, f"The cloud tier's answer broke off: {str(e) or repr(e)}", "server_error",
                               code="upstream_broken") from e
     finally:
         await resp.aclose()

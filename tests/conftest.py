@@ -10,22 +10,30 @@ import httpx
 import pytest
 
 from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
+from tests import accounting
 
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 REPO = Path(__file__).resolve().parent.parent
 
 
+KINDS = {("edge", "run"): "agent", ("cloud", "serve"): "gateway", ("cloud", "worker"): "worker"}
+
+
 class Server:
-    """A `cascade ...` server process on a free loopback port (its own process group)."""
+    """A `cascade ...` server process on a free loopback port (its own process group). While it
+    runs, the accounting check after every integration test looks at what it holds
+    (tests/accounting.py)."""
 
     def __init__(self, home: Path, command: list[str], *args: str, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = home / f"server-{self.port}.log"
         self.what = "cascade " + " ".join(command)
+        self.kind = KINDS[tuple(command[:2])]
         self.proc = spawn(cascade_command(*command, "--port", str(self.port), *args),
                           env={"CASCADE_HOME": str(home), **(env or {})}, log=self.log, cwd=REPO)
+        accounting.LIVE.append(self)
 
     def wait_healthy(self, timeout_s: float = 180) -> Server:
         wait_healthy(self.url, self.proc, timeout_s, self.what, log=self.log)
@@ -33,6 +41,8 @@ class Server:
 
     def stop(self) -> None:
         stop(self.proc)
+        if self in accounting.LIVE:
+            accounting.LIVE.remove(self)
 
 
 def create_key(home: Path, *args: str) -> str:
