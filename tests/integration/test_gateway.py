@@ -21,14 +21,16 @@ MODEL = "smollm2-135m"
 QUESTION = [{"role": "user", "content": "Which city is the capital of France?"}]
 # A small KV pool (22 blocks of 16 tokens per worker, 19 under the 0.9 watermark) so that
 # admission control is reachable with short requests; a short TTFT objective so that a
-# request that cannot start is refused in seconds.
+# request that cannot start is refused in seconds. A worker refuses a context longer than its
+# KV cache holds, so the context is those 352 tokens.
 SMALL_KV = str(16 << 20)
+SMALL_LEN = "352"
 
 
 @pytest.fixture(scope="module")
 def cloud(engine_home, smollm2_engine):  # the engine fixture has converted the model already
     g = Server(engine_home, ["cloud", "serve"], "--prefill", "1", "--decode", "1", "--model", MODEL,
-               "--max-model-len", "1024", "--kv-cache-bytes", SMALL_KV,
+               "--max-model-len", SMALL_LEN, "--kv-cache-bytes", SMALL_KV,
                env={"CASCADE_CLOUD_GATEWAY_TTFT_SLO_S": "3"}).wait_healthy(300)
     yield g
     g.stop()
@@ -77,7 +79,7 @@ def test_pair_greedy_output_equals_the_engine_alone(cloud, keys, smollm2_engine)
 def test_colocated_gateway_gives_the_same_greedy_output(engine_home, cloud, keys):
     """`--both 1` (prefill and decode in one worker) against the disaggregated pair."""
     g = Server(engine_home, ["cloud", "serve"], "--prefill", "0", "--decode", "0", "--both", "1", "--model", MODEL,
-               "--max-model-len", "1024", "--kv-cache-bytes", SMALL_KV).wait_healthy(300)
+               "--max-model-len", SMALL_LEN, "--kv-cache-bytes", SMALL_KV).wait_healthy(300)
     try:
         ask = dict(model=MODEL, messages=[{"role": "user", "content": "What is the tallest mountain?"}],
                    max_tokens=32, temperature=0)
@@ -162,7 +164,7 @@ def test_tpm_quota_and_idempotent_replay_charged_once(cloud, keys):
     streamed = list(c.chat.completions.create(**ask, stream=True, extra_headers={"Idempotency-Key": "order-1"}))
     assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == texts[0]
     with pytest.raises(openai.RateLimitError) as e:
-        c.chat.completions.create(**{**ask, "max_tokens": 400})
+        c.chat.completions.create(**{**ask, "max_tokens": 300})  # over the 220, within the context
     assert e.value.body["code"] == "tokens_exceed_quota"
     # globex's "order-1" is its own key: it runs, it is not acme's or hooli's replay
     r = client(cloud, keys["globex"]).chat.completions.with_raw_response.create(
@@ -186,8 +188,8 @@ def test_concurrent_duplicates_run_once(cloud, keys):
 
 def test_admission_refuses_what_cannot_fit(cloud, keys):
     c = client(cloud, keys["globex"])
-    with pytest.raises(openai.BadRequestError) as e:  # more than a whole worker's KV: never fits
-        c.completions.create(model=MODEL, prompt="Hello", max_tokens=600, temperature=0)
+    with pytest.raises(openai.BadRequestError) as e:  # 21 blocks: more than a worker's 19 admissible, never fits
+        c.completions.create(model=MODEL, prompt="Hello", max_tokens=330, temperature=0)
     assert e.value.body["code"] == "kv_capacity_exceeded"
     long = dict(model=MODEL, prompt="Tell me a long story.", max_tokens=200, temperature=0,
                 extra_body={"ignore_eos": True})  # 13 of the 19 admissible blocks each
@@ -222,7 +224,7 @@ def test_metrics_per_tenant_and_worker(cloud):
 def test_decode_worker_killed_mid_stream_ends_the_stream(engine_home, keys):
     """On a pair of its own, since it kills the decode worker."""
     cloud = Server(engine_home, ["cloud", "serve"], "--prefill", "1", "--decode", "1", "--model", MODEL,
-                   "--max-model-len", "1024", "--kv-cache-bytes", SMALL_KV).wait_healthy(300)
+                   "--max-model-len", SMALL_LEN, "--kv-cache-bytes", SMALL_KV).wait_healthy(300)
     try:
         _kill_decode_mid_stream(cloud, keys)
     finally:
