@@ -31,6 +31,9 @@ class GatewayMetrics:
                                      registry=r)
         self.worker_kv_used = Gauge("cascade_gateway_worker_kv_blocks_used", "KV blocks in use or committed",
                                     ["worker", "role"], registry=r)
+        self.worker_committed = Gauge("cascade_gateway_worker_committed_blocks",
+                                      "KV blocks the gateway has committed to its requests in flight there",
+                                      ["worker", "role"], registry=r)
         self.worker_queue = Gauge("cascade_gateway_worker_queue", "Requests waiting or in flight",
                                   ["worker", "role"], registry=r)
         self.worker_prefix_hit = Gauge("cascade_gateway_worker_prefix_hit_rate",
@@ -53,6 +56,7 @@ class GatewayMetrics:
             self.worker_kv_total.labels(*labels).set(load.kv_blocks_total)
             self.worker_kv_used.labels(*labels).set(load.kv_blocks_used)
             self.worker_queue.labels(*labels).set(load.queue_len)
+            self.worker_committed.labels(*labels).set(w.committed_blocks)
             self.worker_healthy.labels(*labels).set(1 if w.healthy else 0)
             r = w.report
             if r is not None and r.prefix_cache_queries:

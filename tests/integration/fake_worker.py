@@ -1,5 +1,5 @@
 """A worker in front of a real one, to inject faults between the gateway and it: it passes
-``/internal/load``, ``/internal/tokenizer`` and ``/healthz`` through, and answers
+``/internal/load``, ``/internal/tokenizer``, ``/internal/stats`` and ``/healthz`` through, and answers
 ``/internal/generate`` as ``mode`` says (pass through, an HTTP error, a stream cut after a few
 events, a slow start or slow events). It records the body of every generate call."""
 
@@ -61,6 +61,7 @@ class FaultyWorker:
 
         @app.get("/internal/load")
         @app.get("/internal/tokenizer")
+        @app.get("/internal/stats")
         @app.get("/healthz")
         async def passed(request: Request) -> Response:
             r = await client.get(f"{self.target}{request.url.path}")

@@ -24,3 +24,15 @@ def test_without_tenant_labels_no_tenant_is_named():
     assert "acme" not in text and "globex" not in text and "tenant=" not in text
     assert 'cascade_gateway_requests_total{endpoint="chat",outcome="ok"} 2.0' in text
     assert "cascade_gateway_prompt_tokens_total 10.0" in text
+
+
+def test_the_blocks_committed_on_each_worker_are_a_gauge():
+    from types import SimpleNamespace
+
+    from cloud_tier.gateway.worker_pool import Worker
+
+    w = Worker("http://w1", role="decode", healthy=True, committed_blocks=7)
+    m = GatewayMetrics()
+    m.refresh(SimpleNamespace(workers={w.url: w}), SimpleNamespace(waiting=0))
+    text = generate_latest(m.registry).decode()
+    assert 'cascade_gateway_worker_committed_blocks{role="decode",worker="http://w1"} 7.0' in text
