@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from cascade import errors
 from cascade.chat_template import ChatTemplate, ChatTemplateError
-from cascade.protocol import ChatCompletionRequest, CompletionRequest
+from cascade.protocol import INT32, ChatCompletionRequest, CompletionRequest
 from cloud_tier.sampling import SamplingParams
 
 
@@ -81,9 +81,25 @@ class RequestBuilder:
                 seed=req.seed, stop=stops, logprobs=logprobs,
                 repetition_penalty=req.repetition_penalty or 1.0,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-                ignore_eos=bool(extra.get("ignore_eos", False)),
-                stop_token_ids=tuple(extra.get("stop_token_ids") or ()))
-            priority = int(extra.get("priority", 0))
+                ignore_eos=_extra(extra, "ignore_eos", False, lambda v: isinstance(v, bool), "a boolean"),
+                stop_token_ids=tuple(_extra(extra, "stop_token_ids", [], lambda v: isinstance(v, list) and all(
+                    _int32(t) and t >= 0 for t in v), "a list of token ids")))
+            priority = _extra(extra, "priority", 0, _int32, "an integer in [-2**31, 2**31)")
         except (ValueError, TypeError) as e:
             raise errors.bad_request(str(e)) from e
         return Plan(tokens, params, logprobs, priority)
+
+
+def _int32(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and INT32[0] <= v <= INT32[1]
+
+
+def _extra(extra: dict, name: str, default, valid, what: str):
+    """An extra body field our engine takes (vLLM's names), checked: a 400 naming it otherwise."""
+    value = extra.get(name, default)
+    if value is None:
+        return default
+    if not valid(value):
+        raise errors.bad_request(f"Invalid value for '{name}': it must be {what}, not {str(value)[:60]}.", name,
+                                 "invalid_value")
+    return value

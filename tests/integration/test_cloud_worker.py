@@ -112,3 +112,12 @@ def test_a_prefill_without_a_request_id_frees_its_kv(worker):
     assert r.status_code == 200, r.text
     assert r.json()["ok"] is False and r.json()["code"] == "transfer_failed"  # nobody listens at the target
     assert httpx.get(f"{worker.url}/internal/load").json()["kv_blocks_free"] == free
+
+
+@pytest.mark.parametrize("extra", [{"priority": True}, {"priority": 1e300}, {"priority": 2**40}, {"priority": "1"},
+                                   {"stop_token_ids": ["a"]}, {"stop_token_ids": [-1]}, {"stop_token_ids": 7},
+                                   {"ignore_eos": "false"}])
+def test_the_engines_extra_fields_are_checked_when_the_worker_is_called_directly(worker, extra):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, **extra}
+    r = httpx.post(f"{worker.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra)), r.text
