@@ -1,21 +1,25 @@
 """The decode side: ask a prefill worker to run the prompt and send the KV here, adopt the
 request at ``num_computed_tokens == prompt length`` into this engine's continuous batch, and
-stream its outputs. The KV receiver validates every transfer before anything is adopted."""
+stream its outputs. The KV receiver takes only the transfers asked for here (each request's
+own token, a cap from its prompt's blocks) and validates each before anything is adopted."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import httpx
 
-from cloud_tier.disagg.messages import TransferAck, TransferHeader
+from cloud_tier.disagg.messages import RequestRecord, TransferAck, TransferHeader
 from cloud_tier.disagg.protocol import GenerateRequest, PrefillRequest, PrefillResponse
 from cloud_tier.disagg.records import logprobs_of, params_of
-from cloud_tier.disagg.transport import KVReceiver, payload_to_tensor
+from cloud_tier.disagg.transport import KVReceiver, ReceiverLimits, payload_to_tensor
 from cloud_tier.engine.async_engine import AsyncLLMEngine
 from cloud_tier.engine.llm_engine import KVCapacityError
+from cloud_tier.engine.model_runner import ModelRunner
 from cloud_tier.engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -29,13 +33,25 @@ class PrefillFailed(RuntimeError):
         self.code = code
 
 
+@dataclass
+class _Waiting:
+    """A request whose prompt a prefill worker runs for this worker."""
+
+    record: RequestRecord  # as asked for: the transfer must be of this prompt
+    adopted: asyncio.Future  # (its first output, its stream) once its KV is in this engine
+
+
 class DecodeService:
     def __init__(self, engine: AsyncLLMEngine, client: httpx.AsyncClient, api_key: str = ""):
         self.engine = engine
         self.client = client
         self.api_key = api_key
-        self.receiver = KVReceiver(self.on_transfer, model_identity=engine.engine.model_identity)
-        self._pending: dict[str, asyncio.Future] = {}
+        e = engine.engine
+        self._block_bytes = ModelRunner.bytes_per_block(e.model, e.config.block_size, e.dtype)
+        cache_bytes = e.kv.num_blocks * self._block_bytes  # more could never be adopted at once
+        self.receiver = KVReceiver(self.on_transfer, model_identity=e.model_identity,
+                                   limits=ReceiverLimits(max_nbytes=cache_bytes, max_inflight_bytes=cache_bytes))
+        self._pending: dict[str, _Waiting] = {}
         self.adopted = 0
         self.rejected = 0
         self.cancelled = 0
@@ -56,35 +72,57 @@ class DecodeService:
 
     async def generate_remote(self, body: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """The request's outputs, its prompt prefilled by ``body.prefill_url``. Raises
-        PrefillFailed before the first output if that did not work (nothing was adopted)."""
+        PrefillFailed before the first output if that did not work (nothing was adopted).
+
+        Closing or cancelling it at any point ends the request everywhere: the prefill call is
+        closed (so the prefill worker aborts it), its KV transfer is refused or dropped, and
+        what this engine adopted is aborted."""
         rec = body.record
         rid = rec.request_id
         if rid in self._pending:
             raise PrefillFailed("bad_request", f"request {rid!r} is already in flight")
-        adopted = self._pending[rid] = asyncio.get_running_loop().create_future()
-        finished = False
+        token = secrets.token_urlsafe(32)  # only the prefill worker we ask learns it
+        waiting = self._pending[rid] = _Waiting(rec, asyncio.get_running_loop().create_future())
+        stream = None
+        finished = started = False
         try:
-            resp = await self._call_prefill(body)
+            # at most what this prompt's blocks hold: nothing larger is taken in
+            self.receiver.expect(rid, token, self._block_bytes * self.engine.engine.kv.blocks_for_tokens(
+                len(rec.prompt_token_ids)))
+            resp = await self._call_prefill(body, token)
             if not resp.ok:
                 raise PrefillFailed(resp.code or "error", resp.message)
             if resp.record is not None and resp.record.finish_reason is not None:
-                finished = True
+                finished = started = True
                 yield _ended_on_prefill(resp)
                 return
-            if not adopted.done():  # the ack reached the prefill worker, so the handler has run
+            if not waiting.adopted.done():  # the ack reached the prefill worker, so the handler has run
                 raise PrefillFailed("error", "the prefill worker reported a transfer this worker did not adopt")
-            async for out in adopted.result():
+            first, stream = waiting.adopted.result()
+            finished, started = first.finished, True
+            yield first
+            async for out in stream:
                 finished = out.finished
                 yield out
+        except asyncio.CancelledError:
+            if not started:
+                self.cancelled += 1
+            raise
         finally:
+            self.receiver.forget(rid)  # a transfer still to come is refused, one under way dropped
             self._pending.pop(rid, None)
-            if not adopted.done():
-                adopted.cancel()
+            if not waiting.adopted.done():
+                waiting.adopted.cancel()
+            elif stream is None and not waiting.adopted.cancelled():
+                stream = waiting.adopted.result()[1]  # adopted, its caller gone before it was read
+            if stream is not None:
+                await stream.aclose()  # aborts it if unfinished
             if not finished:
                 self.engine.abort(rid)
 
-    async def _call_prefill(self, body: GenerateRequest) -> PrefillResponse:
-        req = PrefillRequest(record=body.record, kv_target=self.address, transport=body.transport)
+    async def _call_prefill(self, body: GenerateRequest, token: str) -> PrefillResponse:
+        req = PrefillRequest(record=body.record.model_copy(update={"transfer_token": token}),
+                             kv_target=self.address, transport=body.transport)
         headers = {"content-type": "application/json"}
         if self.api_key:
             headers["authorization"] = f"Bearer {self.api_key}"
@@ -98,32 +136,39 @@ class DecodeService:
         return PrefillResponse.model_validate_json(r.content)
 
     async def on_transfer(self, header: TransferHeader, payload: memoryview) -> TransferAck:
-        """The receiver's handler: adopt a complete, verified transfer we asked for."""
-        rec = header.record
-        rid = rec.request_id
+        """The receiver's handler: adopt a complete, verified transfer we asked for (the receiver
+        admitted only those), continuing the request as this worker received it."""
+        rid = header.request_id
         waiting = self._pending.get(rid)
-        if waiting is None or waiting.done():
+        if waiting is None or waiting.adopted.done():
             self.rejected += 1
             return TransferAck(request_id=rid, ok=False, code="unknown_request",
                                message="no request is waiting for this KV here")
+        rec, sent = waiting.record, header.record
         try:
-            req = self.engine.prepare(rec.prompt_token_ids, params_of(rec), rid, rec.priority)
-            if len(rec.output_token_ids) != 1:
+            if sent.prompt_token_ids != rec.prompt_token_ids:
+                raise ValueError("the KV is of another prompt than the one asked for")
+            if len(sent.output_token_ids) != 1:
                 raise ValueError("a transferred request carries exactly its first token")
-            req.append_token(rec.output_token_ids[0])
+            req = self.engine.prepare(rec.prompt_token_ids, params_of(rec), rid, rec.priority)
+            req.append_token(sent.output_token_ids[0])
             kv = payload_to_tensor(header, payload)
-            stream = await self.engine.adopt(req, kv, logprobs_of(rec.logprobs[0]) if rec.logprobs else None,
-                                             rec.sampler_state, rec.num_cached_tokens)
+            stream = await self.engine.adopt(req, kv, logprobs_of(sent.logprobs[0]) if sent.logprobs else None,
+                                             sent.sampler_state, sent.num_cached_tokens)
         except KVCapacityError as e:
             self.rejected += 1
             return TransferAck(request_id=rid, ok=False, code="no_capacity", message=str(e))
         except (ValueError, TypeError) as e:
             self.rejected += 1
             return TransferAck(request_id=rid, ok=False, code="bad_header", message=str(e))
-        if waiting.done():  # its caller went away while we adopted it
-            self.engine.abort(rid)
+        # The adoption delivered the first output: taking it starts the stream, so that closing
+        # the stream (whoever does) aborts the request and forgets it.
+        first = await anext(stream)
+        if waiting.adopted.done():  # its caller went away while we adopted it
+            await stream.aclose()
+            self.rejected += 1
             return TransferAck(request_id=rid, ok=False, code="unknown_request", message="the caller went away")
-        waiting.set_result(stream)
+        waiting.adopted.set_result((first, stream))
         self.adopted += 1
         return TransferAck(request_id=rid, ok=True)
 

@@ -75,15 +75,20 @@ class RequestRecord(_Message):
     sampler_state: bytes | None = None  # torch.Generator state of a seeded request
     num_cached_tokens: int = 0  # prompt tokens the prefill worker took from its prefix cache
     finish_reason: str | None = None  # set when the request already ended on the prefill worker
+    # The decode worker's secret for this request's KV transfer, sent to the prefill worker in
+    # its PrefillRequest, which puts it in the TransferHeader (and sends no record with it).
+    transfer_token: str = Field(default="", max_length=256)
 
 
 class TransferHeader(_Message):
     """Describes one request's KV payload: (num_layers, 2, num_blocks, block_size, num_kv_heads,
     head_dim) elements of ``dtype``, ``nbytes`` long, sent raw after this frame (tcp) or left in
     the shared-memory segment ``shm_name`` (shm). The sender fills transport, nbytes, checksum
-    and shm_name; a caller builds it with placeholders for them (nbytes=0, checksum="")."""
+    and shm_name; a caller builds it with placeholders for them (nbytes=0, checksum="").
+    ``token`` is the one the receiver expects for ``request_id`` (its ``transfer_token``)."""
 
     request_id: str
+    token: str = Field(max_length=256)
     model_identity: str  # the receiver refuses KV from another model/dtype
     dtype: KVDtype
     shape: list[Annotated[int, Field(ge=0)]]

@@ -4,6 +4,7 @@ stay in this worker's prefix cache for the next prompt that shares them)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -34,9 +35,15 @@ class PrefillService:
         self.cancelled = 0
 
     async def prefill(self, body: PrefillRequest) -> PrefillResponse:
+        """Prefill ``body.record`` and send its KV to ``body.kv_target`` with the record's
+        transfer token. Cancelling it (its caller went away) aborts the engine request and frees
+        its blocks wherever it is: queued, prefilling, or held for the transfer."""
         self.in_flight += 1
         try:
             return await self._prefill(body)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
         finally:
             self.in_flight -= 1
 
@@ -55,7 +62,7 @@ class PrefillService:
             final = out
         prefill_ms = (time.perf_counter() - started) * 1e3
         first = rec.model_copy(update={
-            "request_id": rid, "output_token_ids": list(final.token_ids),
+            "request_id": rid, "transfer_token": "", "output_token_ids": list(final.token_ids),
             "logprobs": [logprob_record(lp) for lp in final.new_logprobs],
             "num_cached_tokens": max(req.num_cached_tokens, 0)})
         if final.finish_reason != "transfer":  # it ended on its first token: nothing to hand over
@@ -64,16 +71,16 @@ class PrefillService:
         try:
             handoff: KVHandoff = await self.engine.call(lambda e: e.export_kv(rid))
             first.sampler_state = handoff.sampler_state
-            return await self._send(body, first, handoff, prefill_ms)
+            return await self._send(body, first, rec.transfer_token, handoff, prefill_ms)
         finally:
             self.engine.abort(rid)  # frees the held blocks, whatever happened (also if cancelled)
 
-    async def _send(self, body: PrefillRequest, record: RequestRecord, handoff: KVHandoff,
+    async def _send(self, body: PrefillRequest, record: RequestRecord, token: str, handoff: KVHandoff,
                     prefill_ms: float) -> PrefillResponse:
         rid = record.request_id
         payload = tensor_payload(handoff.kv)
         # nbytes, checksum and transport are the sender's to fill
-        header = TransferHeader(request_id=rid, model_identity=self.engine.engine.model_identity,
+        header = TransferHeader(request_id=rid, token=token, model_identity=self.engine.engine.model_identity,
                                 dtype=str(handoff.kv.dtype).removeprefix("torch."), shape=list(handoff.kv.shape),
                                 nbytes=payload.nbytes, checksum="", transport="tcp", record=record)
         started = time.perf_counter()

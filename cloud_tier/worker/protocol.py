@@ -37,6 +37,9 @@ class DecodeStats(_Body):
     adopted: int
     rejected: int
     cancelled: int  # requests whose caller went away before their first output
+    transfers_expected: int  # KV transfers the receiver will take (a request id and its token)
+    transfers_receiving: int  # KV transfers being received or handled now
+    receiving_bytes: int  # tcp payload bytes held for them
 
 
 class WorkerStats(_Body):

@@ -21,6 +21,7 @@ from cascade.web import openai_response, openapi, parse_body, read_json, require
 from cloud_tier.disagg.decode import PrefillFailed
 from cloud_tier.disagg.protocol import GenerateRequest, PrefillRequest, PrefillResponse, ServedModel, WorkerLoadReport
 from cloud_tier.engine.async_engine import EngineDeadError
+from cloud_tier.worker.caller import CallerGone, while_connected
 from cloud_tier.worker.protocol import WorkerStats
 from cloud_tier.worker.service import WorkerService
 
@@ -145,7 +146,10 @@ async def prefill(request: Request):
     if svc.prefill is None:
         raise errors.bad_request(f"this worker's role is {svc.role}: it does not prefill for others")
     body = await _body(request, PrefillRequest)
-    resp = await svc.prefill.prefill(body)
+    try:
+        resp = await while_connected(request, svc.prefill.prefill(body))
+    except CallerGone:  # the decode worker gave the request up: it was aborted here, its KV freed
+        return Response(status_code=499)
     return Response(resp.model_dump_json(), media_type="application/json")
 
 
@@ -155,12 +159,16 @@ async def prefill(request: Request):
                           **openapi.errors(400, 401, 413, 500, 502, 503)})
 async def generate(request: Request):
     """NDJSON generation events. A failure before the first event is an HTTP error (so the
-    gateway can retry elsewhere); after it, an ``{"error": ...}`` line ends the stream."""
+    gateway can retry elsewhere); after it, an ``{"error": ...}`` line ends the stream. A caller
+    that goes away ends the request wherever it is (prefill, transfer, queue, decode)."""
     svc = service(request)
     body = await _body(request, GenerateRequest)
     events = svc.generate(body)
     try:
-        first = await anext(events)
+        first = await while_connected(request, anext(events))
+    except CallerGone:
+        await events.aclose()
+        return Response(status_code=499)
     except PrefillFailed as e:
         await events.aclose()
         status = 503 if e.code in ("no_capacity", "prefill_unreachable", "transfer_failed") else 502

@@ -63,8 +63,10 @@ class WorkerService:
             role=self.role, engine=engine,
             prefill=None if p is None else PrefillStats(in_flight=p.in_flight, transfers_ok=p.transfers_ok,
                                                         transfers_failed=p.failed_transfers, cancelled=p.cancelled),
-            decode=None if d is None else DecodeStats(pending=d.pending, adopted=d.adopted, rejected=d.rejected,
-                                                      cancelled=d.cancelled))
+            decode=None if d is None else DecodeStats(
+                pending=d.pending, adopted=d.adopted, rejected=d.rejected, cancelled=d.cancelled,
+                transfers_expected=d.receiver.num_expected, transfers_receiving=d.receiver.num_receiving,
+                receiving_bytes=d.receiver.inflight_bytes))
 
     def check_model(self, model: str) -> None:
         if model not in self.model_names:

@@ -71,9 +71,10 @@ def _handoff(prefill: LLMEngine, decode: LLMEngine, prompt: str, params: Samplin
     async def move():
         receiver = KVReceiver(handler, model_identity=prefill.model_identity)
         await receiver.start()
+        receiver.expect(req.request_id, "the-token", handoff.kv.nbytes)
         try:
             sender = TcpSender() if transport == "tcp" else ShmSender()
-            header = TransferHeader(request_id=req.request_id, model_identity=prefill.model_identity,
+            header = TransferHeader(request_id=req.request_id, token="the-token", model_identity=prefill.model_identity,
                                     dtype="float32", shape=list(handoff.kv.shape), nbytes=0, checksum="",
                                     transport="tcp", record=record)
             return await sender.send(receiver.address, header, tensor_payload(handoff.kv))
@@ -102,18 +103,27 @@ def test_handoff_over_a_transport_continues_like_one_engine(smollm2_engine, deco
 
 
 def test_adopt_refuses_what_does_not_fit_and_changes_nothing(smollm2_engine, engine_home):
-    small = LLMEngine.from_model("smollm2-135m", dtype="float32", max_model_len=1024, num_kv_blocks=4,
-                                 max_num_batched_tokens=256)
-    req, handoff = _prefill(smollm2_engine, "word " * 100, SamplingParams(temperature=0, max_tokens=4))
-    smollm2_engine.release_kv(req.request_id)
-    new = small.make_request(req.prompt_token_ids, SamplingParams(temperature=0, max_tokens=4), req.request_id)
-    new.append_token(req.output_token_ids[0])
+    """8 blocks (the engine holds at least max_model_len): one 5-block request adopted, a second
+    one does not fit next to it."""
     from cloud_tier.engine.llm_engine import KVCapacityError
 
-    with pytest.raises(KVCapacityError):
-        small.adopt(new, handoff.kv)
+    small = LLMEngine.from_model("smollm2-135m", dtype="float32", max_model_len=128, num_kv_blocks=8,
+                                 max_num_batched_tokens=256)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    adopted = []
+    for prompt in ("word " * 70, "other " * 70):
+        req, handoff = _prefill(smollm2_engine, prompt, params)
+        smollm2_engine.release_kv(req.request_id)
+        new = small.make_request(req.prompt_token_ids, params, req.request_id)
+        new.append_token(req.output_token_ids[0])
+        assert small.kv.blocks_for_tokens(new.num_prompt_tokens) == 5
+        if not adopted:
+            adopted.append(small.adopt(new, handoff.kv))
+            continue
+        with pytest.raises(KVCapacityError):
+            small.adopt(new, handoff.kv)
     small.check_integrity()
-    assert small.kv.num_free_blocks == 4 and not small.has_unfinished_requests()
+    assert small.kv.num_free_blocks == 3 and small.scheduler.num_running == 1
 
 
 def test_prefill_worker_releases_the_kv_when_the_decode_target_is_dead(smollm2_engine):

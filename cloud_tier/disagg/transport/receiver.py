@@ -1,11 +1,14 @@
-"""The receiving end: one listener for both transports, which validates a transfer completely
-(header, model identity, length, checksum) before its handler sees the payload."""
+"""The receiving end: one listener for both transports. It takes only the transfers it was told
+to expect (a request id and its token), checks every header against that expectation and its
+limits before it allocates anything, and validates a transfer completely (model identity,
+length, checksum) before its handler sees the payload."""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
-from collections.abc import Callable
+from dataclasses import dataclass
 
 from cloud_tier.disagg.messages import (
     CodecError,
@@ -16,41 +19,75 @@ from cloud_tier.disagg.messages import (
     read_message,
 )
 from cloud_tier.disagg.transport.base import Handler, _checksum, _refusal
+from cloud_tier.disagg.transport.inbox import Inbox
 from cloud_tier.disagg.transport.shm import _map_segment
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReceiverLimits:
+    """What one receiver takes. Each is checked before a byte of a transfer's payload is
+    allocated; a header frame is held only as far as it has arrived."""
+
+    max_nbytes: int = 8 << 30  # one payload, whatever its expectation allows
+    max_inflight_bytes: int = 8 << 30  # tcp payloads being received at once
+    max_connections: int = 64  # beyond: closed on accept
+    max_header_bytes: int = 4 << 20  # a header frame's body (its record holds the prompt)
+    header_timeout_s: float = 5.0  # for the whole header, from the connection's start
+    timeout_s: float = 30.0  # without a byte, mid-payload
+
+    def __post_init__(self):
+        if min(self.max_nbytes, self.max_inflight_bytes) < 0:
+            raise ValueError("max_nbytes and max_inflight_bytes must be >= 0")
+        if self.max_connections < 1 or self.max_header_bytes < 1:
+            raise ValueError("max_connections and max_header_bytes must be >= 1")
+        if self.header_timeout_s <= 0 or self.timeout_s <= 0:
+            raise ValueError("header_timeout_s and timeout_s must be > 0")
+
+
+@dataclass(frozen=True)
+class _Expected:
+    token: str
+    max_nbytes: int
 
 
 class KVReceiver:
     """Accepts tcp and shm KV transfers, validates each completely and passes it to ``handler``,
     whose ack goes back to the sender.
 
+    Only expected transfers are taken: ``expect(request_id, token, max_nbytes)`` admits one
+    transfer of that request carrying that token and at most that many bytes; ``forget`` takes
+    it back, and drops it if it is being received. Every other header is refused with code
+    "unknown_request" (one answer, whether the id or the token is wrong) and its connection
+    closed, before anything is allocated for it.
+
     The payload view is valid only while the handler runs (for shm it maps the sender's
     segment, unmapped right after the handler returns): copy out what you keep before
     returning, e.g. ``payload_to_tensor(header, payload)`` into your KV blocks.
 
-    A transfer is refused before its payload with code "model_mismatch" (``model_identity`` is
-    set and differs) or "bad_header" (malformed, nbytes not shape x dtype, over ``max_nbytes``,
-    or no such shm segment). A sender that sends nothing for ``timeout_s`` is dropped.
+    An expected transfer is refused before its payload with code "model_mismatch"
+    (``model_identity`` is set and differs), "bad_header" (malformed, nbytes not shape x dtype,
+    over its expectation or ``limits.max_nbytes``, or no such shm segment) or "no_capacity"
+    (its payload would take the bytes in flight over ``limits.max_inflight_bytes``).
     """
 
     def __init__(self, handler: Handler, model_identity: str | None = None,
-                 max_nbytes: int = 8 << 30, timeout_s: float = 30.0):
-        if max_nbytes < 0 or timeout_s <= 0:
-            raise ValueError("max_nbytes must be >= 0 and timeout_s > 0")
+                 limits: ReceiverLimits | None = None):
         self.handler = handler
         self.model_identity = model_identity
-        self.max_nbytes = max_nbytes
-        self.timeout_s = timeout_s
+        self.limits = limits or ReceiverLimits()
+        self.inflight_bytes = 0  # tcp payload buffers held now
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task] = set()
+        self._expected: dict[str, _Expected] = {}
+        self._receiving: dict[str, Inbox] = {}
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
         if self._server is not None:
             raise RuntimeError("the receiver is already started")
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: _Inbox(self._accept, self.timeout_s), host, port)
+        self._server = await loop.create_server(lambda: Inbox(self._accept, self.limits.timeout_s), host, port)
 
     @property
     def address(self) -> str:
@@ -59,6 +96,35 @@ class KVReceiver:
             raise RuntimeError("the receiver is not started")
         host, port = self._server.sockets[0].getsockname()[:2]
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    # -- expectations ----------------------------------------------------------------------
+
+    def expect(self, request_id: str, token: str, max_nbytes: int) -> None:
+        """Take one transfer of ``request_id`` that carries ``token`` and at most ``max_nbytes``
+        payload bytes. ValueError for an empty token or a request already expected or arriving."""
+        if not token:
+            raise ValueError("a transfer token must not be empty")
+        if request_id in self._expected or request_id in self._receiving:
+            raise ValueError(f"a transfer of {request_id!r} is already expected")
+        self._expected[request_id] = _Expected(token, max_nbytes)
+
+    def forget(self, request_id: str) -> None:
+        """No transfer of ``request_id`` any more: one not arrived yet is refused, one being
+        received or handled is dropped (its connection closed, its buffer freed; its sender
+        gets `TransferError`). A no-op for a request not expected."""
+        self._expected.pop(request_id, None)
+        inbox = self._receiving.pop(request_id, None)
+        if inbox is not None:
+            log.info("dropping the KV transfer of %r: its request is gone", request_id)
+            inbox.drop()
+
+    @property
+    def num_expected(self) -> int:
+        return len(self._expected)
+
+    @property
+    def num_receiving(self) -> int:
+        return len(self._receiving)
 
     async def close(self) -> None:
         """Stop listening and abort transfers in flight (their senders get `TransferError`)."""
@@ -71,42 +137,69 @@ class KVReceiver:
         await self._server.wait_closed()
         self._server = None
 
-    def _accept(self, inbox: _Inbox) -> None:
+    # -- one connection --------------------------------------------------------------------
+
+    def _accept(self, inbox: Inbox) -> None:
+        if len(self._connections) >= self.limits.max_connections:
+            log.warning("KV receiver: %d connections open already; closing a new one",
+                        len(self._connections))
+            inbox.drop()
+            return
         task = asyncio.get_running_loop().create_task(self._serve(inbox))
         self._connections.add(task)
         task.add_done_callback(self._connections.discard)
 
-    async def _serve(self, inbox: _Inbox) -> None:
+    async def _serve(self, inbox: Inbox) -> None:
         try:
             try:
                 ack = await self._receive(inbox)
             except Exception as e:
                 log.exception("KV receiver failed on a transfer")
                 ack = TransferAck(request_id="", ok=False, code="error", message=repr(e))
-            inbox.write(encode(ack))
+            inbox.write(encode(ack))  # not once dropped
         finally:
             inbox.close()  # after the ack is flushed
 
-    async def _receive(self, inbox: _Inbox) -> TransferAck:
+    async def _receive(self, inbox: Inbox) -> TransferAck:
         try:
-            async with asyncio.timeout(self.timeout_s):
-                header = await read_message(inbox, TransferHeader)
+            async with asyncio.timeout(self.limits.header_timeout_s):
+                header = await read_message(inbox, TransferHeader, max_len=self.limits.max_header_bytes)
         except (TruncatedError, TimeoutError) as e:
             return _refusal("", "truncated", f"header: {e!r}")
         except CodecError as e:
             return _refusal("", "bad_header", str(e))
+        rid = header.request_id
         if (problem := self._check(header)) is not None:
-            return _refusal(header.request_id, *problem)
-        if header.transport == "tcp":
-            payload = bytearray(header.nbytes)
-            try:
-                received = await inbox.readinto(memoryview(payload))
-            except TimeoutError as e:
-                return _refusal(header.request_id, "truncated", f"payload: {e}")
-            if received < header.nbytes:
-                return _refusal(header.request_id, "truncated",
-                                f"stream ended after {received} of {header.nbytes} payload bytes")
-            return await self._deliver(header, memoryview(payload))
+            return _refusal(rid, *problem)
+        del self._expected[rid]  # claimed: one transfer per expectation
+        self._receiving[rid] = inbox
+        reserved = header.nbytes if header.transport == "tcp" else 0
+        self.inflight_bytes += reserved
+        try:
+            ack = await (self._receive_tcp(inbox, header) if header.transport == "tcp"
+                         else self._receive_shm(header))
+        finally:
+            self.inflight_bytes -= reserved
+            if self._receiving.get(rid) is inbox:
+                del self._receiving[rid]
+        if inbox.dropped:
+            return _refusal(rid, "unknown_request", "the request was cancelled during its transfer")
+        return ack
+
+    async def _receive_tcp(self, inbox: Inbox, header: TransferHeader) -> TransferAck:
+        payload = bytearray(header.nbytes)
+        try:
+            received = await inbox.readinto(memoryview(payload))
+        except TimeoutError as e:
+            return _refusal(header.request_id, "truncated", f"payload: {e}")
+        if received < header.nbytes:
+            if inbox.dropped:  # forgotten mid-payload: _receive says so
+                return TransferAck(request_id=header.request_id, ok=False, code="unknown_request")
+            return _refusal(header.request_id, "truncated",
+                            f"stream ended after {received} of {header.nbytes} payload bytes")
+        return await self._deliver(header, memoryview(payload))
+
+    async def _receive_shm(self, header: TransferHeader) -> TransferAck:
         try:
             mapping = _map_segment(header.shm_name, header.nbytes)
         except (OSError, ValueError) as e:
@@ -123,6 +216,10 @@ class KVReceiver:
                             "that view is collected", header.shm_name)
 
     def _check(self, header: TransferHeader) -> tuple[str, str] | None:
+        """Why ``header`` is refused (code, message), or None: checked from the header alone."""
+        expected = self._expected.get(header.request_id)
+        if expected is None or not hmac.compare_digest(header.token.encode(), expected.token.encode()):
+            return "unknown_request", "no transfer of this request with this token is expected here"
         if self.model_identity is not None and header.model_identity != self.model_identity:
             return "model_mismatch", (f"receiver holds {self.model_identity!r}, the KV is for "
                                       f"{header.model_identity!r}")
@@ -131,8 +228,12 @@ class KVReceiver:
         if header.nbytes != header.expected_nbytes:
             return "bad_header", (f"nbytes {header.nbytes} != {header.dtype}{header.shape} = "
                                   f"{header.expected_nbytes}")
-        if header.nbytes > self.max_nbytes:
-            return "bad_header", f"nbytes {header.nbytes} over the {self.max_nbytes}-byte limit"
+        limit = min(expected.max_nbytes, self.limits.max_nbytes)
+        if header.nbytes > limit:
+            return "bad_header", f"nbytes {header.nbytes} over the {limit}-byte limit of this transfer"
+        if header.transport == "tcp" and self.inflight_bytes + header.nbytes > self.limits.max_inflight_bytes:
+            return "no_capacity", (f"{self.inflight_bytes} payload bytes in flight here; {header.nbytes} more "
+                                   f"would pass the {self.limits.max_inflight_bytes}-byte limit")
         return None
 
     async def _deliver(self, header: TransferHeader, payload: memoryview) -> TransferAck:
@@ -146,94 +247,3 @@ class KVReceiver:
             log.exception("KV handler failed on request %r", header.request_id)
             return TransferAck(request_id=header.request_id, ok=False, code="error",
                                message=f"handler failed: {e!r}")
-
-
-class _Inbox(asyncio.BufferedProtocol):
-    """One receiver connection that reads only on request, straight into the caller's buffer
-    (recv_into: no intermediate copies, never past what was asked, so no read-ahead to hand
-    over between the header frame and the payload)."""
-
-    def __init__(self, on_connect: Callable[[_Inbox], None], idle_timeout_s: float):
-        self._on_connect = on_connect
-        self._idle_timeout_s = idle_timeout_s
-        self._transport: asyncio.Transport | None = None
-        self._target: memoryview | None = None
-        self._filled = 0
-        self._done: asyncio.Future | None = None
-        self._eof = False
-        # uvloop may ask for a buffer after reading was paused, with no read in progress:
-        # what arrives then waits here for the next readinto
-        self._scratch = memoryview(bytearray(64 << 10))
-        self._into_scratch = False
-        self._spill = bytearray()
-
-    async def readexactly(self, n: int) -> bytes:
-        buf = bytearray(n)
-        got = await self.readinto(memoryview(buf))
-        if got < n:
-            raise asyncio.IncompleteReadError(bytes(buf[:got]), n)
-        return bytes(buf)
-
-    async def readinto(self, view: memoryview) -> int:
-        """Fill ``view``; fewer bytes only if the stream ended. `TimeoutError` if no byte came
-        for the idle timeout."""
-        view = view.cast("B")
-        taken = min(len(self._spill), view.nbytes)
-        if taken:
-            view[:taken] = self._spill[:taken]
-            del self._spill[:taken]
-        if self._eof or taken == view.nbytes:
-            return taken
-        self._target, self._filled = view, taken
-        self._done = asyncio.get_running_loop().create_future()
-        self._transport.resume_reading()
-        try:
-            while not self._done.done():
-                before = self._filled
-                await asyncio.wait({self._done}, timeout=self._idle_timeout_s)
-                if not self._done.done() and self._filled == before:
-                    raise TimeoutError(f"no data for {self._idle_timeout_s}s after "
-                                       f"{self._filled} of {view.nbytes} bytes")
-            return self._filled
-        finally:
-            self._target = None
-            self._transport.pause_reading()
-
-    def write(self, data: bytes) -> None:
-        self._transport.write(data)
-
-    def close(self) -> None:
-        self._transport.close()
-
-    def connection_made(self, transport: asyncio.Transport) -> None:
-        self._transport = transport
-        transport.pause_reading()
-        self._on_connect(self)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if self._target is not None and self._filled < self._target.nbytes:
-            return self._target[self._filled:]
-        self._into_scratch = True
-        return self._scratch
-
-    def buffer_updated(self, nbytes: int) -> None:
-        if self._into_scratch:
-            self._into_scratch = False
-            self._spill += self._scratch[:nbytes]
-            return
-        self._filled += nbytes
-        if self._filled == self._target.nbytes:
-            self._transport.pause_reading()
-            self._done.set_result(None)
-
-    def eof_received(self) -> bool:
-        self._end()
-        return True  # stay open: a truncated sender that half-closed still gets its ack
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._end()
-
-    def _end(self) -> None:
-        self._eof = True
-        if self._done is not None and not self._done.done():
-            self._done.set_result(None)

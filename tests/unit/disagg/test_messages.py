@@ -33,7 +33,7 @@ def record(**kw) -> RequestRecord:
 
 
 def header(**kw) -> TransferHeader:
-    fields = dict(request_id="req-1", model_identity="smollm2-135m/float32", dtype="float32",
+    fields = dict(request_id="req-1", token="t0k3n", model_identity="smollm2-135m/float32", dtype="float32",
                   shape=[2, 2, 3, 4, 2, 8], nbytes=2 * 2 * 3 * 4 * 2 * 8 * 4, checksum="0badf00d",
                   transport="shm", shm_name="cascade-kv-0123abcd", record=record())
     return TransferHeader(**(fields | kw))

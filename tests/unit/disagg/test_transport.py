@@ -15,6 +15,7 @@ from cloud_tier.disagg.messages import (
 )
 from cloud_tier.disagg.transport import (
     KVReceiver,
+    ReceiverLimits,
     ShmSender,
     TcpSender,
     TransferError,
@@ -33,6 +34,7 @@ from tests.unit.disagg.transport_helpers import (
     receiving,
     refusals,
     same_bits,
+    token_of,
     until,
 )
 
@@ -66,7 +68,7 @@ def test_one_receiver_serves_many_transfers_at_once(sender_cls, loop):
 
     async def go():
         sink = Sink()
-        async with receiving(sink) as receiver:
+        async with receiving(sink, expect=tensors) as receiver:
             acks = await asyncio.gather(*(
                 sender_cls().send(receiver.address, header_for(t, rid), tensor_payload(t))
                 for rid, t in tensors.items()))
@@ -144,9 +146,10 @@ def test_a_truncated_tcp_transfer_never_reaches_the_handler_and_the_receiver_goe
 
     async def go():
         sink = Sink()
-        async with receiving(sink) as receiver:
+        async with receiving(sink, expect=("req-1", "req-1b", "req-2")) as receiver:
             half_closed = await raw_transfer(receiver.address, encode(header), payload[: len(payload) // 2])
-            await raw_transfer(receiver.address, encode(header), payload[:100], half_close=False)
+            again = header.model_copy(update=dict(request_id="req-1b", token=token_of("req-1b")))
+            await raw_transfer(receiver.address, encode(again), payload[:100], half_close=False)
             await raw_transfer(receiver.address, encode(header)[:20], b"", half_close=False)
             # each of the three is settled, refused or (wrongly) handed to the handler: now it counts
             await until(lambda: refusals(caplog, "truncated") + len(sink.headers) == 3,
@@ -188,7 +191,7 @@ def test_a_payload_over_the_receivers_limit_is_refused(sender_cls):
     t = kv()
 
     async def go():
-        async with receiving(Sink(), max_nbytes=1024) as receiver:
+        async with receiving(Sink(), limits=ReceiverLimits(max_nbytes=1024)) as receiver:
             return await sender_cls().send(receiver.address, header_for(t), tensor_payload(t))
 
     ack = asyncio.run(go())
@@ -259,6 +262,8 @@ def test_closing_the_receiver_aborts_a_stalled_sender(sender_cls, stall):
 
         receiver = KVReceiver(handler)
         await receiver.start()
+        for rid in ("stuck", "marker"):
+            receiver.expect(rid, token_of(rid), t.nbytes)
         try:
             sender = sender_cls(timeout_s=30)
             sending = asyncio.create_task(sender.send(receiver.address, header_for(t, "stuck"), tensor_payload(t)))

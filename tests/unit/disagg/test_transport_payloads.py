@@ -40,12 +40,14 @@ def test_shm_leaves_no_segment_after_success_or_failure():
     t = kv()
 
     async def go():
-        async with receiving(Sink(), model_identity="smollm2-135m") as receiver:
-            assert (await ShmSender().send(receiver.address, header_for(t), tensor_payload(t))).ok
+        async with receiving(Sink(), ("ok", "other-model", "corrupt"), model_identity="smollm2-135m") as receiver:
+            assert (await ShmSender().send(receiver.address, header_for(t, "ok"), tensor_payload(t))).ok
             assert segments() == set()
-            bad = await ShmSender().send(receiver.address, header_for(t, model="other"), tensor_payload(t))
+            bad = await ShmSender().send(receiver.address, header_for(t, "other-model", model="other"),
+                                         tensor_payload(t))
             assert bad.code == "model_mismatch" and segments() == set()
-            corrupt = await corrupting(ShmSender)().send(receiver.address, header_for(t), tensor_payload(t))
+            corrupt = await corrupting(ShmSender)().send(receiver.address, header_for(t, "corrupt"),
+                                                         tensor_payload(t))
             assert corrupt.code == "corrupt" and segments() == set()
 
     asyncio.run(go())
@@ -83,7 +85,7 @@ SHM_SCRIPT = textwrap.dedent("""
     async def send(address):
         for rid in ("ok", "refused"):
             rec = RequestRecord(request_id=rid, prompt_token_ids=[1], sampling={})
-            header = TransferHeader(request_id=rid, model_identity="m", dtype="float16", shape=[8192],
+            header = TransferHeader(request_id=rid, token="t-" + rid, model_identity="m", dtype="float16", shape=[8192],
                                     nbytes=0, checksum="", transport="shm", record=rec)
             ack = await ShmSender(timeout_s=5).send(address, header, bytes(range(256)) * 64)
             print(rid, ack.ok, ack.code, flush=True)
@@ -93,6 +95,8 @@ SHM_SCRIPT = textwrap.dedent("""
             return await send(sys.argv[2])
         receiver = KVReceiver(handler)
         await receiver.start()
+        for rid in ("ok", "refused"):
+            receiver.expect(rid, "t-" + rid, 1 << 20)
         if mode == "both":
             await send(receiver.address)
         else:

@@ -39,10 +39,16 @@ def kv(dtype=torch.float32, shape=(2, 2, 3, 4, 2, 8), seed=0) -> torch.Tensor:
     return t
 
 
-def header_for(t: torch.Tensor, request_id="req-1", model="smollm2-135m") -> TransferHeader:
+def token_of(request_id: str) -> str:
+    """The transfer token the tests' receivers expect for ``request_id``."""
+    return f"token-of-{request_id}"
+
+
+def header_for(t: torch.Tensor, request_id="req-1", model="smollm2-135m", token=None) -> TransferHeader:
     rec = RequestRecord(request_id=request_id, prompt_token_ids=[5, 6, 7], output_token_ids=[9],
                         sampling={"temperature": 0.0, "max_tokens": 8})
-    return TransferHeader(request_id=request_id, model_identity=model,
+    return TransferHeader(request_id=request_id, token=token_of(request_id) if token is None else token,
+                          model_identity=model,
                           dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape),
                           nbytes=0, checksum="", transport="tcp", record=rec)  # the sender fills these
 
@@ -66,9 +72,13 @@ class Sink:
 
 
 @contextlib.asynccontextmanager
-async def receiving(handler, **kw):
+async def receiving(handler, expect=("req-1",), **kw):
+    """A started receiver that expects one transfer of each request in ``expect``, with its
+    `token_of`, up to the receiver's own byte limit."""
     receiver = KVReceiver(handler, **kw)
     await receiver.start()
+    for rid in expect:
+        receiver.expect(rid, token_of(rid), receiver.limits.max_nbytes)
     try:
         yield receiver
     finally:
