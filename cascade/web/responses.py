@@ -8,7 +8,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cascade import errors
 from cascade.generation import Finish, TokenEvent
@@ -32,6 +32,8 @@ async def openai_response(request: Request, events: AsyncIterator, fmt, stream: 
         tokens, finish = await collect
     except asyncio.CancelledError:
         count("499")
+        if watcher.done() and not watcher.cancelled():  # the client left: the generation is stopped
+            return Response(status_code=499)
         raise
     except errors.APIError as e:
         count(str(e.status))

@@ -15,6 +15,7 @@ from cascade import errors
 from cascade.openai_format import ChatFormatter, CompletionFormatter
 from cascade.protocol import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList
 from cascade.web import openai_response, openapi, parse_body, read_json
+from cascade.web.caller import CallerGone, while_connected
 from cloud_tier.gateway.keys import ApiKey
 from cloud_tier.gateway.service import GatewayService
 from cloud_tier.gateway.streams import pull_first, render_stored, replay
@@ -87,7 +88,11 @@ async def _serve(request: Request, endpoint: str, schema, formatter):
     except errors.APIError:
         svc.count(key.tenant, endpoint, "4xx")
         raise
-    result, headers = await svc.begin(key, endpoint, body, req, request.headers.get("idempotency-key"))
+    try:  # a client that leaves while its request waits (admission, a duplicate's result) is let go
+        result, headers = await while_connected(
+            request, svc.begin(key, endpoint, body, req, request.headers.get("idempotency-key")))
+    except CallerGone:
+        return Response(status_code=499)
     fmt = formatter(svc.model_id, req.logprobs)
     if isinstance(result, dict):  # a cache hit or a replay: nothing to wait for
         if not req.stream:

@@ -21,7 +21,7 @@ from cascade.web import openai_response, openapi, parse_body, read_json, require
 from cloud_tier.disagg.decode import PrefillFailed
 from cloud_tier.disagg.protocol import GenerateRequest, PrefillRequest, PrefillResponse, ServedModel, WorkerLoadReport
 from cloud_tier.engine.async_engine import EngineDeadError
-from cloud_tier.worker.caller import CallerGone, while_connected
+from cascade.web.caller import CallerGone, while_connected
 from cloud_tier.worker.protocol import WorkerStats
 from cloud_tier.worker.service import WorkerService
 

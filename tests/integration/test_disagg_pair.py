@@ -188,8 +188,6 @@ def test_client_gone_mid_stream_stops_the_decode(ready, transport):
     assert generated(cloud.decode) - tokens_before < 200  # of the 600 asked for
 
 
-@pytest.mark.xfail(strict=True, reason="the gateway waits in admission without watching its client (issue 12, "
-                   "item 13): cloud_tier/gateway/routes.py _serve must cancel svc.begin() when the client goes")
 def test_client_gone_while_waiting_for_admission_is_let_go_at_once(ready):
     """Two requests commit 64 KV blocks each on the decode worker (163 under its watermark); a
     third waits in the gateway's admission queue, and its client leaves: the gateway lets it go
