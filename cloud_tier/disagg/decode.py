@@ -117,8 +117,10 @@ class DecodeService:
                 stream = waiting.adopted.result()[1]  # adopted, its caller gone before it was read
             if stream is not None:
                 await stream.aclose()  # aborts it if unfinished
-            if not finished:
-                self.engine.abort(rid)
+                if not finished:
+                    self.engine.abort(rid)
+            # no stream: nothing was adopted here, so nothing of ours runs under ``rid`` (an adopt
+            # refused as a duplicate must not abort the other request holding that id)
 
     async def _call_prefill(self, body: GenerateRequest, token: str) -> PrefillResponse:
         req = PrefillRequest(record=body.record.model_copy(update={"transfer_token": token}),

@@ -18,10 +18,10 @@ from cascade.generation import event_to_wire
 from cascade.openai_format import ChatFormatter, CompletionFormatter
 from cascade.protocol import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList
 from cascade.web import openai_response, openapi, parse_body, read_json, require_api_key
+from cascade.web.caller import CallerGone, while_connected
 from cloud_tier.disagg.decode import PrefillFailed
 from cloud_tier.disagg.protocol import GenerateRequest, PrefillRequest, PrefillResponse, ServedModel, WorkerLoadReport
 from cloud_tier.engine.async_engine import EngineDeadError
-from cascade.web.caller import CallerGone, while_connected
 from cloud_tier.worker.protocol import WorkerStats
 from cloud_tier.worker.service import WorkerService
 

@@ -16,7 +16,7 @@ from cloud_tier.disagg.decode import DecodeService
 from cloud_tier.disagg.prefill import PrefillService
 from cloud_tier.disagg.protocol import GenerateRequest, ServedModel
 from cloud_tier.disagg.records import params_of
-from cloud_tier.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from cloud_tier.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from cloud_tier.engine.outputs import RequestOutput
 from cloud_tier.engine.request import Request
 from cloud_tier.request_builder import Plan, RequestBuilder
@@ -51,6 +51,7 @@ class WorkerService:
         if self._served is None:
             self._served = ServedModel(model=self.model_id, aliases=sorted(self.model_names - {self.model_id}),
                                        max_model_len=self.max_model_len,
+                                       model_identity=self.engine.engine.model_identity,
                                        tokenizer_files=tokenizer_files.dump(self.engine.tokenizer))
         return self._served
 
@@ -144,6 +145,9 @@ class WorkerService:
                     yield Finish(out.finish_reason or "stop", out.num_prompt_tokens, len(out.token_ids),
                                  out.num_cached_tokens)
                     return
+        except RequestFailedError as e:  # this request only (non-finite logits, ...): the engine goes on
+            raise errors.APIError(500, f"The engine could not go on with this request: {e}", "server_error",
+                                  code="engine_error") from e
         finally:
             await outputs.aclose()
 
