@@ -31,7 +31,7 @@ from cascade.policy.refine import wants_refinement
 from cascade.policy.session_order import goes_behind_backlog
 from edge_agent.config import CascadeConfig
 from edge_agent.server.outbox import Outbox
-from edge_agent.server.service import EdgeService, LocalJob
+from edge_agent.server.service import EdgeService, LocalJob, LocalRun
 from edge_agent.upstream import Upstream, UpstreamRefused, UpstreamUnavailable
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,13 @@ class Routed:
     model: str | None = None  # the cloud's model name when it answers
     info: dict = field(default_factory=dict)
     extra_headers: dict = field(default_factory=dict)
+    local: LocalRun | None = None  # the local generation under ``events``, when it answers here
+
+    async def aclose(self) -> None:
+        """Drop the answer unread: a local one gives its slot back even if it never started."""
+        if self.local is not None:
+            await self.local.aclose()
+        await self.events.aclose()
 
     @property
     def headers(self) -> dict[str, str]:
@@ -193,7 +200,7 @@ class Escalator:
                 refinement = Queued(await self.outbox.submit(endpoint, body, "refine", session, req.cascade),
                                     "refine")
             except BaseException:
-                await routed.events.aclose()  # the local answer will not be read: its slot goes back
+                await routed.aclose()  # the local answer will not be read: its slot goes back
                 raise
             routed.cascade_field["refinement"] = refinement.location
             routed.extra_headers["X-Cascade-Refinement"] = refinement.location
@@ -228,7 +235,7 @@ class Escalator:
         events = svc.run(job, reservation)
         if not decision.check_confidence or self.upstream is None:
             self._count(decision)
-            routed = Routed(events, "edge", decision.reason, decision.degraded)
+            routed = Routed(events, "edge", decision.reason, decision.degraded, local=events)
             routed.events = _tracked(events, self.policy.confidence.window, routed.cascade_field)
             return routed
         started = time.perf_counter()
@@ -266,7 +273,7 @@ class Escalator:
                 return routed
         final = after or decision
         self._count(final)
-        return Routed(_chain(held, events), "edge", final.reason, final.degraded, info=info)
+        return Routed(_chain(held, events), "edge", final.reason, final.degraded, info=info, local=events)
 
     def _count(self, d: Decision) -> None:
         self.service.metrics.decisions.labels(d.tier, d.reason).inc()
