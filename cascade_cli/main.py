@@ -221,6 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--threads", type=int, default=0, help="quantizer threads (0: every core)")
     qz.set_defaults(func=cmd_models_quantize)
 
+    from model_distribution.fleet_cli import add_fleet_parser
+
+    add_fleet_parser(sub, _parser)
+
     cloud = _parser(sub, "cloud", "the cloud tier: gateway, workers, API keys").add_subparsers(
         dest="cloud_command", required=True, metavar="COMMAND")
     worker = _parser(cloud, "worker", "one engine behind an OpenAI-compatible API (and the internal API)")

@@ -2,8 +2,11 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 from tests.conftest import REPO
 
@@ -74,3 +77,39 @@ def test_edge_queue_shows_the_backlog_and_retries_and_drops(tmp_path):
     final = json.loads(cascade("edge", "queue", "status", "--json", env={"CASCADE_EDGE_SYNC_PATH": str(db)},
                                home=tmp_path / "elsewhere").stdout)
     assert final["by_kind"]["request"]["queued"] == 3 and final["by_kind"]["telemetry"]["queued"] == 0
+
+
+def test_fleet_push_and_models_on_a_real_gguf(tmp_path, smollm2_path):
+    import hashlib
+
+    pushed = cascade("fleet", "push", smollm2_path, "--name", "smollm2-135m", "--version", "1.1.0", "--json",
+                     home=tmp_path)
+    assert pushed.returncode == 0, pushed.stderr
+    m = json.loads(pushed.stdout)
+    with open(smollm2_path, "rb") as f:
+        assert m["sha256"] == hashlib.file_digest(f, "sha256").hexdigest()
+    assert (m["format"], m["quantization"], m["architecture"], m["created"]) == ("gguf", "Q4_1", "llama", True)
+    again = cascade("fleet", "push", smollm2_path, "--name", "smollm2-135m", "--version", "1.1.0", home=tmp_path)
+    assert again.returncode == 0 and "nothing to do" in again.stdout
+    other = tmp_path / "other.gguf"
+    shutil.copyfile(smollm2_path, other)
+    with open(other, "r+b") as f:  # the same header, other weights
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    refused = cascade("fleet", "push", str(other), "--name", "smollm2-135m", "--version", "1.1.0", home=tmp_path)
+    assert refused.returncode == 2 and "immutable" in refused.stderr and len(refused.stderr.splitlines()) == 1
+    listed = json.loads(cascade("fleet", "models", "--json", home=tmp_path).stdout)
+    assert [(x["name"], x["version"], x["sha256"]) for x in listed] == [("smollm2-135m", "1.1.0", m["sha256"])]
+    table = cascade("fleet", "models", home=tmp_path).stdout.splitlines()
+    assert table[0].split() == ["NAME", "VERSION", "FORMAT", "QUANT", "SIZE", "SHA256", "PUSHED"]
+
+
+@pytest.mark.parametrize("args, says", [(["push", "README.md", "--name", "x", "--version", "1.0.0"], "GGUF magic"),
+                                        (["push", "nope.gguf", "--name", "x", "--version", "1.0.0"], "not a file"),
+                                        (["push", "README.md", "--name", "x", "--version", "one"], "semantic"),
+                                        (["push", "README.md", "--version", "1.0.0"], "--name")])
+def test_fleet_push_refuses_bad_files_and_flags_with_exit_2(tmp_path, args, says):
+    r = cascade("fleet", *args, home=tmp_path)
+    assert r.returncode == 2 and says in r.stderr, r.stderr

@@ -1,0 +1,83 @@
+"""``cascade fleet``: the fleet operator's commands, on the control plane's state under
+``$CASCADE_HOME/fleet`` (whether or not ``cascade fleet serve`` runs).
+
+    cascade fleet push ./model.gguf --name N --version V [--calibration edge.toml] [--min-agent-version V]
+    cascade fleet models [--name N] [--json]
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+
+
+def _registry():
+    from cascade.config import cascade_home
+    from model_distribution.registry import Registry
+
+    return Registry(cascade_home() / "fleet")
+
+
+def cmd_push(args) -> int:
+    from model_distribution.registry import RegistryError
+
+    reg = _registry()
+    try:
+        manifest, created = reg.push(args.path, args.name, args.version, args.calibration, args.min_agent_version)
+    except RegistryError as e:
+        print(f"cascade: {e}", file=sys.stderr)
+        return 2
+    finally:
+        reg.close()
+    if args.json:
+        print(json.dumps({**manifest.to_dict(), "created": created}, indent=2))
+    elif created:
+        print(f"pushed {manifest.ref}: {manifest.format} {manifest.quantization}, {manifest.size} bytes, "
+              f"sha256 {manifest.sha256}")
+    else:
+        print(f"{manifest.ref} is already published with these bytes (sha256 {manifest.sha256}): nothing to do")
+    return 0
+
+
+def cmd_models(args) -> int:
+    from cascade.units import format_size
+
+    reg = _registry()
+    try:
+        models = reg.models(args.name)
+    finally:
+        reg.close()
+    if args.json:
+        print(json.dumps([m.to_dict() for m in models], indent=2))
+        return 0
+    if not models:
+        print("no models published (cascade fleet push ./model.gguf --name NAME --version 1.0.0)")
+        return 0
+    rows = [("NAME", "VERSION", "FORMAT", "QUANT", "SIZE", "SHA256", "PUSHED")]
+    for m in models:
+        pushed = datetime.datetime.fromtimestamp(m.pushed_at, datetime.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+        rows.append((m.name, m.version, m.format, m.quantization, format_size(m.size), m.sha256[:16], pushed))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    return 0
+
+
+def add_fleet_parser(sub, make_parser) -> None:
+    """``cascade fleet ...`` under ``sub`` (``make_parser(sub, name, help)`` builds each parser)."""
+    fleet = make_parser(sub, "fleet", "the fleet control plane: model registry, devices, rollouts").add_subparsers(
+        dest="fleet_command", required=True, metavar="COMMAND")
+    push = make_parser(fleet, "push", "publish a model file as name@version (immutable once published)")
+    push.add_argument("path", help="the model file (.gguf)")
+    push.add_argument("--name", required=True, help="the model's name, e.g. smollm2-135m")
+    push.add_argument("--version", required=True, help="a semantic version, e.g. 1.1.0")
+    push.add_argument("--calibration", help="an edge.toml whose [cascade] thresholds travel with this version")
+    push.add_argument("--min-agent-version", help="the oldest agent version that may install it")
+    push.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    push.set_defaults(func=cmd_push)
+    models = make_parser(fleet, "models", "published model versions: name, version, format, quantization, size, "
+                         "sha256, pushed at")
+    models.add_argument("--name", help="only this model's versions")
+    models.add_argument("--json", action="store_true", help="print JSON (full sha256 and manifest)")
+    models.set_defaults(func=cmd_models)

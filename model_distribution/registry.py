@@ -1,0 +1,232 @@
+"""The fleet's model registry: published model versions and their artifacts.
+
+Versions live in SQLite (portable SQL: plain tables, no SQLite-only types or upserts), artifacts
+on disk addressed by their sha256 (``artifacts/sha256/<hex>``), so one file pushed under two
+names is stored once and a device can fetch it by digest from any mirror. A published
+``name@version`` is immutable: pushing other bytes under it is refused, the same bytes again is
+a no-op. A file that is not a valid model of its format is refused with the reason. The
+manifest carries the ``[cascade]`` thresholds calibrated for that model, so the escalation
+policy travels with the model it was calibrated for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sqlite3
+import time
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from model_distribution.gguf_meta import GGUFError, read_metadata
+
+NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+# semver 2.0.0 (semver.org), without build metadata: it does not order versions
+SEMVER = re.compile(r"(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)(?:-((?:0|[1-9]\d*|\d*[A-Za-z-][0-9A-Za-z-]*)"
+                    r"(?:\.(?:0|[1-9]\d*|\d*[A-Za-z-][0-9A-Za-z-]*))*))?")
+FORMATS = ("gguf",)
+_CHUNK = 1 << 20
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS model_versions (
+    name VARCHAR(64) NOT NULL,
+    version VARCHAR(64) NOT NULL,
+    format VARCHAR(16) NOT NULL,
+    quantization VARCHAR(32) NOT NULL,
+    architecture VARCHAR(64) NOT NULL,
+    context_length INTEGER,
+    size BIGINT NOT NULL,
+    sha256 CHAR(64) NOT NULL,
+    min_agent_version VARCHAR(64),
+    calibration TEXT NOT NULL,
+    pushed_at DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (name, version)
+)
+"""
+
+
+class RegistryError(ValueError):
+    """A push or a lookup the registry refuses; the message says why."""
+
+
+def parse_semver(version: str) -> tuple:
+    """A sort key for a semver string (a prerelease sorts before its release); RegistryError if not semver."""
+    m = SEMVER.fullmatch(version or "")
+    if m is None:
+        raise RegistryError(f"version {version!r} is not a semantic version (MAJOR.MINOR.PATCH[-PRERELEASE])")
+    major, minor, patch, pre = m.groups()
+    pre_key = (1,) if pre is None else (0, *((0, int(p)) if p.isdigit() else (1, p) for p in pre.split(".")))
+    return int(major), int(minor), int(patch), pre_key
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """One published model version: what a device needs to decide, fetch and verify it."""
+
+    name: str
+    version: str
+    format: str
+    quantization: str
+    architecture: str
+    context_length: int | None
+    size: int
+    sha256: str
+    min_agent_version: str | None = None
+    calibration: dict = field(default_factory=dict)  # the [cascade] thresholds for this model
+    pushed_at: float = 0.0
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}@{self.version}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Registry:
+    """The registry under ``root`` (``$CASCADE_HOME/fleet`` by default): ``registry.db`` and ``artifacts/``."""
+
+    def __init__(self, root: Path | str):
+        self.root = Path(root)
+        self.artifacts = self.root / "artifacts" / "sha256"
+        self.artifacts.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.root / "registry.db", isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def artifact_path(self, sha256: str) -> Path:
+        if not re.fullmatch(r"[0-9a-f]{64}", sha256 or ""):
+            raise RegistryError(f"{sha256!r} is not a sha256 digest")
+        return self.artifacts / sha256
+
+    # -- push ------------------------------------------------------------------------------
+
+    def push(self, path: Path | str, name: str, version: str, calibration: Path | str | None = None,
+             min_agent_version: str | None = None) -> tuple[Manifest, bool]:
+        """Publish ``path`` as ``name@version``. Returns the manifest and whether it was new (False:
+        the same bytes were already published under it). RegistryError for a bad name, version or
+        file, or other bytes under a published name@version."""
+        path = Path(path)
+        if not NAME.fullmatch(name or ""):
+            raise RegistryError(f"model name {name!r} must be 1-64 characters of [a-z0-9._-], starting with a "
+                                "letter or digit")
+        parse_semver(version)
+        if min_agent_version is not None:
+            parse_semver(min_agent_version)
+        if not path.is_file():
+            raise RegistryError(f"{path} is not a file")
+        meta = _describe(path)
+        thresholds = _calibration(calibration) if calibration is not None else {}
+        digest, size = _sha256(path)
+        existing = self.get(name, version)
+        if existing is not None:
+            if existing.sha256 != digest:
+                raise RegistryError(f"{name}@{version} is published already with other bytes (sha256 "
+                                    f"{existing.sha256[:12]}...): a published version is immutable; push a new "
+                                    "version")
+            return existing, False
+        self._store(path, digest)
+        manifest = Manifest(name, version, meta["format"], meta["quantization"], meta["architecture"],
+                            meta["context_length"], size, digest, min_agent_version, thresholds, time.time())
+        try:
+            self._db.execute(
+                "INSERT INTO model_versions (name, version, format, quantization, architecture, context_length, "
+                "size, sha256, min_agent_version, calibration, pushed_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (manifest.name, manifest.version, manifest.format, manifest.quantization, manifest.architecture,
+                 manifest.context_length, manifest.size, manifest.sha256, manifest.min_agent_version,
+                 json.dumps(thresholds, sort_keys=True), manifest.pushed_at))
+        except sqlite3.IntegrityError:  # pushed by another process meanwhile: judge against that one
+            return self.push(path, name, version, calibration, min_agent_version)
+        return manifest, True
+
+    def _store(self, path: Path, digest: str) -> None:
+        target = self.artifact_path(digest)
+        if target.exists():
+            return
+        tmp = target.with_name(f".{digest}.{os.getpid()}.tmp")
+        shutil.copyfile(path, tmp)
+        if _sha256(tmp)[0] != digest:  # the source changed while it was read
+            tmp.unlink()
+            raise RegistryError(f"{path} changed while it was being pushed")
+        os.replace(tmp, target)
+
+    # -- read ------------------------------------------------------------------------------
+
+    def get(self, name: str, version: str) -> Manifest | None:
+        row = self._db.execute(f"SELECT {_COLUMNS} FROM model_versions WHERE name = ? AND version = ?",
+                               (name, version)).fetchone()
+        return None if row is None else _manifest(row)
+
+    def resolve(self, ref: str) -> Manifest:
+        """``name@version`` -> its manifest; RegistryError when it is not published."""
+        name, sep, version = ref.partition("@")
+        if not sep or not name or not version:
+            raise RegistryError(f"{ref!r} is not name@version")
+        m = self.get(name, version)
+        if m is None:
+            raise RegistryError(f"{ref} is not published (see cascade fleet models)")
+        return m
+
+    def models(self, name: str | None = None) -> list[Manifest]:
+        """Every published version, by name, newest version first."""
+        sql, args = f"SELECT {_COLUMNS} FROM model_versions", ()
+        if name is not None:
+            sql, args = sql + " WHERE name = ?", (name,)
+        out = [_manifest(r) for r in self._db.execute(sql, args).fetchall()]
+        out.sort(key=lambda m: parse_semver(m.version), reverse=True)
+        out.sort(key=lambda m: m.name)  # stable: newest first within a name
+        return out
+
+
+_COLUMNS = ("name, version, format, quantization, architecture, context_length, size, sha256, min_agent_version, "
+            "calibration, pushed_at")
+
+
+def _manifest(row) -> Manifest:
+    *head, calibration, pushed_at = row
+    return Manifest(*head, calibration=json.loads(calibration), pushed_at=pushed_at)
+
+
+def _describe(path: Path) -> dict:
+    """What the file is, from its own header; RegistryError when it is not a model we can serve."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise RegistryError(f"{path} is not a model file of a known format ({', '.join(FORMATS)}): it does not "
+                            "start with the GGUF magic")
+    try:
+        meta = read_metadata(path)
+        arch, quant, ctx = meta.architecture, meta.quantization, meta.context_length
+    except (GGUFError, KeyError, ValueError, OSError) as e:
+        raise RegistryError(f"{path} is not a valid GGUF model: {e}") from e
+    return {"format": "gguf", "quantization": quant, "architecture": arch, "context_length": ctx}
+
+
+def _calibration(path: Path | str) -> dict:
+    """The ``[cascade]`` table of an edge.toml (what ``cascade calibrate`` writes)."""
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f).get("cascade")
+    except FileNotFoundError as e:
+        raise RegistryError(f"calibration file not found: {path}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise RegistryError(f"calibration file {path} is not valid TOML: {e}") from e
+    if not isinstance(table, dict) or not table:
+        raise RegistryError(f"calibration file {path} has no [cascade] section (write one with cascade calibrate)")
+    return table
+
+
+def _sha256(path: Path) -> tuple[str, int]:
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            n += len(chunk)
+    return h.hexdigest(), n
