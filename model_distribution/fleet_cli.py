@@ -1,6 +1,7 @@
 """``cascade fleet``: the fleet operator's commands, on the control plane's state under
 ``$CASCADE_HOME/fleet`` (whether or not ``cascade fleet serve`` runs).
 
+    cascade fleet keys init
     cascade fleet push ./model.gguf --name N --version V [--calibration edge.toml] [--min-agent-version V]
     cascade fleet models [--name N] [--json]
 """
@@ -19,13 +20,43 @@ def _registry():
     return Registry(cascade_home() / "fleet")
 
 
+def _repository():
+    from cascade.config import cascade_home
+    from model_distribution.signing import Repository
+
+    return Repository(cascade_home() / "fleet")
+
+
+def cmd_keys_init(args) -> int:
+    from model_distribution.signing import SigningError
+
+    repo = _repository()
+    try:
+        repo.init()
+    except SigningError as e:
+        print(f"cascade: {e}", file=sys.stderr)
+        return 2
+    print(f"signing keys and TUF metadata written: keys in {repo.keys_dir} (root.pem and targets.pem are the offline "
+          f"keys: keep copies off this host), metadata in {repo.metadata_dir}")
+    print(f"a device trusts {repo.metadata_dir / '1.root.json'} (copy it to the device's [fleet] trust root)")
+    return 0
+
+
 def cmd_push(args) -> int:
     from model_distribution.registry import RegistryError
+    from model_distribution.signing import SigningError
 
+    repo = _repository()
+    if not repo.initialized:
+        repo.init()
+        print(f"cascade: no signing keys yet: made them under {repo.keys_dir} (cascade fleet keys init)",
+              file=sys.stderr)
     reg = _registry()
     try:
         manifest, created = reg.push(args.path, args.name, args.version, args.calibration, args.min_agent_version)
-    except RegistryError as e:
+        if not repo.has_target(manifest.name, manifest.version):  # signed: what devices verify before install
+            repo.add_target(manifest.name, manifest.version, manifest.sha256, manifest.size, manifest.signable())
+    except (RegistryError, SigningError) as e:
         print(f"cascade: {e}", file=sys.stderr)
         return 2
     finally:
@@ -68,6 +99,11 @@ def add_fleet_parser(sub, make_parser) -> None:
     """``cascade fleet ...`` under ``sub`` (``make_parser(sub, name, help)`` builds each parser)."""
     fleet = make_parser(sub, "fleet", "the fleet control plane: model registry, devices, rollouts").add_subparsers(
         dest="fleet_command", required=True, metavar="COMMAND")
+    keys = make_parser(fleet, "keys", "the control plane's signing keys").add_subparsers(
+        dest="keys_command", required=True, metavar="COMMAND")
+    init = make_parser(keys, "init", "make the signing keys (root, targets offline; snapshot, timestamp, desired "
+                       "online) and the first TUF metadata")
+    init.set_defaults(func=cmd_keys_init)
     push = make_parser(fleet, "push", "publish a model file as name@version (immutable once published)")
     push.add_argument("path", help="the model file (.gguf)")
     push.add_argument("--name", required=True, help="the model's name, e.g. smollm2-135m")

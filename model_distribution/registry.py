@@ -86,6 +86,12 @@ class Manifest:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def signable(self) -> dict:
+        """The manifest as TUF's canonical JSON takes it (no floats): the time in whole seconds,
+        the thresholds as a JSON string."""
+        return {**asdict(self), "pushed_at": int(self.pushed_at),
+                "calibration": json.dumps(self.calibration, sort_keys=True)}
+
 
 class Registry:
     """The registry under ``root`` (``$CASCADE_HOME/fleet`` by default): ``registry.db`` and ``artifacts/``."""

@@ -89,6 +89,9 @@ def test_fleet_push_and_models_on_a_real_gguf(tmp_path, smollm2_path):
     with open(smollm2_path, "rb") as f:
         assert m["sha256"] == hashlib.file_digest(f, "sha256").hexdigest()
     assert (m["format"], m["quantization"], m["architecture"], m["created"]) == ("gguf", "Q4_1", "llama", True)
+    from model_distribution.signing import Repository
+
+    assert Repository(tmp_path / "fleet").has_target("smollm2-135m", "1.1.0")  # signed (keys made on first push)
     again = cascade("fleet", "push", smollm2_path, "--name", "smollm2-135m", "--version", "1.1.0", home=tmp_path)
     assert again.returncode == 0 and "nothing to do" in again.stdout
     other = tmp_path / "other.gguf"
@@ -113,3 +116,10 @@ def test_fleet_push_and_models_on_a_real_gguf(tmp_path, smollm2_path):
 def test_fleet_push_refuses_bad_files_and_flags_with_exit_2(tmp_path, args, says):
     r = cascade("fleet", *args, home=tmp_path)
     assert r.returncode == 2 and says in r.stderr, r.stderr
+
+
+def test_fleet_keys_init_once(tmp_path):
+    first = cascade("fleet", "keys", "init", home=tmp_path)
+    assert first.returncode == 0 and "1.root.json" in first.stdout
+    second = cascade("fleet", "keys", "init", home=tmp_path)
+    assert second.returncode == 2 and "exist already" in second.stderr

@@ -1,0 +1,191 @@
+"""The registry as a TUF repository (python-tuf): root, targets, snapshot and timestamp metadata,
+each model version a target (``<name>/<version>``) whose custom field is its manifest. A device
+that trusts the root it was provisioned with is then protected against arbitrary artifacts,
+rolled-back, frozen and mix-and-match metadata, not only against a corrupted download.
+
+Keys (Ed25519, PEM under ``keys/``, mode 0600): root and targets are the offline keys (keep
+copies off the control plane; they sign only at init and on push), snapshot and timestamp the
+online ones, and ``desired`` the online key the control plane signs desired-state messages with.
+
+Expiry: root and targets a year, snapshot a week, timestamp a day (the control plane re-signs
+the timestamp while it runs). A device offline past the timestamp's expiry keeps serving the
+model it verified when it installed it, and installs nothing new until it can fetch fresh
+metadata: stale metadata is exactly what a freeze attack would serve.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from securesystemslib.signer import CryptoSigner, SSlibKey
+from tuf.api.metadata import Metadata, MetaFile, Root, Snapshot, TargetFile, Targets, Timestamp
+from tuf.api.serialization.json import JSONSerializer
+from tuf.ngclient import Updater
+
+ROLES = ("root", "targets", "snapshot", "timestamp")
+KEYS = (*ROLES, "desired")
+EXPIRY = {"root": datetime.timedelta(days=365), "targets": datetime.timedelta(days=365),
+          "snapshot": datetime.timedelta(days=7), "timestamp": datetime.timedelta(days=1)}
+_JSON = JSONSerializer(compact=False)
+
+
+class SigningError(Exception):
+    """The repository or its keys are missing or refused."""
+
+
+def _expires(role: str) -> datetime.datetime:
+    return (datetime.datetime.now(datetime.UTC) + EXPIRY[role]).replace(microsecond=0)
+
+
+def target_path(name: str, version: str) -> str:
+    return f"{name}/{version}"
+
+
+class Repository:
+    """The TUF repository under ``root`` (``$CASCADE_HOME/fleet``): ``tuf/`` (what devices fetch)
+    and ``keys/`` (what only the control plane holds)."""
+
+    def __init__(self, root: Path | str):
+        self.root = Path(root)
+        self.metadata_dir = self.root / "tuf"
+        self.keys_dir = self.root / "keys"
+
+    @property
+    def initialized(self) -> bool:
+        return (self.metadata_dir / "1.root.json").exists() and all(
+            (self.keys_dir / f"{k}.pem").exists() for k in KEYS)
+
+    def init(self) -> None:
+        """Make the keys and version 1 of every role. SigningError if there are keys already."""
+        if any((self.keys_dir / f"{k}.pem").exists() for k in KEYS):
+            raise SigningError(f"signing keys exist already under {self.keys_dir}")
+        self.keys_dir.mkdir(parents=True, exist_ok=True)
+        self.metadata_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.keys_dir, 0o700)
+        signers = {k: self._new_key(k) for k in KEYS}
+        root = Root(expires=_expires("root"), consistent_snapshot=True)
+        for role in ROLES:
+            root.add_key(signers[role].public_key, role)
+        self._write(Metadata(root), signers["root"])
+        self._write(Metadata(Targets(expires=_expires("targets"))), signers["targets"])
+        self._resign_snapshot(signers)
+
+    def root_bytes(self) -> bytes:
+        """The root a device is provisioned with (its trust anchor)."""
+        return (self.metadata_dir / "1.root.json").read_bytes()
+
+    def desired_public_key(self) -> bytes:
+        return self.signer("desired").public_key.keyval["public"].encode()
+
+    def signer(self, key: str) -> CryptoSigner:
+        path = self.keys_dir / f"{key}.pem"
+        try:
+            private = serialization.load_pem_private_key(path.read_bytes(), password=None)
+        except FileNotFoundError as e:
+            raise SigningError(f"no {key} key under {self.keys_dir}: run cascade fleet keys init") from e
+        return CryptoSigner(private, SSlibKey.from_crypto(private.public_key()))
+
+    def has_target(self, name: str, version: str) -> bool:
+        return target_path(name, version) in self._load("targets").signed.targets
+
+    def add_target(self, name: str, version: str, sha256: str, size: int, manifest: dict) -> None:
+        """Publish a model version: a new targets version listing it, then snapshot and timestamp."""
+        if not self.initialized:
+            raise SigningError(f"no signing keys under {self.keys_dir}: run cascade fleet keys init")
+        signers = {k: self.signer(k) for k in ("targets", "snapshot", "timestamp")}
+        targets = self._load("targets")
+        path = target_path(name, version)
+        targets.signed.targets[path] = TargetFile(size, {"sha256": sha256}, path,
+                                                  unrecognized_fields={"custom": {"manifest": manifest}})
+        targets.signed.version += 1
+        targets.signed.expires = _expires("targets")
+        self._write(targets, signers["targets"])
+        self._resign_snapshot(signers)
+
+    def refresh_timestamp(self) -> None:
+        """Re-sign the timestamp (a new version, a new expiry): what keeps devices updating."""
+        ts = self._load("timestamp")
+        ts.signed.version += 1
+        ts.signed.expires = _expires("timestamp")
+        self._write(ts, self.signer("timestamp"))
+
+    # -- files -----------------------------------------------------------------------------
+
+    def _new_key(self, key: str) -> CryptoSigner:
+        private = Ed25519PrivateKey.generate()
+        path = self.keys_dir / f"{key}.pem"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+        return CryptoSigner(private, SSlibKey.from_crypto(private.public_key()))
+
+    def _file(self, role: str, version: int | None = None) -> Path:
+        if role == "timestamp":
+            return self.metadata_dir / "timestamp.json"
+        return self.metadata_dir / f"{version}.{role}.json"
+
+    def _load(self, role: str) -> Metadata:
+        if role == "timestamp":
+            if not self._file(role).exists():
+                raise SigningError(f"no timestamp metadata under {self.metadata_dir}")
+            return Metadata.from_file(str(self._file(role)))
+        versions = sorted(int(p.name.split(".")[0]) for p in self.metadata_dir.glob(f"*.{role}.json"))
+        if not versions:
+            raise SigningError(f"no {role} metadata under {self.metadata_dir}")
+        return Metadata.from_file(str(self._file(role, versions[-1])))
+
+    def _write(self, md: Metadata, signer: CryptoSigner) -> None:
+        md.signatures.clear()
+        md.sign(signer)
+        role = md.signed.type
+        path = self._file(role, md.signed.version)
+        tmp = path.with_name(f".{path.name}.tmp")
+        md.to_file(str(tmp), _JSON)
+        os.replace(tmp, path)
+
+    def _resign_snapshot(self, signers: dict[str, CryptoSigner]) -> None:
+        targets = self._load("targets")
+        try:
+            snapshot = self._load("snapshot")
+            snapshot.signed.version += 1
+        except SigningError:
+            snapshot = Metadata(Snapshot(expires=_expires("snapshot")))
+        snapshot.signed.meta["targets.json"] = MetaFile(version=targets.signed.version)
+        snapshot.signed.expires = _expires("snapshot")
+        self._write(snapshot, signers["snapshot"])
+        try:
+            timestamp = self._load("timestamp")
+            timestamp.signed.version += 1
+        except SigningError:
+            timestamp = Metadata(Timestamp(expires=_expires("timestamp")))
+        timestamp.signed.snapshot_meta = MetaFile(version=snapshot.signed.version)
+        timestamp.signed.expires = _expires("timestamp")
+        self._write(timestamp, signers["timestamp"])
+
+
+def verified_target(cache_dir: Path | str, metadata_url: str, trusted_root: bytes, name: str,
+                    version: str) -> TargetFile:
+    """On a device: refresh the metadata from ``metadata_url`` against the root it trusts (kept
+    in ``cache_dir``) and return the signed target info of ``name@version`` (length, hashes, and
+    the manifest under ``custom``). Raises tuf's errors for anything refused (bad signatures, a
+    rollback, expired metadata) and SigningError when the version is not a target."""
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    trusted = cache_dir / "root.json"
+    bootstrap = trusted.read_bytes() if trusted.exists() else trusted_root
+    updater = Updater(str(cache_dir), metadata_url.rstrip("/") + "/", str(cache_dir / "targets"), None,
+                      bootstrap=bootstrap)
+    updater.refresh()
+    info = updater.get_targetinfo(target_path(name, version))
+    if info is None:
+        raise SigningError(f"{name}@{version} is not in the signed targets")
+    return info
+
+
+def manifest_of(info: TargetFile) -> dict:
+    return (info.unrecognized_fields.get("custom") or {}).get("manifest") or {}
