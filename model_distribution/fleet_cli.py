@@ -1,6 +1,7 @@
 """``cascade fleet``: the fleet operator's commands, on the control plane's state under
 ``$CASCADE_HOME/fleet`` (whether or not ``cascade fleet serve`` runs).
 
+    cascade fleet serve [--port 8090]
     cascade fleet keys init
     cascade fleet push ./model.gguf --name N --version V [--calibration edge.toml] [--min-agent-version V]
     cascade fleet models [--name N] [--json]
@@ -25,6 +26,20 @@ def _repository():
     from model_distribution.signing import Repository
 
     return Repository(cascade_home() / "fleet")
+
+
+def cmd_serve(args) -> int:
+    from cascade.config import ConfigError
+    from model_distribution import control_plane
+
+    overrides = {"server": {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}}
+    try:
+        config = control_plane.FleetConfig.load(args.config, overrides)
+    except ConfigError as e:
+        print(f"cascade: {e}", file=sys.stderr)
+        return 2
+    control_plane.run(config)
+    return 0
 
 
 def cmd_keys_init(args) -> int:
@@ -99,6 +114,12 @@ def add_fleet_parser(sub, make_parser) -> None:
     """``cascade fleet ...`` under ``sub`` (``make_parser(sub, name, help)`` builds each parser)."""
     fleet = make_parser(sub, "fleet", "the fleet control plane: model registry, devices, rollouts").add_subparsers(
         dest="fleet_command", required=True, metavar="COMMAND")
+    serve = make_parser(fleet, "serve", "the control plane: artifacts (HTTP Range), signed TUF metadata, the "
+                        "operator's endpoints")
+    serve.add_argument("--config", help="fleet.toml (default: none)")
+    serve.add_argument("--host", help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port to listen on (default: 8090)")
+    serve.set_defaults(func=cmd_serve)
     keys = make_parser(fleet, "keys", "the control plane's signing keys").add_subparsers(
         dest="keys_command", required=True, metavar="COMMAND")
     init = make_parser(keys, "init", "make the signing keys (root, targets offline; snapshot, timestamp, desired "

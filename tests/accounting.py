@@ -62,7 +62,7 @@ def _gateway(server) -> list[str]:
     return left
 
 
-CHECKS = {"agent": _agent, "gateway": _gateway, "worker": lambda s: _worker(s.url)}
+CHECKS = {"agent": _agent, "gateway": _gateway, "worker": lambda s: _worker(s.url), "fleet": lambda s: []}
 
 
 def leaks(shm_before: set[str], timeout_s: float = 10.0) -> dict[str, list[str]]:

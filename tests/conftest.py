@@ -17,7 +17,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 REPO = Path(__file__).resolve().parent.parent
 
 
-KINDS = {("edge", "run"): "agent", ("cloud", "serve"): "gateway", ("cloud", "worker"): "worker"}
+KINDS = {("edge", "run"): "agent", ("cloud", "serve"): "gateway", ("cloud", "worker"): "worker",
+         ("fleet", "serve"): "fleet"}
 
 
 class Server:

@@ -1,0 +1,74 @@
+"""A device's download of one artifact: resumable with HTTP Range (python-tuf's own download
+has no resume), then checked against the signed TUF target info (length and sha256) before it
+is used. The bytes so far live in ``<dest>.part``; a kill -9 resumes from them."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+from tuf.api.exceptions import LengthOrHashMismatchError
+from tuf.api.metadata import TargetFile
+
+_CHUNK = 1 << 20
+
+
+class DownloadError(Exception):
+    """The artifact could not be fetched or did not verify; the message says why."""
+
+
+def fetch(url: str, dest: Path | str, info: TargetFile, client: httpx.Client | None = None,
+          progress: Callable[[int, int], None] | None = None) -> Path:
+    """Download ``url`` to ``dest`` (resuming ``dest.part``), verify it against ``info``, and
+    move it into place. ``progress(done, total)`` after each chunk. DownloadError otherwise (a
+    file that fails verification is deleted: the next try starts over)."""
+    dest = Path(dest)
+    part = dest.with_name(dest.name + ".part")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    own = client is None
+    client = client or httpx.Client(timeout=httpx.Timeout(30.0, connect=10.0), follow_redirects=True)
+    try:
+        have = part.stat().st_size if part.exists() else 0
+        if have > info.length:  # cannot be ours
+            part.unlink()
+            have = 0
+        if have < info.length:
+            _get(client, url, part, have, info.length, progress)
+        with open(part, "rb") as f:
+            try:
+                info.verify_length_and_hashes(f)
+            except LengthOrHashMismatchError as e:
+                part.unlink()
+                raise DownloadError(f"{url} does not match its signed target: {e}") from e
+        os.replace(part, dest)
+        return dest
+    finally:
+        if own:
+            client.close()
+
+
+def _get(client: httpx.Client, url: str, part: Path, have: int, total: int,
+         progress: Callable[[int, int], None] | None) -> None:
+    headers = {"Range": f"bytes={have}-"} if have else {}
+    try:
+        with client.stream("GET", url, headers=headers) as r:
+            if r.status_code == 200 and have:  # the server ignored the range: start over
+                have = 0
+            elif r.status_code not in (200, 206):
+                raise DownloadError(f"GET {url}: HTTP {r.status_code}")
+            with open(part, "r+b" if have else "wb") as f:
+                f.seek(have)
+                f.truncate()
+                for chunk in r.iter_bytes(_CHUNK):
+                    have += len(chunk)
+                    if have > total:
+                        raise DownloadError(f"{url} is longer than its signed length {total}")
+                    f.write(chunk)
+                    if progress is not None:
+                        progress(have, total)
+                f.flush()
+                os.fsync(f.fileno())
+    except httpx.HTTPError as e:
+        raise DownloadError(f"GET {url}: {e!r} (the {have} bytes so far are kept; the next try resumes)") from e

@@ -1,0 +1,90 @@
+"""`cascade fleet serve` (a real process) and a device's side of it: the signed metadata through
+python-tuf's client, the artifact by sha256 with HTTP Range, a download that resumes from the
+bytes it has and is verified against the signed target before use."""
+
+from __future__ import annotations
+
+import hashlib
+
+import httpx
+import pytest
+
+from model_distribution.download import DownloadError, fetch
+from model_distribution.registry import Registry
+from model_distribution.signing import Repository, verified_target
+from tests.conftest import Server
+from tests.unit.test_registry import make_gguf
+
+
+@pytest.fixture(scope="module")
+def plane(tmp_path_factory):
+    home = tmp_path_factory.mktemp("fleet-home")
+    repo = Repository(home / "fleet")
+    repo.init()
+    reg = Registry(home / "fleet")
+    src = make_gguf(home / "tiny.gguf", 3.0)
+    with open(src, "ab") as f:  # a few MiB, so a download has several chunks
+        f.write(bytes(range(256)) * 16384)
+    m, _ = reg.push(src, "tiny", "1.0.0")
+    repo.add_target(m.name, m.version, m.sha256, m.size, m.signable())
+    reg.close()
+    s = Server(home, ["fleet", "serve"]).wait_healthy(60)
+    s.home, s.repo, s.manifest, s.src = home, repo, m, src
+    yield s
+    s.stop()
+
+
+def target(plane, tmp_path):
+    return verified_target(tmp_path / "device-tuf", f"{plane.url}/v1/tuf/", plane.repo.root_bytes(), "tiny", "1.0.0")
+
+
+def test_a_device_verifies_and_downloads_a_version(plane, tmp_path):
+    info = target(plane, tmp_path)
+    assert info.hashes["sha256"] == plane.manifest.sha256
+    seen = []
+    out = fetch(f"{plane.url}/v1/artifacts/{plane.manifest.sha256}", tmp_path / "tiny.gguf", info,
+                progress=lambda done, total: seen.append((done, total)))
+    assert hashlib.sha256(out.read_bytes()).hexdigest() == plane.manifest.sha256
+    assert seen[-1] == (plane.manifest.size, plane.manifest.size)
+
+
+def test_a_download_resumes_from_the_bytes_it_has(plane, tmp_path):
+    info = target(plane, tmp_path)
+    data = plane.src.read_bytes()
+    dest = tmp_path / "tiny.gguf"
+    (tmp_path / "tiny.gguf.part").write_bytes(data[: len(data) // 2])  # killed half way
+    seen = []
+    fetch(f"{plane.url}/v1/artifacts/{plane.manifest.sha256}", dest, info, progress=lambda d, t: seen.append(d))
+    assert dest.read_bytes() == data and seen[0] > len(data) // 2  # it went on from the middle
+
+
+def test_bytes_that_do_not_match_the_signed_target_are_refused_and_dropped(plane, tmp_path):
+    info = target(plane, tmp_path)
+    data = bytearray(plane.src.read_bytes())
+    data[10] ^= 0xFF
+    part = tmp_path / "tiny.gguf.part"
+    part.write_bytes(bytes(data[: len(data) - 5]))  # a corrupted start: the resumed file cannot verify
+    with pytest.raises(DownloadError, match="does not match its signed target"):
+        fetch(f"{plane.url}/v1/artifacts/{plane.manifest.sha256}", tmp_path / "tiny.gguf", info)
+    assert not part.exists() and not (tmp_path / "tiny.gguf").exists()
+
+
+def test_artifacts_answer_ranges_with_the_digest_as_etag(plane):
+    url = f"{plane.url}/v1/artifacts/{plane.manifest.sha256}"
+    r = httpx.get(url, headers={"Range": "bytes=10-19"})
+    assert r.status_code == 206 and r.content == plane.src.read_bytes()[10:20]
+    assert r.headers["etag"] == f'"{plane.manifest.sha256}"' and r.headers["accept-ranges"] == "bytes"
+    assert httpx.get(f"{plane.url}/v1/artifacts/{'0' * 64}").status_code == 404
+    bad = httpx.get(f"{plane.url}/v1/artifacts/not-a-digest")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "sha256"
+
+
+def test_only_metadata_files_are_served(plane):
+    assert httpx.get(f"{plane.url}/v1/tuf/1.root.json").status_code == 200
+    for name in ("..%2Fkeys%2Froot.pem", "root.pem", "2.root.json.tmp"):
+        assert httpx.get(f"{plane.url}/v1/tuf/{name}").status_code == 404
+
+
+def test_the_admin_models_list(plane):
+    r = httpx.get(f"{plane.url}/v1/fleet/models")  # no admin key set: loopback callers only
+    assert r.status_code == 200 and [m["sha256"] for m in r.json()["data"]] == [plane.manifest.sha256]
