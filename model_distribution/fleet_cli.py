@@ -5,6 +5,8 @@
     cascade fleet keys init
     cascade fleet push ./model.gguf --name N --version V [--calibration edge.toml] [--min-agent-version V]
     cascade fleet models [--name N] [--json]
+    cascade fleet devices add DEVICE --group G [--group G2]; cascade fleet devices [--group G] [--json]
+    cascade fleet assign (DEVICE | --group G) NAME@VERSION
 """
 
 from __future__ import annotations
@@ -110,6 +112,80 @@ def cmd_models(args) -> int:
     return 0
 
 
+def _devices():
+    from cascade.config import cascade_home
+    from model_distribution.devices import DeviceStore
+
+    (cascade_home() / "fleet").mkdir(parents=True, exist_ok=True)
+    return DeviceStore(cascade_home() / "fleet")
+
+
+def cmd_devices_add(args) -> int:
+    from model_distribution.registry import RegistryError
+
+    store = _devices()
+    try:
+        secret = store.add(args.device, args.group or [], args.fleet)
+    except RegistryError as e:
+        print(f"cascade: {e}", file=sys.stderr)
+        return 2
+    finally:
+        store.close()
+    creds = {"device": args.device, "fleet": args.fleet, "groups": args.group or [], "secret": secret}
+    if args.json:
+        print(json.dumps(creds, indent=2))
+    else:
+        print(f"enrolled {args.device} (fleet {args.fleet}, groups {', '.join(args.group or []) or '-'}); its "
+              "credentials, shown once: put them in the device's edge.toml [fleet] section")
+        print(f"device_id = \"{args.device}\"\nsecret = \"{secret}\"")
+    return 0
+
+
+def cmd_devices_list(args) -> int:
+    store = _devices()
+    try:
+        devices = store.list(group=args.group)
+    finally:
+        store.close()
+    if args.json:
+        print(json.dumps([d.to_dict() for d in devices], indent=2))
+        return 0
+    if not devices:
+        print("no devices enrolled (cascade fleet devices add DEVICE --group GROUP)")
+        return 0
+    rows = [("DEVICE", "GROUPS", "DESIRED", "REPORTED", "STATE", "LAST SEEN")]
+    for d in devices:
+        rep = d.reported or {}
+        seen = "-" if d.last_seen is None else datetime.datetime.fromtimestamp(
+            d.last_seen, datetime.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+        rows.append((d.device_id, ",".join(d.groups) or "-", d.desired or "-", rep.get("model") or "-",
+                     rep.get("state") or "-", seen))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    return 0
+
+
+def cmd_assign(args) -> int:
+    from model_distribution.registry import RegistryError
+
+    if (args.device is None) == (args.group is None):
+        print("cascade: name one device or --group GROUP", file=sys.stderr)
+        return 2
+    reg, store = _registry(), _devices()
+    try:
+        manifest = reg.resolve(args.version_ref)
+        changed = store.assign(manifest, device_id=args.device, group=args.group)
+    except RegistryError as e:
+        print(f"cascade: {e}", file=sys.stderr)
+        return 2
+    finally:
+        reg.close()
+        store.close()
+    print(f"desired {manifest.ref} for {len(changed)} device(s): {', '.join(d.device_id for d in changed)}")
+    return 0
+
+
 def add_fleet_parser(sub, make_parser) -> None:
     """``cascade fleet ...`` under ``sub`` (``make_parser(sub, name, help)`` builds each parser)."""
     fleet = make_parser(sub, "fleet", "the fleet control plane: model registry, devices, rollouts").add_subparsers(
@@ -138,3 +214,19 @@ def add_fleet_parser(sub, make_parser) -> None:
     models.add_argument("--name", help="only this model's versions")
     models.add_argument("--json", action="store_true", help="print JSON (full sha256 and manifest)")
     models.set_defaults(func=cmd_models)
+    devices = make_parser(fleet, "devices", "enrolled devices: groups, desired vs reported model, state, last seen")
+    devices.add_argument("--group", help="only this group's devices")
+    devices.add_argument("--json", action="store_true", help="print JSON")
+    devices.set_defaults(func=cmd_devices_list)
+    dsub = devices.add_subparsers(dest="devices_command", metavar="COMMAND")
+    add = make_parser(dsub, "add", "enrol a device: prints its credentials (once)")
+    add.add_argument("device", help="the device id, e.g. kiosk-7")
+    add.add_argument("--group", action="append", help="a group it belongs to (repeatable)")
+    add.add_argument("--fleet", default="default", help="the fleet (the MQTT topic prefix)")
+    add.add_argument("--json", action="store_true", help="print the credentials as JSON")
+    add.set_defaults(func=cmd_devices_add)
+    assign = make_parser(fleet, "assign", "set the desired model version of a device or a group")
+    assign.add_argument("device", nargs="?", help="the device id (or --group)")
+    assign.add_argument("version_ref", metavar="NAME@VERSION", help="a published version, e.g. smollm2-135m@1.1.0")
+    assign.add_argument("--group", help="every device of this group")
+    assign.set_defaults(func=cmd_assign)

@@ -78,8 +78,17 @@ class Repository:
         """The root a device is provisioned with (its trust anchor)."""
         return (self.metadata_dir / "1.root.json").read_bytes()
 
+    def desired_key(self) -> Ed25519PrivateKey:
+        """The online key desired-state messages are signed with."""
+        try:
+            return serialization.load_pem_private_key((self.keys_dir / "desired.pem").read_bytes(), password=None)
+        except FileNotFoundError as e:
+            raise SigningError(f"no desired key under {self.keys_dir}: run cascade fleet keys init") from e
+
     def desired_public_key(self) -> bytes:
-        return self.signer("desired").public_key.keyval["public"].encode()
+        """The raw Ed25519 public key a device checks desired-state messages with."""
+        return self.desired_key().public_key().public_bytes(serialization.Encoding.Raw,
+                                                            serialization.PublicFormat.Raw)
 
     def signer(self, key: str) -> CryptoSigner:
         path = self.keys_dir / f"{key}.pem"

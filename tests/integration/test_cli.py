@@ -123,3 +123,25 @@ def test_fleet_keys_init_once(tmp_path):
     assert first.returncode == 0 and "1.root.json" in first.stdout
     second = cascade("fleet", "keys", "init", home=tmp_path)
     assert second.returncode == 2 and "exist already" in second.stderr
+
+
+def test_fleet_devices_and_assign(tmp_path, smollm2_path):
+    assert cascade("fleet", "push", smollm2_path, "--name", "smollm2-135m", "--version", "1.1.0",
+                   home=tmp_path).returncode == 0
+    added = cascade("fleet", "devices", "add", "kiosk-7", "--group", "kiosks", "--json", home=tmp_path)
+    assert added.returncode == 0 and json.loads(added.stdout)["secret"]
+    assert cascade("fleet", "devices", "add", "kiosk-8", "--group", "kiosks", home=tmp_path).returncode == 0
+    again = cascade("fleet", "devices", "add", "kiosk-7", home=tmp_path)
+    assert again.returncode == 2 and "enrolled already" in again.stderr
+    r = cascade("fleet", "assign", "--group", "kiosks", "smollm2-135m@1.1.0", home=tmp_path)
+    assert r.returncode == 0 and "2 device(s)" in r.stdout
+    listed = json.loads(cascade("fleet", "devices", "--group", "kiosks", "--json", home=tmp_path).stdout)
+    assert [(d["device"], d["desired"], d["desired_rev"]) for d in listed] == [
+        ("kiosk-7", "smollm2-135m@1.1.0", 1), ("kiosk-8", "smollm2-135m@1.1.0", 1)]
+    for bad, says in [(["assign", "kiosk-7", "smollm2-135m@9.9.9"], "not published"),
+                      (["assign", "smollm2-135m@1.1.0"], "one device or --group"),
+                      (["assign", "nobody", "smollm2-135m@1.1.0"], "no device")]:
+        r = cascade("fleet", *bad, home=tmp_path)
+        assert r.returncode == 2 and says in r.stderr, (bad, r.stderr)
+    table = cascade("fleet", "devices", home=tmp_path).stdout.splitlines()
+    assert table[0].split()[:3] == ["DEVICE", "GROUPS", "DESIRED"] and len(table) == 3

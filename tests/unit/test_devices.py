@@ -1,0 +1,66 @@
+"""Devices, groups and desired state in the registry's database, and the signed desired-state
+document a device checks."""
+
+from __future__ import annotations
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from model_distribution.devices import BadDocument, DeviceStore, desired_document, verify_desired
+from model_distribution.registry import Registry, RegistryError
+from model_distribution.signing import Repository
+from tests.unit.test_registry import make_gguf
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    reg, store = Registry(tmp_path / "fleet"), DeviceStore(tmp_path / "fleet")
+    yield reg, store
+    reg.close()
+    store.close()
+
+
+def test_enrol_authenticate_and_refuse_a_second_enrolment(fleet):
+    _, store = fleet
+    secret = store.add("kiosk-7", ["kiosks", "lobby", "kiosks"])
+    assert store.authenticate("kiosk-7", secret) and not store.authenticate("kiosk-7", secret + "x")
+    assert not store.authenticate("kiosk-8", secret)
+    assert store.get("kiosk-7").groups == ["kiosks", "lobby"]
+    with pytest.raises(RegistryError, match="enrolled already"):
+        store.add("kiosk-7", [])
+    with pytest.raises(RegistryError):
+        store.add("bad/id", [])
+
+
+def test_assign_a_group_bumps_each_devices_revision(fleet, tmp_path):
+    reg, store = fleet
+    for d, g in [("k1", "kiosks"), ("k2", "kiosks"), ("v1", "vans")]:
+        store.add(d, [g])
+    m, _ = reg.push(make_gguf(tmp_path / "m.gguf"), "tiny", "1.0.0")
+    changed = store.assign(m, group="kiosks")
+    assert [(d.device_id, d.desired, d.desired_rev) for d in changed] == [("k1", "tiny@1.0.0", 1),
+                                                                          ("k2", "tiny@1.0.0", 1)]
+    assert store.get("v1").desired is None
+    assert store.assign(m, device_id="k1")[0].desired_rev == 2
+    with pytest.raises(RegistryError, match="no device in group"):
+        store.assign(m, group="nobody")
+
+
+def test_the_desired_document_is_signed_for_one_device(fleet, tmp_path):
+    reg, store = fleet
+    repo = Repository(tmp_path / "fleet")
+    repo.init()
+    store.add("k1", ["kiosks"])
+    m, _ = reg.push(make_gguf(tmp_path / "m.gguf"), "tiny", "1.0.0")
+    (dev,) = store.assign(m, device_id="k1")
+    doc = desired_document(dev, m, repo.desired_key())
+    payload = verify_desired(doc, repo.desired_public_key(), "k1")
+    assert (payload["model"], payload["version"], payload["sha256"], payload["rev"]) == ("tiny", "1.0.0", m.sha256, 1)
+    with pytest.raises(BadDocument, match="not 'k2'"):
+        verify_desired(doc, repo.desired_public_key(), "k2")
+    forged = desired_document(dev, m, Ed25519PrivateKey.generate())
+    with pytest.raises(BadDocument, match="not signed"):
+        verify_desired(forged, repo.desired_public_key(), "k1")
+    tampered = doc.replace(b'"payload": "', b'"payload": "e30')
+    with pytest.raises(BadDocument):
+        verify_desired(tampered, repo.desired_public_key(), "k1")
