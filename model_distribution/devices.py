@@ -16,6 +16,7 @@ import json
 import re
 import secrets
 import sqlite3
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,16 +78,38 @@ def check_secret(secret: str, stored: str) -> bool:
         return False
 
 
+def _locked(method):
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    run.__name__, run.__doc__ = method.__name__, method.__doc__
+    return run
+
+
 class DeviceStore:
     def __init__(self, root: Path | str):
         self._db = sqlite3.connect(Path(root) / "registry.db", isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         for ddl in SCHEMA:
             self._db.execute(ddl)
+        self._lock = threading.RLock()  # one connection, used by the CLI, the server and paho's thread
 
     def close(self) -> None:
         self._db.close()
 
+    def report(self, device_id: str, reported: dict) -> None:
+        """What the device says it runs (its retained reported state)."""
+        if not isinstance(reported, dict):
+            raise ValueError("reported state must be a JSON object")
+        with self._lock:
+            self._db.execute("UPDATE devices SET reported = ?, last_seen = ? WHERE device_id = ?",
+                             (json.dumps(reported)[:65536], time.time(), device_id))
+
+    def seen(self, device_id: str, status: str) -> None:
+        with self._lock:
+            self._db.execute("UPDATE devices SET last_seen = ? WHERE device_id = ?", (time.time(), device_id))
+
+    @_locked
     def add(self, device_id: str, groups: list[str], fleet: str = "default") -> str:
         """Enrol a device; returns its secret (shown once). RegistryError for a bad or taken id."""
         for what, value in [("device id", device_id), ("fleet", fleet), *(("group", g) for g in groups)]:
@@ -105,6 +128,7 @@ class DeviceStore:
             raise RegistryError(f"device {device_id!r} is enrolled already") from e
         return secret
 
+    @_locked
     def authenticate(self, device_id: str, secret: str) -> bool:
         row = self._db.execute("SELECT secret_hash FROM devices WHERE device_id = ?", (device_id,)).fetchone()
         return row is not None and check_secret(secret, row[0])
@@ -113,6 +137,7 @@ class DeviceStore:
         found = self.list(device_ids=[device_id])
         return found[0] if found else None
 
+    @_locked
     def list(self, group: str | None = None, device_ids: list[str] | None = None) -> list[Device]:
         sql = ("SELECT device_id, fleet, desired_name, desired_version, desired_rev, reported, last_seen, created_at "
                "FROM devices")
@@ -133,6 +158,7 @@ class DeviceStore:
                               json.loads(reported) if reported else None, seen, created))
         return out
 
+    @_locked
     def assign(self, manifest: Manifest, device_id: str | None = None, group: str | None = None) -> list[Device]:
         """Set the desired version of one device or of every device of a group (a new revision each).
         RegistryError when nothing matches."""

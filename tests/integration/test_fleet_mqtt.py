@@ -1,0 +1,123 @@
+"""Desired and reported state over a real Mosquitto: the control plane's publisher and twenty
+simulated devices in this process (the real device-side client). Assigned a version, every
+device gets the signed document with the right digest and reports it; a device offline during
+the assignment converges when it connects; the broker restarted mid-assignment, all converge;
+a forged document is refused."""
+
+from __future__ import annotations
+
+import threading
+
+import paho.mqtt.client as mqtt
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from model_distribution.devices import DeviceStore, desired_document
+from model_distribution.registry import Registry
+from model_distribution.signing import Repository
+from model_distribution.state_sync import DesiredPublisher, DeviceStateClient, topic
+from tests.unit.sync.test_mqtt import MOSQUITTO, Mosquitto, wait_until
+from tests.unit.test_registry import make_gguf
+
+pytestmark = pytest.mark.skipif(MOSQUITTO is None, reason="needs mosquitto (apt-get install mosquitto)")
+N = 20
+
+
+class SimDevice:
+    """A device: applies what it is told (here: records it) and reports ACTIVE with the digest."""
+
+    def __init__(self, broker: str, name: str, public_key: bytes):
+        self.name = name
+        self.applied: list[dict] = []
+        self.lock = threading.Lock()
+        self.client = DeviceStateClient(broker, "default", name, public_key, self.apply)
+
+    def apply(self, payload: dict) -> None:
+        with self.lock:
+            self.applied.append(payload)
+        self.client.report({"model": f"{payload['model']}@{payload['version']}", "sha256": payload["sha256"],
+                            "state": "ACTIVE", "rev": payload["rev"]})
+
+    def last(self) -> dict | None:
+        with self.lock:
+            return self.applied[-1] if self.applied else None
+
+
+@pytest.fixture
+def plane(tmp_path):
+    broker = Mosquitto(tmp_path / "broker")
+    broker.start()
+    root = tmp_path / "fleet"
+    repo = Repository(root)
+    repo.init()
+    reg, store = Registry(root), DeviceStore(root)
+    v1, _ = reg.push(make_gguf(tmp_path / "a.gguf", 1.0), "tiny", "1.0.0")
+    v2, _ = reg.push(make_gguf(tmp_path / "b.gguf", 2.0), "tiny", "1.1.0")
+    for i in range(N):
+        store.add(f"k{i}", ["kiosks"])
+    url = f"mqtt://127.0.0.1:{broker.port}"
+    pub = DesiredPublisher(reg, store, repo.desired_key(), url, poll_s=0.1)
+    pub.start()
+    devices = [SimDevice(url, f"k{i}", repo.desired_public_key()) for i in range(N)]
+    yield {"broker": broker, "url": url, "store": store, "v1": v1, "v2": v2, "devices": devices, "repo": repo}
+    for d in devices:
+        d.client.client.loop_stop()
+    pub.stop()
+    broker.stop()
+    reg.close()
+    store.close()
+
+
+def converged(plane, manifest, devices=None) -> bool:
+    return all((d.last() or {}).get("sha256") == manifest.sha256 for d in devices or plane["devices"])
+
+
+def test_a_group_converges_and_the_control_plane_sees_what_each_reports(plane):
+    online = plane["devices"][:-1]
+    for d in online:
+        d.client.start()
+    wait_until(lambda: all(d.client.connected.is_set() for d in online), "devices connected")
+    plane["store"].assign(plane["v1"], group="kiosks")
+    wait_until(lambda: converged(plane, plane["v1"], online), "all online devices active on 1.0.0")
+    late = plane["devices"][-1]  # offline during the assignment: the retained document reaches it
+    late.client.start()
+    wait_until(lambda: converged(plane, plane["v1"]), "the late device active on 1.0.0")
+    wait_until(lambda: all((d.reported or {}).get("state") == "ACTIVE" and d.reported["sha256"] ==
+                           plane["v1"].sha256 for d in plane["store"].list(group="kiosks")), "reported state stored")
+    assert all(len(d.applied) == 1 for d in plane["devices"])  # each applied once: no replay
+
+
+def test_the_broker_restarted_mid_assignment_all_converge_on_the_newest(plane):
+    for d in plane["devices"]:
+        d.client.start()
+    wait_until(lambda: all(d.client.connected.is_set() for d in plane["devices"]), "devices connected")
+    plane["store"].assign(plane["v1"], group="kiosks")
+    plane["broker"].stop()
+    plane["store"].assign(plane["v2"], group="kiosks")  # while the broker is down
+    plane["broker"].start()
+    wait_until(lambda: converged(plane, plane["v2"]), "all active on 1.1.0 after the restart", timeout_s=30)
+    for d in plane["devices"]:
+        revs = [p["rev"] for p in d.applied]
+        assert revs == sorted(revs) and revs[-1] == 2  # never went back to an older assignment
+
+
+def test_a_forged_or_misaddressed_document_is_refused(plane):
+    d = plane["devices"][0]
+    d.client.start()
+    wait_until(d.client.connected.is_set, "device connected")
+    store = plane["store"]
+    (dev,) = store.assign(plane["v1"], device_id="k0")
+    wait_until(lambda: converged(plane, plane["v1"], [d]), "k0 active")
+    attacker = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="attacker", protocol=mqtt.MQTTv311)
+    attacker.connect("127.0.0.1", plane["broker"].port)
+    attacker.loop_start()
+    dev.desired_rev += 5
+    forged = desired_document(dev, plane["v2"], Ed25519PrivateKey.generate())
+    attacker.publish(topic("default", "k0", "desired"), forged, qos=1, retain=True).wait_for_publish(5)
+    (other,) = store.list(device_ids=["k1"])
+    other.desired_rev = 99
+    misaddressed = desired_document(other, plane["v2"], plane["repo"].desired_key())
+    attacker.publish(topic("default", "k0", "desired"), misaddressed, qos=1, retain=True).wait_for_publish(5)
+    wait_until(lambda: len(d.client.refused) == 2, "both refused")
+    assert d.last()["sha256"] == plane["v1"].sha256 and len(d.applied) == 1
+    attacker.loop_stop()
