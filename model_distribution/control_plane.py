@@ -21,8 +21,10 @@ from fastapi.responses import FileResponse
 from cascade import errors
 from cascade.config import cascade_home, load_config
 from cascade.web import build_openai_app
+from model_distribution.devices import DeviceStore
 from model_distribution.registry import Registry
 from model_distribution.signing import Repository, SigningError
+from model_distribution.state_sync import DesiredPublisher
 
 log = logging.getLogger(__name__)
 _TUF_FILE = re.compile(r"(?:\d+\.(?:root|targets|snapshot)|timestamp)\.json")
@@ -41,6 +43,13 @@ class ServerConfig:
 
 
 @dataclass
+class MQTTConfig:
+    broker: str = ""  # mqtt://host:port: desired state goes out and reported state comes in here ("": none)
+    username: str = ""
+    password: str = ""
+
+
+@dataclass
 class StateConfig:
     path: str = ""  # the control plane's state ("": $CASCADE_HOME/fleet)
 
@@ -49,6 +58,7 @@ class StateConfig:
 class FleetConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     state: StateConfig = field(default_factory=StateConfig)
+    mqtt: MQTTConfig = field(default_factory=MQTTConfig)
 
     @classmethod
     def load(cls, path=None, overrides=None, environ=None) -> FleetConfig:
@@ -119,10 +129,19 @@ def build_app(config: FleetConfig):
         app.state.registry = Registry(config.root)
         app.state.repository = repository
         refresher = asyncio.create_task(_refresh_timestamp(repository, config.server.timestamp_refresh_s))
+        publisher = None
+        if config.mqtt.broker:
+            publisher = DesiredPublisher(Registry(config.root), DeviceStore(config.root), repository.desired_key(),
+                                         config.mqtt.broker, username=config.mqtt.username or None,
+                                         password=config.mqtt.password or None)
+            publisher.start()
+            log.info("desired state goes to %s", config.mqtt.broker)
         try:
             yield
         finally:
             refresher.cancel()
+            if publisher is not None:
+                publisher.stop()
             app.state.registry.close()
 
     return build_openai_app("cascade fleet", lifespan, config, "fleet", ops, files, admin)

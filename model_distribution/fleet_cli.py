@@ -1,7 +1,7 @@
 """``cascade fleet``: the fleet operator's commands, on the control plane's state under
 ``$CASCADE_HOME/fleet`` (whether or not ``cascade fleet serve`` runs).
 
-    cascade fleet serve [--port 8090]
+    cascade fleet serve [--port 8090] [--broker mqtt://127.0.0.1:1883]
     cascade fleet keys init
     cascade fleet push ./model.gguf --name N --version V [--calibration edge.toml] [--min-agent-version V]
     cascade fleet models [--name N] [--json]
@@ -35,6 +35,8 @@ def cmd_serve(args) -> int:
     from model_distribution import control_plane
 
     overrides = {"server": {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}}
+    if args.broker:
+        overrides["mqtt"] = {"broker": args.broker}
     try:
         config = control_plane.FleetConfig.load(args.config, overrides)
     except ConfigError as e:
@@ -195,6 +197,7 @@ def add_fleet_parser(sub, make_parser) -> None:
     serve.add_argument("--config", help="fleet.toml (default: none)")
     serve.add_argument("--host", help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to listen on (default: 8090)")
+    serve.add_argument("--broker", help="mqtt://HOST:PORT for desired/reported state (default: [mqtt] broker, none)")
     serve.set_defaults(func=cmd_serve)
     keys = make_parser(fleet, "keys", "the control plane's signing keys").add_subparsers(
         dest="keys_command", required=True, metavar="COMMAND")

@@ -6,6 +6,7 @@ a forged document is refused."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import paho.mqtt.client as mqtt
@@ -121,3 +122,39 @@ def test_a_forged_or_misaddressed_document_is_refused(plane):
     wait_until(lambda: len(d.client.refused) == 2, "both refused")
     assert d.last()["sha256"] == plane["v1"].sha256 and len(d.applied) == 1
     attacker.loop_stop()
+
+
+def test_cascade_fleet_serve_sends_what_the_fleet_commands_assign(tmp_path):
+    import json
+    import subprocess
+
+    from cascade.processes import cascade_command
+    from tests.conftest import REPO, Server
+
+    broker = Mosquitto(tmp_path / "broker")
+    broker.start()
+    home = tmp_path / "home"
+    root = home / "fleet"
+    repo = Repository(root)
+    repo.init()
+    reg = Registry(root)
+    m, _ = reg.push(make_gguf(tmp_path / "a.gguf"), "tiny", "1.0.0")
+    reg.close()
+    url = f"mqtt://127.0.0.1:{broker.port}"
+    server = Server(home, ["fleet", "serve"], "--broker", url).wait_healthy(60)
+    device = SimDevice(url, "kiosk-7", repo.desired_public_key())
+    try:
+        def fleet(*args):
+            return subprocess.run(cascade_command("fleet", *args, log_level=None), cwd=REPO, capture_output=True,
+                                  text=True, env={**os.environ, "CASCADE_HOME": str(home)}, timeout=60)
+
+        assert fleet("devices", "add", "kiosk-7", "--group", "kiosks").returncode == 0
+        device.client.start()
+        assert fleet("assign", "--group", "kiosks", "tiny@1.0.0").returncode == 0
+        wait_until(lambda: (device.last() or {}).get("sha256") == m.sha256, "the device got its desired state")
+        wait_until(lambda: (json.loads(fleet("devices", "--json").stdout)[0]["reported"] or {}).get("state")
+                   == "ACTIVE", "the control plane stored the reported state")
+    finally:
+        device.client.stop()
+        server.stop()
+        broker.stop()
