@@ -88,3 +88,55 @@ def test_only_metadata_files_are_served(plane):
 def test_the_admin_models_list(plane):
     r = httpx.get(f"{plane.url}/v1/fleet/models")  # no admin key set: loopback callers only
     assert r.status_code == 200 and [m["sha256"] for m in r.json()["data"]] == [plane.manifest.sha256]
+
+
+def updater(plane, tmp_path, activated, **config):
+    from model_distribution.device_client import DeviceConfig, DeviceUpdater
+
+    states: list[dict] = []
+    cfg = DeviceConfig("kiosk-7", plane.url, plane.repo.root_bytes(), tmp_path / "device", **config)
+    return DeviceUpdater(cfg, states.append, lambda path, m: activated.append((path, m))), states
+
+
+def desired(plane, **kw):
+    m = plane.manifest
+    return {"model": m.name, "version": m.version, "sha256": m.sha256, "size": m.size, "format": "gguf", "rev": 1,
+            **kw}
+
+
+def test_the_device_client_downloads_verifies_and_activates_reporting_each_step(plane, tmp_path):
+    activated = []
+    up, states = updater(plane, tmp_path, activated)
+    assert up.apply(desired(plane)) == "ACTIVE"
+    order = [s["state"] for s in states]
+    assert order[0] == "DOWNLOADING" and order[-3:] == ["VERIFYING", "ACTIVATING", "ACTIVE"]
+    (path, manifest), = activated
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == plane.manifest.sha256 and manifest["name"] == "tiny"
+    assert up.apply(desired(plane, rev=2)) == "ACTIVE" and len(activated) == 1  # already active: nothing to do
+
+
+@pytest.mark.parametrize("change, config, says", [
+    ({"sha256": "0" * 64}, {}, "not the signed target"),
+    ({"version": "9.9.9"}, {}, "signed metadata was refused"),
+    ({}, {"disk_budget_bytes": 1000}, "disk budget"),
+])
+def test_the_device_client_rejects_what_it_cannot_take_and_keeps_the_old_model(plane, tmp_path, change, config,
+                                                                               says):
+    activated = []
+    up, states = updater(plane, tmp_path, activated, **config)
+    assert up.apply(desired(plane, **change)) == "REJECTED"
+    assert says in states[-1]["reason"] and not activated
+
+
+def test_a_failed_activation_is_reported_and_nothing_changes(plane, tmp_path):
+    from model_distribution.device_client import DeviceConfig, DeviceUpdater
+
+    states = []
+
+    def broken(path, manifest):
+        raise RuntimeError("the model does not load")
+
+    up = DeviceUpdater(DeviceConfig("kiosk-7", plane.url, plane.repo.root_bytes(), tmp_path / "d"), states.append,
+                       broken)
+    assert up.apply(desired(plane)) == "FAILED"
+    assert "old model still serves" in states[-1]["reason"] and up.active is None

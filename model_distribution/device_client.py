@@ -1,0 +1,137 @@
+"""A device's side of a model version change: from a verified desired-state document to the file
+the agent serves, each step reported.
+
+    REJECTED     refused up front, with the reason: a format this agent cannot serve, a minimum
+                 agent version above this one, more than the staging disk budget
+    DOWNLOADING  resumable, into staging (progress reported)
+    VERIFYING    the signed TUF target (length, sha256) of name@version, fetched now
+    ACTIVATING   the agent's switch (``activate(path, manifest)``), then
+    ACTIVE       or FAILED with the reason; a failure leaves the old model serving
+
+The previous version stays on disk (``models/<sha256>``), so going back needs no download.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from model_distribution.download import DownloadError, fetch
+from model_distribution.registry import parse_semver
+from model_distribution.signing import manifest_of, verified_target
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("gguf",)  # what this agent's backends load
+
+
+@dataclass
+class DeviceConfig:
+    device: str
+    control_plane: str  # http://host:8090: /v1/tuf and /v1/artifacts (or a mirror of both)
+    trusted_root: bytes  # the 1.root.json the device was provisioned with
+    state_dir: Path  # staging, models and the TUF cache
+    agent_version: str = "0.0.0"
+    disk_budget_bytes: int = 8 << 30
+    keep_versions: int = 2  # the active one and the one before it
+
+
+class DeviceUpdater:
+    """Turns a desired document into the active model; ``report(state)`` is called at each step
+    (the ``DeviceStateClient.report`` of the device)."""
+
+    def __init__(self, config: DeviceConfig, report: Callable[[dict], None],
+                 activate: Callable[[Path, dict], None]):
+        self.config = config
+        self.report = report
+        self.activate = activate
+        self.models_dir = config.state_dir / "models"
+        self.staging = config.state_dir / "staging"
+        self.active: dict | None = None  # the manifest serving now
+        self._lock = threading.Lock()  # one change at a time
+
+    def apply(self, desired: dict) -> str:
+        """Go to ``desired`` (a verified payload: model, version, sha256, size, format, rev); the
+        final state (ACTIVE, FAILED or REJECTED)."""
+        with self._lock:
+            ref = f"{desired.get('model')}@{desired.get('version')}"
+            base = {"desired": ref, "rev": desired.get("rev")}
+            if self.active is not None and self.active.get("sha256") == desired.get("sha256"):
+                self._say({**base, "state": "ACTIVE", "model": ref, "sha256": desired["sha256"]})
+                return "ACTIVE"
+            try:
+                info = verified_target(self.config.state_dir / "tuf", f"{self.config.control_plane}/v1/tuf/",
+                                       self.config.trusted_root, desired["model"], desired["version"])
+            except Exception as e:  # any refusal of the metadata is a refusal of the version
+                return self._fail(base, "REJECTED", f"its signed metadata was refused: {e}")
+            manifest = manifest_of(info)
+            if info.hashes.get("sha256") != desired.get("sha256"):
+                return self._fail(base, "REJECTED", "the desired digest is not the signed target's")
+            why = self._cannot_take(manifest, info.length)
+            if why:
+                return self._fail(base, "REJECTED", why)
+            path = self.models_dir / info.hashes["sha256"]
+            if not path.exists():
+                self._say({**base, "state": "DOWNLOADING", "done": 0, "total": info.length})
+                url = f"{self.config.control_plane}/v1/artifacts/{info.hashes['sha256']}"
+                last = [0]
+
+                def progress(done: int, total: int) -> None:
+                    if done - last[0] >= max(total // 10, 1) or done == total:
+                        last[0] = done
+                        self._say({**base, "state": "DOWNLOADING", "done": done, "total": total})
+                    if done == total:
+                        self._say({**base, "state": "VERIFYING"})
+
+                try:
+                    staged = fetch(url, self.staging / info.hashes["sha256"], info, progress=progress)
+                except DownloadError as e:
+                    return self._fail(base, "FAILED", str(e))
+                self.models_dir.mkdir(parents=True, exist_ok=True)
+                staged.replace(path)
+            self._say({**base, "state": "ACTIVATING"})
+            try:
+                self.activate(path, manifest)
+            except Exception as e:  # the agent keeps its old model
+                return self._fail(base, "FAILED", f"activation failed, the old model still serves: {e}")
+            self.active = {**manifest, "sha256": info.hashes["sha256"]}
+            self._prune()
+            self._say({**base, "state": "ACTIVE", "model": ref, "sha256": info.hashes["sha256"]})
+            return "ACTIVE"
+
+    def _cannot_take(self, manifest: dict, length: int) -> str | None:
+        fmt = manifest.get("format")
+        if fmt not in FORMATS:
+            return f"format {fmt!r} cannot be served by this agent ({', '.join(FORMATS)})"
+        need = manifest.get("min_agent_version")
+        if need and parse_semver(need) > parse_semver(self.config.agent_version):
+            return f"it needs agent {need}, this agent is {self.config.agent_version}"
+        used = sum(p.stat().st_size for p in self.models_dir.glob("*")) if self.models_dir.exists() else 0
+        have = (self.models_dir / manifest.get("sha256", "-")).exists()
+        if used + length > self.config.disk_budget_bytes and not have:
+            return f"{length} bytes do not fit the disk budget ({self.config.disk_budget_bytes} bytes, {used} used)"
+        if shutil.disk_usage(self.config.state_dir).free < length:
+            return f"{length} bytes do not fit the free disk space"
+        return None
+
+    def _prune(self) -> None:
+        """Keep the active version and the ones before it, up to ``keep_versions``."""
+        files = sorted(self.models_dir.glob("*"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in files[self.config.keep_versions:]:
+            old.unlink(missing_ok=True)
+
+    def _fail(self, base: dict, state: str, reason: str) -> str:
+        log.error("%s %s: %s", base["desired"], state, reason)
+        self._say({**base, "state": state, "reason": reason,
+                   "model": None if self.active is None else f"{self.active['name']}@{self.active['version']}"})
+        return state
+
+    def _say(self, state: dict) -> None:
+        try:
+            self.report(state)
+        except Exception:  # a report that cannot go out does not stop the change
+            log.exception("cannot report %s", state.get("state"))
