@@ -13,6 +13,7 @@ import base64
 import hashlib
 import hmac
 import json
+import os
 import re
 import secrets
 import sqlite3
@@ -70,6 +71,37 @@ def _hash_secret(secret: str, salt: bytes | None = None) -> str:
     return f"scrypt${base64.b64encode(salt).decode()}${base64.b64encode(digest).decode()}"
 
 
+def mosquitto_hash(secret: str) -> str:
+    """The secret as a Mosquitto 2 password file stores it ($7$: PBKDF2-SHA512, 101 rounds, 12-byte salt)."""
+    salt = secrets.token_bytes(12)
+    digest = hashlib.pbkdf2_hmac("sha512", secret.encode(), salt, 101, 64)
+    return f"$7$101${base64.b64encode(salt).decode()}${base64.b64encode(digest).decode()}"
+
+
+DEVICE_WRITES = ("reported", "events", "status", "telemetry")
+
+
+def broker_files(store: DeviceStore, out_dir: Path | str, control_plane_user: str, control_plane_secret: str
+                 ) -> tuple[Path, Path]:
+    """Mosquitto's ``password_file`` and ``acl_file`` for the enrolled devices and the control
+    plane: a device may read only its own desired topic and write only its own reported, events,
+    status and telemetry topics; the control plane reads and writes ``cascade/v1/#``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    entries = store.broker_entries()
+    passwd = [f"{control_plane_user}:{mosquitto_hash(control_plane_secret)}"]
+    acl = [f"user {control_plane_user}", "topic readwrite cascade/v1/#", ""]
+    for device, fleet, hashed in entries:
+        passwd.append(f"{device}:{hashed}")
+        base = f"cascade/v1/{fleet}/devices/{device}"
+        acl += [f"user {device}", f"topic read {base}/desired", *(f"topic write {base}/{k}" for k in DEVICE_WRITES), ""]
+    pw_path, acl_path = out / "passwd", out / "acl"
+    pw_path.write_text("\n".join(passwd) + "\n")
+    os.chmod(pw_path, 0o600)
+    acl_path.write_text("\n".join(acl))
+    return pw_path, acl_path
+
+
 def check_secret(secret: str, stored: str) -> bool:
     try:
         _, salt, _ = stored.split("$")
@@ -88,11 +120,15 @@ def _locked(method):
 
 class DeviceStore:
     def __init__(self, root: Path | str):
+        Path(root).mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(Path(root) / "registry.db", isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         for ddl in SCHEMA:
             self._db.execute(ddl)
         self._lock = threading.RLock()  # one connection, used by the CLI, the server and paho's thread
+        columns = {r[1] for r in self._db.execute("PRAGMA table_info(devices)")}
+        if "broker_hash" not in columns:  # stores made before broker credentials existed
+            self._db.execute("ALTER TABLE devices ADD COLUMN broker_hash VARCHAR(200)")
 
     def close(self) -> None:
         self._db.close()
@@ -118,8 +154,9 @@ class DeviceStore:
         secret = secrets.token_urlsafe(24)
         try:
             self._db.execute("BEGIN")
-            self._db.execute("INSERT INTO devices (device_id, fleet, secret_hash, created_at) VALUES (?, ?, ?, ?)",
-                             (device_id, fleet, _hash_secret(secret), time.time()))
+            self._db.execute("INSERT INTO devices (device_id, fleet, secret_hash, broker_hash, created_at) "
+                             "VALUES (?, ?, ?, ?, ?)",
+                             (device_id, fleet, _hash_secret(secret), mosquitto_hash(secret), time.time()))
             self._db.executemany("INSERT INTO device_groups (device_id, group_name) VALUES (?, ?)",
                                  [(device_id, g) for g in dict.fromkeys(groups)])
             self._db.execute("COMMIT")
@@ -127,6 +164,12 @@ class DeviceStore:
             self._db.execute("ROLLBACK")
             raise RegistryError(f"device {device_id!r} is enrolled already") from e
         return secret
+
+    @_locked
+    def broker_entries(self) -> list[tuple[str, str, str]]:
+        """(device, fleet, mosquitto password hash) of every device enrolled with broker credentials."""
+        return self._db.execute("SELECT device_id, fleet, broker_hash FROM devices WHERE broker_hash IS NOT NULL "
+                                "ORDER BY device_id").fetchall()
 
     @_locked
     def authenticate(self, device_id: str, secret: str) -> bool:

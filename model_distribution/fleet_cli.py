@@ -188,6 +188,36 @@ def cmd_assign(args) -> int:
     return 0
 
 
+def control_plane_credentials(keys_dir) -> tuple[str, str]:
+    """The control plane's own broker user and secret (made once, kept beside the keys, mode 0600)."""
+    import os
+    import secrets
+
+    path = keys_dir / "mqtt-control-plane.secret"
+    if not path.exists():
+        keys_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(24))
+    return "cascade-control-plane", path.read_text().strip()
+
+
+def cmd_broker_files(args) -> int:
+    from model_distribution.devices import broker_files
+
+    repo, store = _repository(), _devices()
+    try:
+        user, secret = control_plane_credentials(repo.keys_dir)
+        passwd, acl = broker_files(store, args.out, user, secret)
+    finally:
+        store.close()
+    print(f"wrote {passwd} and {acl}; in mosquitto.conf:")
+    print(f"  allow_anonymous false\n  password_file {passwd}\n  acl_file {acl}")
+    print(f"the control plane connects as {user!r} with the secret in {repo.keys_dir / 'mqtt-control-plane.secret'} "
+          "([mqtt] username / password of fleet.toml); re-run after enrolling devices")
+    return 0
+
+
 def add_fleet_parser(sub, make_parser) -> None:
     """``cascade fleet ...`` under ``sub`` (``make_parser(sub, name, help)`` builds each parser)."""
     fleet = make_parser(sub, "fleet", "the fleet control plane: model registry, devices, rollouts").add_subparsers(
@@ -228,6 +258,10 @@ def add_fleet_parser(sub, make_parser) -> None:
     add.add_argument("--fleet", default="default", help="the fleet (the MQTT topic prefix)")
     add.add_argument("--json", action="store_true", help="print the credentials as JSON")
     add.set_defaults(func=cmd_devices_add)
+    bf = make_parser(fleet, "broker-files", "Mosquitto password and ACL files: each device reads only its desired "
+                     "topic and writes only its own reported/events/status/telemetry")
+    bf.add_argument("--out", required=True, help="the folder to write passwd and acl into")
+    bf.set_defaults(func=cmd_broker_files)
     assign = make_parser(fleet, "assign", "set the desired model version of a device or a group")
     assign.add_argument("device", nargs="?", help="the device id (or --group)")
     assign.add_argument("version_ref", metavar="NAME@VERSION", help="a published version, e.g. smollm2-135m@1.1.0")

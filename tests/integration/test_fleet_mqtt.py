@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import paho.mqtt.client as mqtt
 import pytest
@@ -157,4 +158,54 @@ def test_cascade_fleet_serve_sends_what_the_fleet_commands_assign(tmp_path):
     finally:
         device.client.stop()
         server.stop()
+        broker.stop()
+
+
+def test_device_credentials_reach_only_the_devices_own_topics_on_a_real_broker(tmp_path):
+    from model_distribution.devices import broker_files
+    from model_distribution.fleet_cli import control_plane_credentials
+
+    root = tmp_path / "fleet"
+    store = DeviceStore(root)
+    secrets_ = {d: store.add(d, ["kiosks"]) for d in ("k1", "k2")}
+    user, secret = control_plane_credentials(root / "keys")
+    passwd, acl = broker_files(store, tmp_path / "broker-files", user, secret)
+    store.close()
+    broker = Mosquitto(tmp_path / "broker")
+    broker.conf.write_text(broker.conf.read_text().replace("allow_anonymous true", "allow_anonymous false")
+                           + f"password_file {passwd}\nacl_file {acl}\n")
+    broker.start()
+    got: list[tuple[str, bytes]] = []
+
+    def client(name, password, on_message=None):
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"t-{name}", protocol=mqtt.MQTTv311)
+        c.username_pw_set(name, password)
+        if on_message:
+            c.on_message = on_message
+        assert c.connect("127.0.0.1", broker.port) == 0
+        c.loop_start()
+        return c
+
+    try:
+        plane = client(user, secret, lambda c, u, m: got.append((m.topic, m.payload)))
+        plane.subscribe("cascade/v1/#", qos=1)
+        time.sleep(0.3)
+        k1 = client("k1", secrets_["k1"])
+        for t, body in [(topic("default", "k1", "reported"), b"own"), (topic("default", "k2", "reported"), b"forged"),
+                        (topic("default", "k2", "desired"), b"forged-desired"),
+                        (topic("default", "k1", "desired"), b"self-desired")]:
+            k1.publish(t, body, qos=1).wait_for_publish(5)
+        wait_until(lambda: (topic("default", "k1", "reported"), b"own") in got, "k1's own report")
+        time.sleep(0.5)
+        assert [p for _, p in got] == [b"own"]  # nothing of another device's, and no desired state
+        refused = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="t-bad", protocol=mqtt.MQTTv311)
+        refused.username_pw_set("k1", "wrong")
+        refused.connect("127.0.0.1", broker.port)
+        refused.loop_start()
+        time.sleep(0.5)
+        assert not refused.is_connected()  # the broker answered "not authorized"
+        refused.loop_stop()
+        for c in (plane, k1):
+            c.loop_stop()
+    finally:
         broker.stop()
