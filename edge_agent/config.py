@@ -135,6 +135,22 @@ class MQTTSection:
 
 
 @dataclass
+class FleetSection:
+    """Following the fleet's desired state (model_distribution): with ``broker`` set the agent
+    installs and switches to the model version the control plane assigns it."""
+
+    broker: str = ""  # mqtt://host:1883 ("": not in a fleet)
+    fleet: str = "default"
+    device_id: str = ""  # as enrolled (cascade fleet devices add); also the MQTT user
+    secret: str = ""  # the credentials `devices add` printed
+    control_plane: str = ""  # http://host:8090 (or a mirror of /v1/tuf and /v1/artifacts)
+    trust_root: str = ""  # the provisioned 1.root.json
+    desired_key: str = ""  # the control plane's desired-state public key (hex file, `cascade fleet keys init`)
+    state_dir: str = ""  # staging and installed versions ("": $CASCADE_HOME/edge/fleet)
+    disk_budget_bytes: int = 8 << 30
+
+
+@dataclass
 class EdgeConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -143,6 +159,7 @@ class EdgeConfig:
     cascade: CascadeConfig = field(default_factory=CascadeConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     mqtt: MQTTSection = field(default_factory=MQTTSection)
+    fleet: FleetSection = field(default_factory=FleetSection)
 
     @classmethod
     def load(cls, path=None, overrides=None, environ=None) -> EdgeConfig:

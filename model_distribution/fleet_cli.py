@@ -57,7 +57,8 @@ def cmd_keys_init(args) -> int:
         return 2
     print(f"signing keys and TUF metadata written: keys in {repo.keys_dir} (root.pem and targets.pem are the offline "
           f"keys: keep copies off this host), metadata in {repo.metadata_dir}")
-    print(f"a device trusts {repo.metadata_dir / '1.root.json'} (copy it to the device's [fleet] trust root)")
+    print(f"a device trusts {repo.metadata_dir / '1.root.json'} and {repo.desired_key_file} (copy both to the device: "
+          "[fleet] trust_root and desired_key)")
     return 0
 
 

@@ -73,6 +73,12 @@ class Repository:
         self._write(Metadata(root), signers["root"])
         self._write(Metadata(Targets(expires=_expires("targets"))), signers["targets"])
         self._resign_snapshot(signers)
+        self.desired_key_file.write_text(self.desired_public_key().hex() + "\n")
+
+    @property
+    def desired_key_file(self) -> Path:
+        """The desired-state public key as hex: what a device is provisioned with beside 1.root.json."""
+        return self.keys_dir / "desired.pub"
 
     def root_bytes(self) -> bytes:
         """The root a device is provisioned with (its trust anchor)."""

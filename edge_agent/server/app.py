@@ -92,9 +92,17 @@ def build_app(config: EdgeConfig, catalog: Catalog | None = None) -> FastAPI:
         app.state.service = svc
         app.state.escalator = Escalator(config.cascade, svc, upstream, outbox)
         publisher, spool = start_telemetry(config, svc, outbox)
+        follower = None
+        if config.fleet.broker:
+            from edge_agent.fleet import FleetFollower
+
+            follower = FleetFollower(config, svc, app.state.escalator, asyncio.get_running_loop())
+            follower.start()
         try:
             yield
         finally:
+            if follower is not None:
+                follower.stop()
             if spool is not None:
                 spool.cancel()
                 await asyncio.to_thread(publisher.stop)

@@ -163,17 +163,31 @@ class EdgeService:
         self.metrics.observe_queue(self.pool)
         return reservation
 
+    def swap(self, backends: list[Backend], model_names: set[str]) -> SlotPool[Backend]:
+        """Serve ``backends`` from now on (a model switch): new requests get their slots; requests
+        holding or waiting for a slot of the old pool finish there. Returns the old pool, whose
+        backends the caller unloads once it is idle."""
+        old = self.pool
+        self.backends, self.model_names = backends, model_names
+        self.pool = SlotPool(backends, self.config.queue.max_waiting)
+        self.description = backends[0].description
+        self.decode_tok_s = 0.0
+        self.metrics.observe_queue(self.pool)
+        return old
+
     def run(self, job: LocalJob, reservation: asyncio.Future[Backend]) -> LocalRun:
         """The job's events, generated on the reserved slot. Closing them (``aclose``), whether
-        iteration started or not, gives the reservation back."""
-        return LocalRun(self._generate(job, reservation), lambda: self._give_back(reservation))
+        iteration started or not, gives the reservation back (to the pool it came from, even if
+        the model was switched meanwhile)."""
+        pool = self.pool
+        return LocalRun(self._generate(job, reservation, pool), lambda: self._give_back(reservation, pool))
 
-    def _give_back(self, reservation: asyncio.Future[Backend]) -> None:
-        self.pool.cancel(reservation)
+    def _give_back(self, reservation: asyncio.Future[Backend], pool: SlotPool[Backend]) -> None:
+        pool.cancel(reservation)
         self.metrics.observe_queue(self.pool)
 
-    async def _generate(self, job: LocalJob,
-                        reservation: asyncio.Future[Backend]) -> AsyncIterator[TokenEvent | Finish]:
+    async def _generate(self, job: LocalJob, reservation: asyncio.Future[Backend],
+                        pool: SlotPool[Backend]) -> AsyncIterator[TokenEvent | Finish]:
         """Wait for the reserved slot, generate in a worker thread, yield its events.
 
         If the consumer stops early (client gone), the generation is cancelled and the slot
@@ -183,7 +197,7 @@ class EdgeService:
         try:
             backend = await reservation
         except BaseException:
-            self.pool.cancel(reservation)
+            pool.cancel(reservation)
             self.metrics.observe_queue(self.pool)
             raise
         self.metrics.observe_queue(self.pool)
@@ -199,7 +213,7 @@ class EdgeService:
                 loop.call_soon_threadsafe(events.put_nowait, e)
             finally:
                 done.set()
-                loop.call_soon_threadsafe(self._release, backend, started)
+                loop.call_soon_threadsafe(self._release, pool, backend, started)
 
         thread = threading.Thread(target=work, name="edge-generate", daemon=True)
         thread.start()
@@ -232,6 +246,6 @@ class EdgeService:
         finally:
             job.cancel.set()  # no-op once finished; stops a generation nobody reads any more
 
-    def _release(self, backend: Backend, started: float) -> None:
-        self.pool.release(backend, time.perf_counter() - started)
+    def _release(self, pool: SlotPool[Backend], backend: Backend, started: float) -> None:
+        pool.release(backend, time.perf_counter() - started)
         self.metrics.observe_queue(self.pool)

@@ -1,0 +1,125 @@
+"""The agent in a fleet: with ``[fleet] broker`` set it follows its desired state. The device
+client (model_distribution) verifies, downloads and reports; this module is the agent's side of
+the switch: load the new version into fresh slots, smoke-test it, then swap atomically (requests
+already holding or waiting for an old slot finish on the old model, new ones get the new one),
+unload the old model once its slots are idle, and apply the thresholds calibrated for the new
+version. Anything that fails leaves the old model serving."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+
+import cascade
+from cascade.config import cascade_home
+from edge_agent.backends.base import Backend, Finish, GenerationOptions
+from edge_agent.config import CascadeConfig, EdgeConfig
+from edge_agent.server.escalation import Escalator, policy_config
+from edge_agent.server.service import EdgeService
+from model_distribution.device_client import DeviceConfig, DeviceUpdater
+from model_distribution.state_sync import DeviceStateClient
+
+log = logging.getLogger(__name__)
+SMOKE_PROMPT = "Hello"
+SMOKE_TIMEOUT_S = 120.0
+
+
+class FleetFollower:
+    def __init__(self, config: EdgeConfig, svc: EdgeService, escalator: Escalator, loop: asyncio.AbstractEventLoop):
+        f = config.fleet
+        self.config, self.svc, self.escalator, self.loop = config, svc, escalator, loop
+        state_dir = Path(f.state_dir).expanduser() if f.state_dir else cascade_home() / "edge" / "fleet"
+        self.device = DeviceConfig(f.device_id, f.control_plane.rstrip("/"), Path(f.trust_root).read_bytes(),
+                                   state_dir, cascade.__version__, f.disk_budget_bytes)
+        self.client = DeviceStateClient(f.broker, f.fleet, f.device_id, bytes.fromhex(
+            Path(f.desired_key).read_text().strip()), self._desired, f.device_id, f.secret or None)
+        self.updater = DeviceUpdater(self.device, self.client.report, self._activate)
+        self._wanted: queue.Queue = queue.Queue()
+        self._worker = threading.Thread(target=self._work, name="fleet-updater", daemon=True)
+
+    def start(self) -> None:
+        self._worker.start()
+        self.client.start()
+
+    def stop(self) -> None:
+        self._wanted.put(None)
+        self.client.stop()
+
+    def _desired(self, payload: dict) -> None:  # paho's thread: hand over, never block it
+        self._wanted.put(payload)
+
+    def _work(self) -> None:
+        while (payload := self._wanted.get()) is not None:
+            while not self._wanted.empty():  # only the newest assignment matters
+                newer = self._wanted.get()
+                if newer is None:
+                    return
+                payload = newer
+            try:
+                self.updater.apply(payload)
+            except Exception:
+                log.exception("applying desired state %s failed", payload.get("version"))
+
+    # -- the switch (on the updater's thread, then the event loop) ------------------------
+
+    def _activate(self, path: Path, manifest: dict) -> None:
+        from edge_agent.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
+
+        m = self.config.model
+        cfg = LlamaCppConfig(path=str(path), name=manifest["name"], n_ctx=m.n_ctx, n_batch=m.n_batch,
+                             n_threads=m.threads, n_threads_batch=m.threads_batch)
+        backends: list[Backend] = []
+        try:
+            for _ in range(m.parallel):
+                b = LlamaCppBackend(cfg, quantization=manifest.get("quantization", ""))
+                b.load()
+                backends.append(b)
+            _smoke_test(backends[0])
+            asyncio.run_coroutine_threadsafe(self._swap(backends, manifest), self.loop).result(timeout=60)
+        except BaseException:
+            for b in backends:
+                b.unload()
+            raise
+
+    async def _swap(self, backends: list[Backend], manifest: dict) -> None:
+        ref = f"{manifest['name']}@{manifest['version']}"
+        names = self.svc.model_names | {manifest["name"], ref, backends[0].description.name}
+        old = self.svc.swap(backends, names)
+        calibration = manifest.get("calibration") or {}
+        if isinstance(calibration, str):
+            calibration = json.loads(calibration)
+        known = {f.name for f in dataclasses.fields(CascadeConfig)}
+        thresholds = {k: v for k, v in calibration.items() if k in known}
+        if thresholds:
+            self.escalator.config = dataclasses.replace(self.escalator.config, **thresholds)
+            self.escalator.policy = policy_config(self.escalator.config)
+        log.info("now serving %s (%s); thresholds %s", ref, manifest.get("sha256", "")[:12], thresholds or "unchanged")
+        asyncio.get_running_loop().create_task(_unload_when_idle(old))
+
+
+def _smoke_test(backend: Backend) -> None:
+    """A fixed prompt must give text within a time bound, or the version is not switched to."""
+    started = time.monotonic()
+    got_text = False
+    for ev in backend.generate(backend.tokenize(SMOKE_PROMPT), GenerationOptions(max_tokens=4, temperature=0.0),
+                               threading.Event()):
+        if isinstance(ev, Finish):
+            break
+        got_text = got_text or bool(ev.text)
+        if time.monotonic() - started > SMOKE_TIMEOUT_S:
+            raise RuntimeError(f"the smoke test took over {SMOKE_TIMEOUT_S:.0f} s")
+    if not got_text:
+        raise RuntimeError("the smoke test produced no text")
+
+
+async def _unload_when_idle(pool) -> None:
+    while pool.busy or pool.waiting:
+        await asyncio.sleep(0.2)
+    for b in list(pool._free):
+        await asyncio.to_thread(b.unload)
