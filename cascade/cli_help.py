@@ -13,3 +13,10 @@ class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
         if action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
+
+
+def print_table(rows: list[tuple[str, ...]]) -> None:
+    """Rows (the first is the header) in columns two spaces apart, the last column unpadded."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join([c.ljust(w) for c, w in zip(r, widths, strict=False)] + [r[-1]]).rstrip())

@@ -54,6 +54,7 @@ def cmd_edge_run(args) -> int:
 
 
 def cmd_models_list(args) -> int:
+    from cascade.cli_help import print_table
     from cascade.config import cascade_home
     from model_distribution.catalog import Catalog
 
@@ -70,9 +71,7 @@ def cmd_models_list(args) -> int:
     for m in models:
         rows.append((m.name, m.format, m.quantization, format_size(m.size_bytes), m.kind,
                      "ready" if m.ready else "packed", str(m.path)))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])
+    print_table(rows)
     return 0
 
 

@@ -92,6 +92,7 @@ def cmd_push(args) -> int:
 
 
 def cmd_models(args) -> int:
+    from cascade.cli_help import print_table
     from cascade.units import format_size
 
     reg = _registry()
@@ -109,9 +110,7 @@ def cmd_models(args) -> int:
     for m in models:
         pushed = datetime.datetime.fromtimestamp(m.pushed_at, datetime.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
         rows.append((m.name, m.version, m.format, m.quantization, format_size(m.size), m.sha256[:16], pushed))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    print_table(rows)
     return 0
 
 
@@ -145,6 +144,8 @@ def cmd_devices_add(args) -> int:
 
 
 def cmd_devices_list(args) -> int:
+    from cascade.cli_help import print_table
+
     store = _devices()
     try:
         devices = store.list(group=args.group)
@@ -163,9 +164,7 @@ def cmd_devices_list(args) -> int:
             d.last_seen, datetime.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
         rows.append((d.device_id, ",".join(d.groups) or "-", d.desired or "-", rep.get("model") or "-",
                      rep.get("state") or "-", seen))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    print_table(rows)
     return 0
 
 
