@@ -121,5 +121,5 @@ def _smoke_test(backend: Backend) -> None:
 async def _unload_when_idle(pool) -> None:
     while pool.busy or pool.waiting:
         await asyncio.sleep(0.2)
-    for b in list(pool._free):
+    for b in pool.free_slots():
         await asyncio.to_thread(b.unload)

@@ -179,7 +179,7 @@ class Upstream:
             r = await self.client.post(self.base_url + ENDPOINTS[item.endpoint], json=payload, headers=headers)
         except httpx.HTTPError as e:
             return Outcome(0, error=f"unreachable: {e!r}")
-        retry_after = _retry_after(r.headers.get("retry-after"))
+        retry_after = parse_retry_after(r.headers.get("retry-after"))
         if r.status_code in REFUSAL:  # the delivery loop puts the breaker in its refused state
             return Outcome(r.status_code, None, retry_after,
                            f"refused: HTTP {r.status_code} (the cloud refuses this device's key; "
@@ -203,7 +203,7 @@ class Upstream:
         if r.status_code in REFUSAL:
             return Outcome(r.status_code, None, None, f"refused: HTTP {r.status_code} (check [upstream] api_key)")
         if not r.is_success:
-            return Outcome(r.status_code, None, _retry_after(r.headers.get("retry-after")),
+            return Outcome(r.status_code, None, parse_retry_after(r.headers.get("retry-after")),
                            f"probe: HTTP {r.status_code}")
         models = _model_ids(_json_object(r))
         if models is None:
@@ -235,7 +235,7 @@ class Upstream:
         try:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode("utf-8", "replace")[:500]
-                retry_after = _retry_after(resp.headers.get("retry-after"))
+                retry_after = parse_retry_after(resp.headers.get("retry-after"))
                 if resp.status_code in REFUSAL:
                     raise UpstreamUnavailable(f"the cloud refused this device ({resp.status_code}): {text}",
                                               resp.status_code, retry_after, refused=True)
@@ -258,10 +258,6 @@ class Upstream:
             await resp.aclose()
             raise
         return Escalation(first.get("model", ""), _events(resp, lines, first, endpoint), key)
-
-
-def _retry_after(value: str | None) -> float | None:
-    return parse_retry_after(value)
 
 
 def _content_type(r: httpx.Response) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import re
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from fastapi.responses import FileResponse
 from cascade import errors
 from cascade.config import cascade_home, load_config
 from cascade.web import build_openai_app
+from cascade.web.requests import bearer_matches
 from model_distribution.devices import DeviceStore
 from model_distribution.registry import Registry
 from model_distribution.signing import Repository, SigningError
@@ -98,9 +98,8 @@ async def tuf_metadata(request: Request, name: str):
 
 def _require_admin(request: Request) -> None:
     expected = request.app.state.config.server.admin_key
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if expected:
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+        if not bearer_matches(request, expected):
             raise errors.unauthorized()
     elif request.client is None or request.client.host not in ("127.0.0.1", "::1"):
         raise errors.APIError(403, "set [server] admin_key to use the admin endpoints from another host",

@@ -49,7 +49,7 @@ class Proxy:
         if ls is not None:
             ls.close()
         for c in conns:
-            _close(c)
+            close_socket(c)
 
     def drop_responses(self, n: int) -> None:
         """The next ``n`` responses to requests with an Idempotency-Key are swallowed and their
@@ -66,7 +66,7 @@ class Proxy:
             try:
                 server = socket.create_connection(self.target, timeout=5)
             except OSError:
-                _close(client)
+                close_socket(client)
                 continue
             server.settimeout(None)
             with self._lock:
@@ -95,11 +95,12 @@ class Proxy:
                 dst.sendall(data)
         except OSError:
             pass
-        _close(src)
-        _close(dst)
+        close_socket(src)
+        close_socket(dst)
 
 
-def _close(s: socket.socket) -> None:
+def close_socket(s: socket.socket) -> None:
+    """Shut down and close, ignoring a peer that is gone already."""
     try:
         s.shutdown(socket.SHUT_RDWR)
     except OSError:

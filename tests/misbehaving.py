@@ -38,6 +38,7 @@ import time
 from email.utils import formatdate
 
 from cascade.processes import free_port
+from tests.faults import close_socket
 
 MODEL = "cloud-model"
 
@@ -103,7 +104,7 @@ class MisbehavingCloud:
         except OSError:
             pass
         finally:
-            _close(conn)
+            close_socket(conn)
 
     def _models(self, conn: socket.socket, how: str) -> None:
         if how == "html":
@@ -239,11 +240,3 @@ def _read_request(conn: socket.socket) -> dict | None:
             break
         body += part
     return {"method": method, "path": path, "headers": headers, "body": body}
-
-
-def _close(conn: socket.socket) -> None:
-    try:
-        conn.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    conn.close()

@@ -19,11 +19,14 @@ def require_api_key(request: Request) -> None:
     """A FastAPI dependency: when the app's ``config.server.api_key`` is set, the request must
     carry ``Authorization: Bearer <key>`` (compared in constant time), else 401."""
     expected = request.app.state.config.server.api_key
-    if not expected:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+    if expected and not bearer_matches(request, expected):
         raise errors.unauthorized()
+
+
+def bearer_matches(request: Request, expected: str) -> bool:
+    """Whether the request carries ``Authorization: Bearer <expected>`` (constant-time compare)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), expected.encode())
 
 
 async def read_json(request: Request, limit: int) -> dict:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hmac
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
@@ -16,6 +15,7 @@ from cascade.openai_format import ChatFormatter, CompletionFormatter
 from cascade.protocol import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList
 from cascade.web import openai_response, openapi, parse_body, read_json
 from cascade.web.caller import CallerGone, while_connected
+from cascade.web.requests import bearer_matches
 from cloud_tier.gateway.keys import ApiKey
 from cloud_tier.gateway.service import GatewayService
 from cloud_tier.gateway.streams import pull_first, render_stored, replay
@@ -50,11 +50,9 @@ async def healthz(request: Request):
 @ops.get("/metrics", response_class=PlainTextResponse, responses=openapi.errors(401))
 async def metrics(request: Request):
     svc = service(request)
-    if svc.config.metrics_key:  # [gateway] metrics_key: a scraper must present it
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                   svc.config.metrics_key.encode()):
-            raise errors.unauthorized("This gateway's /metrics needs its metrics key as a bearer token.")
+    # [gateway] metrics_key: a scraper must present it
+    if svc.config.metrics_key and not bearer_matches(request, svc.config.metrics_key):
+        raise errors.unauthorized("This gateway's /metrics needs its metrics key as a bearer token.")
     svc.metrics.refresh(svc.pool, svc.admission)
     return PlainTextResponse(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -34,6 +34,10 @@ class SlotPool(Generic[T]):
     def waiting(self) -> int:
         return len(self._waiters)
 
+    def free_slots(self) -> list[T]:
+        """The slots not in use now (all of them once the pool is idle)."""
+        return list(self._free)
+
     def predicted_wait_s(self) -> float:
         """How long a request arriving now would wait for a slot."""
         if self._free:
