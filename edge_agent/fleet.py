@@ -22,19 +22,20 @@ from edge_agent.backends.base import Backend, Finish, GenerationOptions
 from edge_agent.config import CascadeConfig, EdgeConfig
 from edge_agent.server.escalation import Escalator, policy_config
 from edge_agent.server.service import EdgeService
-from model_distribution.device_client import DeviceConfig, DeviceUpdater
+from model_distribution.device_client import DeviceConfig, DeviceUpdater, installed
 from model_distribution.state_sync import DeviceStateClient
 
 log = logging.getLogger(__name__)
 SMOKE_PROMPT = "Hello"
 SMOKE_TIMEOUT_S = 120.0
+RETRY_MIN_S, RETRY_MAX_S = 5.0, 300.0  # pauses before a cut download is tried again
 
 
 class FleetFollower:
     def __init__(self, config: EdgeConfig, svc: EdgeService, escalator: Escalator, loop: asyncio.AbstractEventLoop):
         f = config.fleet
         self.config, self.svc, self.escalator, self.loop = config, svc, escalator, loop
-        state_dir = Path(f.state_dir).expanduser() if f.state_dir else cascade_home() / "edge" / "fleet"
+        state_dir = fleet_state_dir(config)
         self.device = DeviceConfig(f.device_id, f.control_plane.rstrip("/"), Path(f.trust_root).read_bytes(),
                                    state_dir, cascade.__version__, f.disk_budget_bytes)
         self.client = DeviceStateClient(f.broker, f.fleet, f.device_id, bytes.fromhex(
@@ -55,31 +56,33 @@ class FleetFollower:
         self._wanted.put(payload)
 
     def _work(self) -> None:
-        while (payload := self._wanted.get()) is not None:
+        """Apply the newest assignment; a download that was cut is tried again (resuming) after a
+        growing pause, until it succeeds or a newer assignment comes."""
+        payload, pause = self._wanted.get(), RETRY_MIN_S
+        while payload is not None:
             while not self._wanted.empty():  # only the newest assignment matters
-                newer = self._wanted.get()
-                if newer is None:
+                payload = self._wanted.get()
+                if payload is None:
                     return
-                payload = newer
             try:
                 self.updater.apply(payload)
             except Exception:
                 log.exception("applying desired state %s failed", payload.get("version"))
+            if not self.updater.retry:
+                payload, pause = self._wanted.get(), RETRY_MIN_S
+                continue
+            log.warning("trying %s@%s again in %.0f s", payload.get("model"), payload.get("version"), pause)
+            try:
+                payload = self._wanted.get(timeout=pause)  # a newer assignment (or stop) comes first
+                pause = RETRY_MIN_S
+            except queue.Empty:
+                pause = min(pause * 2, RETRY_MAX_S)
 
     # -- the switch (on the updater's thread, then the event loop) ------------------------
 
     def _activate(self, path: Path, manifest: dict) -> None:
-        from edge_agent.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
-
-        m = self.config.model
-        cfg = LlamaCppConfig(path=str(path), name=manifest["name"], n_ctx=m.n_ctx, n_batch=m.n_batch,
-                             n_threads=m.threads, n_threads_batch=m.threads_batch)
-        backends: list[Backend] = []
+        backends = load_version(path, manifest, self.config)
         try:
-            for _ in range(m.parallel):
-                b = LlamaCppBackend(cfg, quantization=manifest.get("quantization", ""))
-                b.load()
-                backends.append(b)
             _smoke_test(backends[0])
             asyncio.run_coroutine_threadsafe(self._swap(backends, manifest), self.loop).result(timeout=60)
         except BaseException:
@@ -88,19 +91,65 @@ class FleetFollower:
             raise
 
     async def _swap(self, backends: list[Backend], manifest: dict) -> None:
-        ref = f"{manifest['name']}@{manifest['version']}"
-        names = self.svc.model_names | {manifest["name"], ref, backends[0].description.name}
-        old = self.svc.swap(backends, names)
-        calibration = manifest.get("calibration") or {}
-        if isinstance(calibration, str):
-            calibration = json.loads(calibration)
-        known = {f.name for f in dataclasses.fields(CascadeConfig)}
-        thresholds = {k: v for k, v in calibration.items() if k in known}
-        if thresholds:
-            self.escalator.config = dataclasses.replace(self.escalator.config, **thresholds)
-            self.escalator.policy = policy_config(self.escalator.config)
-        log.info("now serving %s (%s); thresholds %s", ref, manifest.get("sha256", "")[:12], thresholds or "unchanged")
+        old = self.svc.swap(backends, self.svc.model_names | version_names(manifest, backends))
+        thresholds = apply_calibration(self.escalator, manifest)
+        log.info("now serving %s@%s (%s); thresholds %s", manifest["name"], manifest["version"],
+                 manifest.get("sha256", "")[:12], thresholds or "unchanged")
         asyncio.get_running_loop().create_task(_unload_when_idle(old))
+
+
+def fleet_state_dir(config: EdgeConfig) -> Path:
+    f = config.fleet
+    return Path(f.state_dir).expanduser() if f.state_dir else cascade_home() / "edge" / "fleet"
+
+
+def load_installed(config: EdgeConfig) -> tuple[dict, list[Backend]] | None:
+    """At start-up in a fleet: the version switched to last (``active.json``, its file checked), loaded
+    into the slots; None when there is none (the configured model serves until one is assigned)."""
+    manifest = installed(fleet_state_dir(config))
+    if manifest is None:
+        return None
+    path = fleet_state_dir(config) / "models" / manifest["sha256"]
+    log.info("serving the installed fleet version %s@%s (%s)", manifest["name"], manifest["version"], path)
+    return manifest, load_version(path, manifest, config)
+
+
+def load_version(path: Path, manifest: dict, config: EdgeConfig) -> list[Backend]:
+    """One loaded backend per slot for a fleet version's file (all or none)."""
+    from edge_agent.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
+
+    m = config.model
+    cfg = LlamaCppConfig(path=str(path), name=manifest["name"], n_ctx=m.n_ctx, n_batch=m.n_batch,
+                         n_threads=m.threads, n_threads_batch=m.threads_batch)
+    backends: list[Backend] = []
+    try:
+        for _ in range(m.parallel):
+            b = LlamaCppBackend(cfg, quantization=manifest.get("quantization", ""))
+            b.load()
+            backends.append(b)
+    except BaseException:
+        for b in backends:
+            b.unload()
+        raise
+    return backends
+
+
+def version_names(manifest: dict, backends: list[Backend]) -> set[str]:
+    """The names a client may use for a fleet version: its name, name@version, the backend's name."""
+    return {manifest["name"], f"{manifest['name']}@{manifest['version']}", backends[0].description.name}
+
+
+def apply_calibration(escalator: Escalator, manifest: dict) -> dict:
+    """The version's calibrated [cascade] thresholds take effect; the ones applied."""
+    calibration = manifest.get("calibration") or {}
+    if isinstance(calibration, str):
+        calibration = json.loads(calibration)
+    known = {f.name for f in dataclasses.fields(CascadeConfig)}
+    thresholds = {k: v for k, v in calibration.items() if k in known}
+    if thresholds:
+        escalator.config = dataclasses.replace(escalator.config, **thresholds)
+        escalator.policy = policy_config(escalator.config)
+    return thresholds
 
 
 def _smoke_test(backend: Backend) -> None:

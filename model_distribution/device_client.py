@@ -9,11 +9,17 @@ the agent serves, each step reported.
     ACTIVE       or FAILED with the reason; a failure leaves the old model serving
 
 The previous version stays on disk (``models/<sha256>``), so going back needs no download.
+``active.json`` names the version switched to last (written atomically once the switch is done),
+so an agent that restarts, or was killed mid-switch, comes back on one consistent model:
+``installed(state_dir)``; a download killed midway resumes from its ``staging/<sha256>.part``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 import shutil
 import threading
 from collections.abc import Callable
@@ -51,13 +57,16 @@ class DeviceUpdater:
         self.activate = activate
         self.models_dir = config.state_dir / "models"
         self.staging = config.state_dir / "staging"
-        self.active: dict | None = None  # the manifest serving now
+        self.active_file = config.state_dir / "active.json"
+        self.active: dict | None = installed(config.state_dir)  # the manifest serving now
         self._lock = threading.Lock()  # one change at a time
+        self.retry = False  # did the last apply fail in a way worth trying again (a download cut)?
 
     def apply(self, desired: dict) -> str:
         """Go to ``desired`` (a verified payload: model, version, sha256, size, format, rev); the
         final state (ACTIVE, FAILED or REJECTED)."""
         with self._lock:
+            self.retry = False
             ref = f"{desired.get('model')}@{desired.get('version')}"
             base = {"desired": ref, "rev": desired.get("rev")}
             if self.active is not None and self.active.get("sha256") == desired.get("sha256"):
@@ -90,6 +99,7 @@ class DeviceUpdater:
                 try:
                     staged = fetch(url, self.staging / info.hashes["sha256"], info, progress=progress)
                 except DownloadError as e:
+                    self.retry = True  # the network's fault: the follower tries again (from the bytes it has)
                     return self._fail(base, "FAILED", str(e))
                 self.models_dir.mkdir(parents=True, exist_ok=True)
                 staged.replace(path)
@@ -99,6 +109,7 @@ class DeviceUpdater:
             except Exception as e:  # the agent keeps its old model
                 return self._fail(base, "FAILED", f"activation failed, the old model still serves: {e}")
             self.active = {**manifest, "sha256": info.hashes["sha256"]}
+            _write_atomically(self.active_file, json.dumps(self.active).encode())  # what the next start serves
             self._prune()
             self._say({**base, "state": "ACTIVE", "model": ref, "sha256": info.hashes["sha256"]})
             return "ACTIVE"
@@ -120,6 +131,7 @@ class DeviceUpdater:
 
     def _prune(self) -> None:
         """Keep the active version and the ones before it, up to ``keep_versions``."""
+        (self.models_dir / self.active["sha256"]).touch()  # a version gone back to counts as the newest
         files = sorted(self.models_dir.glob("*"), key=lambda p: p.stat().st_mtime, reverse=True)
         for old in files[self.config.keep_versions:]:
             old.unlink(missing_ok=True)
@@ -135,3 +147,34 @@ class DeviceUpdater:
             self.report(state)
         except Exception:  # a report that cannot go out does not stop the change
             log.exception("cannot report %s", state.get("state"))
+
+
+def installed(state_dir: Path) -> dict | None:
+    """The manifest of the version this device switched to last, if its file is still there whole
+    (its size and sha256 as signed); None otherwise (then the agent serves its configured model)."""
+    try:
+        active = json.loads((state_dir / "active.json").read_text())
+        path = state_dir / "models" / active["sha256"]
+        if path.stat().st_size != active["size"]:
+            raise ValueError(f"{path} is {path.stat().st_size} bytes, not {active['size']}")
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+        if digest.hexdigest() != active["sha256"]:
+            raise ValueError(f"{path} does not match its sha256")
+        return active
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        log.error("the installed version is unusable, serving the configured model: %s", e)
+        return None
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -45,7 +45,20 @@ SCHEMA = (
         group_name VARCHAR(64) NOT NULL,
         PRIMARY KEY (device_id, group_name)
     )""",
+    # Telemetry records as devices send them (cumulative counters since the agent started), one
+    # row per record id: a record delivered twice (QoS 1 after a lost PUBACK) is stored once.
+    """CREATE TABLE IF NOT EXISTS telemetry (
+        device_id VARCHAR(64) NOT NULL,
+        record_id VARCHAR(64) NOT NULL,
+        ts DOUBLE PRECISION NOT NULL,
+        received_at DOUBLE PRECISION NOT NULL,
+        payload TEXT NOT NULL,
+        PRIMARY KEY (device_id, record_id)
+    )""",
+    "CREATE INDEX IF NOT EXISTS telemetry_by_time ON telemetry (device_id, ts)",
 )
+TELEMETRY_KEEP_S = 7 * 86400.0
+RATE_WINDOW_S = 3600.0  # escalation and error rates are over the last hour of telemetry
 
 
 @dataclass
@@ -58,11 +71,39 @@ class Device:
     reported: dict | None = None
     last_seen: float | None = None
     created_at: float = 0.0
+    online: bool | None = None  # its retained status (None: never said)
+    serving: dict = field(default_factory=dict)  # from its telemetry: requests, escalation/error rate, backlog
 
     def to_dict(self) -> dict:
         return {"device": self.device_id, "fleet": self.fleet, "groups": self.groups, "desired": self.desired,
-                "desired_rev": self.desired_rev, "reported": self.reported, "last_seen": self.last_seen,
-                "created_at": self.created_at}
+                "desired_rev": self.desired_rev, "reported": self.reported, "online": self.online,
+                "last_seen": self.last_seen, "created_at": self.created_at,
+                "requests": self.serving.get("requests"), "escalation_rate": self.serving.get("escalation_rate"),
+                "error_rate": self.serving.get("error_rate"), "backlog": self.serving.get("backlog"),
+                "telemetry_at": self.serving.get("at")}
+
+
+def serving_summary(new: dict | None, base: dict | None = None) -> dict:
+    """Requests, escalation rate, error rate and backlog from a device's newest telemetry record,
+    less ``base``: an older record of the same agent run (the counters are cumulative since the
+    agent started), so the rates cover the time between the two."""
+    if not new:
+        return {}
+
+    def delta(key: str) -> dict[str, float]:
+        now = new.get(key) if isinstance(new.get(key), dict) else {}
+        then = base.get(key) if base and isinstance(base.get(key), dict) else {}
+        return {k: v - (then.get(k) or 0) for k, v in now.items() if isinstance(v, (int, float))}
+
+    decisions, requests = delta("decisions"), delta("requests")
+    decided = sum(decisions.values())
+    cloud = sum(v for k, v in decisions.items() if k.startswith("cloud/"))
+    answered = sum(requests.values())
+    failed = sum(v for k, v in requests.items() if k.rsplit("/", 1)[-1].startswith("5"))
+    queue = new.get("queue") if isinstance(new.get("queue"), dict) else {}
+    return {"requests": int(answered), "escalation_rate": round(cloud / decided, 4) if decided else None,
+            "error_rate": round(failed / answered, 4) if answered else None,
+            "backlog": queue.get("pending"), "at": new.get("ts")}
 
 
 def _hash_secret(secret: str, salt: bytes | None = None) -> str:
@@ -129,6 +170,8 @@ class DeviceStore:
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(devices)")}
         if "broker_hash" not in columns:  # stores made before broker credentials existed
             self._db.execute("ALTER TABLE devices ADD COLUMN broker_hash VARCHAR(200)")
+        if "status" not in columns:
+            self._db.execute("ALTER TABLE devices ADD COLUMN status VARCHAR(16)")
 
     def close(self) -> None:
         self._db.close()
@@ -142,8 +185,45 @@ class DeviceStore:
                              (json.dumps(reported)[:65536], time.time(), device_id))
 
     def seen(self, device_id: str, status: str) -> None:
+        """Its retained status: "online", or "offline" (said on the way out, or its last will)."""
         with self._lock:
-            self._db.execute("UPDATE devices SET last_seen = ? WHERE device_id = ?", (time.time(), device_id))
+            self._db.execute("UPDATE devices SET last_seen = ?, status = ? WHERE device_id = ?",
+                             (time.time(), status[:16], device_id))
+
+    def telemetry(self, device_id: str, record: dict) -> bool:
+        """Keep one telemetry record (the id is the queue's: a duplicate is dropped); whether it was new."""
+        if not isinstance(record, dict) or not isinstance(record.get("id"), (str, int)):
+            raise ValueError("a telemetry record is a JSON object with an id")
+        ts = record.get("ts")
+        now = time.time()
+        ts = float(ts) if isinstance(ts, (int, float)) and not isinstance(ts, bool) else now
+        with self._lock:
+            cur = self._db.execute("INSERT OR IGNORE INTO telemetry (device_id, record_id, ts, received_at, payload) "
+                                   "VALUES (?, ?, ?, ?, ?)",
+                                   (device_id, str(record["id"])[:64], ts, now, json.dumps(record)[:65536]))
+            if cur.rowcount:
+                self._db.execute("UPDATE devices SET last_seen = ? WHERE device_id = ?", (now, device_id))
+                if secrets.randbelow(100) == 0:  # now and then, forget what is older than a week
+                    self._db.execute("DELETE FROM telemetry WHERE received_at < ?", (now - TELEMETRY_KEEP_S,))
+            return cur.rowcount == 1
+
+    @_locked
+    def serving(self, device_id: str, window_s: float = RATE_WINDOW_S) -> dict:
+        """``serving_summary`` of its newest record against the oldest one of the same agent run
+        within the window."""
+        row = self._db.execute("SELECT payload FROM telemetry WHERE device_id = ? ORDER BY ts DESC LIMIT 1",
+                               (device_id,)).fetchone()
+        if row is None:
+            return {}
+        new = json.loads(row[0])
+        ts, uptime = new.get("ts"), new.get("uptime_s")
+        base = None
+        if isinstance(ts, (int, float)) and isinstance(uptime, (int, float)):
+            since = max(ts - window_s, ts - uptime)  # not before this run of the agent started
+            row = self._db.execute("SELECT payload FROM telemetry WHERE device_id = ? AND ts >= ? AND ts < ? "
+                                   "ORDER BY ts LIMIT 1", (device_id, since, ts)).fetchone()
+            base = json.loads(row[0]) if row else None
+        return serving_summary(new, base)
 
     @_locked
     def add(self, device_id: str, groups: list[str], fleet: str = "default") -> str:
@@ -181,9 +261,11 @@ class DeviceStore:
         return found[0] if found else None
 
     @_locked
-    def list(self, group: str | None = None, device_ids: list[str] | None = None) -> list[Device]:
-        sql = ("SELECT device_id, fleet, desired_name, desired_version, desired_rev, reported, last_seen, created_at "
-               "FROM devices")
+    def list(self, group: str | None = None, device_ids: list[str] | None = None, serving: bool = False
+             ) -> list[Device]:
+        """Devices (of a group, or these ids); with ``serving``, each one's summary of its telemetry."""
+        sql = ("SELECT device_id, fleet, desired_name, desired_version, desired_rev, reported, last_seen, created_at, "
+               "status FROM devices")
         args: list = []
         if group is not None:
             sql += " WHERE device_id IN (SELECT device_id FROM device_groups WHERE group_name = ?)"
@@ -195,10 +277,12 @@ class DeviceStore:
         for d, g in self._db.execute("SELECT device_id, group_name FROM device_groups ORDER BY group_name"):
             groups.setdefault(d, []).append(g)
         out = []
-        for d, fleet, name, version, rev, reported, seen, created in self._db.execute(sql + " ORDER BY device_id",
-                                                                                       args):
+        for d, fleet, name, version, rev, reported, seen, created, status in self._db.execute(
+                sql + " ORDER BY device_id", args).fetchall():
             out.append(Device(d, fleet, groups.get(d, []), f"{name}@{version}" if name else None, rev,
-                              json.loads(reported) if reported else None, seen, created))
+                              json.loads(reported) if reported else None, seen, created,
+                              None if status is None else status == "online",
+                              self.serving(d) if serving else {}))
         return out
 
     @_locked

@@ -3,6 +3,7 @@
     cascade/v1/{fleet}/devices/{device}/desired    retained, the control plane's signed document
     cascade/v1/{fleet}/devices/{device}/reported   retained, written by the device
     cascade/v1/{fleet}/devices/{device}/status     retained "online", and the last will "offline"
+    cascade/v1/{fleet}/devices/{device}/telemetry  the agent's telemetry records (sync/mqtt.py), each with its id
 
 Retained messages make it converge without replay: a device that was offline gets the latest
 desired document when it subscribes again, and the control plane the latest reported state.
@@ -83,7 +84,8 @@ class DesiredPublisher:
         if reason_code.is_failure:
             log.error("the broker refused the control plane: %s", reason_code)
             return
-        client.subscribe([("cascade/v1/+/devices/+/reported", 1), ("cascade/v1/+/devices/+/status", 1)])
+        client.subscribe([("cascade/v1/+/devices/+/reported", 1), ("cascade/v1/+/devices/+/status", 1),
+                          ("cascade/v1/+/devices/+/telemetry", 1)])
         with self._lock:
             self._published.clear()  # publish everything again on this connection
         self._connected.set()
@@ -121,6 +123,8 @@ class DesiredPublisher:
                 self.devices.report(device, json.loads(message.payload))
             elif kind == "status":
                 self.devices.seen(device, message.payload.decode(errors="replace"))
+            elif kind == "telemetry":
+                self.devices.telemetry(device, json.loads(message.payload))
         except (ValueError, UnicodeDecodeError) as e:
             log.warning("unreadable %s from %s: %s", kind, device, e)
 

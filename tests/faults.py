@@ -1,6 +1,8 @@
 """Faults to inject between the edge agent and the cloud: a TCP proxy on loopback that can be
 down (connections refused), up, or drop responses (the cloud has done the work; the device never
-hears back). It also records the Idempotency-Key of each request it forwards, in order."""
+hears back), or throttle what comes back (``rate``, bytes/s: a slow download to interrupt). It
+records the Idempotency-Key of each request it forwards, in order, and each request's line with
+its Range header (``requests``)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import time
 from cascade.processes import free_port
 
 _KEY = re.compile(rb"idempotency-key: *([^\r\n]+)", re.I)
+_RANGE = re.compile(rb"\r\nrange: *([^\r\n]+)", re.I)
 
 
 class Proxy:
@@ -23,6 +26,8 @@ class Proxy:
         self._drop = 0
         self.forwarded: list[tuple[float, str]] = []  # (time, idempotency key) of each request sent on
         self.dropped = 0
+        self.rate = 0.0  # bytes/s of responses (0: as fast as they come)
+        self.requests: list[tuple[str, str | None]] = []  # (request line, Range header) of each request
         self.port = port or free_port()
 
     @property
@@ -82,6 +87,9 @@ class Proxy:
                     keys = _KEY.findall(data)
                     if data[:4] in (b"POST", b"GET ", b"PUT ", b"DELE"):
                         state["keyed"] = bool(keys)
+                        rng = _RANGE.search(data)
+                        self.requests.append((data.split(b"\r\n", 1)[0].decode(errors="replace"),
+                                              rng.group(1).decode().strip() if rng else None))
                     for key in keys:
                         self.forwarded.append((time.monotonic(), key.decode().strip()))
                 else:
@@ -92,6 +100,11 @@ class Proxy:
                             self.dropped += 1
                     if drop:
                         break
+                    if self.rate:
+                        for i in range(0, len(data), 8192):
+                            dst.sendall(data[i:i + 8192])
+                            time.sleep(min(len(data) - i, 8192) / self.rate)
+                        continue
                 dst.sendall(data)
         except OSError:
             pass

@@ -11,6 +11,7 @@ import logging
 import re
 import socket
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
@@ -25,7 +26,10 @@ from edge_agent.server.routes import ops, v1
 from edge_agent.server.service import EdgeService
 from edge_agent.server.telemetry import spool_forever
 from edge_agent.upstream import Upstream
-from model_distribution.catalog import PACKAGED, Catalog, ModelInfo
+from model_distribution.catalog import PACKAGED, Catalog, ModelInfo, ModelNotFound
+
+if TYPE_CHECKING:
+    from sync.mqtt import MQTTConfig
 
 log = logging.getLogger(__name__)
 
@@ -56,25 +60,49 @@ def model_names(info: ModelInfo) -> set[str]:
     return names
 
 
+def configured_names(config: EdgeConfig, catalog: Catalog) -> set[str]:
+    """The configured model's names, for an agent serving a fleet version instead: apps keep using them."""
+    try:
+        return model_names(catalog.get(config.model.name))
+    except ModelNotFound:  # not on this device: only the version's own names
+        return set()
+
+
 def device_name(config: EdgeConfig) -> str:
     """[cascade] device, else this host's name, as an MQTT topic segment."""
     return re.sub(r"[/+#\s]", "-", config.cascade.device or socket.gethostname()) or "device"
 
 
-def start_telemetry(config: EdgeConfig, svc: EdgeService, outbox: Outbox):
-    """With [mqtt] host set: spool a telemetry record every interval and publish the spool."""
-    m = config.mqtt
-    if not m.host:
-        return None, None
-    from sync.mqtt import MQTTConfig, TelemetryPublisher
+def telemetry_target(config: EdgeConfig) -> MQTTConfig | None:
+    """Where telemetry goes: [mqtt] when its host is set, else the fleet's broker as the enrolled
+    device (its own credentials: the broker lets it write only its own telemetry topic)."""
+    from sync.mqtt import MQTTConfig
 
-    device = device_name(config)
-    publisher = TelemetryPublisher(outbox.queue, MQTTConfig(
-        host=m.host, port=m.port, fleet=m.fleet, device=device, client_id=m.client_id, keepalive_s=m.keepalive_s,
-        username=m.username, password=m.password))
+    m, f = config.mqtt, config.fleet
+    if m.host:
+        return MQTTConfig(host=m.host, port=m.port, fleet=m.fleet, device=device_name(config), client_id=m.client_id,
+                          keepalive_s=m.keepalive_s, username=m.username, password=m.password)
+    if f.broker:
+        from model_distribution.state_sync import broker_address
+
+        host, port = broker_address(f.broker)
+        return MQTTConfig(host=host, port=port, fleet=f.fleet, device=f.device_id,
+                          client_id=f"cascade-telemetry-{f.fleet}-{f.device_id}", keepalive_s=m.keepalive_s,
+                          username=f.device_id, password=f.secret)
+    return None
+
+
+def start_telemetry(config: EdgeConfig, svc: EdgeService, outbox: Outbox):
+    """With [mqtt] host (or [fleet] broker) set: spool a telemetry record every interval and publish the spool."""
+    target = telemetry_target(config)
+    if target is None:
+        return None, None
+    from sync.mqtt import TelemetryPublisher
+
+    publisher = TelemetryPublisher(outbox.queue, target)
     publisher.start()
-    spool = asyncio.create_task(spool_forever(svc, outbox, device, m.fleet, m.telemetry_interval_s,
-                                              publisher.notify), name="telemetry")
+    spool = asyncio.create_task(spool_forever(svc, outbox, target.device, target.fleet,
+                                              config.mqtt.telemetry_interval_s, publisher.notify), name="telemetry")
     return publisher, spool
 
 
@@ -83,8 +111,18 @@ def build_app(config: EdgeConfig, catalog: Catalog | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        info, backends = await asyncio.to_thread(load_backends, config, catalog)
-        svc = EdgeService(config, backends, model_names(info), EdgeMetrics())
+        fleet_version = None
+        if config.fleet.broker:  # in a fleet: the version switched to last, if there is one
+            from edge_agent.fleet import load_installed, version_names
+
+            fleet_version = await asyncio.to_thread(load_installed, config)
+        if fleet_version is not None:
+            backends = fleet_version[1]
+            names = version_names(fleet_version[0], backends) | configured_names(config, catalog)
+        else:
+            info, backends = await asyncio.to_thread(load_backends, config, catalog)
+            names = model_names(info)
+        svc = EdgeService(config, backends, names, EdgeMetrics())
         svc.metrics.observe_queue(svc.pool)
         upstream = Upstream(config.upstream, config.cascade.device) if config.upstream.url else None
         outbox = Outbox(config.sync, upstream)
@@ -96,6 +134,10 @@ def build_app(config: EdgeConfig, catalog: Catalog | None = None) -> FastAPI:
         if config.fleet.broker:
             from edge_agent.fleet import FleetFollower
 
+            if fleet_version is not None:
+                from edge_agent.fleet import apply_calibration
+
+                apply_calibration(app.state.escalator, fleet_version[0])
             follower = FleetFollower(config, svc, app.state.escalator, asyncio.get_running_loop())
             follower.start()
         try:

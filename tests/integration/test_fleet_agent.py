@@ -92,3 +92,91 @@ def test_an_agent_switches_to_its_assigned_version_while_it_serves(tmp_path, smo
         agent.stop()
         plane.stop()
         broker.stop()
+
+
+def test_an_agent_killed_mid_download_and_mid_switch_comes_back_on_one_model_and_converges(tmp_path, smollm2_path):
+    """kill -9 while the new version downloads (through a slow link): the next start resumes from
+    the bytes it has (a Range request). kill -9 while it switches: it comes back on one model and
+    goes on to ACTIVE. Killed once ACTIVE: it starts on the new version at once."""
+    import paho.mqtt.client as mqtt
+
+    from tests.faults import Proxy
+
+    broker = Mosquitto(tmp_path / "broker")
+    broker.start()
+    home = tmp_path / "control"
+    repo = Repository(home / "fleet")
+    repo.init()
+    v2_file = tmp_path / "v2.gguf"
+    shutil.copyfile(smollm2_path, v2_file)
+    with open(v2_file, "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        f.write(b"\x03\x02\x01")
+    reg = Registry(home / "fleet")
+    v2, _ = reg.push(v2_file, "edge-model", "2.0.0")
+    reg.close()
+    repo.add_target(v2.name, v2.version, v2.sha256, v2.size, v2.signable())
+    url = f"mqtt://127.0.0.1:{broker.port}"
+    plane = Server(home, ["fleet", "serve"], "--broker", url).wait_healthy(60)
+    link = Proxy(plane.port).up()
+    link.rate = 15e6  # bytes/s: the download takes seconds, long enough to be interrupted
+    secret = json.loads(fleet(home, "devices", "add", "kiosk-6", "--json").stdout)["secret"]
+    device_home = tmp_path / "device"
+    device_home.mkdir()
+    env = {"CASCADE_EDGE_FLEET_BROKER": url, "CASCADE_EDGE_FLEET_DEVICE_ID": "kiosk-6",
+           "CASCADE_EDGE_FLEET_SECRET": secret, "CASCADE_EDGE_FLEET_CONTROL_PLANE": link.url,
+           "CASCADE_EDGE_FLEET_TRUST_ROOT": str(repo.metadata_dir / "1.root.json"),
+           "CASCADE_EDGE_FLEET_DESIRED_KEY": str(repo.desired_key_file)}
+    states: list[dict] = []
+    watcher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="test-watcher")
+    watcher.on_message = lambda c, u, m: states.append(json.loads(m.payload))
+    watcher.connect("127.0.0.1", broker.port)
+    watcher.subscribe("cascade/v1/default/devices/kiosk-6/reported", qos=1)
+    watcher.loop_start()
+
+    def start_agent() -> Agent:
+        return Agent(device_home, "--n-ctx", "512", "--threads", "1", "--parallel", "1", "--no-config",
+                     env=env).wait_healthy()
+
+    def kill(a: Agent) -> None:
+        os.killpg(a.proc.pid, 9)
+        a.proc.wait(10)
+        a.stop()
+
+    part = device_home / "edge" / "fleet" / "staging" / f"{v2.sha256}.part"
+    agent = start_agent()
+    try:
+        assert fleet(home, "assign", "kiosk-6", "edge-model@2.0.0").returncode == 0
+        wait_until(lambda: part.exists() and part.stat().st_size > v2.size // 4, "a quarter downloaded", 120)
+        kill(agent)
+        had = part.stat().st_size
+        assert 0 < had < v2.size
+        link.rate = 0
+        states.clear()
+        agent = start_agent()
+        wait_until(lambda: any(s.get("state") == "ACTIVATING" for s in states), "the switch to start", 120)
+        resumed = [rng for line, rng in link.requests if f"/v1/artifacts/{v2.sha256}" in line and rng]
+        assert resumed and int(resumed[-1].removeprefix("bytes=").rstrip("-")) >= had, link.requests
+        kill(agent)  # mid-switch: the new file is in place, the agent had not switched yet
+        agent = start_agent()
+        served = httpx.get(f"{agent.url}/v1/models").json()["data"]
+        assert len(served) == 1 and served[0]["id"] in ("smollm2-135m", "edge-model"), served  # one model
+        wait_until(lambda: states and states[-1].get("state") == "ACTIVE", "ACTIVE after the kill", 120)
+        assert states[-1]["sha256"] == v2.sha256, states[-1]
+        assert httpx.get(f"{agent.url}/v1/models").json()["data"][0]["id"] == "edge-model"
+        assert not list((device_home / "edge" / "fleet" / "staging").glob("*"))  # nothing half-done left
+        kill(agent)  # once ACTIVE, the next start serves the new version from the start
+        states.clear()
+        agent = start_agent()
+        assert httpx.get(f"{agent.url}/v1/models").json()["data"][0]["id"] == "edge-model"
+        r = httpx.post(f"{agent.url}/v1/completions", json={"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 4,
+                                                           "cascade": {"mode": "local"}}, timeout=120)
+        assert r.status_code == 200, r.text  # the name apps were configured with still answers
+        wait_until(lambda: states and states[-1].get("state") == "ACTIVE", "ACTIVE reported again", 60)
+        assert states[-1]["sha256"] == v2.sha256 and not any(s.get("state") == "DOWNLOADING" for s in states)
+    finally:
+        watcher.loop_stop()
+        agent.stop()
+        link.down()
+        plane.stop()
+        broker.stop()

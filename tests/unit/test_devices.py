@@ -64,3 +64,43 @@ def test_the_desired_document_is_signed_for_one_device(fleet, tmp_path):
     tampered = doc.replace(b'"payload": "', b'"payload": "e30')
     with pytest.raises(BadDocument):
         verify_desired(tampered, repo.desired_public_key(), "k1")
+
+
+def _record(rid, ts, uptime, cloud, edge, ok, failed, pending=0):
+    return {"id": rid, "ts": ts, "uptime_s": uptime, "kind": "telemetry",
+            "decisions": {"cloud/hard_prompt": cloud, "edge/confident": edge},
+            "requests": {"/v1/chat/completions/200": ok, "/v1/chat/completions/500": failed},
+            "queue": {"pending": pending}}
+
+
+def test_telemetry_is_kept_once_per_record_id_and_summarised_over_the_agents_run(fleet):
+    import time
+
+    _, store = fleet
+    store.add("kiosk-7", ["kiosks"])
+    now = time.time()
+    assert store.telemetry("kiosk-7", _record("a", now - 600, 100, 5, 5, 10, 0))
+    assert not store.telemetry("kiosk-7", _record("a", now - 600, 100, 5, 5, 10, 0))  # a duplicate
+    assert store.telemetry("kiosk-7", _record("b", now, 700, 8, 11, 18, 2, pending=3))
+    d = store.list(serving=True)[0]
+    # the difference between the two records of this run: 3 of 9 decisions cloud, 2 of 10 requests failed
+    assert (d.serving["requests"], d.serving["escalation_rate"], d.serving["error_rate"], d.serving["backlog"]) == (
+        10, round(3 / 9, 4), 0.2, 3)
+    assert store.list()[0].serving == {}  # only when asked: the publisher lists devices often
+    # the agent restarted (uptime went back): the counters start again, the old run is not subtracted
+    store.telemetry("kiosk-7", _record("c", now + 60, 30, 1, 3, 4, 0))
+    d = store.get("kiosk-7")
+    assert store.serving("kiosk-7")["escalation_rate"] == 0.25 and store.serving("kiosk-7")["requests"] == 4
+    assert d.online is None
+    store.seen("kiosk-7", "online")
+    assert store.get("kiosk-7").online is True
+    store.seen("kiosk-7", "offline")
+    assert store.get("kiosk-7").to_dict()["online"] is False
+
+
+@pytest.mark.parametrize("record", [[], "x", {"no": "id"}, {"id": None}])
+def test_a_telemetry_record_that_is_not_an_object_with_an_id_is_refused(fleet, record):
+    _, store = fleet
+    store.add("kiosk-7", [])
+    with pytest.raises(ValueError):
+        store.telemetry("kiosk-7", record)
