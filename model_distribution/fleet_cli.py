@@ -148,7 +148,7 @@ def cmd_devices_list(args) -> int:
 
     store = _devices()
     try:
-        devices = store.list(group=args.group)
+        devices = store.list(group=args.group, serving=True)
     finally:
         store.close()
     if args.json:

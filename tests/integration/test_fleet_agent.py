@@ -58,7 +58,8 @@ def test_an_agent_switches_to_its_assigned_version_while_it_serves(tmp_path, smo
         "CASCADE_EDGE_FLEET_BROKER": url, "CASCADE_EDGE_FLEET_DEVICE_ID": "kiosk-5",
         "CASCADE_EDGE_FLEET_SECRET": secret, "CASCADE_EDGE_FLEET_CONTROL_PLANE": plane.url,
         "CASCADE_EDGE_FLEET_TRUST_ROOT": str(repo.metadata_dir / "1.root.json"),
-        "CASCADE_EDGE_FLEET_DESIRED_KEY": str(repo.desired_key_file)}).wait_healthy()
+        "CASCADE_EDGE_FLEET_DESIRED_KEY": str(repo.desired_key_file),
+        "CASCADE_EDGE_MQTT_TELEMETRY_INTERVAL_S": "1"}).wait_healthy()
     try:
         results: dict = {}
 
@@ -88,6 +89,14 @@ def test_an_agent_switches_to_its_assigned_version_while_it_serves(tmp_path, smo
             r = httpx.post(f"{agent.url}/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 4,
                                                                "cascade": {"mode": "local"}}, timeout=120)
             assert r.status_code == 200, r.text
+
+        def listed():  # telemetry through the fleet broker, as the device: what `fleet devices` shows
+            return json.loads(fleet(home, "devices", "--json").stdout)[0]
+
+        wait_until(lambda: (listed().get("requests") or 0) >= 3, "the device's telemetry", 60)
+        row = listed()
+        assert row["online"] is True and row["escalation_rate"] == 0.0 and row["error_rate"] == 0.0, row
+        assert row["backlog"] == 0
     finally:
         agent.stop()
         plane.stop()
