@@ -1,0 +1,184 @@
+"""The fleet's MQTT broker, started by the control plane: Mosquitto when it is installed, else an
+embedded one (amqtt, ``embedded_broker.py``) in this process, so ``cascade fleet serve`` and
+``make demo`` work with nothing but the pip install.
+
+    broker = FleetBroker(root, host="127.0.0.1", port=1883, credentials=(user, secret), prefer="auto")
+    url = broker.start()   # "mqtt://127.0.0.1:1883"; port=0 picks a free port
+    broker.refresh()       # after enrolling devices: Mosquitto rereads passwd and ACL (the embedded one needs none)
+    broker.stop()
+
+``root`` is the folder that holds the DeviceStore; ``credentials`` the control plane's own broker
+user and secret (``fleet_cli.control_plane_credentials``). ``prefer``: "auto" (Mosquitto if it is
+on PATH or in /usr/sbin, else embedded), "mosquitto" or "embedded". ``kind`` says which one runs.
+
+Both take the same credentials (each enrolled device's secret; the control plane's user; no
+anonymous clients) and enforce the same ACL (``allowed``, which the acl_file written by
+``devices.broker_files`` says for Mosquitto): a device reads only its own desired topic and writes
+only its own reported, events, status and telemetry topics; the control plane reads and writes
+``cascade/v1/#``. Both keep retained messages across a restart of the broker.
+
+- Mosquitto runs as a child process, its files in
+  ``<root>/broker/``: mosquitto.conf, passwd, acl, mosquitto.log, data/ (persistence). It learns
+  of devices enrolled after the start only through ``refresh()`` (new files, SIGHUP). It gets
+  SIGTERM when the *thread* that called ``start()`` ends (PR_SET_PDEATHSIG, so no orphan outlives
+  a killed control plane): call it from the main thread, not from a short-lived worker thread.
+- The embedded broker runs on a thread of its own and checks each CONNECT against the
+  DeviceStore, so a device enrolled later connects at once. Retained messages are kept in
+  ``<root>/broker/retained.db``; the queued QoS 1 messages of offline persistent sessions are in
+  memory only (lost when the broker restarts; the control plane sends all desired state again
+  at each reconnect anyway).
+"""
+
+from __future__ import annotations
+
+import getpass
+import logging
+import shutil
+import signal
+import socket
+import time
+from pathlib import Path
+
+from cascade.processes import free_port, spawn, stop
+from model_distribution.devices import DEVICE_WRITES, DeviceStore, broker_files
+from model_distribution.state_sync import topic as device_topic
+
+log = logging.getLogger(__name__)
+
+PREFER = ("auto", "mosquitto", "embedded")
+
+
+def find_mosquitto() -> str | None:
+    return shutil.which("mosquitto") or shutil.which("mosquitto", path="/usr/sbin")
+
+
+def allowed(action: str, topic: str, device: str | None, fleet: str | None) -> bool:
+    """May this client do ``action`` ("publish", "subscribe" or "receive") on ``topic`` (a topic
+    filter for "subscribe")? ``device`` None is the control plane."""
+    if device is None:
+        return topic == "cascade/v1" or topic.startswith("cascade/v1/")
+    if action == "publish":
+        return topic in {device_topic(fleet, device, kind) for kind in DEVICE_WRITES}
+    return topic == device_topic(fleet, device, "desired")
+
+
+class FleetBroker:
+    """One broker for the fleet: start(), url, refresh(), stop(). See the module docstring."""
+
+    def __init__(self, root: Path | str, host: str = "127.0.0.1", port: int = 1883,
+                 credentials: tuple[str, str] | None = None, prefer: str = "auto"):
+        if prefer not in PREFER:
+            raise ValueError(f"prefer must be one of {', '.join(PREFER)}, not {prefer!r}")
+        if credentials is None or not all(credentials):
+            raise ValueError("the broker needs the control plane's credentials (user, secret)")
+        self.root, self.dir = Path(root), Path(root) / "broker"
+        self.host, self.port = host, port
+        self.credentials = credentials
+        self.prefer = prefer
+        self.kind: str | None = None  # "mosquitto" or "embedded", once started
+        self._store: DeviceStore | None = None
+        self._proc = None
+        self._embedded = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"mqtt://{host}:{self.port}"
+
+    def start(self) -> str:
+        """Start the broker; its URL once it accepts connections. RuntimeError when it cannot
+        (``prefer="mosquitto"`` without one, the port taken, ...)."""
+        mosquitto = find_mosquitto() if self.prefer != "embedded" else None
+        if self.prefer == "mosquitto" and mosquitto is None:
+            raise RuntimeError("no mosquitto on PATH or in /usr/sbin (apt-get install mosquitto)")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._store = DeviceStore(self.root)
+        try:
+            if mosquitto:
+                self._start_mosquitto(mosquitto)
+            else:
+                self._start_embedded()
+        except BaseException:
+            self.stop()
+            raise
+        return self.url
+
+    def refresh(self) -> None:
+        """Let devices enrolled since the start connect. Mosquitto: rewrite passwd and ACL, SIGHUP,
+        and wait until it has reread them. The embedded broker asks the DeviceStore at each CONNECT."""
+        if self.kind != "mosquitto":
+            return
+        broker_files(self._store, self.dir, *self.credentials)
+        seen = (self.dir / "mosquitto.log").stat().st_size
+        self._proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        # mosquitto is single-threaded: once it logged the reload, every later CONNECT sees the new files
+        while "Reloading config." not in self._log_text(seen):
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"mosquitto did not reload its files:\n{self._log_tail()}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        """Stop the broker (Mosquitto saves its retained messages on the way out). Idempotent."""
+        if self._proc is not None:
+            stop(self._proc)
+            self._proc = None
+        if self._embedded is not None:
+            self._embedded.stop()
+            self._embedded = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        self.kind = None
+
+    def _start_mosquitto(self, binary: str) -> None:
+        if self.port == 0:
+            self.port = free_port(self.host)
+        passwd, acl = broker_files(self._store, self.dir, *self.credentials)
+        data = self.dir / "data"
+        data.mkdir(exist_ok=True)
+        conf = self.dir / "mosquitto.conf"
+        # as root, mosquitto would drop to user "mosquitto", who may not write our folder: stay who we are
+        conf.write_text(f"listener {self.port} {self.host}\nallow_anonymous false\npassword_file {passwd}\n"
+                        f"acl_file {acl}\npersistence true\npersistence_location {data}/\n"
+                        f"log_dest file {self.dir / 'mosquitto.log'}\nuser {getpass.getuser()}\n")
+        self._proc = spawn([binary, "-c", str(conf)], log=self.dir / "mosquitto.out", die_with_parent=True)
+        deadline = time.monotonic() + 10
+        while True:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"mosquitto exited ({self._proc.returncode}):\n{self._log_tail()}")
+            try:
+                socket.create_connection((self.host, self.port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"mosquitto did not listen on {self.url}:\n{self._log_tail()}") from None
+                time.sleep(0.05)
+        self.kind = "mosquitto"
+        log.info("MQTT broker: Mosquitto (%s) on %s, its files in %s", binary, self.url, self.dir)
+
+    def _start_embedded(self) -> None:
+        from model_distribution.embedded_broker import EmbeddedBroker
+
+        self._embedded = EmbeddedBroker(self._store, self.host, self.port, self.credentials,
+                                        self.dir / "retained.db")
+        try:
+            self.port = self._embedded.start()
+        except Exception as e:
+            raise RuntimeError(f"the embedded MQTT broker did not start on {self.url}: {e}") from e
+        self.kind = "embedded"
+        log.info("MQTT broker: embedded (amqtt, no Mosquitto used) on %s, retained messages in %s",
+                 self.url, self.dir / "retained.db")
+
+    def _log_text(self, offset: int = 0) -> str:
+        path = self.dir / "mosquitto.log"
+        if not path.is_file():
+            return ""
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+
+    def _log_tail(self, lines: int = 20) -> str:
+        out = self.dir / "mosquitto.out"
+        text = self._log_text() + (out.read_text(errors="replace") if out.is_file() else "")
+        return "\n".join(text.splitlines()[-lines:])

@@ -1,0 +1,180 @@
+"""The embedded MQTT broker (amqtt) that ``FleetBroker`` runs when no Mosquitto is installed: a
+thread of its own with its own event loop, inside the control plane's process.
+
+It takes the same credentials and enforces the same ACL as Mosquitto with the files from
+``devices.broker_files`` (``broker.allowed`` is that rule): each CONNECT is checked against the
+DeviceStore, so a device enrolled after the start connects at once. Retained messages are kept in
+SQLite as well as in memory, so the retained desired state survives a restart of the broker.
+
+amqtt 0.12 sends a connecting client the retained messages of every filter that *any* client
+subscribed to, and replays a persistent session's queued messages without asking the ACL;
+``_FleetAMQTT`` overrides those two steps to deliver only what the session may read (Mosquitto
+checks reads at delivery too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import sqlite3
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from amqtt.broker import Broker, RetainedApplicationMessage
+from amqtt.contexts import Action
+from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
+from amqtt.session import Session
+
+from model_distribution.broker import allowed
+from model_distribution.devices import DeviceStore
+
+log = logging.getLogger(__name__)
+
+CONTROL_PLANE = ("", "")  # the identity of the control plane user: no device, no fleet
+
+
+class FleetAccessPlugin(BaseAuthPlugin, BaseTopicPlugin):
+    """Authentication (device secret from the DeviceStore, or the control plane's own secret; no
+    anonymous) and the topic ACL, in one plugin because the ACL needs the device's fleet, which
+    authentication looks up."""
+
+    @dataclass
+    class Config:
+        store: Any = None  # DeviceStore
+        control_plane: Any = None  # (user, secret)
+
+    def __init__(self, context) -> None:
+        super().__init__(context)
+        self.store: DeviceStore = self.config.store
+        self.user, self.secret = self.config.control_plane
+        self.identities: dict[str, tuple[str, str]] = {}  # username -> (device, fleet), of accepted logins
+
+    async def authenticate(self, *, session: Session) -> bool:
+        user, secret = session.username, session.password or ""
+        if not user:
+            log.warning("refused an anonymous client (%s)", session.client_id)
+            return False
+        if user == self.user:  # the control plane's name is never taken as a device's
+            ok, identity = hmac.compare_digest(secret.encode(), self.secret.encode()), CONTROL_PLANE
+        else:
+            device = await asyncio.to_thread(self.store.get, user)
+            ok = device is not None and await asyncio.to_thread(self.store.authenticate, user, secret)
+            identity = (user, device.fleet) if device is not None else CONTROL_PLANE
+        if not ok:
+            log.warning("refused %r (%s): unknown user or wrong secret", user, session.client_id)
+            return False
+        if session.will_flag and not self._may(identity, session.will_topic, Action.PUBLISH):
+            log.warning("refused %r: its last will goes to %s, which it may not write", user, session.will_topic)
+            return False
+        self.identities[user] = identity
+        return True
+
+    async def topic_filtering(self, *, session: Session | None = None, topic: str | None = None,
+                              action: Action | None = None) -> bool:
+        identity = self.identities.get(session.username) if session is not None and session.username else None
+        return identity is not None and bool(topic) and self._may(identity, topic, action)
+
+    @staticmethod
+    def _may(identity: tuple[str, str], topic: str, action: Action) -> bool:
+        device, fleet = identity
+        return allowed(str(action), topic, device or None, fleet or None)
+
+
+class _FleetAMQTT(Broker):
+    """amqtt's broker with retained messages kept in SQLite, and reads always asked of the ACL."""
+
+    def __init__(self, config: dict, retained: sqlite3.Connection):
+        super().__init__(config)
+        self._db = retained
+
+    async def start(self) -> None:
+        await super().start()  # it starts with no retained messages; put back the stored ones
+        for topic, data, qos in self._db.execute("SELECT topic, payload, qos FROM retained"):
+            self.retained_messages[topic] = RetainedApplicationMessage(None, topic, data, qos)
+
+    async def retain_message(self, source_session, topic_name, data, qos=None) -> None:
+        await super().retain_message(source_session, topic_name, data, qos)
+        if topic_name is None:
+            return
+        if data:
+            self._db.execute("INSERT OR REPLACE INTO retained (topic, payload, qos) VALUES (?, ?, ?)",
+                             (topic_name, bytes(data), qos or 0))
+        else:  # an empty retained message clears the topic
+            self._db.execute("DELETE FROM retained WHERE topic = ?", (topic_name,))
+
+    async def _may_receive(self, session: Session, topic: str) -> bool:
+        return await self._topic_filtering(session, topic, Action.RECEIVE)
+
+    async def _publish_retained_messages_for_subscription(self, subscription, session: Session) -> None:
+        topic_filter, qos = subscription
+        if all(s.client_id != session.client_id for s, _ in self.subscriptions.get(topic_filter, [])):
+            return  # another client's filter (amqtt walks them all when a session connects)
+        handler = self._get_handler(session)
+        if handler is None:
+            return
+        sends = [asyncio.ensure_future(handler.mqtt_publish(m.topic, m.data, min(qos, m.qos or qos), retain=True))
+                 for topic, m in list(self.retained_messages.items())
+                 if self._matches(topic, topic_filter) and await self._may_receive(session, topic)]
+        if sends:
+            await asyncio.wait(sends)
+
+    async def _publish_session_retained_messages(self, session: Session) -> None:
+        handler = self._get_handler(session)
+        sends = []
+        while handler is not None and not session.retained_messages.empty():
+            m = await session.retained_messages.get()
+            if await self._may_receive(session, m.topic):  # queued for this client id, maybe another user's
+                sends.append(asyncio.ensure_future(handler.mqtt_publish(m.topic, m.data, m.qos, retain=True)))
+        if sends:
+            await asyncio.wait(sends)
+
+
+class EmbeddedBroker:
+    """amqtt on ``host:port`` (port 0: the OS picks), on a thread of its own. ``start()`` returns
+    the port it listens on once it accepts connections; ``stop()`` closes every connection."""
+
+    def __init__(self, store: DeviceStore, host: str, port: int, control_plane: tuple[str, str], retained_db: Path):
+        self.store, self.host, self.port = store, host, port
+        self.control_plane = control_plane
+        self._db = sqlite3.connect(retained_db, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("CREATE TABLE IF NOT EXISTS retained (topic TEXT PRIMARY KEY, payload BLOB NOT NULL, "
+                         "qos INTEGER NOT NULL)")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="embedded-mqtt-broker", daemon=True)
+        self._broker: _FleetAMQTT | None = None
+
+    def start(self) -> int:
+        for name in ("amqtt", "transitions"):  # they log every connection and state change at INFO
+            if logging.getLogger(name).level == logging.NOTSET:
+                logging.getLogger(name).setLevel(logging.WARNING)
+        self._thread.start()
+        try:
+            self.port = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
+        except BaseException:
+            self.stop()
+            raise
+        return self.port
+
+    async def _start(self) -> int:
+        bind = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        config = {"listeners": {"default": {"type": "tcp", "bind": bind}},
+                  "plugins": {f"{__name__}.FleetAccessPlugin": {"store": self.store,
+                                                                  "control_plane": self.control_plane}}}
+        self._broker = _FleetAMQTT(config, self._db)
+        await self._broker.start()
+        return self._broker._servers["default"].instance.sockets[0].getsockname()[1]
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            if self._broker is not None and self._broker.transitions.state == "started":
+                asyncio.run_coroutine_threadsafe(self._broker.shutdown(), self._loop).result(timeout=30)
+            asyncio.run_coroutine_threadsafe(self._loop.shutdown_default_executor(), self._loop).result(timeout=10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+        if not self._loop.is_closed() and not self._loop.is_running():
+            self._loop.close()
+        self._db.close()

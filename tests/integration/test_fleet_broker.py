@@ -1,0 +1,239 @@
+"""The fleet's own broker (model_distribution/broker.py), each test run against Mosquitto and
+against the embedded amqtt one: the control plane's publisher and devices with their enrolled
+secrets converge on an assigned version; a device reads and writes only its own topics; wrong,
+unknown and anonymous logins are refused; a device enrolled after the start connects; retained
+desired state reaches a device that connects later, also after the broker restarted."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import paho.mqtt.client as mqtt
+import pytest
+
+from model_distribution.broker import FleetBroker, find_mosquitto
+from model_distribution.devices import DeviceStore
+from model_distribution.fleet_cli import control_plane_credentials
+from model_distribution.registry import Registry
+from model_distribution.signing import Repository
+from model_distribution.state_sync import DesiredPublisher, DeviceStateClient, topic
+from tests.unit.sync.test_mqtt import wait_until
+from tests.unit.test_registry import make_gguf
+
+DEVICES = ("k0", "k1", "k2")
+
+
+class Client:
+    """A plain paho client that records what it receives and how the broker answered its CONNECT."""
+
+    def __init__(self, port: int, client_id: str, user: str | None, password: str | None, clean: bool = True,
+                 will: str | None = None):
+        self.got: list[tuple[str, bytes]] = []
+        self.reasons: list = []
+        self._lock = threading.Lock()
+        self.c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=clean,
+                             protocol=mqtt.MQTTv311)
+        if user is not None:
+            self.c.username_pw_set(user, password)
+        if will is not None:
+            self.c.will_set(will, b"offline", qos=1)
+        self.c.on_connect = lambda c, u, flags, reason, props: self.reasons.append(reason)
+        self.c.on_message = self._on_message
+        self.c.connect("127.0.0.1", port)
+        self.c.loop_start()
+        wait_until(lambda: self.reasons, f"the broker's answer to {client_id}")
+
+    def _on_message(self, client, userdata, message) -> None:
+        with self._lock:
+            self.got.append((message.topic, message.payload))
+
+    @property
+    def accepted(self) -> bool:
+        return not self.reasons[0].is_failure
+
+    def received(self) -> list[tuple[str, bytes]]:
+        with self._lock:
+            return list(self.got)
+
+    def subscribe(self, *filters: str) -> None:
+        done = threading.Event()
+        self.c.on_subscribe = lambda *a: done.set()
+        self.c.subscribe([(f, 1) for f in filters])
+        assert done.wait(5), "no SUBACK"
+
+    def publish(self, t: str, body: bytes, retain: bool = False) -> None:
+        self.c.publish(t, body, qos=1, retain=retain).wait_for_publish(5)
+
+    def drop(self) -> None:
+        """Lose the connection without a DISCONNECT: the broker sends the last will."""
+        self.c.loop_stop()
+        self.c.socket().close()
+
+    def close(self) -> None:
+        self.c.disconnect()
+        self.c.loop_stop()
+
+
+class SimDevice:
+    """A device with its enrolled secret: applies what it is told (records it) and reports ACTIVE."""
+
+    def __init__(self, url: str, name: str, secret: str, public_key: bytes):
+        self.applied: list[dict] = []
+        self.lock = threading.Lock()
+        self.client = DeviceStateClient(url, "default", name, public_key, self.apply, password=secret)
+
+    def apply(self, payload: dict) -> None:
+        with self.lock:
+            self.applied.append(payload)
+        self.client.report({"model": f"{payload['model']}@{payload['version']}", "sha256": payload["sha256"],
+                            "state": "ACTIVE", "rev": payload["rev"]})
+
+    def sha256(self) -> str | None:
+        with self.lock:
+            return self.applied[-1]["sha256"] if self.applied else None
+
+
+@pytest.fixture(params=["mosquitto", "embedded"])
+def fleet(request, tmp_path):
+    if request.param == "mosquitto" and find_mosquitto() is None:
+        pytest.skip("needs mosquitto (apt-get install mosquitto)")
+    root = tmp_path / "fleet"
+    repo = Repository(root)
+    repo.init()
+    reg, store = Registry(root), DeviceStore(root)
+    v1, _ = reg.push(make_gguf(tmp_path / "a.gguf", 1.0), "tiny", "1.0.0")
+    secrets = {d: store.add(d, ["kiosks"]) for d in DEVICES}
+    user, secret = control_plane_credentials(repo.keys_dir)
+    broker = FleetBroker(root, port=0, credentials=(user, secret), prefer=request.param)
+    url = broker.start()
+    assert broker.kind == request.param
+    opened: list = []
+
+    def client(name, password, client_id=None, clean=True, will=None):
+        c = Client(broker.port, client_id or f"t-{name}-{len(opened)}", name, password, clean, will)
+        opened.append(c)
+        return c
+
+    def publisher():
+        pub = DesiredPublisher(reg, store, repo.desired_key(), url, poll_s=0.1, username=user, password=secret)
+        opened.append(pub)
+        pub.start()
+        return pub
+
+    def device(name):
+        d = SimDevice(url, name, secrets[name], repo.desired_public_key())
+        opened.append(d.client)
+        return d
+
+    yield {"broker": broker, "url": url, "store": store, "v1": v1, "secrets": secrets, "plane": (user, secret),
+           "client": client, "publisher": publisher, "device": device}
+    for c in opened:
+        c.stop() if hasattr(c, "stop") else c.close()
+    broker.stop()
+    reg.close()
+    store.close()
+
+
+def test_devices_with_their_secrets_converge_on_the_assigned_version(fleet):
+    fleet["publisher"]()
+    devices = [fleet["device"](d) for d in DEVICES]
+    for d in devices:
+        d.client.start()
+    wait_until(lambda: all(d.client.connected.is_set() for d in devices), "devices connected")
+    fleet["store"].assign(fleet["v1"], group="kiosks")
+    wait_until(lambda: all(d.sha256() == fleet["v1"].sha256 for d in devices), "every device active on 1.0.0")
+    wait_until(lambda: all((d.reported or {}).get("state") == "ACTIVE" for d in fleet["store"].list()),
+               "the control plane stored every device's reported state")
+
+
+def test_a_device_cannot_write_another_devices_state_nor_any_desired_state(fleet):
+    plane = fleet["client"](*fleet["plane"])
+    plane.subscribe("cascade/v1/#")
+    k1 = fleet["client"]("k1", fleet["secrets"]["k1"])
+    for t, body in [(topic("default", "k2", "reported"), b"forged"), (topic("default", "k2", "desired"), b"forged"),
+                    (topic("default", "k1", "desired"), b"self-desired"),
+                    (topic("default", "k1", "reported"), b"own")]:
+        k1.publish(t, body, retain=True)
+    wait_until(lambda: (topic("default", "k1", "reported"), b"own") in plane.received(), "k1's own report")
+    time.sleep(0.3)
+    assert plane.received() == [(topic("default", "k1", "reported"), b"own")]
+    late = fleet["client"](*fleet["plane"])  # nothing forged was retained either
+    late.subscribe("cascade/v1/#")
+    wait_until(lambda: late.received(), "the retained report")
+    time.sleep(0.3)
+    assert late.received() == [(topic("default", "k1", "reported"), b"own")]
+
+
+def test_a_device_receives_nothing_of_another_devices_topics(fleet):
+    plane = fleet["client"](*fleet["plane"])
+    plane.subscribe("cascade/v1/+/devices/+/reported")  # a filter that also covers other devices' topics
+    for d in ("k1", "k2"):
+        plane.publish(topic("default", d, "desired"), f"desired-{d}".encode(), retain=True)
+    k2 = fleet["client"]("k2", fleet["secrets"]["k2"])
+    k2.publish(topic("default", "k2", "reported"), b"reported-k2", retain=True)
+    wait_until(lambda: (topic("default", "k2", "reported"), b"reported-k2") in plane.received(), "k2's report")
+    k1 = fleet["client"]("k1", fleet["secrets"]["k1"], client_id="k1-persistent", clean=False)
+    k1.c.subscribe([(topic("default", "k1", "desired"), 1), (topic("default", "k2", "desired"), 1),
+                    ("cascade/v1/default/devices/+/desired", 1), ("cascade/v1/#", 1)])
+    wait_until(lambda: k1.received(), "k1's own retained desired state")
+    plane.publish(topic("default", "k2", "desired"), b"desired-k2-again", retain=True)
+    plane.publish(topic("default", "k1", "desired"), b"desired-k1-again", retain=True)
+    wait_until(lambda: (topic("default", "k1", "desired"), b"desired-k1-again") in k1.received(), "k1's new one")
+    k1.close()  # a persistent session connecting again gets nothing of others either
+    k1 = fleet["client"]("k1", fleet["secrets"]["k1"], client_id="k1-persistent", clean=False)
+    time.sleep(0.5)
+    assert {t for t, _ in k1.received()} <= {topic("default", "k1", "desired")}
+
+
+def test_a_devices_last_will_reaches_only_its_own_status_topic(fleet):
+    plane = fleet["client"](*fleet["plane"])
+    plane.subscribe("cascade/v1/#")
+    forger = fleet["client"]("k1", fleet["secrets"]["k1"], will=topic("default", "k2", "status"))
+    own = fleet["client"]("k1", fleet["secrets"]["k1"], will=topic("default", "k1", "status"))
+    for c in (forger, own):
+        if c.accepted:  # the embedded broker refuses the forger's CONNECT; Mosquitto drops its will
+            c.drop()
+    wait_until(lambda: (topic("default", "k1", "status"), b"offline") in plane.received(), "k1's own last will")
+    time.sleep(0.3)
+    assert plane.received() == [(topic("default", "k1", "status"), b"offline")]
+
+
+def test_a_wrong_secret_an_unknown_user_and_an_anonymous_client_are_refused(fleet):
+    user, secret = fleet["plane"]
+    for name, password in [("k1", "wrong"), ("k1", fleet["secrets"]["k2"]), ("nobody", "x"), (user, "wrong"),
+                           (None, None), ("k1", None)]:
+        c = fleet["client"](name, password)
+        assert not c.accepted, (name, password)
+        assert c.reasons[0] == "Not authorized"
+    assert fleet["client"]("k1", fleet["secrets"]["k1"]).accepted
+    assert fleet["client"](user, secret).accepted
+
+
+def test_a_device_enrolled_after_the_start_connects(fleet):
+    plane = fleet["client"](*fleet["plane"])
+    plane.subscribe("cascade/v1/+/devices/+/reported")
+    secret = fleet["store"].add("k9", ["kiosks"])
+    fleet["broker"].refresh()  # Mosquitto rereads its files; the embedded broker asks the store anyway
+    k9 = fleet["client"]("k9", secret)
+    assert k9.accepted
+    k9.publish(topic("default", "k9", "reported"), b"hello")
+    wait_until(lambda: (topic("default", "k9", "reported"), b"hello") in plane.received(), "k9's report")
+
+
+def test_retained_desired_state_reaches_a_device_that_connects_later_even_after_a_broker_restart(fleet):
+    pub = fleet["publisher"]()
+    store = fleet["store"]
+    store.assign(fleet["v1"], device_id="k0")
+    store.assign(fleet["v1"], device_id="k1")
+    wait_until(lambda: pub._published.get("k0") == 1 and pub._published.get("k1") == 1, "both published")
+    k0 = fleet["device"]("k0")
+    k0.client.start()
+    wait_until(lambda: k0.sha256() == fleet["v1"].sha256, "k0, connecting after the assignment, active")
+    pub.stop()  # nobody publishes again from here on: k1 can get it only from the broker's retained store
+    time.sleep(0.3)
+    fleet["broker"].stop()
+    fleet["broker"].start()
+    k1 = fleet["device"]("k1")
+    k1.client.start()
+    wait_until(lambda: k1.sha256() == fleet["v1"].sha256, "k1, connecting after the restart, active")
