@@ -19,7 +19,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 def _edge_overrides(args) -> dict:
     return {
-        "server": {"host": args.host, "port": args.port, "api_key": args.api_key},
+        "server": {"host": args.host, "port": args.port, "api_key": args.api_key, "log_format": args.log_format},
         "model": {"name": args.model, "n_ctx": args.n_ctx, "threads": args.threads,
                   "threads_batch": args.threads_batch, "parallel": args.parallel},
         "queue": {"max_waiting": args.max_waiting},
@@ -42,14 +42,68 @@ def _edge_config_path(args) -> str | None:
 def cmd_edge_run(args) -> int:
     from cascade.config import ConfigError
     from edge_agent import daemon
-    from edge_agent.config import EdgeConfig
+    from edge_agent.server.reload import ConfigSource
     from model_distribution.catalog import ModelNotFound
 
+    source = ConfigSource(_edge_config_path(args), _edge_overrides(args))  # SIGHUP reads it the same way
     try:
-        daemon.run(EdgeConfig.load(_edge_config_path(args), _edge_overrides(args)))
+        daemon.run(source.load(), source)
     except (ConfigError, ModelNotFound) as e:
         print(f"cascade: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _cascade_executable() -> list[str]:
+    """The command that runs ``cascade`` here: the console script next to this interpreter, else
+    the one on PATH, else this interpreter with ``-m cascade_cli``; absolute either way."""
+    import shutil
+    from pathlib import Path
+
+    script = Path(sys.executable).parent / "cascade"
+    if script.is_file() and os.access(script, os.X_OK):
+        return [os.path.abspath(script)]
+    found = shutil.which("cascade")
+    return [os.path.abspath(found)] if found else [os.path.abspath(sys.executable), "-m", "cascade_cli"]
+
+
+def cmd_edge_install_service(args) -> int:
+    from pathlib import Path
+
+    from cascade.config import ConfigError
+    from edge_agent.config import EdgeConfig, ServerConfig
+    from edge_agent.service_unit import ServiceSpec, next_steps, unit_text
+
+    command = [args.exec] if args.exec else [args.python, "-m", "cascade_cli"] if args.python else _cascade_executable()
+    config_exists = Path(args.config).is_file()
+    try:
+        # the stop timeout must outlast the drain the config asks for (the file alone: the
+        # service does not inherit this shell's environment)
+        drain = EdgeConfig.load(args.config, environ={}).server.drain_timeout_s if config_exists else \
+            ServerConfig().drain_timeout_s
+        spec = ServiceSpec(command, args.config, args.user, args.group or "", args.state_dir, drain, args.watchdog_sec)
+    except (ConfigError, ValueError) as e:
+        print(f"cascade: {e}", file=sys.stderr)
+        return 2
+    if not (os.path.isfile(command[0]) and os.access(command[0], os.X_OK)):
+        print(f"cascade: {command[0]} is not an executable file (--exec or --python)", file=sys.stderr)
+        return 2
+    text = unit_text(spec)
+    if args.output == "-":
+        sys.stdout.write(text)
+        out = sys.stderr  # the unit alone on standard output
+    else:
+        try:
+            Path(args.output).write_text(text)
+        except OSError as e:
+            print(f"cascade: cannot write {args.output}: {e.strerror} (as root, or --output - to print it)",
+                  file=sys.stderr)
+            return 1
+        print(f"wrote {args.output}")
+        out = sys.stdout
+    print("next:", file=out)
+    for step in next_steps(spec, args.output, config_exists):
+        print(f"  {step}", file=out)
     return 0
 
 
@@ -201,7 +255,25 @@ def build_parser() -> argparse.ArgumentParser:
                                                   f"(default: {edge_model.parallel})")
     run.add_argument("--max-waiting", type=int, help=f"requests waiting for a slot before 429 "
                                                      f"(default: {edge_queue.max_waiting})")
+    run.add_argument("--log-format", choices=["text", "json"],
+                     help=f"logs on standard output: text, or one JSON object per line (default: "
+                          f"{edge_srv.log_format}; text lines carry no timestamp under systemd's journal)")
     run.set_defaults(func=cmd_edge_run)
+
+    from edge_agent.service_unit import DEFAULT_UNIT_PATH
+
+    svc = _parser(edge, "install-service", "write a systemd unit that runs `cascade edge run` as a service "
+                                           "(Type=notify, watchdog, reload on SIGHUP, draining stop)")
+    svc.add_argument("--user", default="cascade", help="the unprivileged user it runs as")
+    svc.add_argument("--group", help="its group (default: the user's name)")
+    svc.add_argument("--state-dir", default="/var/lib/cascade", help="its $CASCADE_HOME, the one writable directory")
+    svc.add_argument("--config", default="/etc/cascade/edge.toml", help="the edge.toml it runs with")
+    svc.add_argument("--output", default=DEFAULT_UNIT_PATH, help="where to write the unit; - prints it")
+    how = svc.add_mutually_exclusive_group()
+    how.add_argument("--exec", help="the cascade executable (default: the one next to this Python, else on PATH)")
+    how.add_argument("--python", help="an interpreter to run `-m cascade_cli` with, instead of --exec")
+    svc.add_argument("--watchdog-sec", type=int, default=30, help="WatchdogSec: restart when pings stop this long")
+    svc.set_defaults(func=cmd_edge_install_service)
 
     from edge_agent.queue_cli import add_queue_parser
 

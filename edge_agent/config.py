@@ -16,12 +16,18 @@ class ServerConfig:
     api_key: str = ""  # when set, the local API needs "Authorization: Bearer <api_key>"
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     log_level: str = "info"
+    log_format: str = "text"  # text | json (one object per line); under systemd, text lines carry no timestamp
+    drain_timeout_s: float = 30.0  # on SIGTERM, in-flight requests (streams too) get this long to finish
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
+        if not 0 <= self.drain_timeout_s <= 3600:
+            raise ValueError(f"drain_timeout_s must be in 0..3600, got {self.drain_timeout_s}")
 
 
 @dataclass

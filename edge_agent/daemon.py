@@ -1,26 +1,144 @@
-"""``cascade edge run``: serve the edge agent's API with uvicorn until stopped."""
+"""``cascade edge run``: serve the edge agent's API with uvicorn until stopped, as a service.
+
+Under systemd (``Type=notify``, see edge_agent/service_unit.py) it says ``READY=1`` once the
+model is loaded and the port listens, pings the watchdog from the event loop, and says
+``STOPPING=1`` at SIGTERM. SIGTERM drains: no new connections, in-flight requests (streams too)
+get ``[server] drain_timeout_s`` to finish, then the offline queue is closed and the process
+exits 0. SIGHUP reloads the configuration (edge_agent/server/reload.py). Logs go to standard
+output, as text or one JSON object per line."""
 
 from __future__ import annotations
 
+import asyncio
+import datetime
+import json
 import logging
+import os
+import signal
+import sys
 
-from edge_agent.config import EdgeConfig
+from edge_agent.config import EdgeConfig, ServerConfig
+from edge_agent.sd_notify import Notifier
+from edge_agent.server.reload import ConfigSource, hold_sighup
 
 log = logging.getLogger(__name__)
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# LogRecord's own attributes: whatever else a record carries came as ``extra=`` and goes into the JSON
+_RECORD_FIELDS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "color_message"}
+_SYSLOG = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
 
 
-def run(config: EdgeConfig) -> None:
-    """Serve until stopped. Raises ModelNotFound before binding if the model is not here."""
+class JSONFormatter(logging.Formatter):
+    """One JSON object per line: ts (UTC, ISO 8601), level, logger, msg, the record's extra
+    fields, and exc (the traceback) when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(timespec="milliseconds"),
+               "level": record.levelname, "logger": record.name, "msg": record.getMessage()}
+        out.update({k: v for k, v in vars(record).items() if k not in _RECORD_FIELDS and k not in out})
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+class JournalFormatter(logging.Formatter):
+    """Plain lines for journald: no timestamp (the journal stamps each line), the level as the
+    ``<N>`` syslog prefix journald turns into the entry's priority."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"<{_SYSLOG.get(record.levelno, 6)}>{record.name}: {super().format(record)}"
+
+
+def under_journal(environ=os.environ, stream=sys.stdout) -> bool:
+    """Whether ``stream`` is the journal's: ``$JOURNAL_STREAM`` names its device and inode."""
+    want = environ.get("JOURNAL_STREAM", "")
+    try:
+        st = os.fstat(stream.fileno())
+    except (OSError, ValueError, AttributeError):
+        return False
+    return bool(want) and want == f"{st.st_dev}:{st.st_ino}"
+
+
+def formatter(log_format: str, journal: bool) -> logging.Formatter:
+    if log_format == "json":
+        return JSONFormatter()
+    return JournalFormatter() if journal else logging.Formatter(TEXT_FORMAT)
+
+
+def setup_logging(server: ServerConfig) -> None:
+    """The root logger writes to standard output in ``[server] log_format``; uvicorn's loggers
+    go through it (uvicorn is given no logging config of its own)."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(formatter(server.log_format, under_journal()))
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(handler)
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, speaking to the service manager. SIGTERM (or Ctrl-C) drains and the
+        process exits 0: uvicorn would re-raise the signal once it has shut down, which makes a
+        clean stop look like death by signal (143)."""
+
+        def __init__(self, config: uvicorn.Config, notifier: Notifier, serving: str):
+            super().__init__(config)
+            self.notifier, self.serving = notifier, serving
+            self._watchdog: asyncio.Task | None = None
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)  # the lifespan (the model loads), then the port listens
+            if self.started and not self.should_exit:
+                self.notifier.notify(READY=1, STATUS=f"serving {self.serving}")
+                if self.notifier.watchdog_s is not None:
+                    self._watchdog = asyncio.create_task(self.notifier.watchdog(), name="watchdog")
+
+        async def shutdown(self, sockets=None) -> None:
+            try:
+                await super().shutdown(sockets)  # drain, then the lifespan's end (the queue closes)
+            finally:
+                if self._watchdog is not None:
+                    self._watchdog.cancel()
+
+        def handle_exit(self, sig: int, frame) -> None:
+            if self.should_exit:
+                self.force_exit = self.force_exit or sig == signal.SIGINT  # a second Ctrl-C: stop now
+                return
+            self.should_exit = True
+            n = len(self.server_state.tasks)
+            drain = self.config.timeout_graceful_shutdown
+            log.info("%s: draining %d request(s), for up to %.0f s", signal.Signals(sig).name, n, drain)
+            self.notifier.notify(STOPPING=1, STATUS=f"draining {n} request(s), up to {drain:.0f} s")
+
+    return Server
+
+
+def run(config: EdgeConfig, source: ConfigSource | None = None) -> None:
+    """Serve until stopped. Raises ModelNotFound before binding if the model is not here.
+    ``source`` is where ``config`` came from: SIGHUP reads it again."""
     import uvicorn
 
     from cascade.config import cascade_home
     from edge_agent.server.app import build_app
     from model_distribution.catalog import Catalog
 
+    setup_logging(config.server)
     catalog = Catalog(cascade_home(), config.model.search_paths)
     catalog.get(config.model.name)  # fail fast, with the models that are here named
-    app = build_app(config, catalog)
-    log.info("edge agent on http://%s:%d (model %s)", config.server.host, config.server.port,
-             config.model.name)
-    uvicorn.run(app, host=config.server.host, port=config.server.port,
-                log_level=config.server.log_level, timeout_graceful_shutdown=5)
+    app = build_app(config, catalog, source)
+    s = config.server
+    serving = f"{config.model.name} on http://{s.host}:{s.port}"
+    notifier = Notifier()
+    notifier.notify(STATUS=f"loading {config.model.name}")
+    log.info("edge agent on http://%s:%d (model %s)", s.host, s.port, config.model.name)
+    uv = uvicorn.Config(app, host=s.host, port=s.port, log_level=s.log_level, log_config=None,
+                        timeout_graceful_shutdown=s.drain_timeout_s)
+    hold_sighup()  # the lifespan installs the reload handler once the agent serves
+    try:
+        _server_class()(uv, notifier, serving).run()
+    finally:
+        notifier.notify(STATUS="stopped")
+        notifier.close()

@@ -22,6 +22,7 @@ from edge_agent.config import EdgeConfig
 from edge_agent.server.escalation import Escalator
 from edge_agent.server.metrics import EdgeMetrics
 from edge_agent.server.outbox import Outbox
+from edge_agent.server.reload import ConfigSource, Reloader
 from edge_agent.server.routes import ops, v1
 from edge_agent.server.service import EdgeService
 from edge_agent.server.telemetry import spool_forever
@@ -106,7 +107,8 @@ def start_telemetry(config: EdgeConfig, svc: EdgeService, outbox: Outbox):
     return publisher, spool
 
 
-def build_app(config: EdgeConfig, catalog: Catalog | None = None) -> FastAPI:
+def build_app(config: EdgeConfig, catalog: Catalog | None = None, source: ConfigSource | None = None) -> FastAPI:
+    """``source``: where ``config`` was read from; with it, SIGHUP reloads it (edge_agent/server/reload.py)."""
     catalog = catalog or Catalog(cascade_home(), config.model.search_paths)
 
     @asynccontextmanager
@@ -140,17 +142,20 @@ def build_app(config: EdgeConfig, catalog: Catalog | None = None) -> FastAPI:
                 apply_calibration(app.state.escalator, fleet_version[0])
             follower = FleetFollower(config, svc, app.state.escalator, asyncio.get_running_loop())
             follower.start()
+        reloader = Reloader(source, config, app.state.escalator, outbox).install() if source else None
         try:
             yield
         finally:
+            if reloader is not None:
+                await reloader.close()
             if follower is not None:
                 follower.stop()
             if spool is not None:
                 spool.cancel()
                 await asyncio.to_thread(publisher.stop)
             await outbox.close()
-            if upstream is not None:
-                await upstream.close()
+            if app.state.escalator.upstream is not None:  # the one a reload swapped in, if any
+                await app.state.escalator.upstream.close()
             svc.close()
 
     return build_openai_app("cascade edge agent", lifespan, config, "edge", ops, v1)

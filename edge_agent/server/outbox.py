@@ -75,6 +75,14 @@ class Outbox:
         if self.loop is not None:
             self._task = asyncio.create_task(self.loop.run(), name="delivery")
 
+    def use_upstream(self, upstream: Upstream) -> None:
+        """A reload's new cloud client: the next delivery round sends through it (a round under
+        way finishes on the old one). Only between two clients: with none, there is no loop."""
+        self.upstream = upstream
+        if self.loop is not None:
+            self.loop.send, self.loop.probe, self.loop.breaker = upstream.deliver, upstream.probe, upstream.breaker
+            self.loop.notify()
+
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
