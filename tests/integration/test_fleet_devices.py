@@ -40,13 +40,6 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def device_config(name: str, plane, secret: str) -> DeviceConfig:
-    # the control plane's device endpoints gain HTTP Basic device_id:secret; pass the secret once
-    # DeviceConfig has the field
-    extra = {"secret": secret} if "secret" in {f.name for f in dataclasses.fields(DeviceConfig)} else {}
-    return DeviceConfig(name, plane.http, plane.root_json, plane.tmp / "devices" / name, **extra)
-
-
 class SimDevice:
     """One device: the real DeviceStateClient and DeviceUpdater, the updater on a thread of its
     own (as the agent's FleetFollower: paho's thread only hands the document over, and only the
@@ -60,7 +53,8 @@ class SimDevice:
         self.downloading = plane.downloading
         self.client = DeviceStateClient(plane.broker_url, "default", name, plane.public_key, self._desired, name,
                                         secret)
-        self.updater = DeviceUpdater(device_config(name, plane, secret), self._report, self._activate)
+        config = DeviceConfig(name, plane.http, plane.root_json, plane.tmp / "devices" / name, secret=secret)
+        self.updater = DeviceUpdater(config, self._report, self._activate)
         self.state_dir = self.updater.config.state_dir
         self._wanted: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._work, name=f"updater-{name}", daemon=True)
