@@ -150,6 +150,8 @@ class FleetSection:
     device_id: str = ""  # as enrolled (cascade fleet devices add); also the MQTT user
     secret: str = ""  # the credentials `devices add` printed
     control_plane: str = ""  # http://host:8090 (or a mirror of /v1/tuf and /v1/artifacts)
+    artifact_url: str = ""  # a mirror (CDN, static store) of /v1/artifacts ("": the control plane's)
+    metadata_url: str = ""  # a mirror of /v1/tuf ("": the control plane's); mirrors get no secret
     trust_root: str = ""  # the provisioned 1.root.json
     desired_key: str = ""  # the control plane's desired-state public key (hex file, `cascade fleet keys init`)
     state_dir: str = ""  # staging and installed versions ("": $CASCADE_HOME/edge/fleet)

@@ -1,33 +1,52 @@
-"""``cascade fleet serve``: the control plane's HTTP side (the MQTT side comes with the device
-client). It serves what devices fetch and verify themselves, so any static HTTP store or CDN
-can mirror it: the artifacts by sha256 (``GET /v1/artifacts/{sha256}``, HTTP Range, ETag = the
-digest) and the signed TUF metadata (``GET /v1/tuf/{file}``); and, behind the admin key, the
-registry (``GET /v1/fleet/models``). Configuration: ``fleet.toml`` / ``CASCADE_FLEET_<SECTION>_<KEY>``.
+"""``cascade fleet serve``: the control plane's HTTP side (the MQTT side is state_sync.py).
+
+    device endpoints (HTTP Basic device_id:secret of an enrolled device, or the admin key)
+      GET  /v1/artifacts/{sha256}          an artifact, HTTP Range, ETag = the digest
+      GET  /v1/tuf/{file}                  the signed TUF metadata
+      GET  /v1/devices/{device}/desired    its signed desired document (the retained MQTT message)
+      POST /v1/devices/{device}/reported   its reported state (as on MQTT)
+    admin endpoints (bearer [server] admin_key; with none set, loopback callers only)
+      GET  /v1/fleet/models[?name=]   POST /v1/fleet/models?name=&version=  (the file is the body)
+      GET  /v1/fleet/devices[?group=] POST /v1/fleet/devices   POST /v1/fleet/assign
+
+Devices verify every artifact and metadata file themselves, so a mirror or CDN may serve the
+first two from a copy; ``[server] public_downloads = true`` opens them here too (no credentials).
+A device may read and write only its own ``/v1/devices/{device}/...``. The admin endpoints run
+the operations the local ``cascade fleet`` commands run (operations.py). Configuration:
+``fleet.toml`` / ``CASCADE_FLEET_<SECTION>_<KEY>``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
+from pydantic import BaseModel, ConfigDict
+from starlette.requests import ClientDisconnect
 
 from cascade import errors
 from cascade.config import cascade_home, load_config
-from cascade.web import build_openai_app
+from cascade.web import build_openai_app, parse_body, read_json
+from cascade.web.openapi import body
 from cascade.web.requests import bearer_matches
+from model_distribution import operations
+from model_distribution.credentials import DeviceCredentials, basic_credentials
 from model_distribution.devices import DeviceStore
-from model_distribution.registry import Registry
+from model_distribution.registry import Registry, RegistryError, check_names
 from model_distribution.signing import Repository, SigningError
-from model_distribution.state_sync import DesiredPublisher
+from model_distribution.state_sync import DesiredDocuments, DesiredPublisher
 
 log = logging.getLogger(__name__)
 _TUF_FILE = re.compile(r"(?:\d+\.(?:root|targets|snapshot)|timestamp)\.json")
+_REPORT_LIMIT = 64 << 10
 
 
 @dataclass
@@ -35,11 +54,15 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8090
     admin_key: str = ""  # bearer key of the operator's endpoints ("" leaves them to loopback callers only)
+    public_downloads: bool = False  # /v1/artifacts and /v1/tuf without credentials (a mirror or CDN in front)
+    credential_cache_s: float = 60.0  # a verified device secret is not checked again (scrypt) for this long
     timestamp_refresh_s: float = 3600.0  # re-sign the TUF timestamp this often (it expires after a day)
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.credential_cache_s < 0:
+            raise ValueError("credential_cache_s must be >= 0")
 
 
 @dataclass
@@ -69,32 +92,27 @@ class FleetConfig:
         return Path(self.state.path).expanduser() if self.state.path else cascade_home() / "fleet"
 
 
+class EnrolRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    device: str
+    groups: list[str] = []
+    fleet: str = "default"
+
+
+class AssignRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str  # name@version
+    device: str | None = None
+    group: str | None = None
+
+
 ops = APIRouter()
 files = APIRouter(prefix="/v1")
+device_api = APIRouter(prefix="/v1/devices")
 admin = APIRouter(prefix="/v1/fleet")
 
 
-@files.get("/artifacts/{sha256}")
-async def artifact(request: Request, sha256: str):
-    """An artifact by its digest: Range requests resume a download; the ETag is the digest."""
-    if not re.fullmatch(r"[0-9a-f]{64}", sha256):
-        raise errors.bad_request("an artifact is named by its sha256: 64 lowercase hex digits", "sha256")
-    path = request.app.state.registry.artifact_path(sha256)
-    if not path.is_file():
-        raise errors.APIError(404, f"no artifact {sha256}", "invalid_request_error", "sha256", "artifact_not_found")
-    return FileResponse(path, media_type="application/octet-stream",
-                        headers={"ETag": f'"{sha256}"', "Cache-Control": "public, max-age=31536000, immutable"})
-
-
-@files.get("/tuf/{name}")
-async def tuf_metadata(request: Request, name: str):
-    if not _TUF_FILE.fullmatch(name):
-        raise errors.APIError(404, f"no metadata {name!r}", "invalid_request_error", None, "not_found")
-    path = request.app.state.repository.metadata_dir / name
-    if not path.is_file():
-        raise errors.APIError(404, f"no metadata {name!r}", "invalid_request_error", None, "not_found")
-    return FileResponse(path, media_type="application/json", headers={"Cache-Control": "no-cache"})
-
+# -- who is calling ----------------------------------------------------------------------------
 
 def _require_admin(request: Request) -> None:
     expected = request.app.state.config.server.admin_key
@@ -106,10 +124,185 @@ def _require_admin(request: Request) -> None:
                               "permission_error", None, "admin_key_required")
 
 
+async def _require_device(request: Request, device_id: str | None = None) -> None:
+    """The device endpoints: HTTP Basic ``device_id:secret`` of an enrolled device, which may use
+    only its own ``/v1/devices/{device}/...``; or the admin key as a bearer token."""
+    state = request.app.state
+    admin_key = state.config.server.admin_key
+    if admin_key and bearer_matches(request, admin_key):
+        return
+    pair = basic_credentials(request.headers.get("authorization", ""))
+    if pair is None or not (state.credentials.cached(*pair)
+                            or await asyncio.to_thread(state.credentials.verify, *pair)):
+        raise errors.APIError(401, "a device endpoint: send the device's enrolled credentials as HTTP Basic "
+                              "device_id:secret", "authentication_error", None, "invalid_credentials",
+                              {"WWW-Authenticate": 'Basic realm="cascade fleet", charset="UTF-8"'})
+    if device_id is not None and pair[0] != device_id:
+        raise errors.APIError(403, f"device {pair[0]!r} may use only its own /v1/devices/{pair[0]}/...",
+                              "permission_error", "device", "other_device")
+
+
+def _refused(e: RegistryError, upload: Path | None = None) -> errors.APIError:
+    """A refused operation as its HTTP error: 409 for what exists already, 404 for what does not, else 400."""
+    message = str(e) if upload is None else str(e).replace(str(upload), "the uploaded file")
+    if isinstance(e, (operations.ImmutableVersion, operations.Conflict)):
+        return errors.APIError(409, message, "invalid_request_error", None, "conflict")
+    if isinstance(e, operations.NotFound):
+        return errors.APIError(404, message, "invalid_request_error", None, "not_found")
+    return errors.bad_request(message, None, "invalid_value")
+
+
+# -- what devices fetch (and a mirror copies) --------------------------------------------------
+
+@files.get("/artifacts/{sha256}")
+async def artifact(request: Request, sha256: str):
+    """An artifact by its digest: Range requests resume a download; the ETag is the digest."""
+    public = request.app.state.config.server.public_downloads
+    if not public:
+        await _require_device(request)
+    if not re.fullmatch(r"[0-9a-f]{64}", sha256):
+        raise errors.bad_request("an artifact is named by its sha256: 64 lowercase hex digits", "sha256")
+    path = request.app.state.registry.artifact_path(sha256)
+    if not path.is_file():
+        raise errors.APIError(404, f"no artifact {sha256}", "invalid_request_error", "sha256", "artifact_not_found")
+    cache = "public" if public else "private"  # a shared cache must not hand credentialed bytes to anyone
+    return FileResponse(path, media_type="application/octet-stream",
+                        headers={"ETag": f'"{sha256}"', "Cache-Control": f"{cache}, max-age=31536000, immutable"})
+
+
+@files.get("/tuf/{name}")
+async def tuf_metadata(request: Request, name: str):
+    if not request.app.state.config.server.public_downloads:
+        await _require_device(request)
+    if not _TUF_FILE.fullmatch(name):
+        raise errors.APIError(404, f"no metadata {name!r}", "invalid_request_error", None, "not_found")
+    path = request.app.state.repository.metadata_dir / name
+    if not path.is_file():
+        raise errors.APIError(404, f"no metadata {name!r}", "invalid_request_error", None, "not_found")
+    return FileResponse(path, media_type="application/json", headers={"Cache-Control": "no-cache"})
+
+
+# -- a device's own state ----------------------------------------------------------------------
+
+@device_api.get("/{device}/desired")
+async def desired(request: Request, device: str):
+    """The device's signed desired document: the bytes the broker retains on its desired topic,
+    for a device whose broker is down. It verifies it as it verifies the MQTT message."""
+    await _require_device(request, device)
+    state = request.app.state
+    found = state.devices.get(device)
+    if found is None or found.desired is None:
+        raise errors.APIError(404, f"no desired state for {device!r} (cascade fleet assign)", "invalid_request_error",
+                              "device", "not_found")
+    try:
+        manifest = state.registry.resolve(found.desired)
+    except RegistryError as e:
+        raise _refused(operations.NotFound(str(e))) from e
+    return Response(state.documents.get(found, manifest), media_type="application/json",
+                    headers={"Cache-Control": "no-store"})
+
+
+@device_api.post("/{device}/reported", status_code=204)
+async def reported(request: Request, device: str):
+    """Record the device's reported state, as its retained reported message does over MQTT."""
+    await _require_device(request, device)
+    state = await read_json(request, _REPORT_LIMIT)
+    if request.app.state.devices.get(device) is None:
+        raise errors.APIError(404, f"no device {device!r} enrolled", "invalid_request_error", "device", "not_found")
+    request.app.state.devices.report(device, state)
+    return Response(status_code=204)
+
+
+# -- the operator's endpoints ------------------------------------------------------------------
+
 @admin.get("/models")
-async def models(request: Request):
+async def models(request: Request, name: str | None = None):
     _require_admin(request)
-    return {"object": "list", "data": [m.to_dict() for m in request.app.state.registry.models()]}
+    return {"object": "list", "data": [m.to_dict() for m in request.app.state.registry.models(name)]}
+
+
+@admin.post("/models")
+async def push(request: Request, name: str = "", version: str = "", min_agent_version: str = ""):
+    """Publish the request body (the model file, streamed to disk) as ``name@version``: 201 when
+    new, 200 when these bytes are published under it already, 409 for other bytes, 400 with the
+    reason for a bad file. ``X-Cascade-Calibration``: the ``[cascade]`` thresholds as JSON."""
+    _require_admin(request)
+    state = request.app.state
+    calibration = _calibration(request)
+    try:  # refused before gigabytes arrive
+        check_names(name, version, min_agent_version or None)
+    except RegistryError as e:
+        raise _refused(e) from e
+    uploads = state.config.root / "uploads"
+    uploads.mkdir(parents=True, exist_ok=True)
+    upload = uploads / f".push-{secrets.token_hex(8)}"
+    try:
+        await _receive(request, upload)
+        async with state.push_lock:  # signing writes new metadata versions: one push at a time
+            manifest, created = await asyncio.to_thread(operations.push, state.registry, state.repository, upload,
+                                                        name, version, calibration, min_agent_version or None)
+    except RegistryError as e:
+        raise _refused(e, upload) from e
+    except SigningError as e:
+        raise errors.APIError(500, f"cannot sign the target: {e}", "server_error") from e
+    finally:
+        upload.unlink(missing_ok=True)
+    return JSONResponse({**manifest.to_dict(), "created": created}, status_code=201 if created else 200)
+
+
+def _calibration(request: Request) -> dict | None:
+    raw = request.headers.get("x-cascade-calibration")
+    if raw is None:
+        return None
+    try:
+        table = json.loads(raw)
+    except ValueError as e:
+        raise errors.bad_request(f"X-Cascade-Calibration is not JSON: {e}", "X-Cascade-Calibration") from e
+    if not isinstance(table, dict):
+        raise errors.bad_request("X-Cascade-Calibration must be a JSON object (the [cascade] thresholds)",
+                                 "X-Cascade-Calibration")
+    return table
+
+
+async def _receive(request: Request, path: Path) -> None:
+    """The request body into ``path`` as it arrives: a model is gigabytes, never all in memory."""
+    try:
+        with open(path, "wb") as f:
+            async for chunk in request.stream():
+                f.write(chunk)
+    except ClientDisconnect as e:
+        raise errors.bad_request("the upload was cut off") from e
+
+
+@admin.get("/devices")
+async def devices(request: Request, group: str | None = None):
+    _require_admin(request)
+    found = request.app.state.devices.list(group=group, serving=True)
+    return {"object": "list", "data": [d.to_dict() for d in found]}
+
+
+@admin.post("/devices", status_code=201, openapi_extra=body(EnrolRequest))
+async def enrol(request: Request):
+    """Enrol a device: its credentials, shown this once."""
+    _require_admin(request)
+    req = parse_body(EnrolRequest, await read_json(request, _REPORT_LIMIT))
+    try:
+        return operations.enrol(request.app.state.devices, req.device, req.groups, req.fleet)
+    except RegistryError as e:
+        raise _refused(e) from e
+
+
+@admin.post("/assign", openapi_extra=body(AssignRequest))
+async def assign(request: Request):
+    """Set the desired version of one device or of every device of a group."""
+    _require_admin(request)
+    req = parse_body(AssignRequest, await read_json(request, _REPORT_LIMIT))
+    state = request.app.state
+    try:
+        manifest, changed = operations.assign(state.registry, state.devices, req.model, req.device, req.group)
+    except RegistryError as e:
+        raise _refused(e) from e
+    return {"model": manifest.ref, "sha256": manifest.sha256, "devices": [d.to_dict() for d in changed]}
 
 
 @ops.get("/healthz")
@@ -127,6 +320,10 @@ def build_app(config: FleetConfig):
     async def lifespan(app):
         app.state.registry = Registry(config.root)
         app.state.repository = repository
+        app.state.devices = DeviceStore(config.root)
+        # its own store: DeviceStore holds its lock across a scrypt check
+        app.state.credentials = DeviceCredentials(DeviceStore(config.root), config.server.credential_cache_s)
+        app.state.push_lock = asyncio.Lock()
         refresher = asyncio.create_task(_refresh_timestamp(repository, config.server.timestamp_refresh_s))
         publisher = None
         if config.mqtt.broker:
@@ -135,6 +332,8 @@ def build_app(config: FleetConfig):
                                          password=config.mqtt.password or None)
             publisher.start()
             log.info("desired state goes to %s", config.mqtt.broker)
+        # one signature per desired revision, shared with the publisher: HTTP and MQTT serve the same bytes
+        app.state.documents = publisher.documents if publisher else DesiredDocuments(repository.desired_key())
         try:
             yield
         finally:
@@ -142,8 +341,10 @@ def build_app(config: FleetConfig):
             if publisher is not None:
                 publisher.stop()
             app.state.registry.close()
+            app.state.devices.close()
+            app.state.credentials.store.close()
 
-    return build_openai_app("cascade fleet", lifespan, config, "fleet", ops, files, admin)
+    return build_openai_app("cascade fleet", lifespan, config, "fleet", ops, files, device_api, admin)
 
 
 async def _refresh_timestamp(repository: Repository, every_s: float) -> None:

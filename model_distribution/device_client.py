@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from model_distribution.download import DownloadError, fetch
 from model_distribution.registry import parse_semver
@@ -44,6 +45,15 @@ class DeviceConfig:
     agent_version: str = "0.0.0"
     disk_budget_bytes: int = 8 << 30
     keep_versions: int = 2  # the active one and the one before it
+    secret: str = ""  # its enrolled secret: HTTP Basic device:secret to the control plane ("": none sent)
+    artifact_url: str = ""  # a mirror of /v1/artifacts ("": the control plane's)
+    metadata_url: str = ""  # a mirror of /v1/tuf ("": the control plane's)
+
+    def auth_for(self, url: str) -> tuple[str, str] | None:
+        """The credentials to send to ``url``: only to the control plane itself, never to a
+        mirror (a CDN or static store needs none, and must not learn the secret)."""
+        same = urlsplit(url)[:2] == urlsplit(self.control_plane)[:2]
+        return (self.device, self.secret) if self.secret and same else None
 
 
 class DeviceUpdater:
@@ -73,8 +83,9 @@ class DeviceUpdater:
                 self._say({**base, "state": "ACTIVE", "model": ref, "sha256": desired["sha256"]})
                 return "ACTIVE"
             try:
-                info = verified_target(self.config.state_dir / "tuf", f"{self.config.control_plane}/v1/tuf/",
-                                       self.config.trusted_root, desired["model"], desired["version"])
+                tuf_url = self.config.metadata_url or f"{self.config.control_plane}/v1/tuf/"
+                info = verified_target(self.config.state_dir / "tuf", tuf_url, self.config.trusted_root,
+                                       desired["model"], desired["version"], self.config.auth_for(tuf_url))
             except Exception as e:  # any refusal of the metadata is a refusal of the version
                 return self._fail(base, "REJECTED", f"its signed metadata was refused: {e}")
             manifest = manifest_of(info)
@@ -86,7 +97,8 @@ class DeviceUpdater:
             path = self.models_dir / info.hashes["sha256"]
             if not path.exists():
                 self._say({**base, "state": "DOWNLOADING", "done": 0, "total": info.length})
-                url = f"{self.config.control_plane}/v1/artifacts/{info.hashes['sha256']}"
+                base_url = self.config.artifact_url or f"{self.config.control_plane}/v1/artifacts"
+                url = f"{base_url.rstrip('/')}/{info.hashes['sha256']}"
                 last = [0]
 
                 def progress(done: int, total: int) -> None:
@@ -97,7 +109,8 @@ class DeviceUpdater:
                         self._say({**base, "state": "VERIFYING"})
 
                 try:
-                    staged = fetch(url, self.staging / info.hashes["sha256"], info, progress=progress)
+                    staged = fetch(url, self.staging / info.hashes["sha256"], info, progress=progress,
+                                   auth=self.config.auth_for(url))
                 except DownloadError as e:
                     self.retry = True  # the network's fault: the follower tries again (from the bytes it has)
                     return self._fail(base, "FAILED", str(e))

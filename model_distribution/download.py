@@ -20,10 +20,11 @@ class DownloadError(Exception):
 
 
 def fetch(url: str, dest: Path | str, info: TargetFile, client: httpx.Client | None = None,
-          progress: Callable[[int, int], None] | None = None) -> Path:
+          progress: Callable[[int, int], None] | None = None, auth: tuple[str, str] | None = None) -> Path:
     """Download ``url`` to ``dest`` (resuming ``dest.part``), verify it against ``info``, and
-    move it into place. ``progress(done, total)`` after each chunk. DownloadError otherwise (a
-    file that fails verification is deleted: the next try starts over)."""
+    move it into place. ``progress(done, total)`` after each chunk; ``auth``: the device's
+    ``(device_id, secret)``, sent as HTTP Basic. DownloadError otherwise (a file that fails
+    verification is deleted: the next try starts over)."""
     dest = Path(dest)
     part = dest.with_name(dest.name + ".part")
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -35,7 +36,7 @@ def fetch(url: str, dest: Path | str, info: TargetFile, client: httpx.Client | N
             part.unlink()
             have = 0
         if have < info.length:
-            _get(client, url, part, have, info.length, progress)
+            _get(client, url, part, have, info.length, progress, auth)
         with open(part, "rb") as f:
             try:
                 info.verify_length_and_hashes(f)
@@ -50,10 +51,10 @@ def fetch(url: str, dest: Path | str, info: TargetFile, client: httpx.Client | N
 
 
 def _get(client: httpx.Client, url: str, part: Path, have: int, total: int,
-         progress: Callable[[int, int], None] | None) -> None:
+         progress: Callable[[int, int], None] | None, auth: tuple[str, str] | None) -> None:
     headers = {"Range": f"bytes={have}-"} if have else {}
     try:
-        with client.stream("GET", url, headers=headers) as r:
+        with client.stream("GET", url, headers=headers, auth=auth) as r:
             if r.status_code == 200 and have:  # the server ignored the range: start over
                 have = 0
             elif r.status_code not in (200, 206):

@@ -1,5 +1,7 @@
 """``cascade fleet``: the fleet operator's commands, on the control plane's state under
-``$CASCADE_HOME/fleet`` (whether or not ``cascade fleet serve`` runs).
+``$CASCADE_HOME/fleet`` (on its host, whether or not ``cascade fleet serve`` runs), or with
+``--url http://HOST:8090 [--admin-key K]`` (or $CASCADE_FLEET_URL, $CASCADE_FLEET_ADMIN_KEY) on
+a control plane elsewhere, over its admin API: the same operations (operations.py), the same output.
 
     cascade fleet serve [--port 8090] [--broker mqtt://127.0.0.1:1883]
     cascade fleet keys init
@@ -11,9 +13,12 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
+import os
 import sys
+from pathlib import Path
 
 
 def _registry():
@@ -37,8 +42,9 @@ def cmd_serve(args) -> int:
     overrides = {"server": {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}}
     if args.broker:
         overrides["mqtt"] = {"broker": args.broker}
+    environ = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV}
     try:
-        config = control_plane.FleetConfig.load(args.config, overrides)
+        config = control_plane.FleetConfig.load(args.config, overrides, environ)
     except ConfigError as e:
         print(f"cascade: {e}", file=sys.stderr)
         return 2
@@ -63,9 +69,15 @@ def cmd_keys_init(args) -> int:
 
 
 def cmd_push(args) -> int:
+    from model_distribution import operations
     from model_distribution.registry import RegistryError
     from model_distribution.signing import SigningError
 
+    remote = _remote(args)
+    if remote is not None:
+        _print_pushed(remote.push(args.path, args.name, args.version, args.calibration, args.min_agent_version),
+                      args.json)
+        return 0
     repo = _repository()
     if not repo.initialized:
         repo.init()
@@ -73,43 +85,53 @@ def cmd_push(args) -> int:
               file=sys.stderr)
     reg = _registry()
     try:
-        manifest, created = reg.push(args.path, args.name, args.version, args.calibration, args.min_agent_version)
-        if not repo.has_target(manifest.name, manifest.version):  # signed: what devices verify before install
-            repo.add_target(manifest.name, manifest.version, manifest.sha256, manifest.size, manifest.signable())
+        manifest, created = operations.push(reg, repo, args.path, args.name, args.version, args.calibration,
+                                            args.min_agent_version)
     except (RegistryError, SigningError) as e:
         print(f"cascade: {e}", file=sys.stderr)
         return 2
     finally:
         reg.close()
-    if args.json:
-        print(json.dumps({**manifest.to_dict(), "created": created}, indent=2))
-    elif created:
-        print(f"pushed {manifest.ref}: {manifest.format} {manifest.quantization}, {manifest.size} bytes, "
-              f"sha256 {manifest.sha256}")
-    else:
-        print(f"{manifest.ref} is already published with these bytes (sha256 {manifest.sha256}): nothing to do")
+    _print_pushed({**manifest.to_dict(), "created": created}, args.json)
     return 0
+
+
+def _print_pushed(pushed: dict, as_json: bool) -> None:
+    """A push's result (the manifest and ``created``), from the local registry or a remote one."""
+    if as_json:
+        print(json.dumps(pushed, indent=2))
+    elif pushed["created"]:
+        print(f"pushed {pushed['name']}@{pushed['version']}: {pushed['format']} {pushed['quantization']}, "
+              f"{pushed['size']} bytes, sha256 {pushed['sha256']}")
+    else:
+        print(f"{pushed['name']}@{pushed['version']} is already published with these bytes (sha256 "
+              f"{pushed['sha256']}): nothing to do")
 
 
 def cmd_models(args) -> int:
     from cascade.cli_help import print_table
     from cascade.units import format_size
 
-    reg = _registry()
-    try:
-        models = reg.models(args.name)
-    finally:
-        reg.close()
+    remote = _remote(args)
+    if remote is not None:
+        models = remote.call("GET", "/models", params={"name": args.name} if args.name else None)["data"]
+    else:
+        reg = _registry()
+        try:
+            models = [m.to_dict() for m in reg.models(args.name)]
+        finally:
+            reg.close()
     if args.json:
-        print(json.dumps([m.to_dict() for m in models], indent=2))
+        print(json.dumps(models, indent=2))
         return 0
     if not models:
         print("no models published (cascade fleet push ./model.gguf --name NAME --version 1.0.0)")
         return 0
     rows = [("NAME", "VERSION", "FORMAT", "QUANT", "SIZE", "SHA256", "PUSHED")]
     for m in models:
-        pushed = datetime.datetime.fromtimestamp(m.pushed_at, datetime.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
-        rows.append((m.name, m.version, m.format, m.quantization, format_size(m.size), m.sha256[:16], pushed))
+        pushed = datetime.datetime.fromtimestamp(m["pushed_at"], datetime.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+        rows.append((m["name"], m["version"], m["format"], m["quantization"], format_size(m["size"]),
+                     m["sha256"][:16], pushed))
     print_table(rows)
     return 0
 
@@ -123,69 +145,195 @@ def _devices():
 
 
 def cmd_devices_add(args) -> int:
+    from model_distribution import operations
     from model_distribution.registry import RegistryError
 
-    store = _devices()
-    try:
-        secret = store.add(args.device, args.group or [], args.fleet)
-    except RegistryError as e:
-        print(f"cascade: {e}", file=sys.stderr)
-        return 2
-    finally:
-        store.close()
-    creds = {"device": args.device, "fleet": args.fleet, "groups": args.group or [], "secret": secret}
+    remote = _remote(args)
+    if remote is not None:
+        creds = remote.call("POST", "/devices", json={"device": args.device, "groups": args.group or [],
+                                                      "fleet": args.fleet})
+    else:
+        store = _devices()
+        try:
+            creds = operations.enrol(store, args.device, args.group or [], args.fleet)
+        except RegistryError as e:
+            print(f"cascade: {e}", file=sys.stderr)
+            return 2
+        finally:
+            store.close()
     if args.json:
         print(json.dumps(creds, indent=2))
     else:
-        print(f"enrolled {args.device} (fleet {args.fleet}, groups {', '.join(args.group or []) or '-'}); its "
-              "credentials, shown once: put them in the device's edge.toml [fleet] section")
-        print(f"device_id = \"{args.device}\"\nsecret = \"{secret}\"")
+        print(f"enrolled {creds['device']} (fleet {creds['fleet']}, groups {', '.join(creds['groups']) or '-'}); "
+              "its credentials, shown once: put them in the device's edge.toml [fleet] section")
+        print(f"device_id = \"{creds['device']}\"\nsecret = \"{creds['secret']}\"")
     return 0
 
 
 def cmd_devices_list(args) -> int:
     from cascade.cli_help import print_table
 
-    store = _devices()
-    try:
-        devices = store.list(group=args.group, serving=True)
-    finally:
-        store.close()
+    remote = _remote(args)
+    if remote is not None:  # the same Device.to_dict() rows, from the control plane
+        devices = remote.call("GET", "/devices", params={"group": args.group} if args.group else None)["data"]
+    else:
+        store = _devices()
+        try:
+            devices = [d.to_dict() for d in store.list(group=args.group, serving=True)]
+        finally:
+            store.close()
     if args.json:
-        print(json.dumps([d.to_dict() for d in devices], indent=2))
+        print(json.dumps(devices, indent=2))
         return 0
     if not devices:
         print("no devices enrolled (cascade fleet devices add DEVICE --group GROUP)")
         return 0
     rows = [("DEVICE", "GROUPS", "DESIRED", "REPORTED", "STATE", "LAST SEEN")]
     for d in devices:
-        rep = d.reported or {}
-        seen = "-" if d.last_seen is None else datetime.datetime.fromtimestamp(
-            d.last_seen, datetime.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
-        rows.append((d.device_id, ",".join(d.groups) or "-", d.desired or "-", rep.get("model") or "-",
+        rep = d["reported"] or {}
+        seen = "-" if d["last_seen"] is None else datetime.datetime.fromtimestamp(
+            d["last_seen"], datetime.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+        rows.append((d["device"], ",".join(d["groups"]) or "-", d["desired"] or "-", rep.get("model") or "-",
                      rep.get("state") or "-", seen))
     print_table(rows)
     return 0
 
 
 def cmd_assign(args) -> int:
+    from model_distribution import operations
     from model_distribution.registry import RegistryError
 
     if (args.device is None) == (args.group is None):
         print("cascade: name one device or --group GROUP", file=sys.stderr)
         return 2
-    reg, store = _registry(), _devices()
-    try:
-        manifest = reg.resolve(args.version_ref)
-        changed = store.assign(manifest, device_id=args.device, group=args.group)
-    except RegistryError as e:
-        print(f"cascade: {e}", file=sys.stderr)
-        return 2
-    finally:
-        reg.close()
-        store.close()
-    print(f"desired {manifest.ref} for {len(changed)} device(s): {', '.join(d.device_id for d in changed)}")
+    remote = _remote(args)
+    if remote is not None:
+        done = remote.call("POST", "/assign", json={"model": args.version_ref, "device": args.device,
+                                                    "group": args.group})
+        ref, changed = done["model"], done["devices"]
+    else:
+        reg, store = _registry(), _devices()
+        try:
+            manifest, devices = operations.assign(reg, store, args.version_ref, args.device, args.group)
+            ref, changed = manifest.ref, [d.to_dict() for d in devices]
+        except RegistryError as e:
+            print(f"cascade: {e}", file=sys.stderr)
+            return 2
+        finally:
+            reg.close()
+            store.close()
+    print(f"desired {ref} for {len(changed)} device(s): {', '.join(d['device'] for d in changed)}")
     return 0
+
+
+# -- a remote control plane (--url) ------------------------------------------------------------
+
+CLIENT_ENV = ("CASCADE_FLEET_URL", "CASCADE_FLEET_ADMIN_KEY")  # the client's, not fleet.toml overrides
+
+
+class Refused(Exception):
+    """A remote call that did not go through: the message (one line) and the exit code (2: the
+    caller's, an unreachable control plane or a refused key; 1: the server failed)."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(" ".join(message.split()))
+        self.exit_code = exit_code
+
+
+class Remote:
+    """The admin API (``/v1/fleet``) of a control plane on another host: what the local commands
+    do, run there by the same operations."""
+
+    def __init__(self, url: str, admin_key: str):
+        from urllib.parse import urlsplit
+
+        import httpx
+
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise Refused(f"--url must be http(s)://HOST[:PORT], got {url!r}")
+        self.url = url.rstrip("/")
+        self.client = httpx.Client(base_url=f"{self.url}/v1/fleet", timeout=httpx.Timeout(60.0, connect=10.0),
+                                   headers={"Authorization": f"Bearer {admin_key}"} if admin_key else {})
+
+    def call(self, method: str, path: str, **kwargs) -> dict:
+        import httpx
+
+        try:
+            r = self.client.request(method, path, **kwargs)
+        except httpx.HTTPError as e:
+            raise Refused(f"cannot reach the control plane at {self.url}: {e or e.__class__.__name__}") from e
+        if r.status_code >= 400:
+            try:
+                message = r.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = r.text[:200] or r.reason_phrase
+            hint = " (--admin-key or $CASCADE_FLEET_ADMIN_KEY)" if r.status_code in (401, 403) else ""
+            raise Refused(f"{self.url}: HTTP {r.status_code}: {message}{hint}", 1 if r.status_code >= 500 else 2)
+        try:
+            return r.json()
+        except ValueError as e:
+            raise Refused(f"{self.url} answered HTTP {r.status_code} with no JSON: not a cascade control plane?",
+                          1) from e
+
+    def push(self, path: str, name: str, version: str, calibration: str | None,
+             min_agent_version: str | None) -> dict:
+        """Stream the file as the body of ``POST /v1/fleet/models`` (checked here first, so a typo
+        is not found after gigabytes went over the network)."""
+        import httpx
+
+        from model_distribution.registry import RegistryError, check_names, read_calibration
+
+        file = Path(path)
+        try:
+            check_names(name, version, min_agent_version)
+            if not file.is_file():
+                raise RegistryError(f"{file} is not a file")
+            headers = {"Content-Type": "application/octet-stream", "Content-Length": str(file.stat().st_size)}
+            if calibration is not None:
+                headers["X-Cascade-Calibration"] = json.dumps(read_calibration(calibration))
+        except RegistryError as e:
+            raise Refused(str(e)) from e
+        params = {"name": name, "version": version, **({"min_agent_version": min_agent_version}
+                                                         if min_agent_version else {})}
+
+        def chunks():
+            with open(file, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    yield chunk
+
+        # the server hashes and stores the file before it answers: allow it the time
+        return self.call("POST", "/models", params=params, content=chunks(), headers=headers,
+                         timeout=httpx.Timeout(60.0, connect=10.0, read=900.0))
+
+
+def _remote(args) -> Remote | None:
+    """The control plane named by ``--url`` / $CASCADE_FLEET_URL, or None: the local state."""
+    url = getattr(args, "url", None) or os.environ.get("CASCADE_FLEET_URL")
+    if not url:
+        return None
+    return Remote(url, getattr(args, "admin_key", None) or os.environ.get("CASCADE_FLEET_ADMIN_KEY", ""))
+
+
+def _refusals_exit(cmd):
+    """A command that may run remotely: a refused call is one line on stderr and its exit code."""
+    def run(args) -> int:
+        try:
+            return cmd(args)
+        except Refused as e:
+            print(f"cascade: {e}", file=sys.stderr)
+            return e.exit_code
+    run.__name__, run.__doc__ = cmd.__name__, cmd.__doc__
+    return run
+
+
+def _remote_flags(parser) -> None:
+    # SUPPRESS: `devices --url U add D` and `devices add D --url U` both work (no subparser default wins)
+    parser.add_argument("--url", default=argparse.SUPPRESS,
+                        help="a control plane on another host, http://HOST:8090 (default: $CASCADE_FLEET_URL; "
+                             "none: the state under $CASCADE_HOME/fleet)")
+    parser.add_argument("--admin-key", default=argparse.SUPPRESS,
+                        help="its [server] admin_key (default: $CASCADE_FLEET_ADMIN_KEY)")
 
 
 def control_plane_credentials(keys_dir) -> tuple[str, str]:
@@ -241,23 +389,27 @@ def add_fleet_parser(sub, make_parser) -> None:
     push.add_argument("--calibration", help="an edge.toml whose [cascade] thresholds travel with this version")
     push.add_argument("--min-agent-version", help="the oldest agent version that may install it")
     push.add_argument("--json", action="store_true", help="print the manifest as JSON")
-    push.set_defaults(func=cmd_push)
+    _remote_flags(push)
+    push.set_defaults(func=_refusals_exit(cmd_push))
     models = make_parser(fleet, "models", "published model versions: name, version, format, quantization, size, "
                          "sha256, pushed at")
     models.add_argument("--name", help="only this model's versions")
     models.add_argument("--json", action="store_true", help="print JSON (full sha256 and manifest)")
-    models.set_defaults(func=cmd_models)
+    _remote_flags(models)
+    models.set_defaults(func=_refusals_exit(cmd_models))
     devices = make_parser(fleet, "devices", "enrolled devices: groups, desired vs reported model, state, last seen")
     devices.add_argument("--group", help="only this group's devices")
     devices.add_argument("--json", action="store_true", help="print JSON")
-    devices.set_defaults(func=cmd_devices_list)
+    _remote_flags(devices)
+    devices.set_defaults(func=_refusals_exit(cmd_devices_list))
     dsub = devices.add_subparsers(dest="devices_command", metavar="COMMAND")
     add = make_parser(dsub, "add", "enrol a device: prints its credentials (once)")
     add.add_argument("device", help="the device id, e.g. kiosk-7")
     add.add_argument("--group", action="append", help="a group it belongs to (repeatable)")
     add.add_argument("--fleet", default="default", help="the fleet (the MQTT topic prefix)")
     add.add_argument("--json", action="store_true", help="print the credentials as JSON")
-    add.set_defaults(func=cmd_devices_add)
+    _remote_flags(add)
+    add.set_defaults(func=_refusals_exit(cmd_devices_add))
     bf = make_parser(fleet, "broker-files", "Mosquitto password and ACL files: each device reads only its desired "
                      "topic and writes only its own reported/events/status/telemetry")
     bf.add_argument("--out", required=True, help="the folder to write passwd and acl into")
@@ -266,4 +418,5 @@ def add_fleet_parser(sub, make_parser) -> None:
     assign.add_argument("device", nargs="?", help="the device id (or --group)")
     assign.add_argument("version_ref", metavar="NAME@VERSION", help="a published version, e.g. smollm2-135m@1.1.0")
     assign.add_argument("--group", help="every device of this group")
-    assign.set_defaults(func=cmd_assign)
+    _remote_flags(assign)
+    assign.set_defaults(func=_refusals_exit(cmd_assign))

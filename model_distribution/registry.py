@@ -53,6 +53,10 @@ class RegistryError(ValueError):
     """A push or a lookup the registry refuses; the message says why."""
 
 
+class ImmutableVersion(RegistryError):
+    """Other bytes pushed under a published name@version (the control plane answers 409)."""
+
+
 def parse_semver(version: str) -> tuple:
     """A sort key for a semver string (a prerelease sorts before its release); RegistryError if not semver."""
     m = SEMVER.fullmatch(version or "")
@@ -61,6 +65,17 @@ def parse_semver(version: str) -> tuple:
     major, minor, patch, pre = m.groups()
     pre_key = (1,) if pre is None else (0, *((0, int(p)) if p.isdigit() else (1, p) for p in pre.split(".")))
     return int(major), int(minor), int(patch), pre_key
+
+
+def check_names(name: str, version: str, min_agent_version: str | None = None) -> None:
+    """RegistryError for a bad model name, version or minimum agent version (cheap: the control
+    plane checks them before a model file is uploaded)."""
+    if not NAME.fullmatch(name or ""):
+        raise RegistryError(f"model name {name!r} must be 1-64 characters of [a-z0-9._-], starting with a "
+                            "letter or digit")
+    parse_semver(version)
+    if min_agent_version is not None:
+        parse_semver(min_agent_version)
 
 
 @dataclass(frozen=True)
@@ -114,29 +129,30 @@ class Registry:
 
     # -- push ------------------------------------------------------------------------------
 
-    def push(self, path: Path | str, name: str, version: str, calibration: Path | str | None = None,
+    def push(self, path: Path | str, name: str, version: str, calibration: Path | str | dict | None = None,
              min_agent_version: str | None = None) -> tuple[Manifest, bool]:
         """Publish ``path`` as ``name@version``. Returns the manifest and whether it was new (False:
-        the same bytes were already published under it). RegistryError for a bad name, version or
-        file, or other bytes under a published name@version."""
+        the same bytes were already published under it). ``calibration``: an edge.toml, or its
+        ``[cascade]`` table itself (what a push over HTTP sends). RegistryError for a bad name,
+        version or file; ImmutableVersion for other bytes under a published name@version."""
         path = Path(path)
-        if not NAME.fullmatch(name or ""):
-            raise RegistryError(f"model name {name!r} must be 1-64 characters of [a-z0-9._-], starting with a "
-                                "letter or digit")
-        parse_semver(version)
-        if min_agent_version is not None:
-            parse_semver(min_agent_version)
+        check_names(name, version, min_agent_version)
         if not path.is_file():
             raise RegistryError(f"{path} is not a file")
         meta = _describe(path)
-        thresholds = _calibration(calibration) if calibration is not None else {}
+        if isinstance(calibration, dict):
+            if not calibration:
+                raise RegistryError("the calibration has no [cascade] thresholds")
+            thresholds = calibration
+        else:
+            thresholds = read_calibration(calibration) if calibration is not None else {}
         digest, size = _sha256(path)
         existing = self.get(name, version)
         if existing is not None:
             if existing.sha256 != digest:
-                raise RegistryError(f"{name}@{version} is published already with other bytes (sha256 "
-                                    f"{existing.sha256[:12]}...): a published version is immutable; push a new "
-                                    "version")
+                raise ImmutableVersion(f"{name}@{version} is published already with other bytes (sha256 "
+                                       f"{existing.sha256[:12]}...): a published version is immutable; push a "
+                                       "new version")
             return existing, False
         self._store(path, digest)
         manifest = Manifest(name, version, meta["format"], meta["quantization"], meta["architecture"],
@@ -215,7 +231,7 @@ def _describe(path: Path) -> dict:
     return {"format": "gguf", "quantization": quant, "architecture": arch, "context_length": ctx}
 
 
-def _calibration(path: Path | str) -> dict:
+def read_calibration(path: Path | str) -> dict:
     """The ``[cascade]`` table of an edge.toml (what ``cascade calibrate`` writes)."""
     try:
         with open(path, "rb") as f:

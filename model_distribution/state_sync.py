@@ -21,8 +21,8 @@ from urllib.parse import urlsplit
 
 import paho.mqtt.client as mqtt
 
-from model_distribution.devices import BadDocument, DeviceStore, desired_document, verify_desired
-from model_distribution.registry import Registry
+from model_distribution.devices import BadDocument, Device, DeviceStore, desired_document, verify_desired
+from model_distribution.registry import Manifest, Registry
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,25 @@ def _client(client_id: str, username: str | None = None, password: str | None = 
     return c
 
 
+class DesiredDocuments:
+    """Each device's signed desired document, signed once per desired revision and kept, so the
+    retained message (published again at each reconnect) and the control plane's HTTP fallback
+    (``GET /v1/devices/{device}/desired``) are the same bytes."""
+
+    def __init__(self, signing_key):
+        self.key = signing_key
+        self._signed: dict[str, tuple[int, bytes]] = {}  # device -> (revision, its document)
+        self._lock = threading.Lock()
+
+    def get(self, device: Device, manifest: Manifest) -> bytes:
+        with self._lock:
+            rev, doc = self._signed.get(device.device_id, (-1, b""))
+            if rev != device.desired_rev:
+                doc = desired_document(device, manifest, self.key)
+                self._signed[device.device_id] = (device.desired_rev, doc)
+            return doc
+
+
 class DesiredPublisher:
     """Publishes each device's signed desired document (retained) when its revision changes, and
     records what devices report. The database is the truth: at each (re)connect every document
@@ -57,6 +76,7 @@ class DesiredPublisher:
     def __init__(self, registry: Registry, devices: DeviceStore, signing_key, broker: str, poll_s: float = 0.5,
                  client_id: str = "cascade-control-plane", username: str | None = None, password: str | None = None):
         self.registry, self.devices, self.key = registry, devices, signing_key
+        self.documents = DesiredDocuments(signing_key)
         self.poll_s = poll_s
         self._host, self._port = broker_address(broker)
         self._published: dict[str, int] = {}  # device -> revision published on this connection
@@ -105,7 +125,7 @@ class DesiredPublisher:
             if device.desired is None or self._published.get(device.device_id) == device.desired_rev:
                 continue
             manifest = self.registry.resolve(device.desired)
-            doc = desired_document(device, manifest, self.key)
+            doc = self.documents.get(device, manifest)
             info = self.client.publish(topic(device.fleet, device.device_id, "desired"), doc, qos=1, retain=True)
             if info.rc == mqtt.MQTT_ERR_SUCCESS:
                 with self._lock:

@@ -1,0 +1,67 @@
+"""A device's credentials on the control plane's HTTP device endpoints: HTTP Basic
+``device_id:secret`` (the pair ``cascade fleet devices add`` printed), checked against the
+DeviceStore's salted scrypt hash.
+
+scrypt is slow on purpose (about 50 ms of CPU and 16 MiB per check), which is right against a
+guessed secret and wrong for a fleet whose every metadata file and artifact request carries the
+pair. So a pair verified once is remembered for ``ttl_s`` (as a sha256 of the secret, never the
+secret itself); a wrong pair is never remembered, so it costs its scrypt every time.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import threading
+import time
+from collections.abc import Callable
+
+from model_distribution.devices import DeviceStore
+
+
+def basic_credentials(authorization: str) -> tuple[str, str] | None:
+    """``(device_id, secret)`` from an ``Authorization: Basic ...`` header value; None if it is not one."""
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        user, sep, secret = base64.b64decode(token.strip(), validate=True).decode("utf-8").partition(":")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    return (user, secret) if sep and user and secret else None
+
+
+class DeviceCredentials:
+    """Verified ``(device_id, secret)`` pairs, remembered for ``ttl_s``. ``cached`` is cheap (call
+    it on the event loop); ``verify`` runs scrypt (call it on a thread). The store should be one
+    of its own: DeviceStore holds its lock across the scrypt, which would stall other requests."""
+
+    def __init__(self, store: DeviceStore, ttl_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
+                 max_pairs: int = 100_000):
+        self.store, self.ttl_s, self.clock, self.max_pairs = store, ttl_s, clock, max_pairs
+        self._until: dict[tuple[str, bytes], float] = {}  # (device, sha256(secret)) -> verified until
+        self._lock = threading.Lock()
+
+    def cached(self, device_id: str, secret: str) -> bool:
+        until = self._until.get((device_id, _digest(secret)))
+        return until is not None and until > self.clock()
+
+    def verify(self, device_id: str, secret: str) -> bool:
+        """Check the pair against the stored hash (scrypt); remember it when it holds."""
+        if self.cached(device_id, secret):
+            return True
+        if not self.store.authenticate(device_id, secret):
+            return False
+        now = self.clock()
+        with self._lock:
+            if len(self._until) >= self.max_pairs:  # bounded: drop what expired, else start over
+                self._until = {k: t for k, t in self._until.items() if t > now}
+                if len(self._until) >= self.max_pairs:
+                    self._until.clear()
+            self._until[(device_id, _digest(secret))] = now + self.ttl_s
+        return True
+
+
+def _digest(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode()).digest()
