@@ -272,6 +272,8 @@ async def _receive(request: Request, path: Path) -> None:
                 f.write(chunk)
     except ClientDisconnect as e:
         raise errors.bad_request("the upload was cut off") from e
+    except OSError as e:  # the disk is full, say
+        raise errors.APIError(507, f"cannot store the upload: {e}", "server_error", None, "insufficient_storage") from e
 
 
 @admin.get("/devices")
@@ -324,6 +326,8 @@ def build_app(config: FleetConfig):
         # its own store: DeviceStore holds its lock across a scrypt check
         app.state.credentials = DeviceCredentials(DeviceStore(config.root), config.server.credential_cache_s)
         app.state.push_lock = asyncio.Lock()
+        for stale in (config.root / "uploads").glob(".push-*"):  # pushes cut off by a restart
+            stale.unlink(missing_ok=True)
         refresher = asyncio.create_task(_refresh_timestamp(repository, config.server.timestamp_refresh_s))
         publisher = None
         if config.mqtt.broker:
