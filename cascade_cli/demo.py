@@ -1,12 +1,16 @@
 """``cascade demo``: the whole chain on one machine, as a scripted scenario.
 
-While the cloud tier starts, the device is offline: escalations are queued (202) and delivered
-once it is up; the agent's telemetry goes to a local Mosquitto (when installed) over MQTT.
+A fleet control plane starts first (`cascade fleet serve` and its MQTT broker: Mosquitto when
+installed, else an embedded one) and the demo's device is enrolled in it; the agent sends its
+telemetry there. While the cloud tier starts, the device is offline: escalations are queued (202)
+and delivered once it is up.
 Then: a cloud tier (`cascade cloud serve`: gateway + 1 prefill + 1 decode worker, SmolLM2-135M at full
 precision on our engine), an edge agent on a harsher Q2_K variant of the same model (derived
 with `cascade models quantize`, as a fleet ships a smaller model to devices), the agent's
 upstream pointed at the cloud with a device key, then a mix of easy and hard requests, and a
-table of who answered what, why, and how fast.
+table of who answered what, why, and how fast. Last, the fleet: the device's model is published
+in two versions (its Q2_K, then the packaged Q4_1 with calibrated thresholds), the new one is
+assigned while the agent streams an answer, the agent switches, and `cascade fleet devices` shows it.
 """
 
 from __future__ import annotations
@@ -36,8 +40,8 @@ SCRIPT = [
 ]
 
 
-def stream_chat(base: str, model: str, prompt: str, cascade: dict | None) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 48,
+def stream_chat(base: str, model: str, prompt: str, cascade: dict | None, max_tokens: int = 48) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     if cascade:
         body["cascade"] = cascade
@@ -116,53 +120,100 @@ def drain(edge: str, queued: list[tuple[str, str]], timeout_s: float = 300) -> N
         print(f"-- {len(queued) - len(shown)} queued request(s) not delivered in {timeout_s:.0f} s")
 
 
-class TelemetryWatch:
-    """A Mosquitto broker on loopback (when installed) and a subscriber to the agent's telemetry."""
+class Fleet:
+    """The fleet's control plane (`cascade fleet serve`, with the MQTT broker it starts: Mosquitto
+    when installed, else the embedded one) in its own $CASCADE_HOME, and the demo's device enrolled
+    in it. The agent follows its desired state and sends its telemetry through that broker."""
 
-    def __init__(self, fleet: str, device: str):
-        import shutil
+    def __init__(self, work: Path, env: dict, device: str):
+        self.home, self.device = work / "control", device
+        self.env = {**env, "CASCADE_HOME": str(self.home)}
+        self.cli = cascade_command(log_level=None)
+        self.run("fleet", "keys", "init")
+        enrolled = json.loads(self.run("fleet", "devices", "add", device, "--group", "demo", "--json"))
+        self.port, mqtt_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.broker = f"mqtt://127.0.0.1:{mqtt_port}"
+        self.proc = spawn([*self.cli, "fleet", "serve", "--port", str(self.port), "--mqtt-port", str(mqtt_port)],
+                          env=self.env, log=work / "fleet.log", die_with_parent=True)
+        wait_healthy(self.url, self.proc, 120, "fleet control plane", log=work / "fleet.log")
+        keys = self.home / "fleet" / "tuf"
+        self.device_env = {"CASCADE_EDGE_FLEET_BROKER": self.broker, "CASCADE_EDGE_FLEET_FLEET": "default",
+                           "CASCADE_EDGE_FLEET_DEVICE_ID": device, "CASCADE_EDGE_FLEET_SECRET": enrolled["secret"],
+                           "CASCADE_EDGE_FLEET_CONTROL_PLANE": self.url,
+                           "CASCADE_EDGE_FLEET_TRUST_ROOT": str(keys / "1.root.json"),
+                           "CASCADE_EDGE_FLEET_DESIRED_KEY": str(self.home / "fleet" / "keys" / "desired.pub"),
+                           "CASCADE_EDGE_FLEET_STATE_DIR": str(work / "device-fleet"),
+                           "CASCADE_EDGE_MQTT_TELEMETRY_INTERVAL_S": "5"}
 
-        self.records: list[dict] = []
-        self.broker = self.client = None
-        binary = shutil.which("mosquitto") or shutil.which("mosquitto", path="/usr/sbin:/usr/local/sbin")
-        if binary is None:
-            return
-        import paho.mqtt.client as mqtt
+    def run(self, *args: str, show: bool = False) -> str:
+        if show:
+            print(f"-- $ cascade {' '.join(args)}")
+        out = subprocess.run([*self.cli, *args], env=self.env, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"cascade {' '.join(args)}: {out.stderr.strip() or out.stdout.strip()}")
+        if show:
+            print("   " + out.stdout.strip().replace("\n", "\n   "))
+        return out.stdout
 
-        from sync.mqtt import telemetry_topic
-
-        self.port, self.topic = free_port(), telemetry_topic(fleet, device)
-        self.broker = spawn([binary, "-p", str(self.port)], log=Path(os.devnull))
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="cascade-demo-watch")
-        self.client.on_connect = lambda client, *_: client.subscribe(self.topic, qos=1)
-        self.client.on_message = lambda client, userdata, msg: self.records.append(json.loads(msg.payload))
-        self.client.connect_async("127.0.0.1", self.port)
-        self.client.loop_start()
-
-    def env(self) -> dict:
-        if self.broker is None:
-            return {}
-        return {"CASCADE_EDGE_MQTT_HOST": "127.0.0.1", "CASCADE_EDGE_MQTT_PORT": str(self.port),
-                "CASCADE_EDGE_MQTT_FLEET": "demo", "CASCADE_EDGE_MQTT_TELEMETRY_INTERVAL_S": "5"}
-
-    def report(self) -> None:
-        if self.broker is None:
-            print("\ntelemetry: not shown (no mosquitto on this machine: apt-get install mosquitto)")
-            return
-        if not self.records:
-            print(f"\ntelemetry: no record on {self.topic} yet")
-            return
-        last = self.records[-1]
-        print(f"\ntelemetry over MQTT: {len(self.records)} record(s) on {self.topic}; the last one:")
-        print(f"   requests {last['requests']}\n   decisions {last['decisions']}\n   queue {last['queue']}\n"
-              f"   model {last['model']['name']} ({last['model']['quantization']}), "
-              f"ttft mean {last['latency']['ttft']['mean_s']} s")
+    def reported(self) -> dict:
+        return json.loads(self.run("fleet", "devices", "--json"))[0]
 
     def stop(self) -> None:
-        if self.client is not None:
-            self.client.loop_stop()
-        if self.broker is not None:
-            stop(self.broker)
+        stop(self.proc)
+
+
+def fleet_scene(fleet: Fleet, edge: str, home: str, work: Path, serving: str) -> None:
+    """Publish two versions of the device's model (the Q2_K it serves, then the packaged Q4_1 with
+    its calibration), assign the new one while a stream runs, follow the device's reported state."""
+    import threading
+
+    from model_distribution.catalog import Catalog
+
+    print("\n== the fleet: the operator ships a better quantization of the device's model")
+    catalog = Catalog(Path(home))
+    calibration = Path(home) / "edge.toml"
+    if not calibration.is_file():  # what `cascade calibrate` would write for this model
+        calibration = work / "calibration.toml"
+        calibration.write_text("[cascade]\nhold_tokens = 8\nmin_mean_logprob = -1.4\n")
+    fleet.run("fleet", "push", str(catalog.get(serving).path), "--name", "smollm2-135m", "--version", "1.0.0",
+              show=True)
+    fleet.run("fleet", "push", str(catalog.get("smollm2-135m").path), "--name", "smollm2-135m", "--version",
+              "1.1.0", "--calibration", str(calibration), show=True)
+    fleet.run("fleet", "models", show=True)
+    streamed: dict = {}
+
+    def long_answer():
+        streamed.update(stream_chat(edge, serving, "Tell me a long story about a lighthouse keeper.",
+                                    {"mode": "local"}, max_tokens=160))
+
+    app = threading.Thread(target=long_answer)
+    app.start()
+    time.sleep(1.0)
+    print("-- app: a long answer is streaming from the device while the new version arrives")
+    fleet.run("fleet", "assign", fleet.device, "smollm2-135m@1.1.0", show=True)
+    deadline, last = time.monotonic() + 600, None
+    while time.monotonic() < deadline:
+        state = (fleet.reported().get("reported") or {})
+        if state.get("state") != last:
+            last = state.get("state")
+            detail = state.get("reason") or (f"{state['done'] >> 20}/{state['total'] >> 20} MiB"
+                                             if "done" in state else state.get("model") or "")
+            print(f"   device {fleet.device}: {last} {detail}")
+        if last in ("ACTIVE", "FAILED", "REJECTED") and state.get("desired") == "smollm2-135m@1.1.0":
+            break
+        time.sleep(0.3)
+    app.join(600)
+    print(f"-- the stream across the switch: {streamed.get('tokens', 0)} tokens, "
+          f"{'completed' if streamed.get('tier') else 'failed: ' + str(streamed.get('reason'))}")
+    served = httpx.get(f"{edge}/v1/models", timeout=10).json()["data"][0]
+    r = stream_chat(edge, serving, "Which city is the capital of France?", None)
+    print(f"-- after the switch the agent serves {(fleet.reported().get('reported') or {}).get('model')} "
+          f"({(served.get('meta') or {}).get('quantization')}), still under the name {serving!r}; "
+          "app: Which city is the capital of France?\n"
+          f"-- {r['tier']} ({r['reason']}): {r['text'][:120]}")
+    time.sleep(6)  # one more telemetry record reaches the control plane
+    fleet.run("fleet", "devices", show=True)
 
 
 def main(args) -> int:
@@ -186,14 +237,16 @@ def main(args) -> int:
           "(first run converts the model, about a minute)")
     cloud = spawn([*cli, "cloud", "serve", "--port", str(cloud_port), "--prefill", "1", "--decode", "1",
                    "--max-model-len", "2048"], env=env, die_with_parent=True)
-    edge = None
-    watch = TelemetryWatch("demo", "kiosk-1")
+    edge = fleet = None
     try:
+        print("== starting the fleet control plane (cascade fleet serve) and enrolling the device kiosk-1")
+        fleet = Fleet(work, env, "kiosk-1")
+        print(f"   control plane {fleet.url}, broker {fleet.broker}")
         # the agent starts at once; the cloud takes a while, and meanwhile the device is offline
         print(f"== starting the edge agent on {edge_url}: smollm2-135m-q2_k, n_ctx 512, upstream {cloud_url}")
         edge_env = {**env, "CASCADE_EDGE_UPSTREAM_URL": cloud_url, "CASCADE_EDGE_UPSTREAM_API_KEY": key,
                     "CASCADE_EDGE_CASCADE_DEVICE": "kiosk-1", "CASCADE_EDGE_UPSTREAM_MAX_BACKOFF_S": "4",
-                    "CASCADE_EDGE_SYNC_PATH": str(work / "queue.db"), **watch.env()}
+                    "CASCADE_EDGE_SYNC_PATH": str(work / "queue.db"), **fleet.device_env}
         calibrated = Path(home) / "edge.toml"  # written by `cascade calibrate`, if it has run
         extra = ["--config", str(calibrated)] if calibrated.is_file() else []
         if not extra:  # an uncalibrated default: escalate when the first 8 tokens average below -1.2
@@ -219,8 +272,7 @@ def main(args) -> int:
             conf = r["confidence"]["mean_logprob"] if r["confidence"] else float("nan")
             print(f"{first_line[:45]:<46} {r['tier'] or '-':<11} {r['reason'] or '-':<18} {r['ttft_ms']:>8.0f} "
                   f"{r['total_ms']:>9.0f} {conf:>6.2f}")
-        time.sleep(5)  # one more telemetry record, counting the mix
-        watch.report()
+        fleet_scene(fleet, edge_url, home, work, "smollm2-135m-q2_k")
         print("\nconf = mean logprob of the edge answer's first K tokens (auto mode holds them back and "
               "escalates below the threshold; TTFT includes that hold-back).")
         print("Try it: cascade cloud serve & cascade cloud keys create --tenant me; "
@@ -230,4 +282,5 @@ def main(args) -> int:
         if edge is not None:
             stop(edge)
         stop(cloud)
-        watch.stop()
+        if fleet is not None:
+            fleet.stop()

@@ -155,7 +155,8 @@ class FleetSection:
     trust_root: str = ""  # the provisioned 1.root.json
     desired_key: str = ""  # the control plane's desired-state public key (hex file, `cascade fleet keys init`)
     state_dir: str = ""  # staging and installed versions ("": $CASCADE_HOME/edge/fleet)
-    disk_budget_bytes: int = 8 << 30
+    disk_budget_bytes: int = 8 << 30  # for installed versions (older ones are dropped to fit a new one)
+    memory_budget_bytes: int = 0  # a version larger than this is refused (0: the memory the OS has available)
 
 
 @dataclass

@@ -38,7 +38,8 @@ class FleetFollower:
         state_dir = fleet_state_dir(config)
         self.device = DeviceConfig(f.device_id, f.control_plane.rstrip("/"), Path(f.trust_root).read_bytes(),
                                    state_dir, cascade.__version__, f.disk_budget_bytes, secret=f.secret,
-                                   artifact_url=f.artifact_url, metadata_url=f.metadata_url)
+                                   artifact_url=f.artifact_url, metadata_url=f.metadata_url,
+                                   memory_budget_bytes=f.memory_budget_bytes)
         self.client = DeviceStateClient(f.broker, f.fleet, f.device_id, bytes.fromhex(
             Path(f.desired_key).read_text().strip()), self._desired, f.device_id, f.secret or None)
         self.updater = DeviceUpdater(self.device, self.client.report, self._activate)

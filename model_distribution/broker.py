@@ -8,7 +8,7 @@ embedded one (amqtt, ``embedded_broker.py``) in this process, so ``cascade fleet
     broker.stop()
 
 ``root`` is the folder that holds the DeviceStore; ``credentials`` the control plane's own broker
-user and secret (``fleet_cli.control_plane_credentials``). ``prefer``: "auto" (Mosquitto if it is
+user and secret (``control_plane_credentials(keys_dir)``). ``prefer``: "auto" (Mosquitto if it is
 on PATH or in /usr/sbin, else embedded), "mosquitto" or "embedded". ``kind`` says which one runs.
 
 Both take the same credentials (each enrolled device's secret; the control plane's user; no
@@ -36,6 +36,7 @@ import logging
 import shutil
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -79,6 +80,7 @@ class FleetBroker:
         self._store: DeviceStore | None = None
         self._proc = None
         self._embedded = None
+        self._following: threading.Event | None = None
 
     @property
     def url(self) -> str:
@@ -118,8 +120,32 @@ class FleetBroker:
                 raise RuntimeError(f"mosquitto did not reload its files:\n{self._log_tail()}")
             time.sleep(0.02)
 
+    def follow_enrolments(self, every_s: float = 2.0) -> None:
+        """Mosquitto: ``refresh()`` whenever the enrolled devices change (``cascade fleet devices add``
+        runs in another process), from a thread of its own until ``stop()``."""
+        if self.kind != "mosquitto":
+            return
+
+        def watch(stopped: threading.Event) -> None:
+            known = self._store.broker_entries()
+            while not stopped.wait(every_s):
+                try:
+                    now = self._store.broker_entries()
+                    if now != known:
+                        self.refresh()
+                        known = now
+                        log.info("the broker knows %d device(s)", len(now))
+                except Exception:  # the broker keeps the old files; tried again next round
+                    log.exception("cannot give the broker the enrolled devices")
+
+        self._following = threading.Event()
+        threading.Thread(target=watch, args=(self._following,), name="broker-enrolments", daemon=True).start()
+
     def stop(self) -> None:
         """Stop the broker (Mosquitto saves its retained messages on the way out). Idempotent."""
+        if self._following is not None:
+            self._following.set()
+            self._following = None
         if self._proc is not None:
             stop(self._proc)
             self._proc = None
@@ -182,3 +208,17 @@ class FleetBroker:
         out = self.dir / "mosquitto.out"
         text = self._log_text() + (out.read_text(errors="replace") if out.is_file() else "")
         return "\n".join(text.splitlines()[-lines:])
+
+
+def control_plane_credentials(keys_dir: Path) -> tuple[str, str]:
+    """The control plane's own broker user and secret (made once, kept beside the keys, mode 0600)."""
+    import os
+    import secrets
+
+    path = Path(keys_dir) / "mqtt-control-plane.secret"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(24))
+    return "cascade-control-plane", path.read_text().strip()

@@ -67,9 +67,19 @@ class ServerConfig:
 
 @dataclass
 class MQTTConfig:
-    broker: str = ""  # mqtt://host:port: desired state goes out and reported state comes in here ("": none)
+    broker: str = ""  # mqtt://host:port of a broker to use ("": start the fleet's own, see `start`)
     username: str = ""
     password: str = ""
+    start: bool = True  # with no broker given: start one (Mosquitto when installed, else embedded)
+    listen_host: str = "127.0.0.1"  # where the started broker listens
+    listen_port: int = 1883
+    prefer: str = "auto"  # auto | mosquitto | embedded
+
+    def __post_init__(self):
+        if self.prefer not in ("auto", "mosquitto", "embedded"):
+            raise ValueError(f"prefer must be auto, mosquitto or embedded, not {self.prefer!r}")
+        if not 0 <= self.listen_port <= 65535:
+            raise ValueError(f"listen_port must be in 0..65535, got {self.listen_port}")
 
 
 @dataclass
@@ -360,7 +370,29 @@ async def _refresh_timestamp(repository: Repository, every_s: float) -> None:
         await asyncio.sleep(every_s)
 
 
+def start_broker(config: FleetConfig):
+    """The fleet's own broker (with [mqtt] broker unset and start on): devices log in with their
+    enrolled credentials, the control plane with its own; [mqtt] then points at it."""
+    from model_distribution.broker import FleetBroker, control_plane_credentials
+
+    credentials = control_plane_credentials(config.root / "keys")
+    broker = FleetBroker(config.root, config.mqtt.listen_host, config.mqtt.listen_port, credentials,
+                         config.mqtt.prefer)
+    config.mqtt.broker = broker.start()
+    config.mqtt.username, config.mqtt.password = credentials
+    broker.follow_enrolments()
+    print(f"cascade fleet: MQTT broker ({broker.kind}) on {config.mqtt.broker}", flush=True)
+    return broker
+
+
 def run(config: FleetConfig) -> None:
+    """Serve until stopped; with no [mqtt] broker given, the fleet's own broker runs beside (and
+    stops with) the control plane. RuntimeError when that broker cannot start."""
     import uvicorn
 
-    uvicorn.run(build_app(config), host=config.server.host, port=config.server.port, log_level="warning")
+    broker = start_broker(config) if not config.mqtt.broker and config.mqtt.start else None
+    try:
+        uvicorn.run(build_app(config), host=config.server.host, port=config.server.port, log_level="warning")
+    finally:
+        if broker is not None:
+            broker.stop()

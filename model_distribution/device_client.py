@@ -45,6 +45,7 @@ class DeviceConfig:
     agent_version: str = "0.0.0"
     disk_budget_bytes: int = 8 << 30
     keep_versions: int = 2  # the active one and the one before it
+    memory_budget_bytes: int = 0  # what a version may take in memory while both load (0: what the OS has available)
     secret: str = ""  # its enrolled secret: HTTP Basic device:secret to the control plane ("": none sent)
     artifact_url: str = ""  # a mirror of /v1/artifacts ("": the control plane's)
     metadata_url: str = ""  # a mirror of /v1/tuf ("": the control plane's)
@@ -134,12 +135,35 @@ class DeviceUpdater:
         need = manifest.get("min_agent_version")
         if need and parse_semver(need) > parse_semver(self.config.agent_version):
             return f"it needs agent {need}, this agent is {self.config.agent_version}"
-        used = sum(p.stat().st_size for p in self.models_dir.glob("*")) if self.models_dir.exists() else 0
-        have = (self.models_dir / manifest.get("sha256", "-")).exists()
-        if used + length > self.config.disk_budget_bytes and not have:
-            return f"{length} bytes do not fit the disk budget ({self.config.disk_budget_bytes} bytes, {used} used)"
+        memory = self.config.memory_budget_bytes or available_memory()
+        if memory and length > memory:  # the new version loads beside the old one before the switch
+            return f"it needs about {length} bytes of memory, {memory} are available"
+        why = self._make_room(manifest.get("sha256", "-"), length)
+        if why:
+            return why
         if shutil.disk_usage(self.config.state_dir).free < length:
             return f"{length} bytes do not fit the free disk space"
+        return None
+
+    def _make_room(self, sha256: str, length: int) -> str | None:
+        """Fit ``length`` more bytes in the disk budget, dropping kept versions other than the active
+        one, oldest first, if that is what it takes; the reason when even that is not enough."""
+        if (self.models_dir / sha256).exists():
+            return None
+        budget = self.config.disk_budget_bytes
+        files = sorted(self.models_dir.glob("*"), key=lambda p: p.stat().st_mtime) if self.models_dir.exists() else []
+        active = None if self.active is None else self.active.get("sha256")
+        kept = sum(p.stat().st_size for p in files if p.name == active)
+        if kept + length > budget:
+            return f"{length} bytes do not fit the disk budget ({budget} bytes, {kept} taken by the active version)"
+        used = sum(p.stat().st_size for p in files)
+        for old in files:
+            if used + length <= budget:
+                break
+            if old.name != active:
+                used -= old.stat().st_size
+                old.unlink()
+                log.info("dropped %s to fit the disk budget", old.name[:12])
         return None
 
     def _prune(self) -> None:
@@ -191,3 +215,15 @@ def _write_atomically(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def available_memory() -> int:
+    """MemAvailable of /proc/meminfo in bytes (0 where there is none: no check)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0

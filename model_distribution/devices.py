@@ -73,6 +73,7 @@ class Device:
     created_at: float = 0.0
     online: bool | None = None  # its retained status (None: never said)
     serving: dict = field(default_factory=dict)  # from its telemetry: requests, escalation/error rate, backlog
+    last_event: dict | None = None  # the latest it said on its events topic
 
     def to_dict(self) -> dict:
         return {"device": self.device_id, "fleet": self.fleet, "groups": self.groups, "desired": self.desired,
@@ -80,7 +81,7 @@ class Device:
                 "last_seen": self.last_seen, "created_at": self.created_at,
                 "requests": self.serving.get("requests"), "escalation_rate": self.serving.get("escalation_rate"),
                 "error_rate": self.serving.get("error_rate"), "backlog": self.serving.get("backlog"),
-                "telemetry_at": self.serving.get("at")}
+                "telemetry_at": self.serving.get("at"), "last_event": self.last_event}
 
 
 def serving_summary(new: dict | None, base: dict | None = None) -> dict:
@@ -172,6 +173,8 @@ class DeviceStore:
             self._db.execute("ALTER TABLE devices ADD COLUMN broker_hash VARCHAR(200)")
         if "status" not in columns:
             self._db.execute("ALTER TABLE devices ADD COLUMN status VARCHAR(16)")
+        if "last_event" not in columns:
+            self._db.execute("ALTER TABLE devices ADD COLUMN last_event TEXT")
 
     def close(self) -> None:
         self._db.close()
@@ -189,6 +192,14 @@ class DeviceStore:
         with self._lock:
             self._db.execute("UPDATE devices SET last_seen = ?, status = ? WHERE device_id = ?",
                              (time.time(), status[:16], device_id))
+
+    def event(self, device_id: str, event: dict) -> None:
+        """The device's latest event (say, a desired-state document it refused)."""
+        if not isinstance(event, dict):
+            raise ValueError("an event must be a JSON object")
+        with self._lock:
+            self._db.execute("UPDATE devices SET last_event = ? WHERE device_id = ?",
+                             (json.dumps(event)[:4096], device_id))
 
     def telemetry(self, device_id: str, record: dict) -> bool:
         """Keep one telemetry record (the id is the queue's: a duplicate is dropped); whether it was new."""
@@ -265,7 +276,7 @@ class DeviceStore:
              ) -> list[Device]:
         """Devices (of a group, or these ids); with ``serving``, each one's summary of its telemetry."""
         sql = ("SELECT device_id, fleet, desired_name, desired_version, desired_rev, reported, last_seen, created_at, "
-               "status FROM devices")
+               "status, last_event FROM devices")
         args: list = []
         if group is not None:
             sql += " WHERE device_id IN (SELECT device_id FROM device_groups WHERE group_name = ?)"
@@ -277,12 +288,12 @@ class DeviceStore:
         for d, g in self._db.execute("SELECT device_id, group_name FROM device_groups ORDER BY group_name"):
             groups.setdefault(d, []).append(g)
         out = []
-        for d, fleet, name, version, rev, reported, seen, created, status in self._db.execute(
+        for d, fleet, name, version, rev, reported, seen, created, status, event in self._db.execute(
                 sql + " ORDER BY device_id", args).fetchall():
             out.append(Device(d, fleet, groups.get(d, []), f"{name}@{version}" if name else None, rev,
                               json.loads(reported) if reported else None, seen, created,
                               None if status is None else status == "online",
-                              self.serving(d) if serving else {}))
+                              self.serving(d) if serving else {}, json.loads(event) if event else None))
         return out
 
     @_locked

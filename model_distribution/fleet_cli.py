@@ -40,15 +40,23 @@ def cmd_serve(args) -> int:
     from model_distribution import control_plane
 
     overrides = {"server": {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}}
-    if args.broker:
-        overrides["mqtt"] = {"broker": args.broker}
+    mqtt = {k: v for k, v in (("broker", args.broker), ("listen_port", args.mqtt_port),
+                              ("listen_host", args.mqtt_host)) if v is not None}
+    if args.no_broker:
+        mqtt["start"] = False
+    if mqtt:
+        overrides["mqtt"] = mqtt
     environ = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV}
     try:
         config = control_plane.FleetConfig.load(args.config, overrides, environ)
     except ConfigError as e:
         print(f"cascade: {e}", file=sys.stderr)
         return 2
-    control_plane.run(config)
+    try:
+        control_plane.run(config)
+    except RuntimeError as e:  # the broker could not start (its port taken, ...)
+        print(f"cascade: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -188,15 +196,33 @@ def cmd_devices_list(args) -> int:
     if not devices:
         print("no devices enrolled (cascade fleet devices add DEVICE --group GROUP)")
         return 0
-    rows = [("DEVICE", "GROUPS", "DESIRED", "REPORTED", "STATE", "LAST SEEN")]
+    rows = [("DEVICE", "GROUPS", "ONLINE", "DESIRED", "REPORTED", "STATE", "LAST SEEN", "REQUESTS", "ESCALATED",
+             "ERRORS", "BACKLOG")]
     for d in devices:
         rep = d["reported"] or {}
         seen = "-" if d["last_seen"] is None else datetime.datetime.fromtimestamp(
             d["last_seen"], datetime.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
-        rows.append((d["device"], ",".join(d["groups"]) or "-", d["desired"] or "-", rep.get("model") or "-",
-                     rep.get("state") or "-", seen))
+        state = rep.get("state") or "-"
+        if state == "DOWNLOADING" and rep.get("total"):
+            state = f"DOWNLOADING {100 * rep.get('done', 0) // rep['total']}%"
+        online = {True: "yes", False: "no"}.get(d.get("online"), "-")
+        rows.append((d["device"], ",".join(d["groups"]) or "-", online, d["desired"] or "-", rep.get("model") or "-",
+                     state, seen, _number(d.get("requests")), _percent(d.get("escalation_rate")),
+                     _percent(d.get("error_rate")), _number(d.get("backlog"))))
     print_table(rows)
+    for d in devices:  # why a version was refused or failed: the reason, in full
+        rep = d["reported"] or {}
+        if rep.get("reason"):
+            print(f"{d['device']}: {rep.get('desired')} {rep.get('state')}: {rep['reason']}")
     return 0
+
+
+def _number(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def _percent(rate) -> str:
+    return "-" if rate is None else f"{100 * rate:.1f}%"
 
 
 def cmd_assign(args) -> int:
@@ -336,21 +362,8 @@ def _remote_flags(parser) -> None:
                         help="its [server] admin_key (default: $CASCADE_FLEET_ADMIN_KEY)")
 
 
-def control_plane_credentials(keys_dir) -> tuple[str, str]:
-    """The control plane's own broker user and secret (made once, kept beside the keys, mode 0600)."""
-    import os
-    import secrets
-
-    path = keys_dir / "mqtt-control-plane.secret"
-    if not path.exists():
-        keys_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_urlsafe(24))
-    return "cascade-control-plane", path.read_text().strip()
-
-
 def cmd_broker_files(args) -> int:
+    from model_distribution.broker import control_plane_credentials
     from model_distribution.devices import broker_files
 
     repo, store = _repository(), _devices()
@@ -375,7 +388,11 @@ def add_fleet_parser(sub, make_parser) -> None:
     serve.add_argument("--config", help="fleet.toml (default: none)")
     serve.add_argument("--host", help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to listen on (default: 8090)")
-    serve.add_argument("--broker", help="mqtt://HOST:PORT for desired/reported state (default: [mqtt] broker, none)")
+    serve.add_argument("--broker", help="mqtt://HOST:PORT of a broker for desired/reported state (default: start "
+                       "the fleet's own: Mosquitto when installed, else an embedded one)")
+    serve.add_argument("--mqtt-port", type=int, help="port of the broker it starts (default: 1883)")
+    serve.add_argument("--mqtt-host", help="address of the broker it starts (default: 127.0.0.1)")
+    serve.add_argument("--no-broker", action="store_true", help="start no broker (HTTP only)")
     serve.set_defaults(func=cmd_serve)
     keys = make_parser(fleet, "keys", "the control plane's signing keys").add_subparsers(
         dest="keys_command", required=True, metavar="COMMAND")

@@ -4,6 +4,7 @@
     cascade/v1/{fleet}/devices/{device}/reported   retained, written by the device
     cascade/v1/{fleet}/devices/{device}/status     retained "online", and the last will "offline"
     cascade/v1/{fleet}/devices/{device}/telemetry  the agent's telemetry records (sync/mqtt.py), each with its id
+    cascade/v1/{fleet}/devices/{device}/events     what a device wants the operator to know (a refused document)
 
 Retained messages make it converge without replay: a device that was offline gets the latest
 desired document when it subscribes again, and the control plane the latest reported state.
@@ -105,7 +106,7 @@ class DesiredPublisher:
             log.error("the broker refused the control plane: %s", reason_code)
             return
         client.subscribe([("cascade/v1/+/devices/+/reported", 1), ("cascade/v1/+/devices/+/status", 1),
-                          ("cascade/v1/+/devices/+/telemetry", 1)])
+                          ("cascade/v1/+/devices/+/telemetry", 1), ("cascade/v1/+/devices/+/events", 1)])
         with self._lock:
             self._published.clear()  # publish everything again on this connection
         self._connected.set()
@@ -145,6 +146,10 @@ class DesiredPublisher:
                 self.devices.seen(device, message.payload.decode(errors="replace"))
             elif kind == "telemetry":
                 self.devices.telemetry(device, json.loads(message.payload))
+            elif kind == "events":
+                event = json.loads(message.payload)
+                self.devices.event(device, event)
+                log.warning("device %s: %s", device, event)
         except (ValueError, UnicodeDecodeError) as e:
             log.warning("unreadable %s from %s: %s", kind, device, e)
 
@@ -192,9 +197,12 @@ class DeviceStateClient:
     def _on_message(self, client, userdata, message) -> None:
         try:
             payload = verify_desired(message.payload, self.public_key, self.device)
-        except BadDocument as e:
+        except BadDocument as e:  # forged or misaddressed: said on the events topic, never applied
             log.error("%s", e)
             self.refused.append(str(e))
+            self.client.publish(topic(self.fleet, self.device, "events"), json.dumps(
+                {"event": "desired_refused", "reason": str(e), "device": self.device, "at": time.time()}).encode(),
+                qos=1)
             return
         rev = payload.get("rev")
         if not isinstance(rev, int) or rev <= self.applied_rev:

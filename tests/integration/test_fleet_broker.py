@@ -12,9 +12,8 @@ import time
 import paho.mqtt.client as mqtt
 import pytest
 
-from model_distribution.broker import FleetBroker, find_mosquitto
+from model_distribution.broker import FleetBroker, control_plane_credentials, find_mosquitto
 from model_distribution.devices import DeviceStore
-from model_distribution.fleet_cli import control_plane_credentials
 from model_distribution.registry import Registry
 from model_distribution.signing import Repository
 from model_distribution.state_sync import DesiredPublisher, DeviceStateClient, topic
@@ -237,3 +236,62 @@ def test_retained_desired_state_reaches_a_device_that_connects_later_even_after_
     k1 = fleet["device"]("k1")
     k1.client.start()
     wait_until(lambda: k1.sha256() == fleet["v1"].sha256, "k1, connecting after the restart, active")
+
+
+@pytest.mark.parametrize("prefer", ["mosquitto", "embedded"])
+def test_fleet_serve_starts_its_own_broker_and_a_device_enrolled_later_follows_it(tmp_path, prefer):
+    """`cascade fleet serve` with no --broker: it starts the fleet's broker (Mosquitto, or the
+    embedded one on a machine without), publishes desired state there and records what devices
+    report; a device enrolled while it runs logs in with its printed credentials."""
+    import json
+    import os
+    import subprocess
+
+    from cascade.processes import cascade_command, free_port
+    from tests.conftest import REPO, Server
+
+    if prefer == "mosquitto" and find_mosquitto() is None:
+        pytest.skip("needs mosquitto (apt-get install mosquitto)")
+    home = tmp_path / "control"
+
+    def fleet_cli(*args):
+        out = subprocess.run(cascade_command("fleet", *args, log_level=None), cwd=REPO, capture_output=True,
+                             text=True, env={**os.environ, "CASCADE_HOME": str(home)}, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    fleet_cli("keys", "init")
+    mqtt_port = free_port()
+    plane = Server(home, ["fleet", "serve"], "--mqtt-port", str(mqtt_port),
+                   env={"CASCADE_FLEET_MQTT_PREFER": prefer}).wait_healthy(60)
+    device = None
+    try:
+        assert f"MQTT broker ({prefer}) on mqtt://127.0.0.1:{mqtt_port}" in plane.log.read_text()
+        fleet_cli("push", str(make_gguf(tmp_path / "a.gguf", 1.0)), "--name", "tiny", "--version", "1.0.0")
+        secret = json.loads(fleet_cli("devices", "add", "late-1", "--json"))["secret"]
+        fleet_cli("assign", "late-1", "tiny@1.0.0")
+        repo = Repository(home / "fleet")
+        device = SimDevice(f"mqtt://127.0.0.1:{mqtt_port}", "late-1", secret, repo.desired_public_key())
+        device.client.start()  # Mosquitto learns of the new device within a couple of seconds: paho retries
+
+        def reported():
+            return json.loads(fleet_cli("devices", "--json"))[0]
+
+        wait_until(lambda: (reported().get("reported") or {}).get("state") == "ACTIVE", "the device's report", 60)
+        row = reported()
+        assert row["online"] is True and row["reported"]["model"] == "tiny@1.0.0"
+    finally:
+        if device is not None:
+            device.client.stop()
+        plane.stop()
+    wait_until(lambda: _refused(mqtt_port), "the broker to stop with the control plane", 20)
+
+
+def _refused(port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return False
+    except OSError:
+        return True

@@ -1,0 +1,201 @@
+"""What a real agent (llama.cpp) in a fleet refuses, each with the reason reported and its old
+model still serving: a version needing a newer agent, one larger than its memory, an artifact
+whose bytes are not the signed ones, targets metadata rolled back, targets signed by a key the
+root does not trust, and a desired-state document the control plane did not sign."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import time
+
+import httpx
+import paho.mqtt.client as mqtt
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from securesystemslib.signer import CryptoSigner
+
+from cascade.processes import cascade_command
+from model_distribution.registry import Registry
+from model_distribution.signing import Repository
+from tests.conftest import REPO, Agent, Server
+from tests.unit.sync.test_mqtt import MOSQUITTO, Mosquitto, wait_until
+from tests.unit.test_registry import make_gguf
+
+pytestmark = pytest.mark.skipif(MOSQUITTO is None, reason="needs mosquitto (apt-get install mosquitto)")
+DEVICE = "kiosk-9"
+
+
+def fleet(home, *args):
+    out = subprocess.run(cascade_command("fleet", *args, log_level=None), cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "CASCADE_HOME": str(home)}, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_what_the_agent_refuses_is_reported_with_the_reason_and_the_old_model_keeps_serving(tmp_path):
+    broker = Mosquitto(tmp_path / "broker")
+    broker.start()
+    home = tmp_path / "control"
+    repo = Repository(home / "fleet")
+    repo.init()
+    reg = Registry(home / "fleet")
+    versions = {}
+    for i, (version, extra) in enumerate([("2.0.0", {"min_agent_version": "99.0.0"}), ("2.1.0", {}),
+                                          ("2.2.0", {}), ("2.3.0", {}), ("2.4.0", {})]):
+        m, _ = reg.push(make_gguf(tmp_path / f"{version}.gguf", float(i + 1)), "edge-model", version, **extra)
+        repo.add_target(m.name, m.version, m.sha256, m.size, m.signable())
+        versions[version] = m
+    reg.close()
+    url = f"mqtt://127.0.0.1:{broker.port}"
+    plane = Server(home, ["fleet", "serve"], "--broker", url).wait_healthy(60)
+    secret = json.loads(fleet(home, "devices", "add", DEVICE, "--json"))["secret"]
+    (tmp_path / "device").mkdir()
+    agent = Agent(tmp_path / "device", "--n-ctx", "512", "--threads", "1", "--parallel", "1", "--no-config", env={
+        "CASCADE_EDGE_FLEET_BROKER": url, "CASCADE_EDGE_FLEET_DEVICE_ID": DEVICE, "CASCADE_EDGE_FLEET_SECRET": secret,
+        "CASCADE_EDGE_FLEET_CONTROL_PLANE": plane.url,
+        "CASCADE_EDGE_FLEET_TRUST_ROOT": str(repo.metadata_dir / "1.root.json"),
+        "CASCADE_EDGE_FLEET_DESIRED_KEY": str(repo.desired_key_file)}).wait_healthy()
+    seen: list[tuple[str, dict]] = []
+    watcher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="test-watcher")
+    watcher.on_message = lambda c, u, m: seen.append((m.topic.rsplit("/", 1)[1], json.loads(m.payload)))
+    watcher.connect("127.0.0.1", broker.port)
+    watcher.subscribe([(f"cascade/v1/default/devices/{DEVICE}/reported", 1),
+                       (f"cascade/v1/default/devices/{DEVICE}/events", 1)])
+    watcher.loop_start()
+
+    def outcome(ref: str) -> dict:
+        def final():
+            return next((s for kind, s in reversed(seen) if kind == "reported" and s.get("desired") == ref
+                         and s.get("state") in ("ACTIVE", "FAILED", "REJECTED")), None)
+
+        wait_until(lambda: final() is not None, f"the device's answer to {ref}", 60)
+        return final()
+
+    def still_serving_the_old_model():
+        assert httpx.get(f"{agent.url}/v1/models").json()["data"][0]["id"] == "smollm2-135m"
+        r = httpx.post(f"{agent.url}/v1/completions", json={"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 3,
+                                                           "cascade": {"mode": "local"}}, timeout=120)
+        assert r.status_code == 200, r.text
+
+    try:
+        fleet(home, "assign", DEVICE, "edge-model@2.0.0")
+        got = outcome("edge-model@2.0.0")
+        assert got["state"] == "REJECTED" and "needs agent 99.0.0" in got["reason"], got
+        still_serving_the_old_model()
+
+        stored = home / "fleet" / "artifacts" / "sha256" / versions["2.1.0"].sha256
+        data = bytearray(stored.read_bytes())
+        data[-1] ^= 0xFF  # same length, other bytes
+        stored.write_bytes(bytes(data))
+        fleet(home, "assign", DEVICE, "edge-model@2.1.0")
+        got = outcome("edge-model@2.1.0")
+        assert got["state"] == "FAILED" and "does not match its signed target" in got["reason"], got
+        still_serving_the_old_model()
+
+        # a validly signed snapshot that points back at targets older than the ones the device has seen
+        snapshot = repo._load("snapshot")
+        snapshot.signed.meta["targets.json"].version -= 1
+        snapshot.signed.version += 1
+        repo._write(snapshot, repo.signer("snapshot"))
+        ts = repo._load("timestamp")
+        ts.signed.snapshot_meta.version = snapshot.signed.version
+        ts.signed.version += 1
+        repo._write(ts, repo.signer("timestamp"))
+        fleet(home, "assign", DEVICE, "edge-model@2.2.0")
+        got = outcome("edge-model@2.2.0")
+        assert got["state"] == "REJECTED" and "signed metadata was refused" in got["reason"], got
+        assert "version" in got["reason"], got  # refused as a rollback
+        still_serving_the_old_model()
+
+        # targets signed by a key the device's root does not trust (under the real snapshot/timestamp keys)
+        targets = repo._load("targets")
+        targets.signed.version = snapshot.signed.meta["targets.json"].version + 2
+        repo._write(targets, CryptoSigner.generate_ed25519())
+        repo._resign_snapshot({"snapshot": repo.signer("snapshot"), "timestamp": repo.signer("timestamp")})
+        fleet(home, "assign", DEVICE, "edge-model@2.3.0")
+        got = outcome("edge-model@2.3.0")
+        assert got["state"] == "REJECTED" and "signed by 0/1 keys" in got["reason"], got
+        still_serving_the_old_model()
+
+        # a desired-state document signed by someone else, on the device's own topic
+        body = json.dumps({"device": DEVICE, "fleet": "default", "rev": 999, "model": "edge-model",
+                           "version": "2.4.0", "sha256": versions["2.4.0"].sha256, "size": versions["2.4.0"].size,
+                           "format": "gguf"}).encode()
+        forged = {"payload": base64.b64encode(body).decode(),
+                  "signature": base64.b64encode(Ed25519PrivateKey.generate().sign(body)).decode()}
+        watcher.publish(f"cascade/v1/default/devices/{DEVICE}/desired", json.dumps(forged), qos=1, retain=True)
+        wait_until(lambda: any(k == "events" and e["event"] == "desired_refused" for k, e in seen), "the refusal", 30)
+        time.sleep(1)
+        assert not any(s.get("desired") == "edge-model@2.4.0" for k, s in seen if k == "reported")
+        still_serving_the_old_model()
+        wait_until(lambda: (json.loads(fleet(home, "devices", "--json"))[0].get("last_event") or {}).get(
+            "event") == "desired_refused", "the control plane to record the refusal", 30)
+    finally:
+        watcher.loop_stop()
+        agent.stop()
+        plane.stop()
+        broker.stop()
+
+
+@pytest.fixture(scope="module")
+def three_versions(tmp_path_factory):
+    """`cascade fleet serve` (HTTP only) with tiny@1.0.0, 1.1.0 and 1.2.0 of about the same size."""
+    home = tmp_path_factory.mktemp("fleet-home")
+    repo = Repository(home / "fleet")
+    repo.init()
+    reg = Registry(home / "fleet")
+    from model_distribution.devices import DeviceStore
+
+    store = DeviceStore(home / "fleet")
+    secret = store.add("kiosk-1", [])
+    store.close()
+    manifests = []
+    for i, version in enumerate(("1.0.0", "1.1.0", "1.2.0")):
+        src = make_gguf(home / f"{version}.gguf", float(i))
+        with open(src, "ab") as f:
+            f.write(bytes(range(256)) * 400)
+        m, _ = reg.push(src, "tiny", version)
+        repo.add_target(m.name, m.version, m.sha256, m.size, m.signable())
+        manifests.append(m)
+    reg.close()
+    s = Server(home, ["fleet", "serve"], "--no-broker").wait_healthy(60)
+    s.repo, s.manifests, s.secret = repo, manifests, secret
+    yield s
+    s.stop()
+
+
+def _updater(plane, state_dir, **config):
+    from model_distribution.device_client import DeviceConfig, DeviceUpdater
+
+    states: list[dict] = []
+    cfg = DeviceConfig("kiosk-1", plane.url, plane.repo.root_bytes(), state_dir, secret=plane.secret, **config)
+    return DeviceUpdater(cfg, states.append, lambda path, manifest: None), states
+
+
+def _desired(m, rev):
+    return {"model": m.name, "version": m.version, "sha256": m.sha256, "size": m.size, "format": "gguf", "rev": rev}
+
+
+def test_a_version_larger_than_the_memory_budget_is_rejected_up_front(three_versions, tmp_path):
+    m = three_versions.manifests[0]
+    up, states = _updater(three_versions, tmp_path / "d", memory_budget_bytes=m.size - 1)
+    assert up.apply(_desired(m, 1)) == "REJECTED"
+    assert "memory" in states[-1]["reason"] and not any(s["state"] == "DOWNLOADING" for s in states)
+
+
+def test_older_versions_make_room_in_the_disk_budget_but_the_active_one_stays(three_versions, tmp_path):
+    v1, v2, v3 = three_versions.manifests
+    size = max(v1.size, v2.size, v3.size)
+    models = tmp_path / "d" / "models"
+    up, states = _updater(three_versions, tmp_path / "d", disk_budget_bytes=int(size * 2.5), keep_versions=3)
+    assert up.apply(_desired(v1, 1)) == "ACTIVE" and up.apply(_desired(v2, 2)) == "ACTIVE"
+    assert up.apply(_desired(v3, 3)) == "ACTIVE", states[-1]  # v1 dropped to fit: v2 (going back) and v3 kept
+    assert sorted(p.name for p in models.iterdir()) == sorted([v2.sha256, v3.sha256])
+    up2, states2 = _updater(three_versions, tmp_path / "e", disk_budget_bytes=int(size * 1.5))
+    assert up2.apply(_desired(v1, 1)) == "ACTIVE"
+    assert up2.apply(_desired(v2, 2)) == "REJECTED"  # only by dropping the version that serves
+    assert "taken by the active version" in states2[-1]["reason"]
+    assert [p.name for p in (tmp_path / "e" / "models").iterdir()] == [v1.sha256]
