@@ -219,7 +219,10 @@ async def reported(request: Request, device: str):
     state = await read_json(request, _REPORT_LIMIT)
     if request.app.state.devices.get(device) is None:
         raise errors.APIError(404, f"no device {device!r} enrolled", "invalid_request_error", "device", "not_found")
-    request.app.state.devices.report(device, state)
+    try:
+        request.app.state.devices.report(device, state)
+    except ValueError as e:  # not an object, or more than a device may store
+        raise errors.bad_request(str(e), None) from e
     return Response(status_code=204)
 
 

@@ -58,6 +58,7 @@ SCHEMA = (
     "CREATE INDEX IF NOT EXISTS telemetry_by_time ON telemetry (device_id, ts)",
 )
 TELEMETRY_KEEP_S = 7 * 86400.0
+MAX_STATE_BYTES, MAX_EVENT_BYTES = 65536, 4096  # what a device may store per report, record, event
 RATE_WINDOW_S = 3600.0  # escalation and error rates are over the last hour of telemetry
 
 
@@ -105,6 +106,15 @@ def serving_summary(new: dict | None, base: dict | None = None) -> dict:
     return {"requests": int(answered), "escalation_rate": round(cloud / decided, 4) if decided else None,
             "error_rate": round(failed / answered, 4) if answered else None,
             "backlog": queue.get("pending"), "at": new.get("ts")}
+
+
+def _bounded(value: dict, limit: int, what: str) -> str:
+    """``value`` as JSON, refused (ValueError) past ``limit`` bytes: a device cannot fill the store,
+    and what is stored always parses again (never cut in the middle)."""
+    text = json.dumps(value)
+    if len(text) > limit:
+        raise ValueError(f"{what} of {len(text)} bytes is over the {limit} bytes kept")
+    return text
 
 
 def _hash_secret(secret: str, salt: bytes | None = None) -> str:
@@ -185,7 +195,7 @@ class DeviceStore:
             raise ValueError("reported state must be a JSON object")
         with self._lock:
             self._db.execute("UPDATE devices SET reported = ?, last_seen = ? WHERE device_id = ?",
-                             (json.dumps(reported)[:65536], time.time(), device_id))
+                             (_bounded(reported, MAX_STATE_BYTES, "reported state"), time.time(), device_id))
 
     def seen(self, device_id: str, status: str) -> None:
         """Its retained status: "online", or "offline" (said on the way out, or its last will)."""
@@ -199,7 +209,7 @@ class DeviceStore:
             raise ValueError("an event must be a JSON object")
         with self._lock:
             self._db.execute("UPDATE devices SET last_event = ? WHERE device_id = ?",
-                             (json.dumps(event)[:4096], device_id))
+                             (_bounded(event, MAX_EVENT_BYTES, "an event"), device_id))
 
     def telemetry(self, device_id: str, record: dict) -> bool:
         """Keep one telemetry record (the id is the queue's: a duplicate is dropped); whether it was new."""
@@ -211,7 +221,8 @@ class DeviceStore:
         with self._lock:
             cur = self._db.execute("INSERT OR IGNORE INTO telemetry (device_id, record_id, ts, received_at, payload) "
                                    "VALUES (?, ?, ?, ?, ?)",
-                                   (device_id, str(record["id"])[:64], ts, now, json.dumps(record)[:65536]))
+                                   (device_id, str(record["id"])[:64], ts, now,
+                                    _bounded(record, MAX_STATE_BYTES, "a telemetry record")))
             if cur.rowcount:
                 self._db.execute("UPDATE devices SET last_seen = ? WHERE device_id = ?", (now, device_id))
                 if secrets.randbelow(100) == 0:  # now and then, forget what is older than a week

@@ -198,31 +198,44 @@ def cmd_devices_list(args) -> int:
         return 0
     rows = [("DEVICE", "GROUPS", "ONLINE", "DESIRED", "REPORTED", "STATE", "LAST SEEN", "REQUESTS", "ESCALATED",
              "ERRORS", "BACKLOG")]
-    for d in devices:
-        rep = d["reported"] or {}
+    for d in devices:  # what a device reported is its own say: shown only where it has the right type
+        rep = d["reported"] if isinstance(d["reported"], dict) else {}
         seen = "-" if d["last_seen"] is None else datetime.datetime.fromtimestamp(
             d["last_seen"], datetime.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
-        state = rep.get("state") or "-"
-        if state == "DOWNLOADING" and rep.get("total"):
-            state = f"DOWNLOADING {100 * rep.get('done', 0) // rep['total']}%"
+        state = _text(rep.get("state"))
+        done, total = rep.get("done"), rep.get("total")
+        if state == "DOWNLOADING" and _is_number(done) and _is_number(total) and total > 0:
+            state = f"DOWNLOADING {min(100, max(0, int(100 * done / total)))}%"
         online = {True: "yes", False: "no"}.get(d.get("online"), "-")
-        rows.append((d["device"], ",".join(d["groups"]) or "-", online, d["desired"] or "-", rep.get("model") or "-",
+        rows.append((d["device"], ",".join(d["groups"]) or "-", online, d["desired"] or "-", _text(rep.get("model")),
                      state, seen, _number(d.get("requests")), _percent(d.get("escalation_rate")),
                      _percent(d.get("error_rate")), _number(d.get("backlog"))))
     print_table(rows)
     for d in devices:  # why a version was refused or failed: the reason, in full
-        rep = d["reported"] or {}
-        if rep.get("reason"):
-            print(f"{d['device']}: {rep.get('desired')} {rep.get('state')}: {rep['reason']}")
+        rep = d["reported"] if isinstance(d["reported"], dict) else {}
+        if isinstance(rep.get("reason"), str) and rep["reason"]:
+            print(f"{d['device']}: {_text(rep.get('desired'))} {_text(rep.get('state'))}: {_text(rep['reason'], 500)}")
     return 0
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _text(value, limit: int = 40) -> str:
+    """A device-supplied string for a table cell: printable, bounded, "-" when it is not a string."""
+    if not isinstance(value, str) or not value:
+        return "-"
+    clean = "".join(c if c.isprintable() else "?" for c in value)
+    return clean if len(clean) <= limit else clean[:limit - 1] + "…"
+
+
 def _number(value) -> str:
-    return "-" if value is None else str(value)
+    return str(int(value)) if _is_number(value) else "-"
 
 
 def _percent(rate) -> str:
-    return "-" if rate is None else f"{100 * rate:.1f}%"
+    return f"{100 * rate:.1f}%" if _is_number(rate) else "-"
 
 
 def cmd_assign(args) -> int:

@@ -104,3 +104,29 @@ def test_a_telemetry_record_that_is_not_an_object_with_an_id_is_refused(fleet, r
     store.add("kiosk-7", [])
     with pytest.raises(ValueError):
         store.telemetry("kiosk-7", record)
+
+
+@pytest.mark.parametrize("reported", [
+    {"state": 5, "model": ["x"], "done": "a lot", "total": 0, "reason": {"no": "text"}},
+    {"state": "DOWNLOADING", "done": 10**30, "total": -1, "model": "\x1b[2Jm" * 50},
+    {"state": "DOWNLOADING", "done": 5, "total": 10, "reason": "r" * 10000},
+])
+def test_what_a_device_reports_cannot_break_the_operators_listing(tmp_path, monkeypatch, capsys, reported):
+    import argparse
+
+    from model_distribution import fleet_cli
+
+    monkeypatch.setenv("CASCADE_HOME", str(tmp_path))
+    monkeypatch.delenv("CASCADE_FLEET_URL", raising=False)
+    store = DeviceStore(tmp_path / "fleet")
+    store.add("kiosk-7", [])
+    store.report("kiosk-7", reported)
+    store.telemetry("kiosk-7", {"id": "t1", "ts": "soon", "uptime_s": None, "decisions": {"cloud/x": "many"},
+                                "requests": [], "queue": {"pending": "lots"}})
+    with pytest.raises(ValueError, match="over the"):
+        store.report("kiosk-7", {"state": "x" * 70000})  # refused whole, never stored cut (unparsable)
+    store.close()
+    args = argparse.Namespace(group=None, json=False, url=None, admin_key=None)
+    assert fleet_cli.cmd_devices_list(args) == 0
+    out = capsys.readouterr().out
+    assert "kiosk-7" in out and "\x1b" not in out and max(len(line) for line in out.splitlines()) < 700
