@@ -142,8 +142,18 @@ async def _require_device(request: Request, device_id: str | None = None) -> Non
     if admin_key and bearer_matches(request, admin_key):
         return
     pair = basic_credentials(request.headers.get("authorization", ""))
-    if pair is None or not (state.credentials.cached(*pair)
-                            or await asyncio.to_thread(state.credentials.verify, *pair)):
+    client = request.client.host if request.client else "-"
+    ok = pair is not None and state.credentials.cached(*pair)
+    if pair is not None and not ok:
+        wait = state.credentials.throttled(pair[0], client)
+        if wait:
+            raise errors.APIError(429, f"too many wrong credentials for {pair[0]!r} from this address: try again "
+                                  f"in {wait:.0f} s", "rate_limit_error", None, "too_many_failures",
+                                  {"Retry-After": str(max(1, round(wait)))})
+        ok = await asyncio.to_thread(state.credentials.verify, *pair)
+        if not ok:
+            state.credentials.failed(pair[0], client)
+    if not ok:
         raise errors.APIError(401, "a device endpoint: send the device's enrolled credentials as HTTP Basic "
                               "device_id:secret", "authentication_error", None, "invalid_credentials",
                               {"WWW-Authenticate": 'Basic realm="cascade fleet", charset="UTF-8"'})

@@ -5,7 +5,11 @@ DeviceStore's salted scrypt hash.
 scrypt is slow on purpose (about 50 ms of CPU and 16 MiB per check), which is right against a
 guessed secret and wrong for a fleet whose every metadata file and artifact request carries the
 pair. So a pair verified once is remembered for ``ttl_s`` (as a sha256 of the secret, never the
-secret itself); a wrong pair is never remembered, so it costs its scrypt every time.
+secret itself); a wrong pair is never remembered, so it costs its scrypt every time. That makes
+guessing an attack on the control plane's CPU, so guesses are bounded twice: at most
+``max_failures`` wrong pairs per device and client address in ``failure_window_s`` (then
+``throttled`` says how long to wait, and no scrypt runs), and at most ``max_concurrent`` scrypt
+checks at once however many addresses guess.
 """
 
 from __future__ import annotations
@@ -38,10 +42,30 @@ class DeviceCredentials:
     of its own: DeviceStore holds its lock across the scrypt, which would stall other requests."""
 
     def __init__(self, store: DeviceStore, ttl_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
-                 max_pairs: int = 100_000):
+                 max_pairs: int = 100_000, max_failures: int = 10, failure_window_s: float = 60.0,
+                 max_concurrent: int = 2):
         self.store, self.ttl_s, self.clock, self.max_pairs = store, ttl_s, clock, max_pairs
+        self.max_failures, self.failure_window_s = max_failures, failure_window_s
         self._until: dict[tuple[str, bytes], float] = {}  # (device, sha256(secret)) -> verified until
+        self._failures: dict[tuple[str, str], tuple[int, float]] = {}  # (device, client) -> (count, since)
+        self._checks = threading.BoundedSemaphore(max_concurrent)
         self._lock = threading.Lock()
+
+    def throttled(self, device_id: str, client: str) -> float:
+        """Seconds until ``client`` may try ``device_id`` again (0: now)."""
+        count, since = self._failures.get((device_id, client), (0, 0.0))
+        left = since + self.failure_window_s - self.clock()
+        return left if count >= self.max_failures and left > 0 else 0.0
+
+    def failed(self, device_id: str, client: str) -> None:
+        now = self.clock()
+        with self._lock:
+            count, since = self._failures.get((device_id, client), (0, now))
+            if now - since > self.failure_window_s:
+                count, since = 0, now
+            if len(self._failures) >= self.max_pairs:
+                self._failures.clear()
+            self._failures[(device_id, client)] = (count + 1, since)
 
     def cached(self, device_id: str, secret: str) -> bool:
         until = self._until.get((device_id, _digest(secret)))
@@ -51,8 +75,9 @@ class DeviceCredentials:
         """Check the pair against the stored hash (scrypt); remember it when it holds."""
         if self.cached(device_id, secret):
             return True
-        if not self.store.authenticate(device_id, secret):
-            return False
+        with self._checks:
+            if not self.store.authenticate(device_id, secret):
+                return False
         now = self.clock()
         with self._lock:
             if len(self._until) >= self.max_pairs:  # bounded: drop what expired, else start over

@@ -368,3 +368,15 @@ def test_tampered_mirror_metadata_is_refused(plane, mirror, tmp_path):
     up, states = mirrored(plane, mirror, tmp_path, activated)
     assert up.apply(desired(plane)) == "REJECTED"
     assert "signed metadata was refused" in states[-1]["reason"] and not activated
+
+
+def test_guessing_a_devices_secret_is_throttled_and_its_own_pair_still_works_once_known(plane):
+    """Wrong secrets cost a scrypt each: after ten from one address in a minute the control plane
+    answers 429 with Retry-After without checking; the device's cached pair is unaffected."""
+    url = f"{plane.url}/v1/tuf/timestamp.json"
+    assert httpx.get(url, auth=("kiosk-8", plane.secrets["kiosk-8"])).status_code == 200  # known now
+    codes = [httpx.get(url, auth=("kiosk-8", f"guess-{i}")).status_code for i in range(12)]
+    assert codes[:10] == [401] * 10 and codes[10:] == [429, 429], codes
+    r = httpx.get(url, auth=("kiosk-8", "guess-x"))
+    assert r.status_code == 429 and 1 <= int(r.headers["retry-after"]) <= 60 and r.json()["error"]["message"]
+    assert httpx.get(url, auth=("kiosk-8", plane.secrets["kiosk-8"])).status_code == 200

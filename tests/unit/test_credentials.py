@@ -58,3 +58,20 @@ def test_the_remembered_pairs_are_bounded(tmp_path):
         assert creds.verify(d, s)
     assert creds.cached("c", secrets_["c"]) and not creds.cached("a", secrets_["a"])  # full: started over
     store.close()
+
+
+def test_wrong_guesses_are_throttled_per_device_and_address_for_the_window(tmp_path):
+    store = DeviceStore(tmp_path)
+    store.add("kiosk-7", [])
+    clock = Clock()
+    creds = DeviceCredentials(store, clock=clock, max_failures=3, failure_window_s=60)
+    for _ in range(3):
+        assert creds.throttled("kiosk-7", "10.0.0.9") == 0
+        creds.failed("kiosk-7", "10.0.0.9")
+    assert creds.throttled("kiosk-7", "10.0.0.9") == pytest.approx(60)  # no scrypt for this address now
+    assert creds.throttled("kiosk-7", "10.0.0.10") == 0 and creds.throttled("kiosk-8", "10.0.0.9") == 0
+    clock.now += 61
+    assert creds.throttled("kiosk-7", "10.0.0.9") == 0
+    creds.failed("kiosk-7", "10.0.0.9")  # a new window starts counting from one
+    assert creds.throttled("kiosk-7", "10.0.0.9") == 0
+    store.close()
