@@ -31,7 +31,9 @@ def fleet(home, *args):
                           env={**os.environ, "CASCADE_HOME": str(home)}, timeout=60)
 
 
-def test_an_agent_switches_to_its_assigned_version_while_it_serves(tmp_path, smollm2_path):
+def control_plane(tmp_path, smollm2_path, tail: bytes):
+    """A started Mosquitto, a fleet home with keys, and a second version of the model: its file
+    with the last bytes changed (a different artifact that loads the same way)."""
     broker = Mosquitto(tmp_path / "broker")
     broker.start()
     home = tmp_path / "control"
@@ -40,8 +42,13 @@ def test_an_agent_switches_to_its_assigned_version_while_it_serves(tmp_path, smo
     v2_file = tmp_path / "v2.gguf"
     shutil.copyfile(smollm2_path, v2_file)
     with open(v2_file, "r+b") as f:
-        f.seek(-3, os.SEEK_END)
-        f.write(b"\x01\x02\x03")
+        f.seek(-len(tail), os.SEEK_END)
+        f.write(tail)
+    return broker, home, repo, v2_file
+
+
+def test_an_agent_switches_to_its_assigned_version_while_it_serves(tmp_path, smollm2_path):
+    broker, home, repo, v2_file = control_plane(tmp_path, smollm2_path, b"\x01\x02\x03")
     cal = tmp_path / "edge.toml"
     cal.write_text("[cascade]\nhold_tokens = 8\n")
     reg = Registry(home / "fleet")
@@ -111,16 +118,7 @@ def test_an_agent_killed_mid_download_and_mid_switch_comes_back_on_one_model_and
 
     from tests.faults import Proxy
 
-    broker = Mosquitto(tmp_path / "broker")
-    broker.start()
-    home = tmp_path / "control"
-    repo = Repository(home / "fleet")
-    repo.init()
-    v2_file = tmp_path / "v2.gguf"
-    shutil.copyfile(smollm2_path, v2_file)
-    with open(v2_file, "r+b") as f:
-        f.seek(-3, os.SEEK_END)
-        f.write(b"\x03\x02\x01")
+    broker, home, repo, v2_file = control_plane(tmp_path, smollm2_path, b"\x03\x02\x01")
     reg = Registry(home / "fleet")
     v2, _ = reg.push(v2_file, "edge-model", "2.0.0")
     reg.close()

@@ -15,7 +15,6 @@ import httpx
 import paho.mqtt.client as mqtt
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from securesystemslib.signer import CryptoSigner
 
 from cascade.processes import cascade_command
 from model_distribution.registry import Registry
@@ -23,6 +22,7 @@ from model_distribution.signing import Repository
 from tests.conftest import REPO, Agent, Server
 from tests.unit.sync.test_mqtt import MOSQUITTO, Mosquitto, wait_until
 from tests.unit.test_registry import make_gguf
+from tests.unit.test_signing import roll_back_targets, sign_targets_with_an_untrusted_key
 
 pytestmark = pytest.mark.skipif(MOSQUITTO is None, reason="needs mosquitto (apt-get install mosquitto)")
 DEVICE = "kiosk-9"
@@ -95,26 +95,14 @@ def test_what_the_agent_refuses_is_reported_with_the_reason_and_the_old_model_ke
         assert got["state"] == "FAILED" and "does not match its signed target" in got["reason"], got
         still_serving_the_old_model()
 
-        # a validly signed snapshot that points back at targets older than the ones the device has seen
-        snapshot = repo._load("snapshot")
-        snapshot.signed.meta["targets.json"].version -= 1
-        snapshot.signed.version += 1
-        repo._write(snapshot, repo.signer("snapshot"))
-        ts = repo._load("timestamp")
-        ts.signed.snapshot_meta.version = snapshot.signed.version
-        ts.signed.version += 1
-        repo._write(ts, repo.signer("timestamp"))
+        rolled_back_to = roll_back_targets(repo)  # older targets than the device has seen, validly signed
         fleet(home, "assign", DEVICE, "edge-model@2.2.0")
         got = outcome("edge-model@2.2.0")
         assert got["state"] == "REJECTED" and "signed metadata was refused" in got["reason"], got
         assert "version" in got["reason"], got  # refused as a rollback
         still_serving_the_old_model()
 
-        # targets signed by a key the device's root does not trust (under the real snapshot/timestamp keys)
-        targets = repo._load("targets")
-        targets.signed.version = snapshot.signed.meta["targets.json"].version + 2
-        repo._write(targets, CryptoSigner.generate_ed25519())
-        repo._resign_snapshot({"snapshot": repo.signer("snapshot"), "timestamp": repo.signer("timestamp")})
+        sign_targets_with_an_untrusted_key(repo, rolled_back_to + 2)  # past any version the device has seen
         fleet(home, "assign", DEVICE, "edge-model@2.3.0")
         got = outcome("edge-model@2.3.0")
         assert got["state"] == "REJECTED" and "signed by 0/1 keys" in got["reason"], got

@@ -54,14 +54,32 @@ def test_a_device_verifies_a_signed_version_and_refuses_corrupted_bytes(repo, se
         info.verify_length_and_hashes(data[:-1] + b"X")
 
 
+def sign_targets_with_an_untrusted_key(repo: Repository, version: int | None = None) -> None:
+    """The attacker's targets (the next version, or ``version``), under the real snapshot and timestamp keys."""
+    targets = repo._load("targets")
+    targets.signed.version = version or targets.signed.version + 1
+    repo._write(targets, CryptoSigner.generate_ed25519())
+    repo._resign_snapshot({"snapshot": repo.signer("snapshot"), "timestamp": repo.signer("timestamp")})
+
+
+def roll_back_targets(repo: Repository) -> int:
+    """A validly signed snapshot (and timestamp) pointing at the targets before the current ones;
+    the targets version it names."""
+    snapshot = repo._load("snapshot")
+    snapshot.signed.meta["targets.json"].version -= 1
+    snapshot.signed.version += 1
+    repo._write(snapshot, repo.signer("snapshot"))
+    ts = repo._load("timestamp")
+    ts.signed.snapshot_meta.version = snapshot.signed.version
+    ts.signed.version += 1
+    repo._write(ts, repo.signer("timestamp"))
+    return snapshot.signed.meta["targets.json"].version
+
+
 def test_targets_signed_by_a_key_the_root_does_not_trust_are_refused(repo, server, tmp_path):
     publish(repo, b"good")
     verified_target(tmp_path / "device", server, repo.root_bytes(), "tiny", "1.0.0")
-    rogue = CryptoSigner.generate_ed25519()
-    targets = repo._load("targets")
-    targets.signed.version += 1
-    repo._write(targets, rogue)  # the attacker's targets, under the real snapshot/timestamp keys
-    repo._resign_snapshot({"snapshot": repo.signer("snapshot"), "timestamp": repo.signer("timestamp")})
+    sign_targets_with_an_untrusted_key(repo)
     with pytest.raises(exceptions.UnsignedMetadataError):
         verified_target(tmp_path / "device", server, repo.root_bytes(), "tiny", "1.0.0")
 
@@ -70,14 +88,7 @@ def test_rolled_back_targets_metadata_are_refused(repo, server, tmp_path):
     publish(repo, b"v1", version="1.0.0")
     publish(repo, b"v2", version="1.1.0")
     verified_target(tmp_path / "device", server, repo.root_bytes(), "tiny", "1.1.0")  # the device saw targets v3
-    snapshot = repo._load("snapshot")
-    snapshot.signed.meta["targets.json"].version = 2  # a validly signed snapshot pointing at older targets
-    snapshot.signed.version += 1
-    repo._write(snapshot, repo.signer("snapshot"))
-    ts = repo._load("timestamp")
-    ts.signed.snapshot_meta.version = snapshot.signed.version
-    ts.signed.version += 1
-    repo._write(ts, repo.signer("timestamp"))
+    assert roll_back_targets(repo) == 2
     with pytest.raises(exceptions.BadVersionNumberError):
         verified_target(tmp_path / "device", server, repo.root_bytes(), "tiny", "1.1.0")
 
