@@ -2,18 +2,22 @@
 over a real Mosquitto, then the same downloads from the control plane alone and from a plain
 static file server, same run.
 
-    .venv/bin/python bench/fleet_rollout.py [--devices 1000] [--size-mb 4] [--procs 2]
+    .venv/bin/python bench/fleet_rollout.py [--devices 1000] [--size-mb 4] [--procs P]
         [--downloads plane|public|mirror] [--json] [--dir DIR]
 
 Setup (not timed in the rollout): TUF keys, one GGUF of --size-mb pushed and signed, N devices
 enrolled with DeviceStore.add (a scrypt hash each), a local Mosquitto (default limits, no
 persistence), `cascade fleet serve --broker` as a subprocess (its CPU read with psutil), and the
 devices in --procs child processes (bench/fleet_sim.py: the real DeviceStateClient and
-DeviceUpdater per device, one paho loop thread and one updater thread each). Then one `assign`
-of the version to the whole group, and the clock runs until the control plane has stored
-ACTIVE with the right digest for every device. Per device: assign -> signed document received
--> TUF metadata verified (DOWNLOADING) -> last byte (VERIFYING) -> sha256 checked against the
-signed target (ACTIVATING) -> ACTIVE.
+DeviceUpdater per device, one paho loop thread and one updater thread each). At most
+PER_PROCESS devices a process, measured: paho's loop calls select(), which refuses a file
+descriptor above 1023, and each paho client holds three (its socket and a wake-up socket
+pair), so past ~340 clients in one process the later ones connect and drop, over and over
+(threads are no problem). Then one `assign` of the version to the whole group, and the clock
+runs until the control plane has stored ACTIVE with the right digest for every device, or
+every device has reached a final state. Per device: assign -> signed document received -> TUF
+metadata verified (DOWNLOADING) -> last byte (VERIFYING) -> sha256 checked against the signed
+target (ACTIVATING) -> ACTIVE.
 
 Where devices fetch from (--downloads): ``plane`` the control plane, each device's credentials
 checked (the default of `cascade fleet serve`); ``public`` the control plane with ``[server]
@@ -32,6 +36,7 @@ control plane's.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import getpass
 import json
@@ -62,6 +67,7 @@ from model_distribution.signing import Repository, verified_target
 REPO = Path(__file__).resolve().parent.parent
 GOAL_S = 60.0
 GROUP = "fleet"
+PER_PROCESS = 200  # paho clients a device process (3 fds each, beside the downloads' sockets and files; < 1024)
 
 
 @dataclass
@@ -211,7 +217,7 @@ def start_devices(fleet: Fleet, s: Servers, procs: int, mirror: bool) -> list:
         p = ctx.Process(target=serve, daemon=True, args=(
             theirs, fleet.devices[i:i + per], s.broker_url, s.plane_url, fleet.repo.root_bytes(),
             fleet.repo.desired_public_key(), str(fleet.work / "devices"), fleet.manifest.sha256,
-            fleet.manifest.size, s.static_url if mirror else ""))
+            fleet.manifest.size, s.static_url if mirror else "", str(fleet.work / f"devices-{len(children)}.log")))
         p.start()
         children.append((p, ours))
     for _, conn in children:
@@ -230,33 +236,43 @@ def rollout(fleet: Fleet, s: Servers, children: list, timeout_s: float) -> dict:
     threads0 = thread_cpu_s(s.plane.pid)
     t0 = time.time()
     fleet.store.assign(m, group=GROUP)
-    stored_s = None
+    stored_s, all_final_at = None, None
+    timelines: list[Timeline] = []
+    waiting = [conn for _, conn in children]  # each sends its timelines once all its devices are final
     while time.time() - t0 < timeout_s:
         active = sum(1 for d in fleet.store.list(group=GROUP) if (d.reported or {}).get("state") == "ACTIVE"
                      and d.reported.get("sha256") == m.sha256 and d.reported.get("rev") == d.desired_rev)
         if active == n:
             stored_s = time.time() - t0
             break
+        for conn in [c for c in waiting if c.poll()]:
+            timelines += conn.recv()[1]
+            waiting.remove(conn)
+        all_final_at = all_final_at or (None if waiting else time.time())
+        if all_final_at and time.time() - all_final_at > 10:  # every device is done and not all are ACTIVE
+            break
         time.sleep(0.2)
     wall = time.time() - t0
     cpu = {"control plane": cpu_s(s.plane.pid), "mosquitto": cpu_s(s.broker.pid),
            "devices (simulated)": cpu_s(*device_pids), "bench (polls the store)": cpu_s(os.getpid())}
     threads = thread_cpu_s(s.plane.pid)
-    timelines: list[Timeline] = []
-    for _, conn in children:
+    all_final = stored_s is not None or not waiting  # else it timed out with devices still busy
+    for conn in waiting:
         if stored_s is None:
-            conn.send(("stop",))  # stop waiting: the devices send what they have
+            conn.send(("enough",))  # stop waiting: the devices send what they have
         timelines += conn.recv()[1]
     main_s = threads.get(s.plane.pid, 0.0) - threads0.get(s.plane.pid, 0.0)
     busy = sorted((t - threads0.get(tid, 0.0) for tid, t in threads.items() if tid != s.plane.pid), reverse=True)
     ok = [t for t in timelines if t.final == "ACTIVE"]
     span = (max(t.verifying for t in ok) - min(t.downloading for t in ok)) if ok else float("nan")
-    return {"wall_s": wall, "stored_all_active_s": stored_s, "cpu_s": {k: cpu[k] - cpu0[k] for k in cpu},
+    return {"wall_s": wall, "stored_all_active_s": stored_s, "stored_active": active,
+            "cpu_s": {k: cpu[k] - cpu0[k] for k in cpu},
             "plane_main_thread_s": main_s, "plane_other_threads_s": sum(busy),
             "plane_busy_threads": sum(1 for b in busy if b >= 0.1),
             "finals": {f: sum(1 for t in timelines if t.final == f) for f in sorted({t.final for t in timelines})},
             "retries": sum(t.retries for t in timelines),
-            "reasons": sorted({t.reason for t in timelines if t.reason})[:5],
+            "all_final": all_final,
+            "reasons": collections.Counter(repr(t.reason) for t in timelines if t.final != "ACTIVE").most_common(5),
             "download_mb_s": len(ok) * m.size / 1e6 / span if ok else 0.0,
             "phases": {"signed document received": [t.desired - t0 for t in ok],
                        "TUF metadata verified": [t.downloading - t.desired for t in ok],
@@ -299,7 +315,7 @@ def run(args, work: Path, say) -> dict:
             say(f"{n} devices connected in {connect_s:.1f} s ({len(children)} processes); rolling out")
             result = rollout(fleet, s, children, args.timeout)
             rows = {}
-            if result["stored_all_active_s"] is not None:  # else devices may still be busy: no fair rows
+            if result["all_final"]:  # else devices may still be busy: no fair rows
                 say("rolled out; the same downloads from each server")
                 rows = {"cascade fleet serve": downloads(fleet, children, s.plane_url, s.plane.pid),
                         "Starlette StaticFiles": downloads(fleet, children, s.static_url, s.static.pid)}
@@ -332,11 +348,11 @@ def print_tables(r: dict) -> None:
     print(f"\nRollout of one {size_mb:.1f} MB version to {n} devices ({r['procs']} device processes, "
           f"{r['cores']} cores shared by all; metadata and artifacts from {where})")
     stored = ro["stored_all_active_s"]
-    print(f"  assign -> the control plane stored ACTIVE for every device: "
-          f"{'NOT reached' if stored is None else f'{stored:.1f} s'} (waited {ro['wall_s']:.1f} s); "
+    reached = f"NOT reached ({ro['stored_active']} of {n})" if stored is None else f"{stored:.1f} s"
+    print(f"  assign -> the control plane stored ACTIVE for every device: {reached} (waited {ro['wall_s']:.1f} s); "
           f"final states at the devices: {ro['finals']}, cut downloads tried again: {ro['retries']}")
-    for reason in ro["reasons"]:
-        print(f"    reason: {reason}")
+    for reason, count in ro["reasons"]:
+        print(f"    {count} x reason {reason}")
     print(f"\n{'per device (s)':28s} {'p50':>7s} {'p95':>7s} {'max':>7s}")
     for name, values in ro["phases"].items():
         print(f"{name:28s} {pct(values, 50):7.2f} {pct(values, 95):7.2f} {max(values, default=float('nan')):7.2f}")
@@ -375,15 +391,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--devices", type=int, default=1000)
     ap.add_argument("--size-mb", type=float, default=4.0)
-    ap.add_argument("--procs", type=int, default=2, help="child processes the devices are spread over (default 2)")
+    ap.add_argument("--procs", type=int, help=f"child processes the devices are spread over (default: "
+                    f"{PER_PROCESS} devices each, at least 2)")
     ap.add_argument("--downloads", choices=("plane", "public", "mirror"), default="plane",
                     help="where devices fetch metadata and artifacts (see above; default: plane)")
     ap.add_argument("--timeout", type=float, default=600.0, help="give up on the rollout after this many seconds")
     ap.add_argument("--dir", help="where the control plane's and the devices' state go (default: a temporary folder)")
     ap.add_argument("--json", action="store_true", help="print the results as one JSON object")
     args = ap.parse_args()
-    if args.devices < 1 or args.procs < 1 or args.size_mb <= 0 or args.timeout <= 0:
-        ap.error("--devices and --procs must be >= 1, --size-mb and --timeout > 0")
+    args.procs = args.procs or max(2, -(-args.devices // PER_PROCESS))
+    if args.devices < 1 or args.size_mb <= 0 or args.timeout <= 0:
+        ap.error("--devices must be >= 1, --size-mb and --timeout > 0")
+    if args.procs < 1 or -(-args.devices // args.procs) > 300:
+        ap.error(f"--procs {args.procs}: at most 300 devices a process (paho's select() loop), at least 1 process")
     work = Path(tempfile.mkdtemp(prefix="fleet-rollout-", dir=args.dir))
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
     try:

@@ -5,7 +5,8 @@ Several such processes share the devices so that the device side is not one GIL.
 
 The parent talks to ``serve(...)`` over a Pipe:
     child -> ("connected", n)                         every device of this process is connected
-    child -> ("rollout", [Timeline, ...])             every device ACTIVE on the digest (or "stop")
+    child -> ("rollout", [Timeline, ...])             every device final (ACTIVE, REJECTED, FAILED for
+                                                      good), or when the parent sends ("enough",)
     parent -> ("download", url, tag)  child -> ("download", [(start, end, error), ...])
         the same download (download.fetch) by every device at once, into ``<state>/<tag>``
     parent -> ("stop",)
@@ -47,6 +48,9 @@ class Timeline:
 
 
 class SimDevice:
+    """One device: the agent's FleetFollower minus the model (``activate`` checks the file's
+    sha256), with the time of each step it reports."""
+
     def __init__(self, name: str, secret: str, broker: str, http: str, root_json: bytes, public_key: bytes,
                  state_dir: Path, mirror: str = ""):
         self.timeline = Timeline(name)
@@ -133,11 +137,11 @@ def _download_all(devices: list[SimDevice], url: str, tag: str, info: TargetFile
 
 
 def serve(conn, devices: list[tuple[str, str]], broker: str, http: str, root_json: bytes, public_key: bytes,
-          state_root: str, sha256: str, size: int, mirror: str = "") -> None:
+          state_root: str, sha256: str, size: int, mirror: str, log: str) -> None:
     """A child process's life: its devices connect, follow the rollout (metadata and artifacts
     from ``mirror`` when given, else from the control plane), then run the downloads the parent
     asks for, until "stop"."""
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, filename=log)  # a REJECTED per device: not on the terminal
     threading.stack_size(512 << 10)  # thousands of threads: small stacks
     sims = [SimDevice(name, secret, broker, http, root_json, public_key, Path(state_root) / name, mirror)
             for name, secret in devices]
@@ -147,7 +151,8 @@ def serve(conn, devices: list[tuple[str, str]], broker: str, http: str, root_jso
         time.sleep(0.05)
     conn.send(("connected", len(sims)))
     while not all(d.done.is_set() for d in sims):
-        if conn.poll(0.1):  # "stop": the parent gave up waiting
+        if conn.poll(0.1):  # the parent gave up waiting
+            conn.recv()
             break
     conn.send(("rollout", [d.timeline for d in sims]))
     info = TargetFile(size, {"sha256": sha256}, "artifact")
