@@ -53,6 +53,8 @@ class FleetFollower:
     def stop(self) -> None:
         self._wanted.put(None)
         self.client.stop()
+        self._worker.join(timeout=5)  # a change under way finishes its step first
+        self.updater.close()
 
     def _desired(self, payload: dict) -> None:  # paho's thread: hand over, never block it
         self._wanted.put(payload)

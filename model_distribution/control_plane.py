@@ -55,7 +55,7 @@ class ServerConfig:
     port: int = 8090
     admin_key: str = ""  # bearer key of the operator's endpoints ("" leaves them to loopback callers only)
     public_downloads: bool = False  # /v1/artifacts and /v1/tuf without credentials (a mirror or CDN in front)
-    credential_cache_s: float = 60.0  # a verified device secret is not checked again (scrypt) for this long
+    credential_cache_s: float = 60.0  # a verified device secret is not checked again for this long
     timestamp_refresh_s: float = 3600.0  # re-sign the TUF timestamp this often (it expires after a day)
 
     def __post_init__(self):
@@ -346,7 +346,6 @@ def build_app(config: FleetConfig):
         app.state.registry = Registry(config.root)
         app.state.repository = repository
         app.state.devices = DeviceStore(config.root)
-        # its own store: DeviceStore holds its lock across a scrypt check
         app.state.credentials = DeviceCredentials(DeviceStore(config.root), config.server.credential_cache_s)
         app.state.push_lock = asyncio.Lock()
         for stale in (config.root / "uploads").glob(".push-*"):  # pushes cut off by a restart

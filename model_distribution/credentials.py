@@ -1,15 +1,13 @@
 """A device's credentials on the control plane's HTTP device endpoints: HTTP Basic
 ``device_id:secret`` (the pair ``cascade fleet devices add`` printed), checked against the
-DeviceStore's salted scrypt hash.
+DeviceStore's salted hash (HMAC-SHA256 of a 192-bit random secret; scrypt for devices enrolled
+before, about 70 ms of CPU each).
 
-scrypt is slow on purpose (about 50 ms of CPU and 16 MiB per check), which is right against a
-guessed secret and wrong for a fleet whose every metadata file and artifact request carries the
-pair. So a pair verified once is remembered for ``ttl_s`` (as a sha256 of the secret, never the
-secret itself); a wrong pair is never remembered, so it costs its scrypt every time. That makes
-guessing an attack on the control plane's CPU, so guesses are bounded twice: at most
-``max_failures`` wrong pairs per device and client address in ``failure_window_s`` (then
-``throttled`` says how long to wait, and no scrypt runs), and at most ``max_concurrent`` scrypt
-checks at once however many addresses guess.
+A pair verified once is remembered for ``ttl_s`` (as a sha256 of the secret, never the secret
+itself); a wrong pair is never remembered. Guesses are bounded twice: at most ``max_failures``
+wrong pairs per device and client address in ``failure_window_s`` (then ``throttled`` says how
+long to wait, and nothing is checked), and at most ``max_concurrent`` checks at once however many
+addresses guess (what keeps an old scrypt-hashed store from being a lever on the CPU).
 """
 
 from __future__ import annotations
@@ -38,8 +36,7 @@ def basic_credentials(authorization: str) -> tuple[str, str] | None:
 
 class DeviceCredentials:
     """Verified ``(device_id, secret)`` pairs, remembered for ``ttl_s``. ``cached`` is cheap (call
-    it on the event loop); ``verify`` runs scrypt (call it on a thread). The store should be one
-    of its own: DeviceStore holds its lock across the scrypt, which would stall other requests."""
+    it on the event loop); ``verify`` checks the hash (call it on a thread)."""
 
     def __init__(self, store: DeviceStore, ttl_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
                  max_pairs: int = 100_000, max_failures: int = 10, failure_window_s: float = 60.0,
@@ -72,7 +69,7 @@ class DeviceCredentials:
         return until is not None and until > self.clock()
 
     def verify(self, device_id: str, secret: str) -> bool:
-        """Check the pair against the stored hash (scrypt); remember it when it holds."""
+        """Check the pair against the stored hash; remember it when it holds."""
         if self.cached(device_id, secret):
             return True
         with self._checks:

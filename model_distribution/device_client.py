@@ -27,6 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import httpx
+from tuf.api import exceptions as tuf_errors
+
 from model_distribution.download import DownloadError, fetch
 from model_distribution.registry import parse_semver
 from model_distribution.signing import manifest_of, verified_target
@@ -72,6 +75,12 @@ class DeviceUpdater:
         self.active: dict | None = installed(config.state_dir)  # the manifest serving now
         self._lock = threading.Lock()  # one change at a time
         self.retry = False  # did the last apply fail in a way worth trying again (a download cut)?
+        # one client for the metadata and the artifacts: its connections, and one TLS context (loading
+        # the CA bundle costs tens of ms of CPU: per request, that is most of a small device's update)
+        self.http = httpx.Client(timeout=httpx.Timeout(30.0, connect=10.0), follow_redirects=True)
+
+    def close(self) -> None:
+        self.http.close()
 
     def apply(self, desired: dict) -> str:
         """Go to ``desired`` (a verified payload: model, version, sha256, size, format, rev); the
@@ -86,8 +95,12 @@ class DeviceUpdater:
             try:
                 tuf_url = self.config.metadata_url or f"{self.config.control_plane}/v1/tuf/"
                 info = verified_target(self.config.state_dir / "tuf", tuf_url, self.config.trusted_root,
-                                       desired["model"], desired["version"], self.config.auth_for(tuf_url))
-            except Exception as e:  # any refusal of the metadata is a refusal of the version
+                                       desired["model"], desired["version"], self.config.auth_for(tuf_url),
+                                       self.http)
+            except Exception as e:
+                if _transient(e):  # the network or a busy server, not the metadata: try again later
+                    self.retry = True
+                    return self._fail(base, "FAILED", f"cannot fetch the signed metadata now: {e}")
                 return self._fail(base, "REJECTED", f"its signed metadata was refused: {e}")
             manifest = manifest_of(info)
             if info.hashes.get("sha256") != desired.get("sha256"):
@@ -110,7 +123,7 @@ class DeviceUpdater:
                         self._say({**base, "state": "VERIFYING"})
 
                 try:
-                    staged = fetch(url, self.staging / info.hashes["sha256"], info, progress=progress,
+                    staged = fetch(url, self.staging / info.hashes["sha256"], info, self.http, progress=progress,
                                    auth=self.config.auth_for(url))
                 except DownloadError as e:
                     self.retry = True  # the network's fault: the follower tries again (from the bytes it has)
@@ -227,3 +240,11 @@ def available_memory() -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 0
+
+
+def _transient(e: Exception) -> bool:
+    """A metadata failure worth trying again: the network, a timeout, a busy or failing server
+    (408, 429, 5xx); not a refused signature, a rollback, expired metadata or a 401/403/404."""
+    if isinstance(e, tuf_errors.DownloadHTTPError):
+        return e.status_code in (408, 429) or e.status_code >= 500
+    return isinstance(e, (tuf_errors.DownloadError, httpx.TransportError))

@@ -187,3 +187,16 @@ def test_older_versions_make_room_in_the_disk_budget_but_the_active_one_stays(th
     assert up2.apply(_desired(v2, 2)) == "REJECTED"  # only by dropping the version that serves
     assert "taken by the active version" in states2[-1]["reason"]
     assert [p.name for p in (tmp_path / "e" / "models").iterdir()] == [v1.sha256]
+
+
+def test_a_control_plane_that_cannot_be_reached_is_a_failure_to_retry_not_a_refusal(three_versions, tmp_path):
+    from cascade.processes import free_port
+    from model_distribution.device_client import DeviceConfig, DeviceUpdater
+
+    states: list[dict] = []
+    cfg = DeviceConfig("kiosk-1", f"http://127.0.0.1:{free_port()}", three_versions.repo.root_bytes(), tmp_path / "d",
+                       secret=three_versions.secret)
+    up = DeviceUpdater(cfg, states.append, lambda path, manifest: None)
+    assert up.apply(_desired(three_versions.manifests[0], 1)) == "FAILED" and up.retry
+    assert "cannot fetch the signed metadata now" in states[-1]["reason"]
+    up.close()

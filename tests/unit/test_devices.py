@@ -130,3 +130,15 @@ def test_what_a_device_reports_cannot_break_the_operators_listing(tmp_path, monk
     assert fleet_cli.cmd_devices_list(args) == 0
     out = capsys.readouterr().out
     assert "kiosk-7" in out and "\x1b" not in out and max(len(line) for line in out.splitlines()) < 700
+
+
+def test_secrets_are_kept_as_a_keyed_hash_and_old_scrypt_hashes_still_check(fleet):
+    from model_distribution.devices import _hash_secret, check_secret
+
+    _, store = fleet
+    secret = store.add("kiosk-7", [])
+    stored = store._db.execute("SELECT secret_hash FROM devices").fetchone()[0]
+    assert stored.startswith("sha256$") and secret not in stored
+    old = _hash_secret(secret, kind="scrypt")  # what stores made before this kept
+    assert check_secret(secret, old) and not check_secret(secret + "x", old)
+    assert not check_secret(secret, "md5$AAAA$BBBB") and not check_secret(secret, "garbage")
