@@ -239,6 +239,16 @@ class DeviceStore:
             return cur.rowcount == 1
 
     @_locked
+    def telemetry_window(self, device_id: str, start: float, end: float) -> list[dict]:
+        """Its records from ``start`` to ``end`` (by the device's ``ts``), after the last one before
+        ``start`` (the counters as the window opened), oldest first."""
+        before = self._db.execute("SELECT payload FROM telemetry WHERE device_id = ? AND ts < ? ORDER BY ts DESC "
+                                  "LIMIT 1", (device_id, start)).fetchall()
+        inside = self._db.execute("SELECT payload FROM telemetry WHERE device_id = ? AND ts >= ? AND ts <= ? "
+                                  "ORDER BY ts", (device_id, start, end)).fetchall()
+        return [json.loads(r[0]) for r in before + inside]
+
+    @_locked
     def serving(self, device_id: str, window_s: float = RATE_WINDOW_S) -> dict:
         """``serving_summary`` of its newest record against the oldest one of the same agent run
         within the window."""

@@ -1,0 +1,243 @@
+"""The rollout controller's decisions, tick by tick, on a real registry database: devices report
+by writing their reported state and telemetry into the store as the MQTT side does, with the
+clock given to each tick. Waves in order, the install failure gate, a serving gate against the
+control group, too little traffic, timeouts, late reports, joiners, operator commands."""
+
+from __future__ import annotations
+
+import pytest
+
+from model_distribution.devices import DeviceStore
+from model_distribution.registry import Registry
+from model_distribution.rollout_controller import abort, pause, resume, rollback, start_rollout, tick
+from model_distribution.rollouts import RolloutError, RolloutSpec, RolloutStore
+from tests.unit.test_registry import make_gguf
+
+N = 20
+
+
+class Fleet:
+    def __init__(self, root, tmp_path):
+        self.registry, self.devices, self.rollouts = Registry(root), DeviceStore(root), RolloutStore(root)
+        self.v1, _ = self.registry.push(make_gguf(tmp_path / "a.gguf", 1.0), "tiny", "1.0.0")
+        self.v2, _ = self.registry.push(make_gguf(tmp_path / "b.gguf", 2.0), "tiny", "1.1.0")
+        for i in range(N):
+            self.devices.add(f"k{i:02d}", ["kiosks"])
+        self.devices.assign(self.v1, group="kiosks")
+        self.now = 1000.0
+        self.counters: dict[str, dict] = {}
+
+    def tick(self, dt: float = 1.0):
+        self.now += dt
+        tick(self.registry, self.devices, self.rollouts, self.now)
+
+    def report(self, device: str, state: str, **extra):
+        d = self.devices.get(device)
+        self.devices.report(device, {"desired": d.desired, "rev": d.desired_rev, "state": state, "at": self.now,
+                                     **extra})
+
+    def devices_told(self, ref: str) -> list[str]:
+        return [d.device_id for d in self.devices.list() if d.desired == ref]
+
+    def serve(self, devices, requests: int, escalated: int):
+        """Each device answers ``requests`` more, ``escalated`` of them by the cloud; one telemetry record."""
+        for d in devices:
+            c = self.counters.setdefault(d, {"n": 0, "cloud": 0, "id": 0})
+            c["n"] += requests
+            c["cloud"] += escalated
+            c["id"] += 1
+            self.devices.telemetry(d, {"id": f"{d}-{c['id']}", "ts": self.now, "uptime_s": self.now,
+                                       "decisions": {"cloud/x": c["cloud"], "edge/y": c["n"] - c["cloud"]},
+                                       "requests": {"/v1/chat/completions/200": c["n"]}})
+
+    def status(self, rid):
+        return self.rollouts.get(rid)
+
+    def close(self):
+        self.registry.close()
+        self.devices.close()
+        self.rollouts.close()
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    f = Fleet(tmp_path / "fleet", tmp_path)
+    yield f
+    f.close()
+
+
+def finish_wave(fleet, state="ACTIVE"):
+    for d in fleet.devices_told("tiny@1.1.0"):
+        if (fleet.devices.get(d).reported or {}).get("state") != state:
+            fleet.report(d, state, **({"reason": "its signed metadata was refused"} if state == "REJECTED" else {}))
+
+
+def test_waves_go_in_order_and_the_rollout_completes(fleet):
+    r = start_rollout(fleet.registry, fleet.devices, fleet.rollouts,
+                      RolloutSpec("tiny@1.1.0", "kiosks", [5, 25, 100], bake_s=10))
+    sizes = []
+    for _ in range(3):
+        fleet.tick()
+        sizes.append(len(fleet.devices_told("tiny@1.1.0")))
+        finish_wave(fleet)
+        fleet.tick()  # the wave is done: the bake starts
+        fleet.tick(5)
+        assert len(fleet.devices_told("tiny@1.1.0")) == sizes[-1]  # baking: the next wave waits
+        fleet.tick(6)
+    assert sizes == [1, 5, 20]
+    done = fleet.status(r.rollout_id)
+    assert done.state == "SUCCEEDED"
+    assert {e.state for e in fleet.rollouts.executions(r.rollout_id)} == {"SUCCEEDED"}
+    assert [d["outcome"] for d in fleet.rollouts.decisions(r.rollout_id)] == ["pass"] * 3
+
+
+def test_a_version_every_first_wave_device_refuses_halts_and_rolls_back_before_wave_two(fleet):
+    r = start_rollout(fleet.registry, fleet.devices, fleet.rollouts,
+                      RolloutSpec("tiny@1.1.0", "kiosks", [10, 50, 100], max_failure_rate=0.02, min_executed=2))
+    fleet.tick()
+    first = fleet.devices_told("tiny@1.1.0")
+    assert len(first) == 2
+    finish_wave(fleet, "REJECTED")
+    fleet.tick()
+    fleet.tick()
+    halted = fleet.status(r.rollout_id)
+    assert halted.state == "ROLLED_BACK" and "failure rate 1.00" in halted.reason
+    assert fleet.devices_told("tiny@1.1.0") == []  # the two went back to 1.0.0; nobody else was told
+    states = {e.device_id: e.state for e in fleet.rollouts.executions(r.rollout_id)}
+    assert {states[d] for d in first} == {"ROLLED_BACK"} and list(states.values()).count("CANCELED") == N - 2
+    decision = fleet.rollouts.decisions(r.rollout_id)[-1]
+    assert decision["outcome"] == "fail" and decision["failed"] == 2 and decision["reasons"]
+
+
+def rollout_with_gate(fleet, gate: str, min_requests: int = 20):
+    r = start_rollout(fleet.registry, fleet.devices, fleet.rollouts,
+                      RolloutSpec("tiny@1.1.0", "kiosks", [25, 100], bake_s=60, gates=[gate], min_requests=min_requests))
+    fleet.tick()
+    updated = fleet.devices_told("tiny@1.1.0")
+    control = [d.device_id for d in fleet.devices.list() if d.device_id not in updated]
+    finish_wave(fleet)
+    fleet.serve(updated + control, 0, 0)  # the counters as the bake starts
+    fleet.tick()
+    return r, updated, control
+
+
+def test_a_worse_escalation_rate_than_the_control_group_halts_and_rolls_back(fleet):
+    r, updated, control = rollout_with_gate(fleet, "escalation_rate<=+0.05")
+    fleet.tick(30)
+    fleet.serve(updated, 10, 4)  # 40% escalated on the new version
+    fleet.serve(control, 10, 2)  # 20% on the old
+    fleet.tick(31)
+    halted = fleet.status(r.rollout_id)
+    assert halted.state == "ROLLED_BACK" and "escalation_rate" in halted.reason
+    decision = fleet.rollouts.decisions(r.rollout_id)[-1]
+    assert decision["updated"]["escalation_rate"] == pytest.approx(0.4)
+    assert decision["control"]["escalation_rate"] == pytest.approx(0.2)
+    assert fleet.devices_told("tiny@1.1.0") == []
+
+
+def test_the_same_version_with_the_gate_loosened_passes(fleet):
+    r, updated, control = rollout_with_gate(fleet, "escalation_rate<=+0.25")
+    fleet.tick(30)
+    fleet.serve(updated, 10, 4)
+    fleet.serve(control, 10, 2)
+    fleet.tick(31)
+    assert fleet.status(r.rollout_id).wave == 1 and fleet.status(r.rollout_id).state == "RUNNING"
+    assert fleet.rollouts.decisions(r.rollout_id)[-1]["gates"][0]["passed"] is True
+
+
+def test_too_little_traffic_pauses_as_inconclusive_and_resume_goes_on(fleet):
+    r, updated, control = rollout_with_gate(fleet, "escalation_rate<=+0.05", min_requests=1000)
+    fleet.tick(30)
+    fleet.serve(updated, 1, 0)
+    fleet.serve(control, 1, 0)
+    fleet.tick(31)
+    paused = fleet.status(r.rollout_id)
+    assert paused.state == "PAUSED" and paused.reason.startswith("inconclusive") and "too little traffic" in paused.reason
+    fleet.tick(100)
+    assert fleet.status(r.rollout_id).state == "PAUSED"  # waits for the operator
+    resume(fleet.rollouts, r.rollout_id)
+    fleet.tick()
+    assert fleet.status(r.rollout_id).wave == 1 and len(fleet.devices_told("tiny@1.1.0")) == N
+
+
+def test_a_device_that_goes_quiet_times_out_and_a_late_report_does_not_undo_it(fleet):
+    r = start_rollout(fleet.registry, fleet.devices, fleet.rollouts,
+                      RolloutSpec("tiny@1.1.0", "kiosks", [10, 100], step_timeout_s=60, max_failure_rate=0.5,
+                                  min_executed=2))
+    fleet.tick()
+    quiet, talking = fleet.devices_told("tiny@1.1.0")
+    fleet.report(talking, "ACTIVE")
+    fleet.report(quiet, "DOWNLOADING", done=10, total=100)
+    fleet.tick()
+    assert {e.device_id: e.detail for e in fleet.rollouts.executions(r.rollout_id)}[quiet] == "DOWNLOADING 10%"
+    fleet.tick(61)
+    states = {e.device_id: e.state for e in fleet.rollouts.executions(r.rollout_id)}
+    assert states[quiet] == "TIMED_OUT"
+    fleet.report(quiet, "ACTIVE")  # too late
+    fleet.tick()
+    assert {e.device_id: e.state for e in fleet.rollouts.executions(r.rollout_id)}[quiet] == "TIMED_OUT"
+
+
+def test_a_report_of_an_earlier_assignment_does_not_count(fleet):
+    r = start_rollout(fleet.registry, fleet.devices, fleet.rollouts, RolloutSpec("tiny@1.1.0", "kiosks", [5, 100]))
+    fleet.tick()
+    (d,) = fleet.devices_told("tiny@1.1.0")
+    fleet.devices.report(d, {"desired": "tiny@1.0.0", "rev": 1, "state": "ACTIVE", "at": fleet.now})
+    fleet.tick()
+    assert {e.device_id: e.state for e in fleet.rollouts.executions(r.rollout_id)}[d] == "IN_PROGRESS"
+
+
+def test_a_device_joining_the_group_mid_rollout_gets_the_version_with_its_wave(fleet):
+    r = start_rollout(fleet.registry, fleet.devices, fleet.rollouts, RolloutSpec("tiny@1.1.0", "kiosks", [5, 100]))
+    fleet.devices.add("late", ["kiosks"])
+    fleet.devices.assign(fleet.v1, device_id="late")
+    for _ in range(2):
+        fleet.tick()
+        finish_wave(fleet)
+        fleet.tick()
+        fleet.tick()
+    assert fleet.status(r.rollout_id).state == "SUCCEEDED"
+    assert "late" in fleet.devices_told("tiny@1.1.0")
+
+
+def test_operator_commands(fleet):
+    spec = RolloutSpec("tiny@1.1.0", "kiosks", [5, 50, 100])
+    r = start_rollout(fleet.registry, fleet.devices, fleet.rollouts, spec)
+    with pytest.raises(RolloutError, match="under way"):
+        start_rollout(fleet.registry, fleet.devices, fleet.rollouts, spec)
+    fleet.tick()
+    pause(fleet.rollouts, r.rollout_id)
+    finish_wave(fleet)
+    fleet.tick()
+    fleet.tick()
+    assert len(fleet.devices_told("tiny@1.1.0")) == 1  # paused: no new wave
+    with pytest.raises(RolloutError):
+        pause(fleet.rollouts, r.rollout_id)
+    resume(fleet.rollouts, r.rollout_id)
+    for _ in range(3):  # the wave is done, it passes, the next wave is told
+        fleet.tick()
+    assert len(fleet.devices_told("tiny@1.1.0")) == 10
+    rollback(fleet.registry, fleet.devices, fleet.rollouts, r.rollout_id)
+    assert fleet.devices_told("tiny@1.1.0") == [] and fleet.status(r.rollout_id).state == "ROLLED_BACK"
+    r2 = start_rollout(fleet.registry, fleet.devices, fleet.rollouts, spec)  # the group is free again
+    abort(fleet.rollouts, r2.rollout_id)
+    fleet.tick()
+    assert fleet.status(r2.rollout_id).state == "ABORTED" and fleet.devices_told("tiny@1.1.0") == []
+
+
+@pytest.mark.parametrize("spec, says", [
+    (RolloutSpec("tiny@9.9.9", "kiosks"), "not published"),
+    (RolloutSpec("tiny@1.1.0", "nobody"), "no device in group"),
+])
+def test_bad_rollouts_are_refused_and_write_nothing(fleet, spec, says):
+    from model_distribution.registry import RegistryError
+
+    with pytest.raises(RegistryError, match=says):
+        start_rollout(fleet.registry, fleet.devices, fleet.rollouts, spec)
+    assert fleet.rollouts.list() == []
+
+
+def test_a_group_with_a_device_that_has_no_version_to_go_back_to_is_refused(fleet):
+    fleet.devices.add("fresh", ["kiosks"])
+    with pytest.raises(RolloutError, match="no assigned version to roll back to"):
+        start_rollout(fleet.registry, fleet.devices, fleet.rollouts, RolloutSpec("tiny@1.1.0", "kiosks"))

@@ -1,0 +1,105 @@
+"""A rollout's parts on their own: gates, waves, durations, the wave plan, the serving metrics
+over a window from telemetry, and the store's compare-and-set."""
+
+from __future__ import annotations
+
+import pytest
+
+from model_distribution.rollouts import (
+    IN_PROGRESS,
+    QUEUED,
+    SUCCEEDED,
+    Gate,
+    RolloutError,
+    RolloutSpec,
+    RolloutStore,
+    joiner_wave,
+    parse_duration,
+    parse_waves,
+    wave_plan,
+    window_metrics,
+)
+
+
+@pytest.mark.parametrize("text, kind, bound, op", [
+    ("escalation_rate<=+0.05", "delta", 0.05, "<="), ("error_rate<=0.01", "absolute", 0.01, "<="),
+    ("ttft_p95<=1.2x", "ratio", 1.2, "<="), ("decode_tps>=0.9x", "ratio", 0.9, ">="),
+    (" escalation_rate <= -0.01 ", "delta", -0.01, "<="),
+])
+def test_gates_parse(text, kind, bound, op):
+    g = Gate.parse(text)
+    assert (g.kind, g.bound, g.op) == (kind, bound, op)
+
+
+@pytest.mark.parametrize("text", ["", "escalation_rate", "escalation_rate<0.05", "latency<=1.2x", "ttft_p95<=+1.2x",
+                                  "error_rate<=abc", "error_rate<=0.01;drop"])
+def test_a_malformed_gate_is_refused_with_the_reason(text):
+    with pytest.raises(RolloutError):
+        Gate.parse(text)
+
+
+def test_gates_judge_against_the_control_group():
+    assert Gate.parse("escalation_rate<=+0.05").judge(0.24, 0.20)[0] is True
+    assert Gate.parse("escalation_rate<=+0.05").judge(0.26, 0.20)[0] is False
+    assert Gate.parse("ttft_p95<=1.2x").judge(1.3, 1.0)[0] is False
+    assert Gate.parse("decode_tps>=0.9x").judge(95, 100)[0] is True
+    assert Gate.parse("error_rate<=0.01").judge(0.02, None)[0] is False  # absolute: no control needed
+    assert Gate.parse("ttft_p95<=1.2x").judge(1.0, None)[0] is None  # nothing to compare with
+    assert Gate.parse("ttft_p95<=1.2x").judge(None, 1.0)[0] is None
+
+
+@pytest.mark.parametrize("text", ["1,10,50", "10,1,100", "0,100", "1,1,100", "1,200", "a,100", ""])
+def test_waves_must_be_increasing_percentages_ending_at_100(text):
+    with pytest.raises(RolloutError):
+        parse_waves(text)
+
+
+def test_durations():
+    assert [parse_duration(t) for t in ("90", "90s", "2m", "1h", "0")] == [90, 90, 120, 3600, 0]
+    with pytest.raises(RolloutError):
+        parse_duration("soon")
+
+
+def test_a_wave_plan_is_fixed_cumulative_and_never_leaves_a_wave_empty():
+    devices = [f"k{i}" for i in range(50)]
+    plan = wave_plan("r1", devices, [1, 10, 50, 100])
+    counts = [sum(1 for w in plan.values() if w == k) for k in range(4)]
+    assert counts == [1, 4, 20, 25] and plan == wave_plan("r1", list(reversed(devices)), [1, 10, 50, 100])
+    assert plan != wave_plan("r2", devices, [1, 10, 50, 100])  # another rollout, another order
+    assert set(wave_plan("r1", ["only"], [1, 10, 100]).values()) == {0}
+    assert all(0 <= joiner_wave("r1", f"new{i}", [1, 10, 50, 100]) <= 3 for i in range(100))
+
+
+def _record(ts, uptime, cloud, edge, ok, bad, buckets=None, tokens=0, seconds=0.0):
+    return {"ts": ts, "uptime_s": uptime, "decisions": {"cloud/hard": cloud, "edge/easy": edge},
+            "requests": {"/v1/chat/completions/200": ok, "/v1/chat/completions/503": bad},
+            "latency": {"ttft": {"buckets": buckets or {}}}, "decode": {"tokens": tokens, "seconds": seconds}}
+
+
+def test_window_metrics_take_each_devices_counters_across_the_window_and_sum_them():
+    a = [_record(90, 90, 10, 10, 20, 0, {"0.1": 5, "1": 20, "+Inf": 20}, 100, 10.0),
+         _record(150, 150, 13, 17, 30, 0, {"0.1": 5, "1": 30, "+Inf": 30}, 300, 20.0)]
+    b = [_record(120, 20, 2, 8, 9, 1, {"0.1": 10, "1": 10, "+Inf": 10}, 50, 1.0)]  # started inside: all of it counts
+    m = window_metrics({"a": a, "b": b}, 100, 160)
+    # a: 3 cloud of 10 decisions, 10 requests; b: 2 of 10, 10 requests with 1 error
+    assert m["requests"] == 20 and m["escalation_rate"] == pytest.approx(5 / 20)
+    assert m["error_rate"] == pytest.approx(1 / 20)
+    assert m["ttft_p95"] == 1.0 and m["decode_tps"] == pytest.approx((200 + 50) / (10 + 1))
+    assert window_metrics({"a": a}, 200, 300)["requests"] == 0  # nothing in the window
+    restarted = [_record(90, 500, 50, 50, 100, 0), _record(150, 30, 1, 1, 2, 0)]  # uptime went back
+    assert window_metrics({"c": restarted}, 100, 160)["requests"] == 2
+
+
+def test_executions_and_rollouts_change_only_from_the_version_read(tmp_path):
+    store = RolloutStore(tmp_path)
+    spec = RolloutSpec("tiny@1.1.0", "kiosks", [50, 100], gates=["error_rate<=0.01"])
+    r = store.create(spec, {"k1": (0, "tiny@1.0.0"), "k2": (1, "tiny@1.0.0")})
+    with pytest.raises(RolloutError, match="under way"):
+        store.create(spec, {"k1": (0, None)})  # one rollout at a time per group
+    e = store.executions(r.rollout_id)[0]
+    assert e.state == QUEUED and store.move(e, IN_PROGRESS, "assigned", desired_rev=3)
+    assert not store.move(e, SUCCEEDED)  # a stale read (a late report) does not overwrite
+    assert store.executions(r.rollout_id)[0].state == IN_PROGRESS
+    assert store.update(r, wave=1) is not None and store.update(r, wave=0) is None
+    assert store.get(r.rollout_id).spec.gates == ["error_rate<=0.01"]
+    store.close()
