@@ -215,11 +215,10 @@ async def desired(request: Request, device: str):
         raise errors.APIError(404, f"no desired state for {device!r} (cascade fleet assign)", "invalid_request_error",
                               "device", "not_found")
     try:
-        manifest = state.registry.resolve(found.desired)
+        doc = state.documents.get(found, state.registry)
     except RegistryError as e:
         raise _refused(operations.NotFound(str(e))) from e
-    return Response(state.documents.get(found, manifest), media_type="application/json",
-                    headers={"Cache-Control": "no-store"})
+    return Response(doc, media_type="application/json", headers={"Cache-Control": "no-store"})
 
 
 @device_api.post("/{device}/reported", status_code=204)

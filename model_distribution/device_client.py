@@ -16,12 +16,15 @@ so an agent that restarts, or was killed mid-switch, comes back on one consisten
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import logging
 import os
+import random
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +40,7 @@ from model_distribution.signing import manifest_of, verified_target
 log = logging.getLogger(__name__)
 
 FORMATS = ("gguf",)  # what this agent's backends load
+MAX_JITTER_S = 3600.0
 
 
 @dataclass
@@ -75,6 +79,8 @@ class DeviceUpdater:
         self.active: dict | None = installed(config.state_dir)  # the manifest serving now
         self._lock = threading.Lock()  # one change at a time
         self.retry = False  # did the last apply fail in a way worth trying again (a download cut)?
+        self.wait_s: float | None = None  # WAITING: seconds until its activation window opens
+        self._last_base: dict = {}  # the assignment the last report was about (a prefetch reports beside it)
         # one client for the metadata and the artifacts: its connections, and one TLS context (loading
         # the CA bundle costs tens of ms of CPU: per request, that is most of a small device's update)
         self.http = httpx.Client(timeout=httpx.Timeout(30.0, connect=10.0), follow_redirects=True)
@@ -83,63 +89,101 @@ class DeviceUpdater:
         self.http.close()
 
     def apply(self, desired: dict) -> str:
-        """Go to ``desired`` (a verified payload: model, version, sha256, size, format, rev); the
-        final state (ACTIVE, FAILED or REJECTED)."""
+        """Go to ``desired`` (a verified payload: model, version, sha256, size, format, rev; and
+        optionally window, jitter_s, prefetch); the final state: ACTIVE, FAILED, REJECTED, or
+        WAITING (downloaded and verified, for its activation window: ``wait_s`` says how long)."""
         with self._lock:
-            self.retry = False
+            self.retry, self.wait_s = False, None
             ref = f"{desired.get('model')}@{desired.get('version')}"
             base = {"desired": ref, "rev": desired.get("rev")}
             if self.active is not None and self.active.get("sha256") == desired.get("sha256"):
                 self._say({**base, "state": "ACTIVE", "model": ref, "sha256": desired["sha256"]})
+                self._prefetch(desired.get("prefetch"), desired.get("jitter_s"))
                 return "ACTIVE"
-            try:
-                tuf_url = self.config.metadata_url or f"{self.config.control_plane}/v1/tuf/"
-                info = verified_target(self.config.state_dir / "tuf", tuf_url, self.config.trusted_root,
-                                       desired["model"], desired["version"], self.config.auth_for(tuf_url),
-                                       self.http)
-            except Exception as e:
-                if _transient(e):  # the network or a busy server, not the metadata: try again later
-                    self.retry = True
-                    return self._fail(base, "FAILED", f"cannot fetch the signed metadata now: {e}")
-                return self._fail(base, "REJECTED", f"its signed metadata was refused: {e}")
-            manifest = manifest_of(info)
-            if info.hashes.get("sha256") != desired.get("sha256"):
-                return self._fail(base, "REJECTED", "the desired digest is not the signed target's")
-            why = self._cannot_take(manifest, info.length)
-            if why:
-                return self._fail(base, "REJECTED", why)
-            path = self.models_dir / info.hashes["sha256"]
-            if not path.exists():
-                self._say({**base, "state": "DOWNLOADING", "done": 0, "total": info.length})
-                base_url = self.config.artifact_url or f"{self.config.control_plane}/v1/artifacts"
-                url = f"{base_url.rstrip('/')}/{info.hashes['sha256']}"
-                last = [0]
-
-                def progress(done: int, total: int) -> None:
-                    if done - last[0] >= max(total // 10, 1) or done == total:
-                        last[0] = done
-                        self._say({**base, "state": "DOWNLOADING", "done": done, "total": total})
-                    if done == total:
-                        self._say({**base, "state": "VERIFYING"})
-
-                try:
-                    staged = fetch(url, self.staging / info.hashes["sha256"], info, self.http, progress=progress,
-                                   auth=self.config.auth_for(url))
-                except DownloadError as e:
-                    self.retry = True  # the network's fault: the follower tries again (from the bytes it has)
-                    return self._fail(base, "FAILED", str(e))
-                self.models_dir.mkdir(parents=True, exist_ok=True)
-                staged.replace(path)
+            got = self._fetch(desired, base, desired.get("jitter_s"))
+            if isinstance(got, str):
+                return got
+            path, manifest = got
+            window = desired.get("window")
+            if window and not in_window(window):
+                self.wait_s = seconds_to_window(window)
+                self._say({**base, "state": "WAITING", "window": window,
+                           "model": None if self.active is None else f"{self.active['name']}@{self.active['version']}"})
+                return "WAITING"
             self._say({**base, "state": "ACTIVATING"})
             try:
                 self.activate(path, manifest)
             except Exception as e:  # the agent keeps its old model
                 return self._fail(base, "FAILED", f"activation failed, the old model still serves: {e}")
-            self.active = {**manifest, "sha256": info.hashes["sha256"]}
+            self.active = {**manifest, "sha256": path.name}
             _write_atomically(self.active_file, json.dumps(self.active).encode())  # what the next start serves
             self._prune()
-            self._say({**base, "state": "ACTIVE", "model": ref, "sha256": info.hashes["sha256"]})
+            self._say({**base, "state": "ACTIVE", "model": ref, "sha256": path.name})
+            self._prefetch(desired.get("prefetch"), desired.get("jitter_s"))
             return "ACTIVE"
+
+    def _fetch(self, desired: dict, base: dict, jitter_s=None, quiet: bool = False) -> tuple[Path, dict] | str:
+        """Verify ``desired`` against the signed metadata and have its file in models/ (downloaded
+        after a random wait up to ``jitter_s``); (path, manifest), or the failed state. ``quiet``:
+        report nothing (a prefetch)."""
+        fail = (lambda b, state, reason: state) if quiet else self._fail
+        try:
+            tuf_url = self.config.metadata_url or f"{self.config.control_plane}/v1/tuf/"
+            info = verified_target(self.config.state_dir / "tuf", tuf_url, self.config.trusted_root,
+                                   desired["model"], desired["version"], self.config.auth_for(tuf_url), self.http)
+        except Exception as e:
+            if _transient(e):  # the network or a busy server, not the metadata: try again later
+                self.retry = not quiet
+                return fail(base, "FAILED", f"cannot fetch the signed metadata now: {e}")
+            return fail(base, "REJECTED", f"its signed metadata was refused: {e}")
+        manifest = manifest_of(info)
+        if info.hashes.get("sha256") != desired.get("sha256"):
+            return fail(base, "REJECTED", "the desired digest is not the signed target's")
+        why = self._cannot_take(manifest, info.length)
+        if why:
+            return fail(base, "REJECTED", why)
+        path = self.models_dir / info.hashes["sha256"]
+        if path.exists():
+            return path, manifest
+        if isinstance(jitter_s, (int, float)) and jitter_s > 0:
+            time.sleep(random.uniform(0, min(jitter_s, MAX_JITTER_S)))
+        say = (lambda state: None) if quiet else self._say
+        say({**base, "state": "DOWNLOADING", "done": 0, "total": info.length})
+        base_url = self.config.artifact_url or f"{self.config.control_plane}/v1/artifacts"
+        url = f"{base_url.rstrip('/')}/{info.hashes['sha256']}"
+        last = [0]
+
+        def progress(done: int, total: int) -> None:
+            if done - last[0] >= max(total // 10, 1) or done == total:
+                last[0] = done
+                say({**base, "state": "DOWNLOADING", "done": done, "total": total})
+            if done == total:
+                say({**base, "state": "VERIFYING"})
+
+        try:
+            staged = fetch(url, self.staging / info.hashes["sha256"], info, self.http, progress=progress,
+                           auth=self.config.auth_for(url))
+        except DownloadError as e:
+            self.retry = not quiet  # the network's fault: the follower tries again (from the bytes it has)
+            return fail(base, "FAILED", str(e))
+        self.models_dir.mkdir(parents=True, exist_ok=True)
+        staged.replace(path)
+        return path, manifest
+
+    def _prefetch(self, wanted, jitter_s) -> None:
+        """Download and verify a version to activate later (a rollout's later wave), reporting it as
+        ``prefetched`` beside the state; a failure is reported and tried again with the next document."""
+        if not isinstance(wanted, dict) or (self.models_dir / str(wanted.get("sha256"))).exists():
+            return
+        ref = f"{wanted.get('model')}@{wanted.get('version')}"
+        got = self._fetch(wanted, {"desired": ref}, jitter_s, quiet=True)
+        state = {"desired": f"{self.active['name']}@{self.active['version']}", "state": "ACTIVE",
+                 "model": f"{self.active['name']}@{self.active['version']}", "sha256": self.active["sha256"]}
+        if isinstance(got, str):
+            self._say({**state, **self._last_base, "prefetch": ref, "prefetch_state": got})
+        else:
+            log.info("prefetched %s", ref)
+            self._say({**state, **self._last_base, "prefetch": ref, "prefetch_state": "READY"})
 
     def _cannot_take(self, manifest: dict, length: int) -> str | None:
         fmt = manifest.get("format")
@@ -193,6 +237,8 @@ class DeviceUpdater:
         return state
 
     def _say(self, state: dict) -> None:
+        if "rev" in state:
+            self._last_base = {"desired": state.get("desired"), "rev": state["rev"]}
         try:
             self.report(state)
         except Exception:  # a report that cannot go out does not stop the change
@@ -248,3 +294,40 @@ def _transient(e: Exception) -> bool:
     if isinstance(e, tuf_errors.DownloadHTTPError):
         return e.status_code in (408, 429) or e.status_code >= 500
     return isinstance(e, (tuf_errors.DownloadError, httpx.TransportError))
+
+
+def _window(text: str) -> tuple[int, int]:
+    """"02:00-05:00" -> (120, 300) minutes of the day; ValueError otherwise."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d{1,2}):(\d{2})\s*-\s*(\d{1,2}):(\d{2})\s*", text or "")
+    if m is None:
+        raise ValueError(f"window {text!r} must be HH:MM-HH:MM")
+    h1, m1, h2, m2 = map(int, m.groups())
+    if h1 > 23 or h2 > 24 or m1 > 59 or m2 > 59:
+        raise ValueError(f"window {text!r} must be HH:MM-HH:MM")
+    return h1 * 60 + m1, h2 * 60 + m2
+
+
+def in_window(text: str, now: datetime.datetime | None = None) -> bool:
+    """Is local time ``now`` inside the window (which may run past midnight)? A malformed window
+    is treated as always open (the control plane checked it; a device never blocks on one)."""
+    try:
+        start, end = _window(text)
+    except ValueError:
+        return True
+    now = now or datetime.datetime.now()
+    minute = now.hour * 60 + now.minute
+    return start <= minute < end if start <= end else minute >= start or minute < end
+
+
+def seconds_to_window(text: str, now: datetime.datetime | None = None) -> float:
+    """Seconds from ``now`` (local time) until the window next opens (0 inside it)."""
+    if in_window(text, now):
+        return 0.0
+    start, _ = _window(text)
+    now = now or datetime.datetime.now()
+    opens = now.replace(hour=start // 60, minute=start % 60, second=0, microsecond=0)
+    if opens <= now:
+        opens += datetime.timedelta(days=1)
+    return (opens - now).total_seconds()

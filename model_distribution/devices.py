@@ -75,6 +75,9 @@ class Device:
     online: bool | None = None  # its retained status (None: never said)
     serving: dict = field(default_factory=dict)  # from its telemetry: requests, escalation/error rate, backlog
     last_event: dict | None = None  # the latest it said on its events topic
+    prefetch: str | None = None  # name@version to download and verify now, to activate later (a rollout's later wave)
+    window: str | None = None  # "HH:MM-HH:MM" of its local time: it activates the desired version only then
+    jitter_s: float = 0.0  # it waits a random 0..jitter_s before downloading (a wave does not arrive at one instant)
 
     def to_dict(self) -> dict:
         return {"device": self.device_id, "fleet": self.fleet, "groups": self.groups, "desired": self.desired,
@@ -82,7 +85,8 @@ class Device:
                 "last_seen": self.last_seen, "created_at": self.created_at,
                 "requests": self.serving.get("requests"), "escalation_rate": self.serving.get("escalation_rate"),
                 "error_rate": self.serving.get("error_rate"), "backlog": self.serving.get("backlog"),
-                "telemetry_at": self.serving.get("at"), "last_event": self.last_event}
+                "telemetry_at": self.serving.get("at"), "last_event": self.last_event, "prefetch": self.prefetch,
+                "window": self.window}
 
 
 def serving_summary(new: dict | None, base: dict | None = None) -> dict:
@@ -194,6 +198,11 @@ class DeviceStore:
             self._db.execute("ALTER TABLE devices ADD COLUMN status VARCHAR(16)")
         if "last_event" not in columns:
             self._db.execute("ALTER TABLE devices ADD COLUMN last_event TEXT")
+        for column in ("prefetch_name", "prefetch_version", "desired_window"):  # staged rollouts
+            if column not in columns:
+                self._db.execute(f"ALTER TABLE devices ADD COLUMN {column} VARCHAR(64)")
+        if "desired_jitter_s" not in columns:
+            self._db.execute("ALTER TABLE devices ADD COLUMN desired_jitter_s DOUBLE PRECISION")
 
     def close(self) -> None:
         self._db.close()
@@ -306,7 +315,7 @@ class DeviceStore:
              ) -> list[Device]:
         """Devices (of a group, or these ids); with ``serving``, each one's summary of its telemetry."""
         sql = ("SELECT device_id, fleet, desired_name, desired_version, desired_rev, reported, last_seen, created_at, "
-               "status, last_event FROM devices")
+               "status, last_event, prefetch_name, prefetch_version, desired_window, desired_jitter_s FROM devices")
         args: list = []
         if group is not None:
             sql += " WHERE device_id IN (SELECT device_id FROM device_groups WHERE group_name = ?)"
@@ -318,34 +327,61 @@ class DeviceStore:
         for d, g in self._db.execute("SELECT device_id, group_name FROM device_groups ORDER BY group_name"):
             groups.setdefault(d, []).append(g)
         out = []
-        for d, fleet, name, version, rev, reported, seen, created, status, event in self._db.execute(
-                sql + " ORDER BY device_id", args).fetchall():
+        for (d, fleet, name, version, rev, reported, seen, created, status, event, pre_name, pre_version, window,
+             jitter) in self._db.execute(sql + " ORDER BY device_id", args).fetchall():
             out.append(Device(d, fleet, groups.get(d, []), f"{name}@{version}" if name else None, rev,
                               json.loads(reported) if reported else None, seen, created,
                               None if status is None else status == "online",
-                              self.serving(d) if serving else {}, json.loads(event) if event else None))
+                              self.serving(d) if serving else {}, json.loads(event) if event else None,
+                              f"{pre_name}@{pre_version}" if pre_name else None, window, jitter or 0.0))
         return out
 
     @_locked
-    def assign(self, manifest: Manifest, device_id: str | None = None, group: str | None = None) -> list[Device]:
-        """Set the desired version of one device or of every device of a group (a new revision each).
-        RegistryError when nothing matches."""
+    def assign(self, manifest: Manifest, device_id: str | None = None, group: str | None = None,
+               window: str | None = None, jitter_s: float = 0.0) -> list[Device]:
+        """Set the desired version of one device or of every device of a group (a new revision each),
+        to activate inside ``window`` (None: at once) after a random wait up to ``jitter_s``; a
+        prefetch of that same version is done with. RegistryError when nothing matches."""
         targets = self.list(group=group) if group is not None else self.list(device_ids=[device_id])
         if not targets:
             raise RegistryError(f"no device {device_id!r} enrolled" if group is None
                                 else f"no device in group {group!r}")
         self._db.execute("BEGIN")
-        self._db.executemany("UPDATE devices SET desired_name = ?, desired_version = ?, desired_rev = desired_rev + 1 "
-                             "WHERE device_id = ?", [(manifest.name, manifest.version, d.device_id) for d in targets])
+        self._db.executemany(
+            "UPDATE devices SET desired_name = ?, desired_version = ?, desired_window = ?, desired_jitter_s = ?, "
+            "prefetch_name = CASE WHEN prefetch_name = ? AND prefetch_version = ? THEN NULL ELSE prefetch_name END, "
+            "prefetch_version = CASE WHEN prefetch_name = ? AND prefetch_version = ? THEN NULL "
+            "ELSE prefetch_version END, desired_rev = desired_rev + 1 WHERE device_id = ?",
+            [(manifest.name, manifest.version, window, jitter_s, *(manifest.name, manifest.version) * 2, d.device_id)
+             for d in targets])
         self._db.execute("COMMIT")
         return self.list(device_ids=[d.device_id for d in targets])
 
+    @_locked
+    def prefetch(self, manifest: Manifest | None, device_ids: list[str], jitter_s: float = 0.0) -> None:
+        """Have these devices download and verify ``manifest`` now, to activate when told (None: stop)."""
+        name, version = (manifest.name, manifest.version) if manifest else (None, None)
+        self._db.execute("BEGIN")
+        self._db.executemany("UPDATE devices SET prefetch_name = ?, prefetch_version = ?, desired_jitter_s = ?, "
+                             "desired_rev = desired_rev + 1 WHERE device_id = ?",
+                             [(name, version, jitter_s, d) for d in device_ids])
+        self._db.execute("COMMIT")
 
-def desired_document(device: Device, manifest: Manifest, signing_key: Ed25519PrivateKey) -> bytes:
-    """The signed desired state of ``device`` (what goes, retained, to its desired topic)."""
+
+def desired_document(device: Device, manifest: Manifest, signing_key: Ed25519PrivateKey,
+                     prefetch: Manifest | None = None) -> bytes:
+    """The signed desired state of ``device`` (what goes, retained, to its desired topic): the
+    version to serve (inside its window, after its jitter) and one to fetch ahead, if any."""
     payload = {"device": device.device_id, "fleet": device.fleet, "rev": device.desired_rev,
                "model": manifest.name, "version": manifest.version, "sha256": manifest.sha256,
                "size": manifest.size, "format": manifest.format, "issued_at": int(time.time())}
+    if device.window:
+        payload["window"] = device.window
+    if device.jitter_s:
+        payload["jitter_s"] = device.jitter_s
+    if prefetch is not None and prefetch.sha256 != manifest.sha256:
+        payload["prefetch"] = {"model": prefetch.name, "version": prefetch.version, "sha256": prefetch.sha256,
+                               "size": prefetch.size, "format": prefetch.format}
     body = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
     return json.dumps({"payload": base64.b64encode(body).decode(),
                        "signature": base64.b64encode(signing_key.sign(body)).decode()}).encode()

@@ -51,6 +51,7 @@ from model_distribution.rollouts import (
 
 log = logging.getLogger(__name__)
 REPORTED = {"ACTIVE": SUCCEEDED, "FAILED": FAILED, "REJECTED": REJECTED}  # a device's final states
+# (WAITING, for its window, is IN_PROGRESS: the device says so again every minute, its heartbeat)
 
 
 def start_rollout(registry: Registry, devices: DeviceStore, rollouts: RolloutStore, spec: RolloutSpec) -> Rollout:
@@ -120,12 +121,18 @@ def step(r: Rollout, registry: Registry, devices: DeviceStore, rollouts: Rollout
         if d is None:
             continue
         if e.state == QUEUED and e.wave <= r.wave and r.state == RUNNING:
-            rev = devices.assign(manifest, device_id=e.device_id)[0].desired_rev
+            rev = devices.assign(manifest, device_id=e.device_id, window=r.spec.window,
+                                 jitter_s=r.spec.jitter_s)[0].desired_rev
             rollouts.move(e, IN_PROGRESS, "assigned", now, desired_rev=rev)
         elif e.state == IN_PROGRESS:
             _follow(e, d.reported, r, rollouts, now)
     if r.state != RUNNING:
         return
+    if r.spec.prefetch:  # later waves fetch and verify now; only their activation waits for the gates
+        later = [e.device_id for e in rollouts.executions(r.rollout_id) if e.state == QUEUED and e.wave > r.wave
+                 and e.device_id in members and members[e.device_id].prefetch != r.ref]
+        if later:
+            devices.prefetch(manifest, later, r.spec.jitter_s)
     execs = rollouts.executions(r.rollout_id)
     wave = [e for e in execs if e.wave == r.wave]
     if r.wave_done_at is None:
@@ -227,8 +234,16 @@ def roll_back(r: Rollout, registry: Registry, devices: DeviceStore, rollouts: Ro
         elif e.state not in (CANCELED, ROLLED_BACK) and e.desired_rev is not None and e.previous:
             devices.assign(registry.resolve(e.previous), device_id=e.device_id)
             rollouts.move(e, ROLLED_BACK, f"back to {e.previous}")
+    _stop_prefetch(r, devices)
     fresh = rollouts.get(r.rollout_id)
     return rollouts.update(fresh, state=HALTED, reason=reason) or rollouts.get(r.rollout_id)
+
+
+def _stop_prefetch(r: Rollout, devices: DeviceStore) -> None:
+    """The devices told to fetch this version ahead are told no more (what they hold stays)."""
+    ahead = [d.device_id for d in devices.list(group=r.group) if d.prefetch == r.ref]
+    if ahead:
+        devices.prefetch(None, ahead)
 
 
 # -- the operator's commands ---------------------------------------------------------------------
@@ -255,7 +270,7 @@ def resume(rollouts: RolloutStore, rollout_id: str) -> Rollout:
     return _cas(rollouts, r, state=RUNNING, reason=None)
 
 
-def abort(rollouts: RolloutStore, rollout_id: str) -> Rollout:
+def abort(rollouts: RolloutStore, rollout_id: str, devices: DeviceStore | None = None) -> Rollout:
     """Stop where it is: the queued devices are canceled; the ones already assigned keep it."""
     r = rollouts.get(rollout_id)
     if r.state not in ACTIVE_STATES:
@@ -263,6 +278,8 @@ def abort(rollouts: RolloutStore, rollout_id: str) -> Rollout:
     for e in rollouts.executions(rollout_id):
         if e.state == QUEUED:
             rollouts.move(e, CANCELED, "aborted")
+    if devices is not None:
+        _stop_prefetch(r, devices)
     return _cas(rollouts, r, state=ABORTED, reason="aborted by the operator")
 
 

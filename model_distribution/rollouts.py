@@ -155,8 +155,19 @@ class RolloutSpec:
     min_executed: int = 1
     min_requests: int = 0
     step_timeout_s: float = 600.0  # no word from a device for this long: TIMED_OUT
+    window: str | None = None  # "HH:MM-HH:MM" device local time: activate only then (download whenever)
+    jitter_s: float = 0.0  # each device waits a random 0..jitter_s before it downloads
+    prefetch: bool = True  # devices of later waves download and verify while earlier waves bake
 
     def __post_init__(self):
+        from model_distribution.device_client import _window
+
+        if self.window:
+            try:
+                _window(self.window)
+            except ValueError as e:
+                raise RolloutError(str(e)) from None
+        self.jitter_s = parse_duration(self.jitter_s)
         self.waves = parse_waves(",".join(map(str, self.waves)) if isinstance(self.waves, list) else self.waves)
         self.bake_s = parse_duration(self.bake_s)
         self.step_timeout_s = parse_duration(self.step_timeout_s)

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import paho.mqtt.client as mqtt
 
 from model_distribution.devices import BadDocument, Device, DeviceStore, desired_document, verify_desired
-from model_distribution.registry import Manifest, Registry
+from model_distribution.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +60,13 @@ class DesiredDocuments:
         self._signed: dict[str, tuple[int, bytes]] = {}  # device -> (revision, its document)
         self._lock = threading.Lock()
 
-    def get(self, device: Device, manifest: Manifest) -> bytes:
+    def get(self, device: Device, registry: Registry) -> bytes:
+        """Its document (RegistryError when its desired version is not published)."""
         with self._lock:
             rev, doc = self._signed.get(device.device_id, (-1, b""))
             if rev != device.desired_rev:
-                doc = desired_document(device, manifest, self.key)
+                prefetch = registry.resolve(device.prefetch) if device.prefetch else None
+                doc = desired_document(device, registry.resolve(device.desired), self.key, prefetch)
                 self._signed[device.device_id] = (device.desired_rev, doc)
             return doc
 
@@ -125,8 +127,7 @@ class DesiredPublisher:
         for device in self.devices.list():
             if device.desired is None or self._published.get(device.device_id) == device.desired_rev:
                 continue
-            manifest = self.registry.resolve(device.desired)
-            doc = self.documents.get(device, manifest)
+            doc = self.documents.get(device, self.registry)
             info = self.client.publish(topic(device.fleet, device.device_id, "desired"), doc, qos=1, retain=True)
             if info.rc == mqtt.MQTT_ERR_SUCCESS:
                 with self._lock:

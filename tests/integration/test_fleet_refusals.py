@@ -200,3 +200,31 @@ def test_a_control_plane_that_cannot_be_reached_is_a_failure_to_retry_not_a_refu
     assert up.apply(_desired(three_versions.manifests[0], 1)) == "FAILED" and up.retry
     assert "cannot fetch the signed metadata now" in states[-1]["reason"]
     up.close()
+
+
+def test_outside_its_window_a_device_downloads_and_waits_and_it_fetches_ahead_what_it_is_told(three_versions,
+                                                                                             tmp_path):
+    import datetime
+
+    from model_distribution.device_client import DeviceConfig, DeviceUpdater
+
+    v1, v2, v3 = three_versions.manifests
+    states: list[dict] = []
+    activated: list[str] = []
+    cfg = DeviceConfig("kiosk-1", three_versions.url, three_versions.repo.root_bytes(), tmp_path / "d",
+                       secret=three_versions.secret)
+    up = DeviceUpdater(cfg, states.append, lambda path, manifest: activated.append(manifest["version"]))
+    assert up.apply(_desired(v1, 1)) == "ACTIVE"
+    hour = datetime.datetime.now().hour
+    closed = f"{(hour + 2) % 24:02d}:00-{(hour + 3) % 24:02d}:00"
+    assert up.apply({**_desired(v2, 2), "window": closed}) == "WAITING"
+    assert (tmp_path / "d" / "models" / v2.sha256).exists() and activated == ["1.0.0"]  # fetched, not switched
+    assert states[-1]["state"] == "WAITING" and states[-1]["model"] == "tiny@1.0.0" and 0 < up.wait_s <= 3 * 3600
+    opened = f"{hour:02d}:00-{(hour + 1) % 24:02d}:00"
+    prefetch = {"model": v3.name, "version": v3.version, "sha256": v3.sha256, "size": v3.size, "format": "gguf"}
+    assert up.apply({**_desired(v2, 3), "window": opened, "prefetch": prefetch}) == "ACTIVE"
+    assert activated == ["1.0.0", "1.1.0"] and not any(s["state"] == "DOWNLOADING" for s in states[-3:])
+    assert (tmp_path / "d" / "models" / v3.sha256).exists() and activated[-1] == "1.1.0"  # v3 held, not served
+    assert states[-1]["prefetch"] == "tiny@1.2.0" and states[-1]["prefetch_state"] == "READY"
+    assert states[-1]["state"] == "ACTIVE" and states[-1]["desired"] == "tiny@1.1.0"
+    up.close()

@@ -111,7 +111,8 @@ def test_a_version_every_first_wave_device_refuses_halts_and_rolls_back_before_w
 
 def rollout_with_gate(fleet, gate: str, min_requests: int = 20):
     r = start_rollout(fleet.registry, fleet.devices, fleet.rollouts,
-                      RolloutSpec("tiny@1.1.0", "kiosks", [25, 100], bake_s=60, gates=[gate], min_requests=min_requests))
+                      RolloutSpec("tiny@1.1.0", "kiosks", [25, 100], bake_s=60, gates=[gate],
+                                  min_requests=min_requests))
     fleet.tick()
     updated = fleet.devices_told("tiny@1.1.0")
     control = [d.device_id for d in fleet.devices.list() if d.device_id not in updated]
@@ -152,7 +153,8 @@ def test_too_little_traffic_pauses_as_inconclusive_and_resume_goes_on(fleet):
     fleet.serve(control, 1, 0)
     fleet.tick(31)
     paused = fleet.status(r.rollout_id)
-    assert paused.state == "PAUSED" and paused.reason.startswith("inconclusive") and "too little traffic" in paused.reason
+    assert paused.state == "PAUSED" and paused.reason.startswith("inconclusive")
+    assert "too little traffic" in paused.reason
     fleet.tick(100)
     assert fleet.status(r.rollout_id).state == "PAUSED"  # waits for the operator
     resume(fleet.rollouts, r.rollout_id)
@@ -220,7 +222,7 @@ def test_operator_commands(fleet):
     rollback(fleet.registry, fleet.devices, fleet.rollouts, r.rollout_id)
     assert fleet.devices_told("tiny@1.1.0") == [] and fleet.status(r.rollout_id).state == "ROLLED_BACK"
     r2 = start_rollout(fleet.registry, fleet.devices, fleet.rollouts, spec)  # the group is free again
-    abort(fleet.rollouts, r2.rollout_id)
+    abort(fleet.rollouts, r2.rollout_id, fleet.devices)
     fleet.tick()
     assert fleet.status(r2.rollout_id).state == "ABORTED" and fleet.devices_told("tiny@1.1.0") == []
 
@@ -241,3 +243,39 @@ def test_a_group_with_a_device_that_has_no_version_to_go_back_to_is_refused(flee
     fleet.devices.add("fresh", ["kiosks"])
     with pytest.raises(RolloutError, match="no assigned version to roll back to"):
         start_rollout(fleet.registry, fleet.devices, fleet.rollouts, RolloutSpec("tiny@1.1.0", "kiosks"))
+
+
+def test_later_waves_fetch_ahead_and_a_rollback_stops_that(fleet):
+    r = start_rollout(fleet.registry, fleet.devices, fleet.rollouts,
+                      RolloutSpec("tiny@1.1.0", "kiosks", [10, 100], window="02:00-05:00", jitter_s=30))
+    fleet.tick()
+    told = fleet.devices_told("tiny@1.1.0")
+    ahead = [d for d in fleet.devices.list() if d.prefetch == "tiny@1.1.0"]
+    assert len(told) == 2 and len(ahead) == N - 2 and not {d.device_id for d in ahead} & set(told)
+    assert {(d.window, d.jitter_s) for d in fleet.devices.list() if d.device_id in told} == {("02:00-05:00", 30.0)}
+    fleet.report(told[0], "WAITING", window="02:00-05:00")  # downloaded, waits for its window: still in progress
+    fleet.tick()
+    assert {e.device_id: e.state for e in fleet.rollouts.executions(r.rollout_id)}[told[0]] == "IN_PROGRESS"
+    rollback(fleet.registry, fleet.devices, fleet.rollouts, r.rollout_id)
+    assert [d for d in fleet.devices.list() if d.prefetch] == []
+
+
+def test_the_desired_document_carries_the_window_the_jitter_and_what_to_fetch_ahead(fleet):
+    import json
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from model_distribution.devices import desired_document, verify_desired
+
+    key = Ed25519PrivateKey.generate()
+    fleet.devices.prefetch(fleet.v2, ["k00"], jitter_s=5)
+    d = fleet.devices.get("k00")
+    public = key.public_key().public_bytes_raw()
+    payload = verify_desired(desired_document(d, fleet.v1, key, fleet.v2), public, "k00")
+    assert payload["prefetch"]["sha256"] == fleet.v2.sha256 and payload["jitter_s"] == 5 and "window" not in payload
+    fleet.devices.assign(fleet.v2, device_id="k00", window="22:00-04:00")
+    d = fleet.devices.get("k00")
+    assert d.prefetch is None  # assigned what it fetched ahead: done with
+    payload = verify_desired(desired_document(d, fleet.v2, key), public, "k00")
+    assert payload["window"] == "22:00-04:00" and "prefetch" not in payload
+    assert json.loads(json.dumps(payload))["rev"] == d.desired_rev

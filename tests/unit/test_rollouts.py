@@ -103,3 +103,18 @@ def test_executions_and_rollouts_change_only_from_the_version_read(tmp_path):
     assert store.update(r, wave=1) is not None and store.update(r, wave=0) is None
     assert store.get(r.rollout_id).spec.gates == ["error_rate<=0.01"]
     store.close()
+
+
+def test_activation_windows_in_local_time_across_midnight():
+    import datetime
+
+    from model_distribution.device_client import in_window, seconds_to_window
+
+    at = datetime.datetime(2026, 12, 1, 3, 30)
+    assert in_window("02:00-05:00", at) and not in_window("05:00-06:00", at)
+    assert in_window("22:00-04:00", at) and not in_window("22:00-03:00", at)
+    assert seconds_to_window("02:00-05:00", at) == 0
+    assert seconds_to_window("04:00-05:00", at) == 30 * 60
+    assert seconds_to_window("01:00-02:00", at) == (21 * 60 + 30) * 60  # tomorrow
+    with pytest.raises(RolloutError, match="HH:MM-HH:MM"):
+        RolloutSpec("tiny@1.1.0", "kiosks", window="2am-5am")
