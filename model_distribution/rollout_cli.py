@@ -1,0 +1,289 @@
+"""``cascade fleet rollout ...``: staged rollouts, on the control plane's state under
+``$CASCADE_HOME/fleet`` or with ``--url`` on a control plane elsewhere (its
+``/v1/fleet/rollouts``), printed from the same dicts either way (rollout_ops.py).
+
+    cascade fleet rollout start NAME@VERSION --group G [--waves 1,10,50,100] [--bake 2m]
+        [--max-failure-rate 0.02] [--min-executed 5] [--gate "escalation_rate<=+0.05" ...]
+        [--min-requests 50] [--step-timeout 10m]
+    cascade fleet rollout status ROLLOUT [--watch] [--json]
+    cascade fleet rollout pause|resume|abort|rollback ROLLOUT
+    cascade fleet rollout list [--json]
+
+The controller in ``cascade fleet serve`` moves a rollout; these commands start it, show it and
+steer it. Bad input is refused (exit 2, one line) before anything is written.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import time
+from urllib.parse import quote
+
+from model_distribution.fleet_cli import _refusals_exit, _remote, _remote_flags
+
+EXECUTION_STATES = ("QUEUED", "IN_PROGRESS", "SUCCEEDED", "FAILED", "TIMED_OUT", "REJECTED", "CANCELED",
+                    "ROLLED_BACK")
+_DONE = ("SUCCEEDED", "FAILED", "TIMED_OUT", "REJECTED")
+_BAR = 20
+_SHOWN_IN_PROGRESS = 10
+
+
+class _Local:
+    """The stores under $CASCADE_HOME/fleet, opened once per command."""
+
+    def __init__(self):
+        from cascade.config import cascade_home
+        from model_distribution.devices import DeviceStore
+        from model_distribution.registry import Registry
+        from model_distribution.rollouts import RolloutStore
+
+        root = cascade_home() / "fleet"
+        self.registry, self.devices, self.rollouts = Registry(root), DeviceStore(root), RolloutStore(root)
+
+    def close(self) -> None:
+        self.registry.close()
+        self.devices.close()
+        self.rollouts.close()
+
+
+def _run_local(work):
+    """``work(local)`` on the local stores; a refused operation is one line on stderr and exit 2."""
+    from model_distribution.registry import RegistryError
+
+    local = _Local()
+    try:
+        return work(local)
+    except RegistryError as e:
+        print(f"cascade: {e}", file=sys.stderr)
+        return None
+    finally:
+        local.close()
+
+
+def cmd_rollout_start(args) -> int:
+    from model_distribution import rollout_ops
+    from model_distribution.rollouts import RolloutError, RolloutSpec
+
+    try:  # bad arguments are refused before anything opens the store (or goes over the network)
+        spec = RolloutSpec(args.version_ref, args.group, args.waves, args.bake, args.gate or [],
+                           args.max_failure_rate, args.min_executed, args.min_requests, args.step_timeout)
+    except RolloutError as e:
+        print(f"cascade: {e}", file=sys.stderr)
+        return 2
+    remote = _remote(args)
+    if remote is not None:
+        from dataclasses import asdict
+
+        started = remote.call("POST", "/rollouts", json=asdict(spec))
+        shown = remote.call("GET", f"/rollouts/{quote(started['rollout'], safe='')}")
+    else:
+        shown = _run_local(lambda s: rollout_ops.status(
+            s.rollouts, rollout_ops.start(s.registry, s.devices, s.rollouts, spec).rollout_id))
+        if shown is None:
+            return 2
+    sizes = [sum(1 for e in shown["executions"] if e["wave"] == k) for k in range(len(shown["waves"]))]
+    waves = ", ".join(f"{w}% {n}" for w, n in zip(shown["waves"], sizes, strict=True))
+    print(f"rollout {shown['rollout']} started: {shown['model']} to group {shown['group']}, "
+          f"{len(shown['executions'])} device(s) in {len(sizes)} waves ({waves})")
+    print(f"follow it: cascade fleet rollout status {shown['rollout']} --watch")
+    return 0
+
+
+def _status_source(args):
+    """(fetch, close): ``fetch()`` is the rollout's status dict, from --url or the local store."""
+    from model_distribution import rollout_ops
+
+    remote = _remote(args)
+    if remote is not None:
+        return (lambda: remote.call("GET", f"/rollouts/{quote(args.rollout, safe='')}")), (lambda: None)
+    local = _Local()
+    return (lambda: rollout_ops.status(local.rollouts, args.rollout)), local.close
+
+
+def cmd_rollout_status(args) -> int:
+    from model_distribution.registry import RegistryError
+
+    fetch, close = _status_source(args)
+    last = None
+    try:
+        while True:
+            shown = fetch()
+            if args.json:
+                text = json.dumps(shown, separators=(",", ":")) if args.watch else json.dumps(shown, indent=2)
+            else:
+                text = render_status(shown)
+            if args.watch and not args.json and sys.stdout.isatty():
+                sys.stdout.write("\033[H\033[2J" + text + "\n")  # redraw in place
+            elif text != last:  # into a pipe or a file: each change once
+                print(text + ("" if args.json or not args.watch else "\n"))
+            sys.stdout.flush()
+            last = text
+            if not args.watch or shown["state"] != "RUNNING":
+                return 0
+            time.sleep(1)
+    except KeyboardInterrupt:
+        return 0
+    except RegistryError as e:
+        print(f"cascade: {e}", file=sys.stderr)
+        return 2
+    finally:
+        close()
+
+
+def render_status(s: dict) -> str:
+    """The status dict as text: the rollout, its waves, the executions' states, the decisions and
+    the devices under way. Nothing here depends on the clock, so two calls on one state print the same."""
+    reason = f" ({s['reason']})" if s.get("reason") else ""
+    lines = [f"rollout {s['rollout']}  {s['model']}  group {s['group']}  {s['state']}{reason}"]
+    execs = s["executions"]
+    for k, pct in enumerate(s["waves"]):
+        members = [e for e in execs if e["wave"] == k]
+        done = sum(1 for e in members if e["state"] in _DONE)
+        filled = round(_BAR * done / len(members)) if members else 0
+        now = ""
+        if k == s["wave"] and s["state"] == "PAUSED":
+            now = "  <- paused"
+        elif k == s["wave"] and s["state"] == "RUNNING":
+            now = "  <- baking" if s.get("wave_done_at") is not None else "  <- rolling out"
+        lines.append(f"wave {k + 1:<2} {pct:>3}%  [{'#' * filled}{'.' * (_BAR - filled)}]  "
+                     f"{done}/{len(members)} done{now}")
+    counts = {state: 0 for state in EXECUTION_STATES}
+    for e in execs:
+        counts[e["state"]] = counts.get(e["state"], 0) + 1
+    lines.append("  ".join(f"{state} {n}" for state, n in counts.items()))
+    if s["decisions"]:
+        lines.append("decisions:")
+        for d in s["decisions"]:
+            lines += _decision_lines(d)
+    busy = [e for e in execs if e["state"] == "IN_PROGRESS"]
+    if busy:
+        lines.append(f"in progress ({len(busy)}):")
+        lines += [f"  {e['device_id']}  wave {e['wave'] + 1}  {e['detail'] or '-'}" for e in busy[:_SHOWN_IN_PROGRESS]]
+        if len(busy) > _SHOWN_IN_PROGRESS:
+            lines.append(f"  ... and {len(busy) - _SHOWN_IN_PROGRESS} more")
+    return "\n".join(lines)
+
+
+def _decision_lines(d: dict) -> list[str]:
+    from model_distribution.rollouts import Gate
+
+    at = datetime.datetime.fromtimestamp(d["at"], datetime.UTC).strftime("%H:%M:%SZ")
+    head = f"  wave {d['wave'] + 1} {d['outcome']} at {at}"
+    if d.get("by") == "operator":
+        return [f"{head}: by the operator, after {d.get('after')}"]
+    lines = [f"{head}: executed {d.get('executed')}, failed {d.get('failed')}, failure rate "
+             f"{_num(d.get('failure_rate'))} (max {_num(d.get('max_failure_rate'))}, judged after "
+             f"{d.get('min_executed')} executed)"]
+    if d.get("reasons"):
+        lines.append(f"    reasons: {'; '.join(d['reasons'])}")
+    updated, control = d.get("updated"), d.get("control")
+    if updated is not None:
+        lines.append(f"    requests: updated {updated.get('requests')}, control "
+                     f"{'-' if control is None else control.get('requests')} (min {d.get('min_requests')})")
+    for g in d.get("gates") or []:
+        metric = Gate.parse(g["gate"]).metric
+        verdict = {True: "pass", False: "FAIL", None: "no data"}[g["passed"]]
+        lines.append(f"    {g['gate']}: updated {_num((updated or {}).get(metric))} vs control "
+                     f"{_num((control or {}).get(metric))}: {verdict}")
+    return lines
+
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def cmd_rollout_list(args) -> int:
+    from cascade.cli_help import print_table
+
+    remote = _remote(args)
+    if remote is not None:
+        rollouts = remote.call("GET", "/rollouts")["data"]
+    else:
+        rollouts = _run_local(lambda s: [r.to_dict() for r in s.rollouts.list()])
+        if rollouts is None:
+            return 2
+    if args.json:
+        print(json.dumps(rollouts, indent=2))
+        return 0
+    if not rollouts:
+        print("no rollouts (cascade fleet rollout start NAME@VERSION --group GROUP)")
+        return 0
+    rows = [("ROLLOUT", "MODEL", "GROUP", "STATE", "WAVE", "STARTED", "REASON")]
+    for r in rollouts:
+        started = datetime.datetime.fromtimestamp(r["created_at"], datetime.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+        rows.append((r["rollout"], r["model"], r["group"], r["state"],
+                     f"{r['wave'] + 1}/{len(r['waves'])} ({r['waves'][r['wave']]}%)", started, r["reason"] or "-"))
+    print_table(rows)
+    return 0
+
+
+def _steer(action: str):
+    def cmd(args) -> int:
+        from model_distribution import rollout_ops
+
+        remote = _remote(args)
+        if remote is not None:
+            r = remote.call("POST", f"/rollouts/{quote(args.rollout, safe='')}/{action}")
+        else:
+            r = _run_local(lambda s: rollout_ops.command(s.registry, s.devices, s.rollouts, args.rollout, action))
+            if r is None:
+                return 2
+        reason = f" ({r['reason']})" if r["reason"] else ""
+        print(f"rollout {r['rollout']}: {r['state']}{reason}")
+        return 0
+    cmd.__name__ = f"cmd_rollout_{action}"
+    return cmd
+
+
+cmd_rollout_pause, cmd_rollout_resume = _steer("pause"), _steer("resume")
+cmd_rollout_abort, cmd_rollout_rollback = _steer("abort"), _steer("rollback")
+
+
+def add_rollout_parser(fleet, make_parser) -> None:
+    """``cascade fleet rollout ...`` under the fleet's subparsers (``make_parser(sub, name, help)``)."""
+    rollout = make_parser(fleet, "rollout", "staged rollouts: a version to a group in waves, each gated on install "
+                          "health and serving quality against the devices not yet updated").add_subparsers(
+        dest="rollout_command", required=True, metavar="COMMAND")
+    start = make_parser(rollout, "start", "start rolling NAME@VERSION out to a group (the controller in cascade "
+                        "fleet serve moves it)")
+    start.add_argument("version_ref", metavar="NAME@VERSION", help="a published version, e.g. smollm2-135m@1.2.0")
+    start.add_argument("--group", required=True, help="the group to roll it out to")
+    start.add_argument("--waves", default="1,10,50,100", help="cumulative percentages of the group, the last 100")
+    start.add_argument("--bake", default="0", help="how long a wave runs once its devices are done, before its "
+                       "gates are judged: seconds, or 90s, 2m, 1h")
+    start.add_argument("--max-failure-rate", type=float, default=0.0,
+                       help="install failures (FAILED, TIMED_OUT, REJECTED) over executed above this roll back")
+    start.add_argument("--min-executed", type=int, default=1,
+                       help="the failure rate is judged after this many devices executed")
+    start.add_argument("--gate", action="append", metavar="GATE",
+                       help="a serving gate, updated vs the devices not yet updated over the bake (repeatable): "
+                       "escalation_rate<=+0.05 (a difference), ttft_p95<=1.2x (a ratio), error_rate<=0.01 "
+                       "(absolute), decode_tps>=0.9x")
+    start.add_argument("--min-requests", type=int, default=0,
+                       help="requests each side needs before the gates are judged (else it pauses as inconclusive)")
+    start.add_argument("--step-timeout", default="10m", help="a device that says nothing new for this long is "
+                       "TIMED_OUT")
+    _remote_flags(start)
+    start.set_defaults(func=_refusals_exit(cmd_rollout_start))
+    status = make_parser(rollout, "status", "a rollout: its waves, the devices' states, each wave's decision with "
+                         "its numbers, the devices under way")
+    status.add_argument("rollout", metavar="ROLLOUT", help="the rollout id (cascade fleet rollout list)")
+    status.add_argument("--watch", action="store_true", help="redraw every second while it runs")
+    status.add_argument("--json", action="store_true", help="print the rollout, its executions and decisions as JSON")
+    _remote_flags(status)
+    status.set_defaults(func=_refusals_exit(cmd_rollout_status))
+    for action, cmd, help_ in (
+            ("pause", cmd_rollout_pause, "no new wave is told (the devices told go on)"),
+            ("resume", cmd_rollout_resume, "go on (one paused as inconclusive goes to its next wave)"),
+            ("abort", cmd_rollout_abort, "stop: the queued devices are canceled, the ones told keep the version"),
+            ("rollback", cmd_rollout_rollback, "every device told goes back to the version it had")):
+        p = make_parser(rollout, action, help_)
+        p.add_argument("rollout", metavar="ROLLOUT", help="the rollout id")
+        _remote_flags(p)
+        p.set_defaults(func=_refusals_exit(cmd))
+    ls = make_parser(rollout, "list", "rollouts, newest first: model, group, state, wave, started, reason")
+    ls.add_argument("--json", action="store_true", help="print JSON")
+    _remote_flags(ls)
+    ls.set_defaults(func=_refusals_exit(cmd_rollout_list))
