@@ -53,6 +53,9 @@ class StartRequest(BaseModel):
     min_executed: int = 1
     min_requests: int = 0
     step_timeout_s: float | str = 600.0
+    window: str | None = None  # "HH:MM-HH:MM" device local time: activate only then
+    jitter_s: float | str = 0.0
+    prefetch: bool = True  # later waves download and verify ahead
 
 
 @router.post("", status_code=201, openapi_extra=openapi.body(StartRequest),

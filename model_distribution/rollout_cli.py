@@ -67,8 +67,9 @@ def cmd_rollout_start(args) -> int:
     from model_distribution.rollouts import RolloutError, RolloutSpec
 
     try:  # bad arguments are refused before anything opens the store (or goes over the network)
-        spec = RolloutSpec(args.version_ref, args.group, args.waves, args.bake, args.gate or [],
-                           args.max_failure_rate, args.min_executed, args.min_requests, args.step_timeout)
+        spec = RolloutSpec(args.version_ref, args.group, waves=args.waves, bake_s=args.bake, gates=args.gate or [],
+                           max_failure_rate=args.max_failure_rate, min_executed=args.min_executed,
+                           min_requests=args.min_requests, step_timeout_s=args.step_timeout)
     except RolloutError as e:
         print(f"cascade: {e}", file=sys.stderr)
         return 2

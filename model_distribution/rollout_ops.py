@@ -15,8 +15,6 @@ from model_distribution.registry import Registry
 from model_distribution.rollouts import ACTIVE_STATES, Rollout, RolloutError, RolloutSpec, RolloutStore
 
 COMMANDS = ("pause", "resume", "abort", "rollback")
-_STATE_ONLY = {"pause": rollout_controller.pause, "resume": rollout_controller.resume,
-               "abort": rollout_controller.abort}
 
 
 def start(registry: Registry, devices: DeviceStore, rollouts: RolloutStore, spec: RolloutSpec) -> Rollout:
@@ -49,8 +47,12 @@ def command(registry: Registry, devices: DeviceStore, rollouts: RolloutStore, ro
     try:
         if action == "rollback":
             r = rollout_controller.rollback(registry, devices, rollouts, rollout_id)
+        elif action == "abort":  # the devices told to fetch it ahead are told no more
+            r = rollout_controller.abort(rollouts, rollout_id, devices)
+        elif action == "pause":
+            r = rollout_controller.pause(rollouts, rollout_id)
         else:
-            r = _STATE_ONLY[action](rollouts, rollout_id)
+            r = rollout_controller.resume(rollouts, rollout_id)
     except RolloutError as e:  # its state does not allow it
         raise Conflict(str(e)) from e
     return r.to_dict()
