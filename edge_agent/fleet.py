@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 SMOKE_PROMPT = "Hello"
 SMOKE_TIMEOUT_S = 120.0
 RETRY_MIN_S, RETRY_MAX_S = 5.0, 300.0  # pauses before a cut download is tried again
+WAITING_HEARTBEAT_S = 60.0  # a version waiting for its window is looked at (and reported) this often
 
 
 class FleetFollower:
@@ -60,8 +61,10 @@ class FleetFollower:
         self._wanted.put(payload)
 
     def _work(self) -> None:
-        """Apply the newest assignment; a download that was cut is tried again (resuming) after a
-        growing pause, until it succeeds or a newer assignment comes."""
+        """Apply the newest assignment. A download that was cut is tried again (resuming) after a
+        growing pause; a version waiting for its activation window is applied again when the
+        window opens (and every minute meanwhile: the control plane hears it is waiting); both
+        until a newer assignment comes."""
         payload, pause = self._wanted.get(), RETRY_MIN_S
         while payload is not None:
             while not self._wanted.empty():  # only the newest assignment matters
@@ -72,15 +75,19 @@ class FleetFollower:
                 self.updater.apply(payload)
             except Exception:
                 log.exception("applying desired state %s failed", payload.get("version"))
-            if not self.updater.retry:
+            if self.updater.wait_s is not None:
+                again = min(max(self.updater.wait_s, 1.0), WAITING_HEARTBEAT_S)
+            elif self.updater.retry:
+                log.warning("trying %s@%s again in %.0f s", payload.get("model"), payload.get("version"), pause)
+                again, pause = pause, min(pause * 2, RETRY_MAX_S)
+            else:
                 payload, pause = self._wanted.get(), RETRY_MIN_S
                 continue
-            log.warning("trying %s@%s again in %.0f s", payload.get("model"), payload.get("version"), pause)
             try:
-                payload = self._wanted.get(timeout=pause)  # a newer assignment (or stop) comes first
+                payload = self._wanted.get(timeout=again)  # a newer assignment (or stop) comes first
                 pause = RETRY_MIN_S
             except queue.Empty:
-                pause = min(pause * 2, RETRY_MAX_S)
+                pass  # the same assignment again
 
     # -- the switch (on the updater's thread, then the event loop) ------------------------
 

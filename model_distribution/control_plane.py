@@ -8,6 +8,7 @@
     admin endpoints (bearer [server] admin_key; with none set, loopback callers only)
       GET  /v1/fleet/models[?name=]   POST /v1/fleet/models?name=&version=  (the file is the body)
       GET  /v1/fleet/devices[?group=] POST /v1/fleet/devices   POST /v1/fleet/assign
+      /v1/fleet/rollouts ...          staged rollouts (rollout_api.py)
 
 Devices verify every artifact and metadata file themselves, so a mirror or CDN may serve the
 first two from a copy; ``[server] public_downloads = true`` opens them here too (no credentials).
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict
 from starlette.requests import ClientDisconnect
 
@@ -37,10 +39,13 @@ from cascade.config import cascade_home, load_config
 from cascade.web import build_openai_app, parse_body, read_json
 from cascade.web.openapi import body
 from cascade.web.requests import bearer_matches
-from model_distribution import operations
+from model_distribution import operations, rollout_ops
 from model_distribution.credentials import DeviceCredentials, basic_credentials
 from model_distribution.devices import DeviceStore
+from model_distribution.fleet_metrics import registry_for
 from model_distribution.registry import Registry, RegistryError, check_names
+from model_distribution.rollout_controller import RolloutController
+from model_distribution.rollouts import RolloutStore
 from model_distribution.signing import Repository, SigningError
 from model_distribution.state_sync import DesiredDocuments, DesiredPublisher
 
@@ -57,6 +62,8 @@ class ServerConfig:
     public_downloads: bool = False  # /v1/artifacts and /v1/tuf without credentials (a mirror or CDN in front)
     credential_cache_s: float = 60.0  # a verified device secret is not checked again for this long
     timestamp_refresh_s: float = 3600.0  # re-sign the TUF timestamp this often (it expires after a day)
+    metrics_key: str = ""  # bearer key for /metrics ("": open, as a Prometheus scrape expects)
+    rollout_tick_s: float = 0.5  # how often the rollout controller looks at the rollouts under way
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -301,8 +308,8 @@ async def _receive(request: Request, path: Path) -> None:
 @admin.get("/devices")
 async def devices(request: Request, group: str | None = None):
     _require_admin(request)
-    found = request.app.state.devices.list(group=group, serving=True)
-    return {"object": "list", "data": [d.to_dict() for d in found]}
+    state = request.app.state
+    return {"object": "list", "data": rollout_ops.device_rows(state.devices, state.rollouts, group)}
 
 
 @admin.post("/devices", status_code=201, openapi_extra=body(EnrolRequest))
@@ -329,6 +336,17 @@ async def assign(request: Request):
     return {"model": manifest.ref, "sha256": manifest.sha256, "devices": [d.to_dict() for d in changed]}
 
 
+@ops.get("/metrics")
+async def metrics(request: Request):
+    """Prometheus: rollouts, their devices and gate values, devices by state and version
+    (fleet_metrics.py). Behind [server] metrics_key (bearer) when it is set."""
+    key = request.app.state.config.server.metrics_key
+    if key and not bearer_matches(request, key):
+        raise errors.unauthorized()
+    body = await asyncio.to_thread(generate_latest, request.app.state.metrics)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
 @ops.get("/healthz")
 async def healthz(request: Request):
     return {"status": "ok", "role": "fleet", "models": len(request.app.state.registry.models())}
@@ -345,6 +363,7 @@ def build_app(config: FleetConfig):
         app.state.registry = Registry(config.root)
         app.state.repository = repository
         app.state.devices = DeviceStore(config.root)
+        app.state.rollouts = RolloutStore(config.root)
         app.state.credentials = DeviceCredentials(DeviceStore(config.root), config.server.credential_cache_s)
         app.state.push_lock = asyncio.Lock()
         for stale in (config.root / "uploads").glob(".push-*"):  # pushes cut off by a restart
@@ -359,17 +378,26 @@ def build_app(config: FleetConfig):
             log.info("desired state goes to %s", config.mqtt.broker)
         # one signature per desired revision, shared with the publisher: HTTP and MQTT serve the same bytes
         app.state.documents = publisher.documents if publisher else DesiredDocuments(repository.desired_key())
+        controller = RolloutController(config.root, config.server.rollout_tick_s)  # moves staged rollouts
+        controller.start()
+        metrics_store = RolloutStore(config.root)
+        app.state.metrics = registry_for(app.state.devices, metrics_store)
         try:
             yield
         finally:
             refresher.cancel()
+            controller.stop()
+            metrics_store.close()
             if publisher is not None:
                 publisher.stop()
             app.state.registry.close()
             app.state.devices.close()
+            app.state.rollouts.close()
             app.state.credentials.store.close()
 
-    return build_openai_app("cascade fleet", lifespan, config, "fleet", ops, files, device_api, admin)
+    from model_distribution.rollout_api import router as rollouts  # it imports this module's admin check
+
+    return build_openai_app("cascade fleet", lifespan, config, "fleet", ops, files, device_api, admin, rollouts)
 
 
 async def _refresh_timestamp(repository: Repository, every_s: float) -> None:

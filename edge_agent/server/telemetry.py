@@ -33,9 +33,15 @@ def _by(samples: list, *labels: str) -> dict[str, float]:
 
 
 def _latency(samples: dict, name: str) -> dict:
+    """Count, mean and the cumulative histogram buckets {upper bound: count} (so a consumer can
+    take a percentile over any window: the difference of two records' buckets)."""
     count = sum(v for _, v in samples.get(f"{name}_count", []))
     total = sum(v for _, v in samples.get(f"{name}_sum", []))
-    return {"count": int(count), "mean_s": round(total / count, 4) if count else None}
+    buckets: dict[str, float] = {}
+    for labels, v in samples.get(f"{name}_bucket", []):
+        buckets[labels["le"]] = buckets.get(labels["le"], 0) + v
+    return {"count": int(count), "mean_s": round(total / count, 4) if count else None,
+            "buckets": {k: int(v) for k, v in buckets.items()}}
 
 
 def snapshot(service: EdgeService, outbox: Outbox, device: str, fleet: str, started: float) -> dict:
@@ -50,6 +56,9 @@ def snapshot(service: EdgeService, outbox: Outbox, device: str, fleet: str, star
         "rejected": _by(s.get("cascade_edge_rejected_total", []), "reason"),
         "latency": {"ttft": _latency(s, "cascade_edge_time_to_first_token_seconds"),
                     "e2e": _latency(s, "cascade_edge_request_duration_seconds")},
+        # decode speed: the tokens after each first one and the time between them (tokens/s = the ratio)
+        "decode": {"tokens": int(sum(v for _, v in s.get("cascade_edge_inter_token_latency_seconds_count", []))),
+                   "seconds": round(sum(v for _, v in s.get("cascade_edge_inter_token_latency_seconds_sum", [])), 4)},
         "tokens": {"prompt": int(sum(v for _, v in s.get("cascade_edge_prompt_tokens_total", []))),
                    "generated": int(sum(v for _, v in s.get("cascade_edge_generation_tokens_total", [])))},
         "queue": {"pending": q["pending_items"], "pending_bytes": q["pending_bytes"],
