@@ -187,3 +187,83 @@ def test_an_agent_killed_mid_download_and_mid_switch_comes_back_on_one_model_and
         link.down()
         plane.stop()
         broker.stop()
+
+
+def test_a_real_agent_takes_part_in_a_staged_rollout_beside_simulated_devices_and_serves_throughout(
+        tmp_path, smollm2_path):
+    """Three simulated devices (the real device client, file artifacts) and a real agent in one
+    group; a 3-wave rollout moves them all to the new version while an app keeps calling the agent:
+    every request answers, the rollout SUCCEEDED, the agent serves the new version."""
+    import types
+
+    from model_distribution.devices import DeviceStore
+    from model_distribution.rollout_controller import start_rollout
+    from model_distribution.rollouts import RolloutSpec, RolloutStore
+    from tests.integration.test_fleet_devices import SimDevice
+
+    broker, home, repo, v2_file = control_plane(tmp_path, smollm2_path, b"\x07\x07\x07")
+    root = home / "fleet"
+    reg = Registry(root)
+    v1, _ = reg.push(smollm2_path, "edge-model", "1.0.0")
+    v2, _ = reg.push(v2_file, "edge-model", "1.1.0")
+    for m in (v1, v2):
+        repo.add_target(m.name, m.version, m.sha256, m.size, m.signable())
+    url = f"mqtt://127.0.0.1:{broker.port}"
+    plane = Server(home, ["fleet", "serve"], "--broker", url,
+                   env={"CASCADE_FLEET_SERVER_ROLLOUT_TICK_S": "0.2"}).wait_healthy(60)
+    store = DeviceStore(root)
+    secrets_ = {name: store.add(name, ["kiosks"]) for name in ("agent-1", "sim-1", "sim-2", "sim-3")}
+    world = types.SimpleNamespace(downloading=threading.Event(), broker_url=url, public_key=repo.desired_public_key(),
+                                  http=plane.url, root_json=repo.root_bytes(), tmp=tmp_path)
+    sims = [SimDevice(name, secrets_[name], world) for name in ("sim-1", "sim-2", "sim-3")]
+    for s in sims:
+        s.client.start()
+    (tmp_path / "device").mkdir()
+    agent = Agent(tmp_path / "device", "--n-ctx", "512", "--threads", "1", "--parallel", "1", "--no-config", env={
+        "CASCADE_EDGE_FLEET_BROKER": url, "CASCADE_EDGE_FLEET_DEVICE_ID": "agent-1",
+        "CASCADE_EDGE_FLEET_SECRET": secrets_["agent-1"], "CASCADE_EDGE_FLEET_CONTROL_PLANE": plane.url,
+        "CASCADE_EDGE_FLEET_TRUST_ROOT": str(repo.metadata_dir / "1.root.json"),
+        "CASCADE_EDGE_FLEET_DESIRED_KEY": str(repo.desired_key_file)}).wait_healthy()
+    answers: list[int] = []
+    stop = threading.Event()
+
+    def app():  # an app on the device calling it all along
+        while not stop.is_set():
+            body = {"model": "smollm2-135m", "prompt": "Hello", "max_tokens": 8, "stream": True,
+                    "cascade": {"mode": "local"}}
+            with httpx.stream("POST", f"{agent.url}/v1/completions", json=body, timeout=120) as r:
+                lines = [ln for ln in r.iter_lines() if ln.startswith("data:")]
+                answers.append(r.status_code if lines and lines[-1] == "data: [DONE]" else -1)
+
+    caller = threading.Thread(target=app)
+    caller.start()
+    rollouts = RolloutStore(root)
+    try:
+        store.assign(v1, group="kiosks")
+
+        def all_on(m):
+            return all((d.reported or {}).get("state") == "ACTIVE" and (d.reported or {}).get("sha256") == m.sha256
+                       for d in store.list(group="kiosks"))
+
+        wait_until(lambda: all_on(v1), "the group on 1.0.0", 240)
+        r = start_rollout(reg, store, rollouts, RolloutSpec("edge-model@1.1.0", "kiosks", [25, 50, 100]))
+        wait_until(lambda: rollouts.get(r.rollout_id).state != "RUNNING", "the rollout", 300)
+        done = rollouts.get(r.rollout_id)
+        assert done.state == "SUCCEEDED", (done.reason, [e.to_dict() for e in rollouts.executions(r.rollout_id)])
+        assert all_on(v2)
+        assert [d["outcome"] for d in rollouts.decisions(r.rollout_id)] == ["pass"] * 3
+        stop.set()
+        caller.join(120)
+        assert answers and set(answers) == {200}, answers  # it served throughout, two switches included
+        assert httpx.get(f"{agent.url}/v1/models").json()["data"][0]["id"] == "edge-model"
+    finally:
+        stop.set()
+        caller.join(120)
+        for s in sims:
+            s.stop()
+        agent.stop()
+        plane.stop()
+        broker.stop()
+        rollouts.close()
+        store.close()
+        reg.close()
