@@ -9,6 +9,7 @@ a control plane elsewhere, over its admin API: the same operations (operations.p
     cascade fleet models [--name N] [--json]
     cascade fleet devices add DEVICE --group G [--group G2]; cascade fleet devices [--group G] [--json]
     cascade fleet assign (DEVICE | --group G) NAME@VERSION
+    cascade fleet rollout start|status|list|pause|resume|abort|rollback ...   (rollout_cli.py)
 """
 
 from __future__ import annotations
@@ -182,22 +183,27 @@ def cmd_devices_list(args) -> int:
     from cascade.cli_help import print_table
 
     remote = _remote(args)
-    if remote is not None:  # the same Device.to_dict() rows, from the control plane
+    if remote is not None:  # the same rows (rollout_ops.device_rows), from the control plane
         devices = remote.call("GET", "/devices", params={"group": args.group} if args.group else None)["data"]
     else:
-        store = _devices()
+        from cascade.config import cascade_home
+        from model_distribution import rollout_ops
+        from model_distribution.rollouts import RolloutStore
+
+        store, rollouts = _devices(), RolloutStore(cascade_home() / "fleet")
         try:
-            devices = [d.to_dict() for d in store.list(group=args.group, serving=True)]
+            devices = rollout_ops.device_rows(store, rollouts, args.group)
         finally:
             store.close()
+            rollouts.close()
     if args.json:
         print(json.dumps(devices, indent=2))
         return 0
     if not devices:
         print("no devices enrolled (cascade fleet devices add DEVICE --group GROUP)")
         return 0
-    rows = [("DEVICE", "GROUPS", "ONLINE", "DESIRED", "REPORTED", "STATE", "LAST SEEN", "REQUESTS", "ESCALATED",
-             "ERRORS", "BACKLOG")]
+    rows = [("DEVICE", "GROUPS", "ONLINE", "DESIRED", "REPORTED", "STATE", "ROLLOUT", "LAST SEEN", "REQUESTS",
+             "ESCALATED", "ERRORS", "BACKLOG")]
     for d in devices:  # what a device reported is its own say: shown only where it has the right type
         rep = d["reported"] if isinstance(d["reported"], dict) else {}
         seen = "-" if d["last_seen"] is None else datetime.datetime.fromtimestamp(
@@ -207,8 +213,9 @@ def cmd_devices_list(args) -> int:
         if state == "DOWNLOADING" and _is_number(done) and _is_number(total) and total > 0:
             state = f"DOWNLOADING {min(100, max(0, int(100 * done / total)))}%"
         online = {True: "yes", False: "no"}.get(d.get("online"), "-")
+        rollout = (d.get("rollout") or {}).get("state") or "-"  # its latest rollout's execution
         rows.append((d["device"], ",".join(d["groups"]) or "-", online, d["desired"] or "-", _text(rep.get("model")),
-                     state, seen, _number(d.get("requests")), _percent(d.get("escalation_rate")),
+                     state, rollout, seen, _number(d.get("requests")), _percent(d.get("escalation_rate")),
                      _percent(d.get("error_rate")), _number(d.get("backlog"))))
     print_table(rows)
     for d in devices:  # why a version was refused or failed: the reason, in full
@@ -450,3 +457,6 @@ def add_fleet_parser(sub, make_parser) -> None:
     assign.add_argument("--group", help="every device of this group")
     _remote_flags(assign)
     assign.set_defaults(func=_refusals_exit(cmd_assign))
+    from model_distribution.rollout_cli import add_rollout_parser
+
+    add_rollout_parser(fleet, make_parser)

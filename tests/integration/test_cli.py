@@ -144,6 +144,6 @@ def test_fleet_devices_and_assign(tmp_path, smollm2_path):
         r = cascade("fleet", *bad, home=tmp_path)
         assert r.returncode == 2 and says in r.stderr, (bad, r.stderr)
     table = cascade("fleet", "devices", home=tmp_path).stdout.splitlines()
-    assert table[0].split() == ["DEVICE", "GROUPS", "ONLINE", "DESIRED", "REPORTED", "STATE", "LAST", "SEEN",
-                                "REQUESTS", "ESCALATED", "ERRORS", "BACKLOG"] and len(table) == 3
+    assert table[0].split() == ["DEVICE", "GROUPS", "ONLINE", "DESIRED", "REPORTED", "STATE", "ROLLOUT", "LAST",
+                                "SEEN", "REQUESTS", "ESCALATED", "ERRORS", "BACKLOG"] and len(table) == 3
     assert table[1].split()[:5] == ["kiosk-7", "kiosks", "-", "smollm2-135m@1.1.0", "-"]  # never connected yet
