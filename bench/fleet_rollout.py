@@ -86,23 +86,30 @@ def make_fleet(work: Path, n: int, size: int) -> Fleet:
     root = work / "control" / "fleet"
     repo = Repository(root)
     repo.init()
-    path = work / "model.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_context_length(256)
-    w.add_file_type(0)
-    w.add_tensor("t", np.random.default_rng(0).standard_normal(max(size // 4 - 256, 16), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    reg = Registry(root)
-    m, _ = reg.push(path, "bench", "1.0.0")
-    reg.close()
-    repo.add_target(m.name, m.version, m.sha256, m.size, m.signable())
+    m = make_version(repo, work, "1.0.0", size)
     store = DeviceStore(root)
     start = time.perf_counter()
     devices = [(name, store.add(name, [GROUP])) for name in (f"dev-{i:05d}" for i in range(n))]
     return Fleet(work, repo, store, m, devices, time.perf_counter() - start)
+
+
+def make_version(repo: Repository, work: Path, version: str, size: int, seed: int = 0) -> Manifest:
+    """bench@``version``: a GGUF of about ``size`` bytes (random float32 weights from ``seed``: another
+    seed, other bytes) pushed and signed. Before the control plane starts: it signs the metadata too."""
+    path = work / f"model-{version}.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(256)
+    w.add_file_type(0)
+    w.add_tensor("t", np.random.default_rng(seed).standard_normal(max(size // 4 - 256, 16), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reg = Registry(repo.root)
+    m, _ = reg.push(path, "bench", version)
+    reg.close()
+    repo.add_target(m.name, m.version, m.sha256, m.size, m.signable())
+    return m
 
 
 @dataclass
@@ -116,8 +123,9 @@ class Servers:
 
 
 @contextlib.contextmanager
-def servers(fleet: Fleet, public_downloads: bool):
-    """Mosquitto, `cascade fleet serve --broker` and the static server, each a process of its own."""
+def servers(fleet: Fleet, public_downloads: bool, env: dict[str, str] | None = None):
+    """Mosquitto, `cascade fleet serve --broker` (``env``: more of its settings) and the static
+    server, each a process of its own."""
     work = fleet.work
     binary = shutil.which("mosquitto") or shutil.which("mosquitto", path="/usr/sbin:/usr/local/sbin")
     if binary is None:
@@ -131,7 +139,7 @@ def servers(fleet: Fleet, public_downloads: bool):
     try:
         s = Servers(procs[0], f"mqtt://127.0.0.1:{mqtt_port}", None, f"http://127.0.0.1:{port}", None,
                     f"http://127.0.0.1:{static_port}")
-        env = {"CASCADE_HOME": str(work / "control")}
+        env = {**(env or {}), "CASCADE_HOME": str(work / "control")}
         if public_downloads:
             env["CASCADE_FLEET_SERVER_PUBLIC_DOWNLOADS"] = "true"
         s.plane = spawn(cascade_command("fleet", "serve", "--port", str(port), "--broker", s.broker_url), env=env,
@@ -282,6 +290,15 @@ def rollout(fleet: Fleet, s: Servers, children: list, timeout_s: float) -> dict:
                        "ACTIVE at the device": [t.active - t0 for t in ok]}}
 
 
+def stop_devices(children: list) -> None:
+    for _, conn in children:
+        conn.send(("stop",))
+    for p, conn in children:
+        if conn.poll(30):
+            conn.recv()
+        p.join(timeout=10)
+
+
 def downloads(fleet: Fleet, children: list, url: str, server_pid: int) -> dict:
     """Every device downloads the artifact from ``url`` at once."""
     device_pids = [p.pid for p, _ in children]
@@ -319,12 +336,7 @@ def run(args, work: Path, say) -> dict:
                 say("rolled out; the same downloads from each server")
                 rows = {"cascade fleet serve": downloads(fleet, children, s.plane_url, s.plane.pid),
                         "Starlette StaticFiles": downloads(fleet, children, s.static_url, s.static.pid)}
-            for _, conn in children:
-                conn.send(("stop",))
-            for p, conn in children:
-                if conn.poll(30):
-                    conn.recv()
-                p.join(timeout=10)
+            stop_devices(children)
     finally:
         for p, _ in children:
             if p.is_alive():

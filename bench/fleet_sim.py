@@ -9,6 +9,9 @@ The parent talks to ``serve(...)`` over a Pipe:
                                                       good), or when the parent sends ("enough",)
     parent -> ("download", url, tag)  child -> ("download", [(start, end, error), ...])
         the same download (download.fetch) by every device at once, into ``<state>/<tag>``
+    parent -> ("follow", sha256)      child -> ("following",)
+        fresh timelines, about the change to that artifact only (bench/fleet_waves.py's rollout)
+    parent -> ("timelines",)          child -> ("timelines", [Timeline, ...])
     parent -> ("stop",)
 """
 
@@ -54,6 +57,7 @@ class SimDevice:
     def __init__(self, name: str, secret: str, broker: str, http: str, root_json: bytes, public_key: bytes,
                  state_dir: Path, mirror: str = ""):
         self.timeline = Timeline(name)
+        self.want = ""  # the sha256 the timeline follows ("": any change)
         self.state_dir = state_dir
         self.done = threading.Event()
         self.client = DeviceStateClient(broker, "default", name, public_key, self._desired, name, secret)
@@ -64,8 +68,14 @@ class SimDevice:
         self._worker = threading.Thread(target=self._work, name=f"updater-{name}", daemon=True)
         self._worker.start()
 
+    def follow(self, sha256: str) -> None:
+        """A fresh timeline, about the change to ``sha256`` only: a document that still wants the
+        old version (one that asks for a prefetch) is no step of it."""
+        self.want, self.timeline = sha256, Timeline(self.timeline.device)
+
     def _desired(self, payload: dict) -> None:  # paho's thread: hand over, never block it
-        self.timeline.desired = self.timeline.desired or time.time()
+        if not self.want or payload.get("sha256") == self.want:
+            self.timeline.desired = self.timeline.desired or time.time()
         self._wanted.put(payload)
 
     def _work(self) -> None:
@@ -90,10 +100,11 @@ class SimDevice:
 
     def _report(self, state: dict) -> None:
         t, s = self.timeline, state["state"]
-        attr = s.lower()
-        if hasattr(t, attr) and not getattr(t, attr):
-            setattr(t, attr, time.time())
-        t.final, t.reason = s, state.get("reason", "")
+        if not (self.want and s == "ACTIVE" and state.get("sha256") != self.want):  # not the old version still
+            attr = s.lower()
+            if hasattr(t, attr) and not getattr(t, attr):
+                setattr(t, attr, time.time())
+            t.final, t.reason = s, state.get("reason", "")
         self.client.report(state)
         if s in ("ACTIVE", "REJECTED") or (s == "FAILED" and not self.updater.retry):
             self.done.set()
@@ -157,8 +168,15 @@ def serve(conn, devices: list[tuple[str, str]], broker: str, http: str, root_jso
     conn.send(("rollout", [d.timeline for d in sims]))
     info = TargetFile(size, {"sha256": sha256}, "artifact")
     while (msg := conn.recv())[0] != "stop":
-        _, url, tag = msg
-        conn.send(("download", _download_all(sims, url, tag, info)))
+        if msg[0] == "follow":
+            for d in sims:
+                d.follow(msg[1])
+            conn.send(("following",))
+        elif msg[0] == "timelines":
+            conn.send(("timelines", [d.timeline for d in sims]))
+        else:
+            _, url, tag = msg
+            conn.send(("download", _download_all(sims, url, tag, info)))
     for d in sims:
         d.stop()
     conn.send(("stopped",))
