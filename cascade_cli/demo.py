@@ -273,6 +273,9 @@ def main(args) -> int:
             print(f"{first_line[:45]:<46} {r['tier'] or '-':<11} {r['reason'] or '-':<18} {r['ttft_ms']:>8.0f} "
                   f"{r['total_ms']:>9.0f} {conf:>6.2f}")
         fleet_scene(fleet, edge_url, home, work, "smollm2-135m-q2_k")
+        from cascade_cli.demo_rollout import rollout_scene
+
+        rollout_scene(fleet, edge_url, home, work, "smollm2-135m-q2_k")
         print("\nconf = mean logprob of the edge answer's first K tokens (auto mode holds them back and "
               "escalates below the threshold; TTFT includes that hold-back).")
         print("Try it: cascade cloud serve & cascade cloud keys create --tenant me; "

@@ -123,7 +123,8 @@ class Gate:
         else:
             limit = control + self.bound if self.kind == "delta" else control * self.bound
         ok = updated <= limit if self.op == "<=" else updated >= limit
-        return ok, f"{self.metric} {updated:.4g} {self.op} {limit:.4g} ({self.text}; control {control})"
+        against = "" if control is None else f", control {control:.4g}"
+        return ok, f"{self.metric} {updated:.4g}, limit {self.op} {limit:.4g} ({self.text}{against})"
 
 
 def parse_waves(text: str) -> list[int]:

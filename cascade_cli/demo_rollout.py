@@ -1,0 +1,160 @@
+"""``cascade demo``'s staged rollouts: the demo's agent and four simulated devices in one group.
+A good version (Q4_K_M) rolls out wave by wave; a worse one (the Q2_K, which escalates more) is
+rolled out next, its escalation gate fails against the devices not yet updated, and it is rolled
+back by itself. ``cascade fleet rollout status`` is printed for both.
+
+The simulated devices run the real device side (``DeviceStateClient`` follows the signed desired
+state, ``DeviceUpdater`` verifies, downloads and "activates" the file); what they serve is made
+up: about 45% of their requests escalate on a Q2_K model and 15% on the others (stated as such in
+the output). The agent's numbers come from the requests the demo sends it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import re
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from cascade.processes import cascade_command
+
+SIM_ESCALATION = {"Q2_K": 0.45}  # what a simulated device escalates on that quantization (else 0.15)
+
+
+class SimulatedDevice:
+    def __init__(self, name: str, secret: str, fleet, work: Path):
+        from model_distribution.device_client import DeviceConfig, DeviceUpdater
+        from model_distribution.state_sync import DeviceStateClient, topic
+
+        keys = fleet.home / "fleet"
+        self.name, self.topic = name, topic("default", name, "telemetry")
+        self._wanted: queue.Queue = queue.Queue()
+        self.client = DeviceStateClient(fleet.broker, "default", name,
+                                        bytes.fromhex((keys / "keys" / "desired.pub").read_text().strip()),
+                                        self._wanted.put, name, secret)
+        config = DeviceConfig(name, fleet.url, (keys / "tuf" / "1.root.json").read_bytes(), work / "sims" / name,
+                              secret=secret)
+        self.updater = DeviceUpdater(config, self.client.report, self._activate)
+        self.quantization = None
+        self._stop = threading.Event()
+        self._counts = {"requests": 0, "cloud": 0, "record": 0}
+        self._started = time.time()
+        threading.Thread(target=self._apply, daemon=True, name=f"sim-{name}").start()
+        threading.Thread(target=self._serve, daemon=True, name=f"sim-serve-{name}").start()
+        self.client.start()
+
+    def _apply(self) -> None:
+        while (payload := self._wanted.get()) is not None:
+            while not self._wanted.empty():
+                payload = self._wanted.get()
+            if payload is not None:
+                self.updater.apply(payload)
+
+    def _activate(self, path: Path, manifest: dict) -> None:
+        self.quantization = manifest.get("quantization")
+
+    def _serve(self) -> None:
+        """A telemetry record a second: a few requests each, escalated at its model's made-up rate."""
+        while not self._stop.wait(1.0):
+            if self.quantization is None:
+                continue
+            rate = SIM_ESCALATION.get(self.quantization, 0.15)
+            for _ in range(random.randint(3, 6)):
+                self._counts["requests"] += 1
+                self._counts["cloud"] += random.random() < rate
+            self._counts["record"] += 1
+            c = self._counts
+            record = {"id": f"{self.name}-{int(self._started)}-{c['record']}", "kind": "telemetry", "ts": time.time(),
+                      "uptime_s": time.time() - self._started, "device": self.name,
+                      "decisions": {"cloud/low_confidence": c["cloud"], "edge/easy": c["requests"] - c["cloud"]},
+                      "requests": {"/v1/chat/completions/200": c["requests"]}, "queue": {"pending": 0}}
+            self.client.client.publish(self.topic, json.dumps(record), qos=1)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wanted.put(None)
+        self.client.stop()
+        self.updater.close()
+
+
+def rollout_scene(fleet, edge: str, home: str, work: Path, serving: str) -> None:
+    from model_distribution.catalog import Catalog
+
+    import logging
+
+    logging.getLogger("model_distribution").setLevel(logging.WARNING)  # the simulated devices' own lines
+    print("\n== staged rollouts: the agent and four simulated devices in group demo")
+    sims = []
+    for i in range(1, 5):
+        enrolled = json.loads(fleet.run("fleet", "devices", "add", f"sim-{i}", "--group", "demo", "--json"))
+        sims.append(SimulatedDevice(f"sim-{i}", enrolled["secret"], fleet, work))
+    print("   (simulated devices serve made-up traffic: about 45% escalated on a Q2_K model, 15% on the others; "
+          "the agent's numbers are its own)")
+    try:
+        for s in sims:
+            fleet.run("fleet", "assign", s.name, "smollm2-135m@1.1.0")
+        _wait(lambda: all(((d.get("reported") or {}).get("state") == "ACTIVE" and
+                           (d.get("reported") or {}).get("model") == "smollm2-135m@1.1.0")
+                          for d in json.loads(fleet.run("fleet", "devices", "--json"))), 300)
+        print("-- $ cascade models quantize smollm2-135m --type q4_k_m")
+        subprocess.run([*cascade_command(log_level=None), "models", "quantize", "smollm2-135m", "--type", "q4_k_m"],
+                       env={**os.environ, "CASCADE_HOME": home}, check=True, capture_output=True)
+        good = Catalog(Path(home))
+        fleet.run("fleet", "push", str(good.get("smollm2-135m-q4_k_m").path), "--name", "smollm2-135m",
+                  "--version", "1.2.0", show=True)
+        fleet.run("fleet", "push", str(good.get("smollm2-135m-q2_k").path), "--name", "smollm2-135m",
+                  "--version", "1.3.0", show=True)
+        gates = ["--waves", "40,100", "--bake", "15s", "--gate", "escalation_rate<=+0.10", "--min-requests", "20"]
+        traffic = _Traffic(edge, serving)
+        try:
+            for ref in ("smollm2-135m@1.2.0", "smollm2-135m@1.3.0"):
+                out = fleet.run("fleet", "rollout", "start", ref, "--group", "demo", *gates, show=True)
+                rid = re.search(r"rollout (\S+) started", out).group(1)
+                _wait(lambda rid=rid: json.loads(fleet.run("fleet", "rollout", "status", rid, "--json"))["state"]
+                      not in ("RUNNING",), 600)
+                fleet.run("fleet", "rollout", "status", rid, show=True)
+        finally:
+            traffic.stop()
+        fleet.run("fleet", "devices", show=True)
+    finally:
+        for s in sims:
+            s.stop()
+
+
+class _Traffic:
+    """An app calling the agent all along (a short question at a time), so its telemetry has requests."""
+
+    def __init__(self, edge: str, model: str):
+        self._stop = threading.Event()
+        self.edge, self.model = edge, model
+        self._thread = threading.Thread(target=self._run, daemon=True, name="demo-traffic")
+        self._thread.start()
+
+    def _run(self) -> None:
+        prompts = ["What is 2 + 2?", "Name a color.", "Say hello.", "What day comes after Monday?"]
+        while not self._stop.is_set():
+            body = {"model": self.model, "messages": [{"role": "user", "content": random.choice(prompts)}],
+                    "max_tokens": 8, "temperature": 0}
+            try:
+                httpx.post(f"{self.edge}/v1/chat/completions", json=body, timeout=60)
+            except httpx.HTTPError:
+                time.sleep(1)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=70)
+
+
+def _wait(done, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"gave up after {timeout_s:.0f} s")
+        time.sleep(1.0)
