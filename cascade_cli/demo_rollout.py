@@ -85,9 +85,9 @@ class SimulatedDevice:
 
 
 def rollout_scene(fleet, edge: str, home: str, work: Path, serving: str) -> None:
-    from model_distribution.catalog import Catalog
-
     import logging
+
+    from model_distribution.catalog import Catalog
 
     logging.getLogger("model_distribution").setLevel(logging.WARNING)  # the simulated devices' own lines
     print("\n== staged rollouts: the agent and four simulated devices in group demo")
