@@ -69,7 +69,8 @@ def cmd_rollout_start(args) -> int:
     try:  # bad arguments are refused before anything opens the store (or goes over the network)
         spec = RolloutSpec(args.version_ref, args.group, waves=args.waves, bake_s=args.bake, gates=args.gate or [],
                            max_failure_rate=args.max_failure_rate, min_executed=args.min_executed,
-                           min_requests=args.min_requests, step_timeout_s=args.step_timeout)
+                           min_requests=args.min_requests, step_timeout_s=args.step_timeout,
+                           window=args.window, jitter_s=args.jitter, prefetch=not args.no_prefetch)
     except RolloutError as e:
         print(f"cascade: {e}", file=sys.stderr)
         return 2
@@ -266,6 +267,12 @@ def add_rollout_parser(fleet, make_parser) -> None:
                        help="requests each side needs before the gates are judged (else it pauses as inconclusive)")
     start.add_argument("--step-timeout", default="10m", help="a device that says nothing new for this long is "
                        "TIMED_OUT")
+    start.add_argument("--window", help="activate only inside HH:MM-HH:MM of each device's local time (it downloads "
+                       "whenever; a wave waits for its devices' windows and bakes from when they activate)")
+    start.add_argument("--jitter", default="0", help="each device waits a random 0..JITTER before it downloads, so a "
+                       "wave does not reach the artifact server at one instant (e.g. 30s)")
+    start.add_argument("--no-prefetch", action="store_true", help="devices of later waves do not download ahead "
+                       "(by default they fetch and verify while earlier waves bake; only activation is gated)")
     _remote_flags(start)
     start.set_defaults(func=_refusals_exit(cmd_rollout_start))
     status = make_parser(rollout, "status", "a rollout: its waves, the devices' states, each wave's decision with "

@@ -172,8 +172,10 @@ def test_pause_resume_abort_rollback_and_what_their_state_refuses(plane):
     (["tiny@1.1.0", "--group", "bad", "--bake", "soon"], "duration 'soon'"),
     (["tiny@1.1.0", "--group", "bad", "--step-timeout", "0"], "step timeout"),
     (["tiny@1.1.0", "--group", "bad", "--max-failure-rate", "2"], "max failure rate"),
+    (["tiny@1.1.0", "--group", "bad", "--window", "2am-5am"], "HH:MM-HH:MM"),
+    (["tiny@1.1.0", "--group", "bad", "--jitter", "a while"], "duration 'a while'"),
 ], ids=["unknown-version", "unknown-group", "waves-not-to-100", "malformed-gate", "unknown-metric",
-        "min-executed-0", "bake-soon", "no-step-timeout", "failure-rate-over-1"])
+        "min-executed-0", "bake-soon", "no-step-timeout", "failure-rate-over-1", "bad-window", "bad-jitter"])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(plane, args, says):
     before = len(stored_rollouts(plane))
     for f in (local, remote):
