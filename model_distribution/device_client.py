@@ -232,7 +232,7 @@ class DeviceUpdater:
 
     def _fail(self, base: dict, state: str, reason: str) -> str:
         log.error("%s %s: %s", base["desired"], state, reason)
-        self._say({**base, "state": state, "reason": reason,
+        self._say({**base, "state": state, "reason": reason, "retry": self.retry,  # a FAILED it tries again
                    "model": None if self.active is None else f"{self.active['name']}@{self.active['version']}"})
         return state
 

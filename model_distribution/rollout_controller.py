@@ -146,14 +146,19 @@ def step(r: Rollout, registry: Registry, devices: DeviceStore, rollouts: Rollout
 def _follow(e: Execution, reported: dict | None, r: Rollout, rollouts: RolloutStore, now: float) -> None:
     """An execution follows its device's report of this assignment (its revision or a later one);
     one that has said nothing new for the step timeout is TIMED_OUT (a heartbeat: each progress
-    report counts as word)."""
+    report counts as word). A FAILED the device will try again (``retry``: the network, a control
+    plane restarting) is not final: the execution stays IN_PROGRESS until the step timeout."""
     rep = reported if isinstance(reported, dict) else {}
     rev, at = rep.get("rev"), rep.get("at")
     ours = rep.get("desired") == r.ref and isinstance(rev, int) and e.desired_rev is not None and rev >= e.desired_rev
     new = ours and isinstance(at, (int, float)) and not isinstance(at, bool) and at != e.report_at
-    if ours and rep.get("state") in REPORTED:
+    retrying = rep.get("state") == "FAILED" and rep.get("retry") is True  # a cut download: it tries again
+    if ours and rep.get("state") in REPORTED and not retrying:
         reason = rep.get("reason") if isinstance(rep.get("reason"), str) else None
         rollouts.move(e, REPORTED[rep["state"]], reason and reason[:500], now, report_at=at if new else None)
+    elif new and retrying:  # still under way, but only progress counts as word: the clock stays where it was
+        rollouts.move(e, IN_PROGRESS, f"retrying: {rep.get('reason')}"[:500], max(e.updated_at, e.heard_at or 0),
+                      report_at=at)
     elif new:
         detail = str(rep.get("state"))[:40]
         if rep.get("state") == "DOWNLOADING" and isinstance(rep.get("total"), int) and rep["total"] > 0 \

@@ -180,6 +180,31 @@ def test_a_device_that_goes_quiet_times_out_and_a_late_report_does_not_undo_it(f
     assert {e.device_id: e.state for e in fleet.rollouts.executions(r.rollout_id)}[quiet] == "TIMED_OUT"
 
 
+def test_a_failure_the_device_tries_again_stays_in_progress_and_only_progress_holds_off_the_timeout(fleet):
+    r = start_rollout(fleet.registry, fleet.devices, fleet.rollouts,
+                      RolloutSpec("tiny@1.1.0", "kiosks", [15, 100], step_timeout_s=60))
+    fleet.tick()
+    cut, gone, broken = fleet.devices_told("tiny@1.1.0")
+    for d in (cut, gone):  # the control plane restarted under their downloads: they try again
+        fleet.report(d, "FAILED", reason="the download was cut", retry=True)
+    fleet.report(broken, "FAILED", reason="activation failed", retry=False)
+    fleet.tick()
+    ex = {e.device_id: e for e in fleet.rollouts.executions(r.rollout_id)}
+    assert ex[cut].state == ex[gone].state == "IN_PROGRESS" and ex[cut].detail.startswith("retrying")
+    assert ex[broken].state == "FAILED"  # no retry: final
+    fleet.tick(30)
+    fleet.report(cut, "DOWNLOADING", done=50, total=100)  # the retry makes progress
+    fleet.report(gone, "FAILED", reason="the download was cut", retry=True)  # it only tries again
+    fleet.tick()
+    fleet.tick(31)
+    states = {e.device_id: e.state for e in fleet.rollouts.executions(r.rollout_id)}
+    assert (states[cut], states[gone]) == ("IN_PROGRESS", "TIMED_OUT")
+    assert fleet.status(r.rollout_id).wave_done_at is None  # the wave waits for the device still trying
+    fleet.report(cut, "ACTIVE")
+    fleet.tick()
+    assert {e.device_id: e.state for e in fleet.rollouts.executions(r.rollout_id)}[cut] == "SUCCEEDED"
+
+
 def test_a_report_of_an_earlier_assignment_does_not_count(fleet):
     r = start_rollout(fleet.registry, fleet.devices, fleet.rollouts, RolloutSpec("tiny@1.1.0", "kiosks", [5, 100]))
     fleet.tick()
