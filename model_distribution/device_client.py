@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 import httpx
 from tuf.api import exceptions as tuf_errors
 
-from model_distribution.download import DownloadError, fetch
+from model_distribution.download import ArtifactMismatch, DownloadError, fetch
 from model_distribution.registry import parse_semver
 from model_distribution.signing import manifest_of, verified_target
 
@@ -163,8 +163,8 @@ class DeviceUpdater:
         try:
             staged = fetch(url, self.staging / info.hashes["sha256"], info, self.http, progress=progress,
                            auth=self.config.auth_for(url))
-        except DownloadError as e:
-            self.retry = not quiet  # the network's fault: the follower tries again (from the bytes it has)
+        except DownloadError as e:  # the network's fault: the follower tries again (from the bytes it has);
+            self.retry = not quiet and not isinstance(e, ArtifactMismatch)  # other bytes than signed: it does not
             return fail(base, "FAILED", str(e))
         self.models_dir.mkdir(parents=True, exist_ok=True)
         staged.replace(path)

@@ -186,6 +186,7 @@ def _locked(method):
 class DeviceStore:
     def __init__(self, root: Path | str):
         Path(root).mkdir(parents=True, exist_ok=True)
+        self.root = Path(root)
         self._db = sqlite3.connect(Path(root) / "registry.db", isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         for ddl in SCHEMA:

@@ -19,6 +19,10 @@ class DownloadError(Exception):
     """The artifact could not be fetched or did not verify; the message says why."""
 
 
+class ArtifactMismatch(DownloadError):
+    """The bytes served are not the signed target's (deleted: trying again fetches them again)."""
+
+
 def fetch(url: str, dest: Path | str, info: TargetFile, client: httpx.Client | None = None,
           progress: Callable[[int, int], None] | None = None, auth: tuple[str, str] | None = None) -> Path:
     """Download ``url`` to ``dest`` (resuming ``dest.part``), verify it against ``info``, and
@@ -42,7 +46,7 @@ def fetch(url: str, dest: Path | str, info: TargetFile, client: httpx.Client | N
                 info.verify_length_and_hashes(f)
             except LengthOrHashMismatchError as e:
                 part.unlink()
-                raise DownloadError(f"{url} does not match its signed target: {e}") from e
+                raise ArtifactMismatch(f"{url} does not match its signed target: {e}") from e
         os.replace(part, dest)
         return dest
     finally:

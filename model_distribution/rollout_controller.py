@@ -120,13 +120,12 @@ def step(r: Rollout, registry: Registry, devices: DeviceStore, rollouts: Rollout
         d = members.get(e.device_id) or devices.get(e.device_id)
         if d is None:
             continue
-        if e.state == QUEUED and e.wave <= r.wave and r.state == RUNNING:
-            rev = devices.assign(manifest, device_id=e.device_id, window=r.spec.window,
-                                 jitter_s=r.spec.jitter_s)[0].desired_rev
-            rollouts.move(e, IN_PROGRESS, "assigned", now, desired_rev=rev)
+        claimed = e.state == IN_PROGRESS and e.desired_rev is None  # claimed by a tick that did not finish
+        if (e.state == QUEUED and e.wave <= r.wave or claimed) and r.state == RUNNING:
+            _assign(e, manifest, r, registry, devices, rollouts, now)
         elif e.state == IN_PROGRESS:
             _follow(e, d.reported, r, rollouts, now)
-    if r.state != RUNNING:
+    if r.state != RUNNING or rollouts.get(r.rollout_id).state != RUNNING:  # an operator may have stopped it
         return
     if r.spec.prefetch:  # later waves fetch and verify now; only their activation waits for the gates
         later = [e.device_id for e in rollouts.executions(r.rollout_id) if e.state == QUEUED and e.wave > r.wave
@@ -141,6 +140,24 @@ def step(r: Rollout, registry: Registry, devices: DeviceStore, rollouts: Rollout
         return
     if now - r.wave_done_at >= r.spec.bake_s:
         judge(r, execs, registry, devices, rollouts, now)
+
+
+def _assign(e: Execution, manifest, r: Rollout, registry: Registry, devices: DeviceStore, rollouts: RolloutStore,
+            now: float) -> None:
+    """Tell one device the version. The execution is claimed first (compare-and-set), so an abort
+    or a rollback that changed it meanwhile stands; one that lands between the claim and the
+    record of the revision finds the claim and sends the device back, and this sees it and does
+    the same."""
+    if e.state == QUEUED:
+        if not rollouts.move(e, IN_PROGRESS, "assigning", now):
+            return
+        e = rollouts.execution(e.rollout_id, e.device_id)
+    if rollouts.get(r.rollout_id).state != RUNNING:
+        return  # stopped since this tick began: the claim is settled by whoever stopped it
+    rev = devices.assign(manifest, device_id=e.device_id, window=r.spec.window, jitter_s=r.spec.jitter_s)[0].desired_rev
+    if not rollouts.move(e, IN_PROGRESS, "assigned", now, desired_rev=rev):
+        if rollouts.execution(e.rollout_id, e.device_id).state in (CANCELED, ROLLED_BACK) and e.previous:
+            devices.assign(registry.resolve(e.previous), device_id=e.device_id)  # rolled back under our feet
 
 
 def _follow(e: Execution, reported: dict | None, r: Rollout, rollouts: RolloutStore, now: float) -> None:
@@ -203,15 +220,20 @@ def judge(r: Rollout, execs: list[Execution], registry: Registry, devices: Devic
                             f"wave {r.wave + 1}: too little traffic to judge ({up['requests']} requests on updated "
                             f"devices, {'-' if ctl is None else ctl['requests']} on the control group; "
                             f"--min-requests {spec.min_requests})")
-        failed_gates = []
+        failed_gates, unknown = [], []
         for g in gates:
             ok, how = g.judge(up.get(g.metric), None if ctl is None else ctl.get(g.metric))
             numbers["gates"].append({"gate": g.text, "passed": ok, "how": how})
             if ok is False:
                 failed_gates.append(how)
+            elif up.get(g.metric) is None or (ctl is not None and ctl.get(g.metric) is None and g.kind != "absolute"):
+                unknown.append(g.metric)  # traffic, but no value (say, agents too old to send it): not a pass
         if failed_gates:
             return _decided(r, registry, devices, rollouts, "fail", numbers, now,
                             f"wave {r.wave + 1}: gate failed: {'; '.join(failed_gates)}")
+        if unknown:
+            return _decided(r, registry, devices, rollouts, "inconclusive", numbers, now,
+                            f"wave {r.wave + 1}: no value for {', '.join(unknown)} in the devices' telemetry")
     _decided(r, registry, devices, rollouts, "pass", numbers, now, None)
 
 
@@ -234,11 +256,17 @@ def roll_back(r: Rollout, registry: Registry, devices: DeviceStore, rollouts: Ro
     """Every device the rollout assigned goes back to the version it had (which it still holds:
     no download); the queued ones are canceled."""
     for e in rollouts.executions(r.rollout_id):
-        if e.state == QUEUED:
-            rollouts.move(e, CANCELED, "rolled back before its wave")
-        elif e.state not in (CANCELED, ROLLED_BACK) and e.desired_rev is not None and e.previous:
-            devices.assign(registry.resolve(e.previous), device_id=e.device_id)
-            rollouts.move(e, ROLLED_BACK, f"back to {e.previous}")
+        for _ in range(5):  # a tick may change an execution meanwhile: read it again and redo
+            if e.state == QUEUED:
+                if rollouts.move(e, CANCELED, "rolled back before its wave"):
+                    break
+            elif e.state not in (CANCELED, ROLLED_BACK) and e.previous:  # told, or being told (claimed)
+                devices.assign(registry.resolve(e.previous), device_id=e.device_id)
+                if rollouts.move(e, ROLLED_BACK, f"back to {e.previous}"):
+                    break
+            else:
+                break
+            e = rollouts.execution(e.rollout_id, e.device_id)
     _stop_prefetch(r, devices)
     fresh = rollouts.get(r.rollout_id)
     return rollouts.update(fresh, state=HALTED, reason=reason) or rollouts.get(r.rollout_id)
@@ -281,8 +309,8 @@ def abort(rollouts: RolloutStore, rollout_id: str, devices: DeviceStore | None =
     if r.state not in ACTIVE_STATES:
         raise RolloutError(f"rollout {rollout_id} is {r.state}: nothing to abort")
     for e in rollouts.executions(rollout_id):
-        if e.state == QUEUED:
-            rollouts.move(e, CANCELED, "aborted")
+        while e.state == QUEUED and not rollouts.move(e, CANCELED, "aborted"):  # a tick claimed it meanwhile
+            e = rollouts.execution(e.rollout_id, e.device_id)
     if devices is not None:
         _stop_prefetch(r, devices)
     return _cas(rollouts, r, state=ABORTED, reason="aborted by the operator")

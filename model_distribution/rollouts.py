@@ -330,6 +330,12 @@ class RolloutStore:
                                     "ORDER BY wave, device_id", (rollout_id,)).fetchall()
         return [Execution(*r) for r in rows]
 
+    def execution(self, rollout_id: str, device_id: str) -> Execution:
+        with self._lock:
+            row = self._db.execute(f"SELECT {_E_COLUMNS} FROM rollout_devices WHERE rollout_id = ? AND device_id = ?",
+                                   (rollout_id, device_id)).fetchone()
+        return Execution(*row)
+
     def add_execution(self, rollout_id: str, device_id: str, wave: int, previous: str | None) -> None:
         with self._lock:
             self._db.execute(f"INSERT OR IGNORE INTO rollout_devices ({_E_COLUMNS}) "

@@ -304,3 +304,32 @@ def test_the_desired_document_carries_the_window_the_jitter_and_what_to_fetch_ah
     payload = verify_desired(desired_document(d, fleet.v2, key), public, "k00")
     assert payload["window"] == "22:00-04:00" and "prefetch" not in payload
     assert json.loads(json.dumps(payload))["rev"] == d.desired_rev
+
+
+def test_a_rollback_that_lands_while_a_tick_assigns_wins(fleet):
+    """An operator's rollback in another process between a tick's read and its claim: the claim
+    fails and nothing is told; between the claim and the assignment: the rollback sends the
+    claimed device back and the tick does not tell it the new version."""
+    from model_distribution.rollout_controller import _assign
+
+    r = start_rollout(fleet.registry, fleet.devices, fleet.rollouts, RolloutSpec("tiny@1.1.0", "kiosks", [10, 100]))
+    stale = [e for e in fleet.rollouts.executions(r.rollout_id) if e.wave == 0]
+    claimed = stale[1]
+    assert fleet.rollouts.move(claimed, "IN_PROGRESS", "assigning", fleet.now)  # a tick claimed this one
+    rollback(fleet.registry, fleet.devices, fleet.rollouts, r.rollout_id)
+    _assign(stale[0], fleet.v2, fleet.status(r.rollout_id), fleet.registry, fleet.devices, fleet.rollouts, fleet.now)
+    claimed_now = fleet.rollouts.execution(r.rollout_id, claimed.device_id)
+    _assign(claimed_now, fleet.v2, r, fleet.registry, fleet.devices, fleet.rollouts, fleet.now)
+    assert fleet.devices_told("tiny@1.1.0") == []
+    states = {e.device_id: e.state for e in fleet.rollouts.executions(r.rollout_id)}
+    assert states[stale[0].device_id] == "CANCELED" and states[claimed.device_id] == "ROLLED_BACK"
+
+
+def test_a_gate_with_traffic_but_no_value_pauses_instead_of_passing(fleet):
+    r, updated, control = rollout_with_gate(fleet, "ttft_p95<=1.2x")  # the records carry no TTFT buckets
+    fleet.tick(30)
+    fleet.serve(updated, 10, 2)
+    fleet.serve(control, 10, 2)
+    fleet.tick(31)
+    paused = fleet.status(r.rollout_id)
+    assert paused.state == "PAUSED" and "no value for ttft_p95" in paused.reason
