@@ -333,3 +333,20 @@ def test_a_gate_with_traffic_but_no_value_pauses_instead_of_passing(fleet):
     fleet.tick(31)
     paused = fleet.status(r.rollout_id)
     assert paused.state == "PAUSED" and "no value for ttft_p95" in paused.reason
+
+
+def test_a_paused_rollout_of_one_group_never_blocks_another_group(fleet):
+    for i in range(4):
+        fleet.devices.add(f"lobby-{i}", ["lobby"])
+    fleet.devices.assign(fleet.v1, group="lobby")
+    kiosks = start_rollout(fleet.registry, fleet.devices, fleet.rollouts, RolloutSpec("tiny@1.1.0", "kiosks", [5, 100]))
+    pause(fleet.rollouts, kiosks.rollout_id)
+    lobby = start_rollout(fleet.registry, fleet.devices, fleet.rollouts, RolloutSpec("tiny@1.1.0", "lobby", [50, 100]))
+    for _ in range(2):
+        fleet.tick()
+        finish_wave(fleet)
+        fleet.tick()
+        fleet.tick()
+    assert fleet.status(lobby.rollout_id).state == "SUCCEEDED"
+    assert fleet.status(kiosks.rollout_id).state == "PAUSED"
+    assert sorted(d for d in fleet.devices_told("tiny@1.1.0") if not d.startswith("lobby")) == []
