@@ -22,7 +22,8 @@ decision's time); done = the last of the wave's executions moved to a final stat
 execution's own timestamp, the controller's clock). Each wave's time includes up to two of the
 controller's ticks (--tick: it sees the wave done, then judges it; the next wave's devices are
 assigned on the tick after that). The simulated devices send no telemetry, so a serving --gate
-has nothing to judge and passes (only the install failure gate has numbers here).
+has no value to judge and the rollout pauses as inconclusive after wave 1 (the run stops there;
+only the install failure gate, --max-failure-rate, has numbers here).
 """
 
 from __future__ import annotations
