@@ -124,8 +124,8 @@ def artifact(path: Path, seed: int) -> Path:
     return path
 
 
-@pytest.fixture
-def plane(tmp_path):
+def published(tmp_path: Path) -> tuple[Mosquitto, Path, Repository, list[Manifest]]:
+    """A started Mosquitto and a fleet home with keys and tiny@1.0.0 and 1.1.0 published and signed."""
     broker = Mosquitto(tmp_path / "broker")
     broker.start()
     home = tmp_path / "control"
@@ -138,6 +138,12 @@ def plane(tmp_path):
         repo.add_target(m.name, m.version, m.sha256, m.size, m.signable())
         versions.append(m)
     reg.close()
+    return broker, home, repo, versions
+
+
+@pytest.fixture
+def plane(tmp_path):
+    broker, home, repo, versions = published(tmp_path)
     store = DeviceStore(home / "fleet")
     secrets_ = {f"k{i}": store.add(f"k{i}", ["kiosks"]) for i in range(N)}
     url = f"mqtt://127.0.0.1:{broker.port}"

@@ -35,7 +35,7 @@ from model_distribution.rollouts import Rollout, RolloutStore
 from model_distribution.signing import Repository
 from model_distribution.state_sync import DeviceStateClient, topic
 from tests.conftest import REPO, Server
-from tests.integration.test_fleet_devices import SimDevice, artifact, check_disk, stored_active
+from tests.integration.test_fleet_devices import SimDevice, check_disk, published, stored_active
 from tests.unit.sync.test_mqtt import MOSQUITTO, Mosquitto, wait_until
 from tests.unit.test_signing import sign_targets_with_an_untrusted_key
 
@@ -192,17 +192,8 @@ def make_plane(tmp_path):
     made: list[Plane] = []
 
     def make(n: int, serving: bool = False) -> Plane:
-        broker = Mosquitto(tmp_path / "broker")
-        broker.start()
-        home = tmp_path / "control"
-        repo = Repository(home / "fleet")
-        repo.init()
+        broker, home, repo, versions = published(tmp_path)
         registry = Registry(home / "fleet")
-        versions = []
-        for i, version in enumerate(("1.0.0", "1.1.0")):
-            m, _ = registry.push(artifact(tmp_path / f"v{i}.gguf", i + 1), "tiny", version)
-            repo.add_target(m.name, m.version, m.sha256, m.size, m.signable())
-            versions.append(m)
         store = DeviceStore(home / "fleet")
         secrets_ = {f"k{i:02d}": store.add(f"k{i:02d}", ["kiosks"]) for i in range(n)}
         url = f"mqtt://127.0.0.1:{broker.port}"
