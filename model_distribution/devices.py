@@ -318,14 +318,17 @@ class DeviceStore:
         sql = ("SELECT device_id, fleet, desired_name, desired_version, desired_rev, reported, last_seen, created_at, "
                "status, last_event, prefetch_name, prefetch_version, desired_window, desired_jitter_s FROM devices")
         args: list = []
+        where = ""
         if group is not None:
-            sql += " WHERE device_id IN (SELECT device_id FROM device_groups WHERE group_name = ?)"
+            where = " WHERE device_id IN (SELECT device_id FROM device_groups WHERE group_name = ?)"
             args.append(group)
         elif device_ids is not None:
-            sql += f" WHERE device_id IN ({', '.join('?' * len(device_ids))})"
+            where = f" WHERE device_id IN ({', '.join('?' * len(device_ids))})"
             args += device_ids
-        groups: dict[str, list[str]] = {}
-        for d, g in self._db.execute("SELECT device_id, group_name FROM device_groups ORDER BY group_name"):
+        sql += where
+        groups: dict[str, list[str]] = {}  # the groups of the devices listed only (a fleet lists one often)
+        for d, g in self._db.execute(f"SELECT device_id, group_name FROM device_groups{where} ORDER BY group_name",
+                                     args):
             groups.setdefault(d, []).append(g)
         out = []
         for (d, fleet, name, version, rev, reported, seen, created, status, event, pre_name, pre_version, window,
