@@ -6,7 +6,8 @@ static file server, same run.
         [--downloads plane|public|mirror] [--json] [--dir DIR]
 
 Setup (not timed in the rollout): TUF keys, one GGUF of --size-mb pushed and signed, N devices
-enrolled with DeviceStore.add (a salted hash each), a local Mosquitto (default limits, no
+enrolled with DeviceStore.add (a salted hash each), a local Mosquitto (the per-client queue of the one
+`fleet serve` starts, otherwise default limits; no
 persistence), `cascade fleet serve --broker` as a subprocess (its CPU read with psutil), and the
 devices in --procs child processes (bench/fleet_sim.py: the real DeviceStateClient and
 DeviceUpdater per device, one paho loop thread and one updater thread each). At most
@@ -59,6 +60,7 @@ import psutil
 from fleet_sim import Timeline, serve
 
 from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
+from model_distribution.broker import MAX_QUEUED
 from model_distribution.devices import DeviceStore
 from model_distribution.download import fetch
 from model_distribution.registry import Manifest, Registry
@@ -133,6 +135,7 @@ def servers(fleet: Fleet, public_downloads: bool, env: dict[str, str] | None = N
     mqtt_port, port, static_port = free_port(), free_port(), free_port()
     conf = work / "mosquitto.conf"
     conf.write_text(f"listener {mqtt_port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
+                    f"max_queued_messages {MAX_QUEUED}\n"  # as the broker `fleet serve` starts has
                     f"log_dest file {work / 'mosquitto.log'}\nlog_type error\nlog_type warning\nlog_type notice\n"
                     f"user {getpass.getuser()}\n")  # as root it would drop to "mosquitto", who cannot write here
     procs = [spawn([binary, "-c", str(conf)], log=work / "mosquitto.out")]
