@@ -18,7 +18,6 @@ The parent talks to ``serve(...)`` over a Pipe:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import queue
 import shutil
@@ -30,6 +29,7 @@ from tuf.api.metadata import TargetFile
 
 from model_distribution.device_client import DeviceConfig, DeviceUpdater
 from model_distribution.download import fetch
+from model_distribution.registry import file_sha256
 from model_distribution.state_sync import DeviceStateClient
 
 RETRY_MIN_S, RETRY_MAX_S = 5.0, 300.0  # as edge_agent/fleet.py
@@ -110,11 +110,7 @@ class SimDevice:
             self.done.set()
 
     def _activate(self, path: Path, manifest: dict) -> None:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-        if h.hexdigest() != manifest["sha256"]:
+        if file_sha256(path)[0] != manifest["sha256"]:
             raise RuntimeError(f"{path} is not the signed artifact")
 
     def stop(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 
 
 class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
@@ -20,3 +21,8 @@ def print_table(rows: list[tuple[str, ...]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for r in rows:
         print("  ".join([c.ljust(w) for c, w in zip(r, widths, strict=False)] + [r[-1]]).rstrip())
+
+
+def utc_time(ts: float, fmt: str = "%Y-%m-%d %H:%M:%SZ") -> str:
+    """A Unix time as the listings show it (UTC)."""
+    return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime(fmt)

@@ -33,7 +33,9 @@ WAITING_HEARTBEAT_S = 60.0  # a version waiting for its window is looked at (and
 
 
 class FleetFollower:
-    def __init__(self, config: EdgeConfig, svc: EdgeService, escalator: Escalator, loop: asyncio.AbstractEventLoop):
+    def __init__(self, config: EdgeConfig, svc: EdgeService, escalator: Escalator, loop: asyncio.AbstractEventLoop,
+                 active: dict | None = None):
+        """``active``: the installed version the agent started on (``load_installed`` checked its file)."""
         f = config.fleet
         self.config, self.svc, self.escalator, self.loop = config, svc, escalator, loop
         state_dir = fleet_state_dir(config)
@@ -43,7 +45,7 @@ class FleetFollower:
                                    memory_budget_bytes=f.memory_budget_bytes)
         self.client = DeviceStateClient(f.broker, f.fleet, f.device_id, bytes.fromhex(
             Path(f.desired_key).read_text().strip()), self._desired, f.device_id, f.secret or None)
-        self.updater = DeviceUpdater(self.device, self.client.report, self._activate)
+        self.updater = DeviceUpdater(self.device, self.client.report, self._activate, active)
         self._wanted: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="fleet-updater", daemon=True)
 

@@ -17,7 +17,6 @@ so an agent that restarts, or was killed mid-switch, comes back on one consisten
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import logging
 import os
@@ -34,7 +33,7 @@ import httpx
 from tuf.api import exceptions as tuf_errors
 
 from model_distribution.download import ArtifactMismatch, DownloadError, fetch
-from model_distribution.registry import parse_semver
+from model_distribution.registry import file_sha256, parse_semver
 from model_distribution.signing import manifest_of, verified_target
 
 log = logging.getLogger(__name__)
@@ -69,14 +68,15 @@ class DeviceUpdater:
     (the ``DeviceStateClient.report`` of the device)."""
 
     def __init__(self, config: DeviceConfig, report: Callable[[dict], None],
-                 activate: Callable[[Path, dict], None]):
+                 activate: Callable[[Path, dict], None], active: dict | None | bool = True):
         self.config = config
         self.report = report
         self.activate = activate
         self.models_dir = config.state_dir / "models"
         self.staging = config.state_dir / "staging"
         self.active_file = config.state_dir / "active.json"
-        self.active: dict | None = installed(config.state_dir)  # the manifest serving now
+        # the manifest serving now: found on disk (True), or given by a caller that checked it already
+        self.active: dict | None = installed(config.state_dir) if active is True else active or None
         self._lock = threading.Lock()  # one change at a time
         self.retry = False  # did the last apply fail in a way worth trying again (a download cut)?
         self.wait_s: float | None = None  # WAITING: seconds until its activation window opens
@@ -253,11 +253,7 @@ def installed(state_dir: Path) -> dict | None:
         path = state_dir / "models" / active["sha256"]
         if path.stat().st_size != active["size"]:
             raise ValueError(f"{path} is {path.stat().st_size} bytes, not {active['size']}")
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
-        if digest.hexdigest() != active["sha256"]:
+        if file_sha256(path)[0] != active["sha256"]:
             raise ValueError(f"{path} does not match its sha256")
         return active
     except FileNotFoundError:

@@ -89,26 +89,41 @@ class Device:
                 "window": self.window}
 
 
+def counter_deltas(new: dict, base: dict | None) -> dict:
+    """What a device's telemetry counters (cumulative since its agent started) say happened
+    between record ``base`` (None: since the start) and record ``new``: decisions (and how many
+    the cloud took), requests answered (and how many 5xx), TTFT histogram buckets, decode tokens
+    and seconds. Device-supplied: only numbers count, and no counter goes backwards."""
+    decisions, requests = _delta(new, base, "decisions"), _delta(new, base, "requests")
+    ttft = _delta((new.get("latency") or {}).get("ttft") or {}, ((base or {}).get("latency") or {}).get("ttft"),
+                  "buckets")
+    decode = _delta(new, base, "decode")
+    return {"decided": sum(decisions.values()), "cloud": sum(v for k, v in decisions.items() if k.startswith("cloud/")),
+            "answered": sum(requests.values()),
+            "failed": sum(v for k, v in requests.items() if k.rsplit("/", 1)[-1].startswith("5")),
+            "ttft_buckets": ttft, "decode_tokens": decode.get("tokens", 0), "decode_s": decode.get("seconds", 0)}
+
+
+def is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _delta(new: dict, base: dict | None, key: str) -> dict[str, float]:
+    now = new.get(key) if isinstance(new, dict) and isinstance(new.get(key), dict) else {}
+    then = base.get(key) if isinstance(base, dict) and isinstance(base.get(key), dict) else {}
+    return {k: max(0.0, v - (then.get(k) if is_number(then.get(k)) else 0)) for k, v in now.items() if is_number(v)}
+
+
 def serving_summary(new: dict | None, base: dict | None = None) -> dict:
     """Requests, escalation rate, error rate and backlog from a device's newest telemetry record,
-    less ``base``: an older record of the same agent run (the counters are cumulative since the
-    agent started), so the rates cover the time between the two."""
+    less ``base``: an older record of the same agent run, so the rates cover the time between."""
     if not new:
         return {}
-
-    def delta(key: str) -> dict[str, float]:
-        now = new.get(key) if isinstance(new.get(key), dict) else {}
-        then = base.get(key) if base and isinstance(base.get(key), dict) else {}
-        return {k: v - (then.get(k) or 0) for k, v in now.items() if isinstance(v, (int, float))}
-
-    decisions, requests = delta("decisions"), delta("requests")
-    decided = sum(decisions.values())
-    cloud = sum(v for k, v in decisions.items() if k.startswith("cloud/"))
-    answered = sum(requests.values())
-    failed = sum(v for k, v in requests.items() if k.rsplit("/", 1)[-1].startswith("5"))
+    c = counter_deltas(new, base)
     queue = new.get("queue") if isinstance(new.get("queue"), dict) else {}
-    return {"requests": int(answered), "escalation_rate": round(cloud / decided, 4) if decided else None,
-            "error_rate": round(failed / answered, 4) if answered else None,
+    return {"requests": int(c["answered"]),
+            "escalation_rate": round(c["cloud"] / c["decided"], 4) if c["decided"] else None,
+            "error_rate": round(c["failed"] / c["answered"], 4) if c["answered"] else None,
             "backlog": queue.get("pending"), "at": new.get("ts")}
 
 
@@ -186,7 +201,6 @@ def _locked(method):
 class DeviceStore:
     def __init__(self, root: Path | str):
         Path(root).mkdir(parents=True, exist_ok=True)
-        self.root = Path(root)
         self._db = sqlite3.connect(Path(root) / "registry.db", isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         for ddl in SCHEMA:

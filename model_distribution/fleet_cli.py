@@ -15,11 +15,13 @@ a control plane elsewhere, over its admin API: the same operations (operations.p
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
 from pathlib import Path
+
+from cascade.cli_help import utc_time
+from model_distribution.devices import is_number
 
 
 def _registry():
@@ -138,7 +140,7 @@ def cmd_models(args) -> int:
         return 0
     rows = [("NAME", "VERSION", "FORMAT", "QUANT", "SIZE", "SHA256", "PUSHED")]
     for m in models:
-        pushed = datetime.datetime.fromtimestamp(m["pushed_at"], datetime.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+        pushed = utc_time(m["pushed_at"])
         rows.append((m["name"], m["version"], m["format"], m["quantization"], format_size(m["size"]),
                      m["sha256"][:16], pushed))
     print_table(rows)
@@ -206,11 +208,10 @@ def cmd_devices_list(args) -> int:
              "ESCALATED", "ERRORS", "BACKLOG")]
     for d in devices:  # what a device reported is its own say: shown only where it has the right type
         rep = d["reported"] if isinstance(d["reported"], dict) else {}
-        seen = "-" if d["last_seen"] is None else datetime.datetime.fromtimestamp(
-            d["last_seen"], datetime.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+        seen = "-" if d["last_seen"] is None else utc_time(d["last_seen"])
         state = _text(rep.get("state"))
         done, total = rep.get("done"), rep.get("total")
-        if state == "DOWNLOADING" and _is_number(done) and _is_number(total) and total > 0:
+        if state == "DOWNLOADING" and is_number(done) and is_number(total) and total > 0:
             state = f"DOWNLOADING {min(100, max(0, int(100 * done / total)))}%"
         online = {True: "yes", False: "no"}.get(d.get("online"), "-")
         rollout = (d.get("rollout") or {}).get("state") or "-"  # its latest rollout's execution
@@ -225,9 +226,6 @@ def cmd_devices_list(args) -> int:
     return 0
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
 
 def _text(value, limit: int = 40) -> str:
     """A device-supplied string for a table cell: printable, bounded, "-" when it is not a string."""
@@ -238,11 +236,11 @@ def _text(value, limit: int = 40) -> str:
 
 
 def _number(value) -> str:
-    return str(int(value)) if _is_number(value) else "-"
+    return str(int(value)) if is_number(value) else "-"
 
 
 def _percent(rate) -> str:
-    return f"{100 * rate:.1f}%" if _is_number(rate) else "-"
+    return f"{100 * rate:.1f}%" if is_number(rate) else "-"
 
 
 def cmd_assign(args) -> int:

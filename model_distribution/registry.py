@@ -146,7 +146,7 @@ class Registry:
             thresholds = calibration
         else:
             thresholds = read_calibration(calibration) if calibration is not None else {}
-        digest, size = _sha256(path)
+        digest, size = file_sha256(path)
         existing = self.get(name, version)
         if existing is not None:
             if existing.sha256 != digest:
@@ -174,7 +174,7 @@ class Registry:
             return
         tmp = target.with_name(f".{digest}.{os.getpid()}.tmp")
         shutil.copyfile(path, tmp)
-        if _sha256(tmp)[0] != digest:  # the source changed while it was read
+        if file_sha256(tmp)[0] != digest:  # the source changed while it was read
             tmp.unlink()
             raise RegistryError(f"{path} changed while it was being pushed")
         os.replace(tmp, target)
@@ -245,7 +245,8 @@ def read_calibration(path: Path | str) -> dict:
     return table
 
 
-def _sha256(path: Path) -> tuple[str, int]:
+def file_sha256(path: Path) -> tuple[str, int]:
+    """A file's sha256 (hex) and size, read in chunks."""
     h, n = hashlib.sha256(), 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):

@@ -15,12 +15,12 @@ steer it. Bad input is refused (exit 2, one line) before anything is written.
 
 from __future__ import annotations
 
-import datetime
 import json
 import sys
 import time
 from urllib.parse import quote
 
+from cascade.cli_help import utc_time
 from model_distribution.fleet_cli import _refusals_exit, _remote, _remote_flags
 
 EXECUTION_STATES = ("QUEUED", "IN_PROGRESS", "SUCCEEDED", "FAILED", "TIMED_OUT", "REJECTED", "CANCELED",
@@ -171,7 +171,7 @@ def render_status(s: dict) -> str:
 def _decision_lines(d: dict) -> list[str]:
     from model_distribution.rollouts import Gate
 
-    at = datetime.datetime.fromtimestamp(d["at"], datetime.UTC).strftime("%H:%M:%SZ")
+    at = utc_time(d["at"], "%H:%M:%SZ")
     head = f"  wave {d['wave'] + 1} {d['outcome']} at {at}"
     if d.get("by") == "operator":
         return [f"{head}: by the operator, after {d.get('after')}"]
@@ -214,7 +214,7 @@ def cmd_rollout_list(args) -> int:
         return 0
     rows = [("ROLLOUT", "MODEL", "GROUP", "STATE", "WAVE", "STARTED", "REASON")]
     for r in rollouts:
-        started = datetime.datetime.fromtimestamp(r["created_at"], datetime.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+        started = utc_time(r["created_at"])
         rows.append((r["rollout"], r["model"], r["group"], r["state"],
                      f"{r['wave'] + 1}/{len(r['waves'])} ({r['waves'][r['wave']]}%)", started, r["reason"] or "-"))
     print_table(rows)

@@ -35,6 +35,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from model_distribution.devices import counter_deltas, is_number
 from model_distribution.registry import RegistryError
 
 QUEUED, IN_PROGRESS, SUCCEEDED, FAILED, TIMED_OUT, REJECTED, CANCELED, ROLLED_BACK = (
@@ -393,44 +394,28 @@ def window_metrics(records_by_device: dict[str, list[dict]], start: float, end: 
     each device's counters at the end of the window less those at its start (telemetry counters
     are cumulative since its agent started; a restart inside the window starts from zero).
     Records are each device's, oldest first."""
-    decided = cloud = answered = failed = 0.0
+    total: dict = {"decided": 0.0, "cloud": 0.0, "answered": 0.0, "failed": 0.0, "decode_tokens": 0.0,
+                   "decode_s": 0.0}
     ttft: dict[str, float] = {}
-    decode_tokens = decode_s = 0.0
     for records in records_by_device.values():
-        inside = [r for r in records if _number(r.get("ts")) and start <= r["ts"] <= end]
+        inside = [r for r in records if is_number(r.get("ts")) and start <= r["ts"] <= end]
         if not inside:
             continue
         new = inside[-1]
-        before = [r for r in records if _number(r.get("ts")) and r["ts"] < start]
+        before = [r for r in records if is_number(r.get("ts")) and r["ts"] < start]
         base = before[-1] if before else None
-        if base is not None and _number(new.get("uptime_s")) and _number(base.get("uptime_s")) and \
+        if base is not None and is_number(new.get("uptime_s")) and is_number(base.get("uptime_s")) and \
                 base["uptime_s"] > new["uptime_s"]:
             base = None  # the agent restarted: its counters did too
-        d = _delta(new, base, "decisions")
-        decided += sum(d.values())
-        cloud += sum(v for k, v in d.items() if k.startswith("cloud/"))
-        q = _delta(new, base, "requests")
-        answered += sum(q.values())
-        failed += sum(v for k, v in q.items() if k.rsplit("/", 1)[-1].startswith("5"))
-        for bucket, n in _delta((new.get("latency") or {}).get("ttft") or {}, ((base or {}).get("latency") or {}).get(
-                "ttft"), "buckets").items():
+        c = counter_deltas(new, base)
+        for k in total:
+            total[k] += c[k]
+        for bucket, n in c["ttft_buckets"].items():
             ttft[bucket] = ttft.get(bucket, 0) + n
-        dec = _delta(new, base, "decode")
-        decode_tokens += dec.get("tokens", 0)
-        decode_s += dec.get("seconds", 0)
-    return {"requests": int(answered), "escalation_rate": cloud / decided if decided else None,
-            "error_rate": failed / answered if answered else None, "ttft_p95": _quantile(ttft, 0.95),
-            "decode_tps": decode_tokens / decode_s if decode_s > 0 else None}
-
-
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _delta(new: dict, base: dict | None, key: str) -> dict[str, float]:
-    now = new.get(key) if isinstance(new.get(key), dict) else {}
-    then = base.get(key) if isinstance(base, dict) and isinstance(base.get(key), dict) else {}
-    return {k: max(0.0, v - (then.get(k) if _number(then.get(k)) else 0)) for k, v in now.items() if _number(v)}
+    decided, answered = total["decided"], total["answered"]
+    return {"requests": int(answered), "escalation_rate": total["cloud"] / decided if decided else None,
+            "error_rate": total["failed"] / answered if answered else None, "ttft_p95": _quantile(ttft, 0.95),
+            "decode_tps": total["decode_tokens"] / total["decode_s"] if total["decode_s"] > 0 else None}
 
 
 def _quantile(buckets: dict[str, float], q: float) -> float | None:

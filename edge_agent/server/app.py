@@ -140,7 +140,8 @@ def build_app(config: EdgeConfig, catalog: Catalog | None = None, source: Config
                 from edge_agent.fleet import apply_calibration
 
                 apply_calibration(app.state.escalator, fleet_version[0])
-            follower = FleetFollower(config, svc, app.state.escalator, asyncio.get_running_loop())
+            follower = FleetFollower(config, svc, app.state.escalator, asyncio.get_running_loop(),
+                                     fleet_version[0] if fleet_version is not None else None)
             follower.start()
         reloader = Reloader(source, config, app.state.escalator, outbox).install() if source else None
         try:

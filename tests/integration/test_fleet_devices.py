@@ -10,7 +10,6 @@ newest assignment with nothing half-activated."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import queue
 import threading
 from pathlib import Path
@@ -20,7 +19,7 @@ import pytest
 
 from model_distribution.device_client import DeviceConfig, DeviceUpdater
 from model_distribution.devices import DeviceStore
-from model_distribution.registry import Manifest, Registry
+from model_distribution.registry import Manifest, Registry, file_sha256
 from model_distribution.signing import Repository
 from model_distribution.state_sync import DeviceStateClient
 from tests.conftest import Server
@@ -33,11 +32,7 @@ SIZE = 2 << 20  # per artifact: enough that fifty downloads overlap the broker's
 
 
 def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+    return file_sha256(path)[0]
 
 
 class SimDevice:
