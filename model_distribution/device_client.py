@@ -292,13 +292,20 @@ def _transient(e: Exception) -> bool:
     return isinstance(e, (tuf_errors.DownloadError, httpx.TransportError))
 
 
-def _window(text: str) -> tuple[int, int]:
-    """"02:00-05:00" -> (120, 300) minutes of the day; ValueError otherwise."""
+def _window(text: str) -> tuple[int, int] | str:
+    """An activation window: "02:00-05:00" -> (120, 300) minutes of the day; a five-field cron
+    expression ("* 2-4 * * 1-5": the minutes it matches, here 02:00-04:59 on weekdays) -> itself;
+    ValueError otherwise."""
     import re
+
+    from croniter import croniter
 
     m = re.fullmatch(r"\s*(\d{1,2}):(\d{2})\s*-\s*(\d{1,2}):(\d{2})\s*", text or "")
     if m is None:
-        raise ValueError(f"window {text!r} must be HH:MM-HH:MM")
+        if len((text or "").split()) == 5 and croniter.is_valid(text):
+            return text.strip()
+        raise ValueError(f"window {text!r} must be HH:MM-HH:MM or a five-field cron expression "
+                         "(minute hour day month weekday, e.g. '* 2-4 * * *')")
     h1, m1, h2, m2 = map(int, m.groups())
     if h1 > 23 or h2 > 24 or m1 > 59 or m2 > 59:
         raise ValueError(f"window {text!r} must be HH:MM-HH:MM")
@@ -306,13 +313,19 @@ def _window(text: str) -> tuple[int, int]:
 
 
 def in_window(text: str, now: datetime.datetime | None = None) -> bool:
-    """Is local time ``now`` inside the window (which may run past midnight)? A malformed window
-    is treated as always open (the control plane checked it; a device never blocks on one)."""
+    """Is local time ``now`` inside the window (which may run past midnight; a cron window: does
+    it match this minute)? A malformed window is treated as always open (the control plane
+    checked it; a device never blocks on one)."""
     try:
-        start, end = _window(text)
+        window = _window(text)
     except ValueError:
         return True
     now = now or datetime.datetime.now()
+    if isinstance(window, str):
+        from croniter import croniter
+
+        return croniter.match(window, now.replace(second=0, microsecond=0))
+    start, end = window
     minute = now.hour * 60 + now.minute
     return start <= minute < end if start <= end else minute >= start or minute < end
 
@@ -321,9 +334,13 @@ def seconds_to_window(text: str, now: datetime.datetime | None = None) -> float:
     """Seconds from ``now`` (local time) until the window next opens (0 inside it)."""
     if in_window(text, now):
         return 0.0
-    start, _ = _window(text)
+    window = _window(text)
     now = now or datetime.datetime.now()
-    opens = now.replace(hour=start // 60, minute=start % 60, second=0, microsecond=0)
+    if isinstance(window, str):
+        from croniter import croniter
+
+        return max(0.0, (croniter(window, now).get_next(datetime.datetime) - now).total_seconds())
+    opens = now.replace(hour=window[0] // 60, minute=window[0] % 60, second=0, microsecond=0)
     if opens <= now:
         opens += datetime.timedelta(days=1)
     return (opens - now).total_seconds()

@@ -76,7 +76,7 @@ class Device:
     serving: dict = field(default_factory=dict)  # from its telemetry: requests, escalation/error rate, backlog
     last_event: dict | None = None  # the latest it said on its events topic
     prefetch: str | None = None  # name@version to download and verify now, to activate later (a rollout's later wave)
-    window: str | None = None  # "HH:MM-HH:MM" of its local time: it activates the desired version only then
+    window: str | None = None  # "HH:MM-HH:MM" or cron, its local time: it activates the desired version only then
     jitter_s: float = 0.0  # it waits a random 0..jitter_s before downloading (a wave does not arrive at one instant)
 
     def to_dict(self) -> dict:

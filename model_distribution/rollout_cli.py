@@ -267,8 +267,9 @@ def add_rollout_parser(fleet, make_parser) -> None:
                        help="requests each side needs before the gates are judged (else it pauses as inconclusive)")
     start.add_argument("--step-timeout", default="10m", help="a device that says nothing new for this long is "
                        "TIMED_OUT")
-    start.add_argument("--window", help="activate only inside HH:MM-HH:MM of each device's local time (it downloads "
-                       "whenever; a wave waits for its devices' windows and bakes from when they activate)")
+    start.add_argument("--window", help="activate only inside HH:MM-HH:MM of each device's local time, or in the "
+                       "minutes a five-field cron expression matches ('* 2-4 * * 1-5': 02:00-04:59 on weekdays); it "
+                       "downloads whenever; a wave waits for its devices' windows and bakes from when they activate")
     start.add_argument("--jitter", default="0", help="each device waits a random 0..JITTER before it downloads, so a "
                        "wave does not reach the artifact server at one instant (e.g. 30s)")
     start.add_argument("--no-prefetch", action="store_true", help="devices of later waves do not download ahead "

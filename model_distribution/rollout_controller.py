@@ -127,8 +127,9 @@ def step(r: Rollout, registry: Registry, devices: DeviceStore, rollouts: Rollout
             _follow(e, d.reported, r, rollouts, now)
     if r.state != RUNNING or rollouts.get(r.rollout_id).state != RUNNING:  # an operator may have stopped it
         return
-    if r.spec.prefetch:  # later waves fetch and verify now; only their activation waits for the gates
-        later = [e.device_id for e in rollouts.executions(r.rollout_id) if e.state == QUEUED and e.wave > r.wave
+    if r.spec.prefetch:  # the next wave fetches and verifies now; only its activation waits for the gates
+        # (one wave ahead, not all: every later wave at once competed with the wave being judged)
+        later = [e.device_id for e in rollouts.executions(r.rollout_id) if e.state == QUEUED and e.wave == r.wave + 1
                  and e.device_id in members and members[e.device_id].prefetch != r.ref]
         if later:
             devices.prefetch(manifest, later, r.spec.jitter_s)

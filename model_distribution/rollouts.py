@@ -157,7 +157,7 @@ class RolloutSpec:
     min_executed: int = 1
     min_requests: int = 0
     step_timeout_s: float = 600.0  # no word from a device for this long: TIMED_OUT
-    window: str | None = None  # "HH:MM-HH:MM" device local time: activate only then (download whenever)
+    window: str | None = None  # "HH:MM-HH:MM" or cron, device local time: activate only then (download whenever)
     jitter_s: float = 0.0  # each device waits a random 0..jitter_s before it downloads
     prefetch: bool = True  # devices of later waves download and verify while earlier waves bake
 

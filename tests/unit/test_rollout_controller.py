@@ -285,6 +285,23 @@ def test_later_waves_fetch_ahead_and_a_rollback_stops_that(fleet):
     assert [d for d in fleet.devices.list() if d.prefetch] == []
 
 
+def test_only_the_next_wave_fetches_ahead(fleet):
+    r = start_rollout(fleet.registry, fleet.devices, fleet.rollouts, RolloutSpec("tiny@1.1.0", "kiosks", [10, 50, 100]))
+    fleet.tick()
+    waves = {e.device_id: e.wave for e in fleet.rollouts.executions(r.rollout_id)}
+    ahead = {d.device_id for d in fleet.devices.list() if d.prefetch == "tiny@1.1.0"}
+    first = fleet.rollouts.get(r.rollout_id).wave
+    assert ahead and ahead == {d for d, w in waves.items() if w == first + 1}  # the first runs, the second fetches
+    for d in fleet.devices_told("tiny@1.1.0"):
+        fleet.report(d, "ACTIVE")
+    fleet.tick()
+    fleet.tick()
+    assert fleet.rollouts.get(r.rollout_id).wave == first + 1
+    fleet.tick()  # the second wave is told to switch
+    ahead = {d.device_id for d in fleet.devices.list() if d.prefetch == "tiny@1.1.0"}
+    assert ahead and ahead == {d for d, w in waves.items() if w == first + 2}  # and now the third
+
+
 def test_the_desired_document_carries_the_window_the_jitter_and_what_to_fetch_ahead(fleet):
     import json
 

@@ -118,3 +118,20 @@ def test_activation_windows_in_local_time_across_midnight():
     assert seconds_to_window("01:00-02:00", at) == (21 * 60 + 30) * 60  # tomorrow
     with pytest.raises(RolloutError, match="HH:MM-HH:MM"):
         RolloutSpec("tiny@1.1.0", "kiosks", window="2am-5am")
+
+
+def test_activation_windows_as_cron_expressions():
+    import datetime
+
+    from model_distribution.device_client import in_window, seconds_to_window
+
+    tuesday = datetime.datetime(2026, 12, 1, 3, 30, 20)  # 2026-12-01 is a Tuesday
+    assert in_window("* 2-4 * * *", tuesday) and in_window("* 2-4 * * 1-5", tuesday)
+    assert not in_window("* 2-4 * * 6,0", tuesday) and not in_window("0-15 3 * * *", tuesday)
+    assert seconds_to_window("* 2-4 * * *", tuesday) == 0
+    assert seconds_to_window("* 5 * * *", tuesday) == 89 * 60 + 40  # 05:00 today
+    assert seconds_to_window("* 2-4 * * 6", tuesday) == ((3 * 24 + 22) * 60 + 29) * 60 + 40  # Saturday 02:00
+    assert RolloutSpec("tiny@1.1.0", "kiosks", window="* 2-4 * * 1-5").window == "* 2-4 * * 1-5"
+    for bad in ("* 2-4 * *", "0 * 2-4 * * *", "* 25 * * *", "every night"):  # 4 or 6 fields, out of range, words
+        with pytest.raises(RolloutError, match="cron"):
+            RolloutSpec("tiny@1.1.0", "kiosks", window=bad)
