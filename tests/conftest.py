@@ -106,6 +106,25 @@ def smollm2_engine(engine_home):
 
 
 @pytest.fixture(scope="session")
+def onnx_export(engine_home, tmp_path_factory):
+    """``onnx_export(precision) -> Path``: SmolLM2 exported to ONNX for the CPU ("int4" or "fp32"),
+    once per precision per session, unverified (tests/integration/test_onnx_export.py tests the
+    verification). Treat the directory as read-only: other tests share it."""
+    from cloud_tier.onnx_export import export_onnx
+
+    exports: dict[str, Path] = {}
+
+    def get(precision: str) -> Path:
+        if precision not in exports:
+            out = tmp_path_factory.mktemp(f"onnx-{precision}") / f"smollm2-135m-onnx-{precision}"
+            export_onnx("smollm2-135m", out, precision=precision, target="cpu", verify=False)
+            exports[precision] = out
+        return exports[precision]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def cloud_worker(engine_home, smollm2_engine):  # the engine fixture has converted the model already
     """`cascade cloud worker --role both` on SmolLM2-135M, shared by the worker and API tests."""
     w = Server(engine_home, ["cloud", "worker"], "--role", "both", "--model", "smollm2-135m",
