@@ -67,6 +67,12 @@ def _cascade_executable() -> list[str]:
     return [os.path.abspath(found)] if found else [os.path.abspath(sys.executable), "-m", "cascade_cli"]
 
 
+def cmd_edge_hardware(args) -> int:
+    from edge_agent import hardware_cli
+
+    return hardware_cli.run(args)
+
+
 def cmd_edge_install_service(args) -> int:
     from pathlib import Path
 
@@ -274,6 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--python", help="an interpreter to run `-m cascade_cli` with, instead of --exec")
     svc.add_argument("--watchdog-sec", type=int, default=30, help="WatchdogSec: restart when pings stop this long")
     svc.set_defaults(func=cmd_edge_install_service)
+
+    hw = _parser(edge, "hardware", "what this device has: CPU features, memory, GPUs, NPUs, and the ONNX Runtime "
+                                   "providers that load here (and which one --backend onnx would run on)")
+    hw.add_argument("--json", action="store_true", help="print JSON")
+    hw.set_defaults(func=cmd_edge_hardware)
 
     from edge_agent.queue_cli import add_queue_parser
 
