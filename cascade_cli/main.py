@@ -20,8 +20,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 def _edge_overrides(args) -> dict:
     return {
         "server": {"host": args.host, "port": args.port, "api_key": args.api_key, "log_format": args.log_format},
-        "model": {"name": args.model, "n_ctx": args.n_ctx, "threads": args.threads,
-                  "threads_batch": args.threads_batch, "parallel": args.parallel},
+        "model": {"name": args.model, "backend": args.backend, "providers": args.providers, "n_ctx": args.n_ctx,
+                  "threads": args.threads, "threads_batch": args.threads_batch, "parallel": args.parallel},
         "queue": {"max_waiting": args.max_waiting},
     }
 
@@ -42,13 +42,15 @@ def _edge_config_path(args) -> str | None:
 def cmd_edge_run(args) -> int:
     from cascade.config import ConfigError
     from edge_agent import daemon
+    from edge_agent.hardware import MixedOnnxRuntime
     from edge_agent.server.reload import ConfigSource
     from model_distribution.catalog import ModelNotFound
+    from model_distribution.onnx_model import OnnxModelError
 
     source = ConfigSource(_edge_config_path(args), _edge_overrides(args))  # SIGHUP reads it the same way
     try:
         daemon.run(source.load(), source)
-    except (ConfigError, ModelNotFound) as e:
+    except (ConfigError, ModelNotFound, OnnxModelError, MixedOnnxRuntime) as e:
         print(f"cascade: {e}", file=sys.stderr)
         return 2
     return 0
@@ -250,8 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-config", action="store_true", help="ignore $CASCADE_HOME/edge.toml")
     run.add_argument("--host", help=f"address to listen on (default: {edge_srv.host})")
     run.add_argument("--port", type=int, help=f"port to listen on (default: {edge_srv.port})")
-    run.add_argument("--model", help=f"catalogue name (cascade models list) or path to a .gguf file "
-                                     f"(default: {edge_model.name})")
+    run.add_argument("--model", help=f"catalogue name (cascade models list) or path to a .gguf file; with "
+                                     f"--backend onnx an export directory (default: {edge_model.name})")
+    run.add_argument("--backend", help=f"llama.cpp (GGUF files) or onnx (ONNX Runtime GenAI export directories, "
+                                       f"cascade models export --format onnx) (default: {edge_model.backend})")
+    run.add_argument("--providers", help="with --backend onnx: execution providers to try in order, comma-separated, "
+                                         "e.g. cuda,openvino,cpu (default: what loads here)")
     run.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: none)")
     run.add_argument("--n-ctx", type=int, help=f"context length of each slot, in tokens (default: {edge_model.n_ctx})")
     run.add_argument("--threads", type=int, help="decode threads per slot (default: 0 = cores - 1 on machines "

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cascade.config import load_config
+from edge_agent.hardware import ORT_PROVIDER
 
 
 @dataclass
@@ -30,10 +31,15 @@ class ServerConfig:
             raise ValueError(f"drain_timeout_s must be in 0..3600, got {self.drain_timeout_s}")
 
 
+BACKENDS = ("llama.cpp", "onnx")
+PROVIDERS = tuple(ORT_PROVIDER)  # onnxruntime-genai's names for the execution providers we can run on
+
+
 @dataclass
 class ModelConfig:
-    name: str = "smollm2-135m"  # a catalogue name, or a path to a .gguf file
-    backend: str = "llama.cpp"
+    name: str = "smollm2-135m"  # a catalogue name, or a path to a .gguf file (backend onnx: an export directory)
+    backend: str = "llama.cpp"  # llama.cpp | onnx (ONNX Runtime GenAI)
+    providers: list[str] = field(default_factory=list)  # onnx: execution providers in order; []: what loads here
     n_ctx: int = 2048
     n_batch: int = 256
     threads: int = 0  # decode threads per slot; 0: cores - 1 on machines of up to 4 cores, else all
@@ -42,8 +48,12 @@ class ModelConfig:
     search_paths: list[Path] = field(default_factory=list)  # more folders with .gguf files
 
     def __post_init__(self):
-        if self.backend != "llama.cpp":
-            raise ValueError(f"unknown backend {self.backend!r} (available: llama.cpp)")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r} (available: {', '.join(BACKENDS)})")
+        self.providers = [p.strip().lower() for p in self.providers if p.strip()]
+        unknown = [p for p in self.providers if p not in PROVIDERS]
+        if unknown:
+            raise ValueError(f"unknown provider(s) {', '.join(map(repr, unknown))} (known: {', '.join(PROVIDERS)})")
         if self.parallel < 1:
             raise ValueError("parallel must be >= 1")
         if self.n_ctx < 16:

@@ -117,17 +117,18 @@ def _server_class():
 
 
 def run(config: EdgeConfig, source: ConfigSource | None = None) -> None:
-    """Serve until stopped. Raises ModelNotFound before binding if the model is not here.
+    """Serve until stopped. Raises ModelNotFound (OnnxModelError, MixedOnnxRuntime for [model]
+    backend onnx) before binding if the model is not here.
     ``source`` is where ``config`` came from: SIGHUP reads it again."""
     import uvicorn
 
     from cascade.config import cascade_home
-    from edge_agent.server.app import build_app
+    from edge_agent.server.app import build_app, locate_model
     from model_distribution.catalog import Catalog
 
     setup_logging(config.server)
     catalog = Catalog(cascade_home(), config.model.search_paths)
-    catalog.get(config.model.name)  # fail fast, with the models that are here named
+    locate_model(config, catalog)  # fail fast, with the models that are here named (or why an export is not one)
     app = build_app(config, catalog, source)
     s = config.server
     serving = f"{config.model.name} on http://{s.host}:{s.port}"

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import cascade
 from cascade.config import cascade_home
+from edge_agent.backends import load_slots
 from edge_agent.backends.base import Backend, Finish, GenerationOptions
 from edge_agent.config import CascadeConfig, EdgeConfig
 from edge_agent.server.escalation import Escalator, policy_config
 from edge_agent.server.service import EdgeService
-from model_distribution.device_client import DeviceConfig, DeviceUpdater, installed
+from model_distribution.device_client import DeviceConfig, DeviceUpdater, installed, model_path
 from model_distribution.state_sync import DeviceStateClient
 
 log = logging.getLogger(__name__)
@@ -122,29 +123,17 @@ def load_installed(config: EdgeConfig) -> tuple[dict, list[Backend]] | None:
     manifest = installed(fleet_state_dir(config))
     if manifest is None:
         return None
-    path = fleet_state_dir(config) / "models" / manifest["sha256"]
+    path = model_path(fleet_state_dir(config) / "models", manifest["sha256"], manifest.get("format"))
     log.info("serving the installed fleet version %s@%s (%s)", manifest["name"], manifest["version"], path)
     return manifest, load_version(path, manifest, config)
 
 
 def load_version(path: Path, manifest: dict, config: EdgeConfig) -> list[Backend]:
-    """One loaded backend per slot for a fleet version's file (all or none)."""
-    from edge_agent.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
-
-    m = config.model
-    cfg = LlamaCppConfig(path=str(path), name=manifest["name"], n_ctx=m.n_ctx, n_batch=m.n_batch,
-                         n_threads=m.threads, n_threads_batch=m.threads_batch)
-    backends: list[Backend] = []
-    try:
-        for _ in range(m.parallel):
-            b = LlamaCppBackend(cfg, quantization=manifest.get("quantization", ""))
-            b.load()
-            backends.append(b)
-    except BaseException:
-        for b in backends:
-            b.unload()
-        raise
-    return backends
+    """One loaded backend per slot for a fleet version (all or none), on the backend its manifest's
+    format names (gguf: llama.cpp, the file; onnx: ONNX Runtime GenAI, the unpacked directory),
+    whatever ``[model] backend`` the agent started with."""
+    return load_slots(manifest.get("format", "gguf"), path, manifest["name"], manifest.get("quantization", ""),
+                      config.model)
 
 
 def version_names(manifest: dict, backends: list[Backend]) -> set[str]:

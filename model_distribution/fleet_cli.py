@@ -329,10 +329,22 @@ class Remote:
         from model_distribution.registry import RegistryError, check_names, read_calibration
 
         file = Path(path)
+        if file.is_dir():  # an ONNX export: sent as the one tar the registry makes of it (same sha256)
+            import tempfile
+
+            from model_distribution.onnx_model import OnnxModelError, pack_onnx_dir
+
+            with tempfile.TemporaryDirectory() as tmp:
+                try:
+                    check_names(name, version, min_agent_version)
+                    pack_onnx_dir(file, Path(tmp) / "model.tar")
+                except (RegistryError, OnnxModelError) as e:
+                    raise Refused(str(e)) from e
+                return self.push(str(Path(tmp) / "model.tar"), name, version, calibration, min_agent_version)
         try:
             check_names(name, version, min_agent_version)
             if not file.is_file():
-                raise RegistryError(f"{file} is not a file")
+                raise RegistryError(f"{file} is not a file (nor an ONNX export directory)")
             headers = {"Content-Type": "application/octet-stream", "Content-Length": str(file.stat().st_size)}
             if calibration is not None:
                 headers["X-Cascade-Calibration"] = json.dumps(read_calibration(calibration))
@@ -418,7 +430,7 @@ def add_fleet_parser(sub, make_parser) -> None:
                        "online) and the first TUF metadata")
     init.set_defaults(func=cmd_keys_init)
     push = make_parser(fleet, "push", "publish a model file as name@version (immutable once published)")
-    push.add_argument("path", help="the model file (.gguf)")
+    push.add_argument("path", help="the model file (.gguf), or an ONNX export directory (pushed as one tar)")
     push.add_argument("--name", required=True, help="the model's name, e.g. smollm2-135m")
     push.add_argument("--version", required=True, help="a semantic version, e.g. 1.1.0")
     push.add_argument("--calibration", help="an edge.toml whose [cascade] thresholds travel with this version")

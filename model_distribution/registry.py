@@ -4,7 +4,9 @@ Versions live in SQLite (portable SQL: plain tables, no SQLite-only types or ups
 on disk addressed by their sha256 (``artifacts/sha256/<hex>``), so one file pushed under two
 names is stored once and a device can fetch it by digest from any mirror. A published
 ``name@version`` is immutable: pushing other bytes under it is refused, the same bytes again is
-a no-op. A file that is not a valid model of its format is refused with the reason. The
+a no-op. A file that is not a valid model of its format is refused with the reason. An ONNX
+Runtime GenAI export is a directory: it is pushed as one artifact, a deterministic tar of it
+(model_distribution/onnx_model.py), whose sha256 is what devices verify. The
 manifest carries the ``[cascade]`` thresholds calibrated for that model, so the escalation
 policy travels with the model it was calibrated for.
 """
@@ -23,12 +25,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from model_distribution.gguf_meta import GGUFError, read_metadata
+from model_distribution.onnx_model import OnnxModelError, describe_onnx_tar, pack_onnx_dir
 
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 # semver 2.0.0 (semver.org), without build metadata: it does not order versions
 SEMVER = re.compile(r"(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)(?:-((?:0|[1-9]\d*|\d*[A-Za-z-][0-9A-Za-z-]*)"
                     r"(?:\.(?:0|[1-9]\d*|\d*[A-Za-z-][0-9A-Za-z-]*))*))?")
-FORMATS = ("gguf",)
+FORMATS = ("gguf", "onnx")
 _CHUNK = 1 << 20
 
 SCHEMA = """
@@ -131,14 +134,24 @@ class Registry:
 
     def push(self, path: Path | str, name: str, version: str, calibration: Path | str | dict | None = None,
              min_agent_version: str | None = None) -> tuple[Manifest, bool]:
-        """Publish ``path`` as ``name@version``. Returns the manifest and whether it was new (False:
-        the same bytes were already published under it). ``calibration``: an edge.toml, or its
-        ``[cascade]`` table itself (what a push over HTTP sends). RegistryError for a bad name,
-        version or file; ImmutableVersion for other bytes under a published name@version."""
+        """Publish ``path`` (a GGUF file, an ONNX export directory or the tar of one) as
+        ``name@version``. Returns the manifest and whether it was new (False: the same bytes were
+        already published under it). ``calibration``: an edge.toml, or its ``[cascade]`` table
+        itself (what a push over HTTP sends). RegistryError for a bad name, version or file;
+        ImmutableVersion for other bytes under a published name@version."""
         path = Path(path)
         check_names(name, version, min_agent_version)
+        if path.is_dir():
+            packed = self.artifacts / f".pack-{os.getpid()}-{time.monotonic_ns()}.tar"
+            try:
+                pack_onnx_dir(path, packed)  # refuses what is not an export, with the reason
+                return self.push(packed, name, version, calibration, min_agent_version)
+            except OnnxModelError as e:
+                raise RegistryError(str(e)) from e
+            finally:
+                packed.unlink(missing_ok=True)
         if not path.is_file():
-            raise RegistryError(f"{path} is not a file")
+            raise RegistryError(f"{path} is not a file (nor an ONNX export directory)")
         meta = _describe(path)
         if isinstance(calibration, dict):
             if not calibration:
@@ -219,10 +232,16 @@ def _manifest(row) -> Manifest:
 def _describe(path: Path) -> dict:
     """What the file is, from its own header; RegistryError when it is not a model we can serve."""
     with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
+        head = f.read(512)
+    if head[257:262] == b"ustar":  # a tar: an ONNX export packed as one artifact
+        try:
+            d = describe_onnx_tar(path)
+        except OnnxModelError as e:
+            raise RegistryError(str(e)) from e
+        return {k: d[k] for k in ("format", "quantization", "architecture", "context_length")}
+    if head[:4] != b"GGUF":
         raise RegistryError(f"{path} is not a model file of a known format ({', '.join(FORMATS)}): it does not "
-                            "start with the GGUF magic")
+                            "start with the GGUF magic, nor is it a tar of an ONNX export")
     try:
         meta = read_metadata(path)
         arch, quant, ctx = meta.architecture, meta.quantization, meta.context_length

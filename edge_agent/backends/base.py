@@ -59,6 +59,7 @@ class ModelDescription:
     n_vocab: int
     chat_template: bool
     quantization: str
+    format: str = "gguf"  # the weights' format, as /v1/models shows it: gguf (llama.cpp) | onnx
 
 
 class Backend(ABC):

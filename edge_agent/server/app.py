@@ -11,12 +11,14 @@ import logging
 import re
 import socket
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
 from cascade.config import cascade_home
 from cascade.web import build_openai_app
+from edge_agent.backends import load_slots
 from edge_agent.backends.base import Backend
 from edge_agent.config import EdgeConfig
 from edge_agent.server.escalation import Escalator
@@ -35,21 +37,44 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def locate_model(config: EdgeConfig, catalog: Catalog) -> ModelInfo:
+    """The configured model, checked before anything listens (``cascade edge run`` exits 2 on these):
+    ModelNotFound for llama.cpp, OnnxModelError (not an export, or no onnxruntime-genai here) and
+    MixedOnnxRuntime for onnx."""
+    if config.model.backend == "onnx":
+        return onnx_model_info(config.model.name, catalog)
+    return catalog.get(config.model.name)
+
+
+def onnx_model_info(name: str, catalog: Catalog) -> ModelInfo:
+    """An ONNX Runtime GenAI export directory (a path, or the name of one in $CASCADE_HOME/models)
+    as the catalogue would list it."""
+    import importlib.util
+
+    from model_distribution.onnx_model import OnnxModelError, describe_onnx_dir
+
+    path = Path(name).expanduser()
+    if not path.exists() and (catalog.models_dir / name).is_dir():
+        path = catalog.models_dir / name
+    d = describe_onnx_dir(path)
+    if importlib.util.find_spec("onnxruntime_genai") is None:
+        raise OnnxModelError("[model] backend onnx needs onnxruntime-genai, which is not installed here "
+                             "(onnxruntime-genai, or onnxruntime-genai-cuda on a CUDA device: never both)")
+    from edge_agent.hardware import check_onnxruntime_install
+
+    check_onnxruntime_install()  # MixedOnnxRuntime: two onnxruntime builds share one folder
+    root = path.resolve()
+    template = (root / "chat_template.jinja").is_file()
+    size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+    return ModelInfo(d["name"], "onnx", d["quantization"], size, root, d["architecture"], template,
+                     "instruct" if template else "base", "dir", True)
+
+
 def load_backends(config: EdgeConfig, catalog: Catalog) -> tuple[ModelInfo, list[Backend]]:
     """Locate the configured model and load one backend per slot."""
-    from edge_agent.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
-
-    info = catalog.get(config.model.name)
-    path = catalog.ensure_ready(info)
-    m = config.model
-    backend_config = LlamaCppConfig(path=str(path), name=info.name, n_ctx=m.n_ctx, n_batch=m.n_batch,
-                                    n_threads=m.threads, n_threads_batch=m.threads_batch)
-    backends: list[Backend] = []
-    for _ in range(m.parallel):
-        b = LlamaCppBackend(backend_config, quantization=info.quantization)
-        b.load()
-        backends.append(b)
-    return info, backends
+    info = locate_model(config, catalog)
+    path = catalog.ensure_ready(info) if info.format == "gguf" else info.path
+    return info, load_slots(info.format, path, info.name, info.quantization, config.model)
 
 
 def model_names(info: ModelInfo) -> set[str]:

@@ -58,7 +58,7 @@ def _model_card(request: Request) -> ModelCard:
     svc = service(request)
     d = svc.description
     return ModelCard(id=svc.model_id, created=request.app.state.started,
-                     meta={"format": "gguf", "quantization": d.quantization, "n_ctx": d.n_ctx,
+                     meta={"format": d.format, "quantization": d.quantization, "n_ctx": d.n_ctx,
                            "architecture": d.architecture, "chat_template": d.chat_template})
 
 
