@@ -8,7 +8,9 @@ the agent serves, each step reported.
     ACTIVATING   the agent's switch (``activate(path, manifest)``), then
     ACTIVE       or FAILED with the reason; a failure leaves the old model serving
 
-The previous version stays on disk (``models/<sha256>``), so going back needs no download.
+The previous version stays on disk (``models/<sha256>``), so going back needs no download. An
+ONNX version's artifact is a tar of its export directory: verified like a GGUF, then unpacked
+(safely: plain files under its root only) into ``models/<sha256>.d``, which the backend loads.
 ``active.json`` names the version switched to last (written atomically once the switch is done),
 so an agent that restarts, or was killed mid-switch, comes back on one consistent model:
 ``installed(state_dir)``; a download killed midway resumes from its ``staging/<sha256>.part``.
@@ -17,6 +19,7 @@ so an agent that restarts, or was killed mid-switch, comes back on one consisten
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import logging
 import os
@@ -33,12 +36,13 @@ import httpx
 from tuf.api import exceptions as tuf_errors
 
 from model_distribution.download import ArtifactMismatch, DownloadError, fetch
+from model_distribution.onnx_model import OnnxModelError, unpack_onnx_tar
 from model_distribution.registry import file_sha256, parse_semver
 from model_distribution.signing import manifest_of, verified_target
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("gguf",)  # what this agent's backends load
+FORMATS = ("gguf", "onnx")  # what this agent's backends load (onnx: where onnxruntime-genai is installed)
 MAX_JITTER_S = 3600.0
 
 
@@ -112,7 +116,7 @@ class DeviceUpdater:
                 return "WAITING"
             self._say({**base, "state": "ACTIVATING"})
             try:
-                self.activate(path, manifest)
+                self.activate(model_path(self.models_dir, path.name, manifest.get("format")), manifest)
             except Exception as e:  # the agent keeps its old model
                 return self._fail(base, "FAILED", f"activation failed, the old model still serves: {e}")
             self.active = {**manifest, "sha256": path.name}
@@ -144,7 +148,7 @@ class DeviceUpdater:
             return fail(base, "REJECTED", why)
         path = self.models_dir / info.hashes["sha256"]
         if path.exists():
-            return path, manifest
+            return self._unpacked(path, manifest, base, fail)
         if isinstance(jitter_s, (int, float)) and jitter_s > 0:
             time.sleep(random.uniform(0, min(jitter_s, MAX_JITTER_S)))
         say = (lambda state: None) if quiet else self._say
@@ -168,6 +172,16 @@ class DeviceUpdater:
             return fail(base, "FAILED", str(e))
         self.models_dir.mkdir(parents=True, exist_ok=True)
         staged.replace(path)
+        return self._unpacked(path, manifest, base, fail)
+
+    def _unpacked(self, path: Path, manifest: dict, base: dict, fail) -> tuple[Path, dict] | str:
+        """An ONNX version's verified tar unpacked beside it (once); (path, manifest) or FAILED.
+        A signed tar that does not unpack safely is the publisher's fault: not tried again."""
+        if manifest.get("format") == "onnx":
+            try:
+                unpack_onnx_tar(path, model_path(self.models_dir, path.name, "onnx"))
+            except (OnnxModelError, OSError) as e:
+                return fail(base, "FAILED", f"the ONNX artifact does not unpack: {e}")
         return path, manifest
 
     def _prefetch(self, wanted, jitter_s) -> None:
@@ -189,17 +203,21 @@ class DeviceUpdater:
         fmt = manifest.get("format")
         if fmt not in FORMATS:
             return f"format {fmt!r} cannot be served by this agent ({', '.join(FORMATS)})"
+        if fmt == "onnx" and importlib.util.find_spec("onnxruntime_genai") is None:
+            return "format 'onnx' cannot be served by this agent: onnxruntime-genai is not installed here"
         need = manifest.get("min_agent_version")
         if need and parse_semver(need) > parse_semver(self.config.agent_version):
             return f"it needs agent {need}, this agent is {self.config.agent_version}"
         memory = self.config.memory_budget_bytes or available_memory()
         if memory and length > memory:  # the new version loads beside the old one before the switch
             return f"it needs about {length} bytes of memory, {memory} are available"
-        why = self._make_room(manifest.get("sha256", "-"), length)
+        # an ONNX tar is kept (verified at start) beside its unpacked files: about twice its length
+        need = 2 * length if fmt == "onnx" else length
+        why = self._make_room(manifest.get("sha256", "-"), need)
         if why:
             return why
-        if shutil.disk_usage(self.config.state_dir).free < length:
-            return f"{length} bytes do not fit the free disk space"
+        if shutil.disk_usage(self.config.state_dir).free < need:
+            return f"{need} bytes do not fit the free disk space"
         return None
 
     def _make_room(self, sha256: str, length: int) -> str | None:
@@ -208,27 +226,26 @@ class DeviceUpdater:
         if (self.models_dir / sha256).exists():
             return None
         budget = self.config.disk_budget_bytes
-        files = sorted(self.models_dir.glob("*"), key=lambda p: p.stat().st_mtime) if self.models_dir.exists() else []
+        kept_versions = kept(self.models_dir)  # oldest first
         active = None if self.active is None else self.active.get("sha256")
-        kept = sum(p.stat().st_size for p in files if p.name == active)
-        if kept + length > budget:
-            return f"{length} bytes do not fit the disk budget ({budget} bytes, {kept} taken by the active version)"
-        used = sum(p.stat().st_size for p in files)
-        for old in files:
+        taken = sum(size for sha, size in kept_versions if sha == active)
+        if taken + length > budget:
+            return f"{length} bytes do not fit the disk budget ({budget} bytes, {taken} taken by the active version)"
+        used = sum(size for _, size in kept_versions)
+        for sha, size in kept_versions:
             if used + length <= budget:
                 break
-            if old.name != active:
-                used -= old.stat().st_size
-                old.unlink()
-                log.info("dropped %s to fit the disk budget", old.name[:12])
+            if sha != active:
+                used -= size
+                drop(self.models_dir, sha)
+                log.info("dropped %s to fit the disk budget", sha[:12])
         return None
 
     def _prune(self) -> None:
         """Keep the active version and the ones before it, up to ``keep_versions``."""
         (self.models_dir / self.active["sha256"]).touch()  # a version gone back to counts as the newest
-        files = sorted(self.models_dir.glob("*"), key=lambda p: p.stat().st_mtime, reverse=True)
-        for old in files[self.config.keep_versions:]:
-            old.unlink(missing_ok=True)
+        for sha, _ in kept(self.models_dir)[:-self.config.keep_versions or None]:
+            drop(self.models_dir, sha)
 
     def _fail(self, base: dict, state: str, reason: str) -> str:
         log.error("%s %s: %s", base["desired"], state, reason)
@@ -245,9 +262,36 @@ class DeviceUpdater:
             log.exception("cannot report %s", state.get("state"))
 
 
+def model_path(models_dir: Path, sha256: str, fmt: str | None) -> Path:
+    """What a backend loads for a kept version: the GGUF file itself, or the directory an ONNX
+    version's tar unpacked into."""
+    return models_dir / (f"{sha256}.d" if fmt == "onnx" else sha256)
+
+
+def kept(models_dir: Path) -> list[tuple[str, int]]:
+    """The versions on disk, oldest (by their artifact's mtime) first: (sha256, bytes, with an
+    ONNX version's unpacked directory)."""
+    if not models_dir.is_dir():
+        return []
+    out = []
+    for p in models_dir.iterdir():
+        if len(p.name) == 64 and p.is_file():
+            unpacked = models_dir / f"{p.name}.d"
+            extra = sum(f.stat().st_size for f in unpacked.rglob("*") if f.is_file()) if unpacked.is_dir() else 0
+            out.append((p.stat().st_mtime, p.name, p.stat().st_size + extra))
+    return [(sha, size) for _, sha, size in sorted(out)]
+
+
+def drop(models_dir: Path, sha256: str) -> None:
+    """Delete a kept version: its artifact and what it unpacked into."""
+    shutil.rmtree(models_dir / f"{sha256}.d", ignore_errors=True)
+    (models_dir / sha256).unlink(missing_ok=True)
+
+
 def installed(state_dir: Path) -> dict | None:
     """The manifest of the version this device switched to last, if its file is still there whole
-    (its size and sha256 as signed); None otherwise (then the agent serves its configured model)."""
+    (its size and sha256 as signed); None otherwise (then the agent serves its configured model).
+    An ONNX version whose unpacked directory is gone is unpacked again from its checked tar."""
     try:
         active = json.loads((state_dir / "active.json").read_text())
         path = state_dir / "models" / active["sha256"]
@@ -255,6 +299,8 @@ def installed(state_dir: Path) -> dict | None:
             raise ValueError(f"{path} is {path.stat().st_size} bytes, not {active['size']}")
         if file_sha256(path)[0] != active["sha256"]:
             raise ValueError(f"{path} does not match its sha256")
+        if active.get("format") == "onnx":
+            unpack_onnx_tar(path, model_path(path.parent, path.name, "onnx"))
         return active
     except FileNotFoundError:
         return None
