@@ -356,14 +356,16 @@ class DeviceStore:
 
     @_locked
     def assign(self, manifest: Manifest, device_id: str | None = None, group: str | None = None,
-               window: str | None = None, jitter_s: float = 0.0) -> list[Device]:
-        """Set the desired version of one device or of every device of a group (a new revision each),
-        to activate inside ``window`` (None: at once) after a random wait up to ``jitter_s``; a
-        prefetch of that same version is done with. RegistryError when nothing matches."""
-        targets = self.list(group=group) if group is not None else self.list(device_ids=[device_id])
+               window: str | None = None, jitter_s: float = 0.0, device_ids: list[str] | None = None) -> list[Device]:
+        """Set the desired version of one device, of ``device_ids`` or of every device of a group (a
+        new revision each, all in one transaction), to activate inside ``window`` (None: at once)
+        after a random wait up to ``jitter_s``; a prefetch of that same version is done with.
+        RegistryError when nothing matches."""
+        targets = self.list(group=group) if group is not None else \
+            self.list(device_ids=device_ids if device_ids is not None else [device_id])
         if not targets:
-            raise RegistryError(f"no device {device_id!r} enrolled" if group is None
-                                else f"no device in group {group!r}")
+            raise RegistryError(f"no device {device_id!r} enrolled" if group is None and device_ids is None
+                                else f"no device in group {group!r}" if group is not None else "no such devices")
         self._db.execute("BEGIN")
         self._db.executemany(
             "UPDATE devices SET desired_name = ?, desired_version = ?, desired_window = ?, desired_jitter_s = ?, "

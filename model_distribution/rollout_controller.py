@@ -116,15 +116,18 @@ def step(r: Rollout, registry: Registry, devices: DeviceStore, rollouts: Rollout
         if device_id not in known and d.desired is not None:
             rollouts.add_execution(r.rollout_id, device_id, joiner_wave(r.rollout_id, device_id, r.spec.waves),
                                    d.desired)
+    due = []
     for e in rollouts.executions(r.rollout_id):
         d = members.get(e.device_id) or devices.get(e.device_id)
         if d is None:
             continue
         claimed = e.state == IN_PROGRESS and e.desired_rev is None  # claimed by a tick that did not finish
         if (e.state == QUEUED and e.wave <= r.wave or claimed) and r.state == RUNNING:
-            _assign(e, manifest, r, registry, devices, rollouts, now)
+            due.append(e)
         elif e.state == IN_PROGRESS:
             _follow(e, d.reported, r, rollouts, now)
+    if due:
+        _assign(due, manifest, r, registry, devices, rollouts, now)
     if r.state != RUNNING or rollouts.get(r.rollout_id).state != RUNNING:  # an operator may have stopped it
         return
     if r.spec.prefetch:  # the next wave fetches and verifies now; only its activation waits for the gates
@@ -143,21 +146,23 @@ def step(r: Rollout, registry: Registry, devices: DeviceStore, rollouts: Rollout
         judge(r, execs, registry, devices, rollouts, now)
 
 
-def _assign(e: Execution, manifest, r: Rollout, registry: Registry, devices: DeviceStore, rollouts: RolloutStore,
-            now: float) -> None:
-    """Tell one device the version. The execution is claimed first (compare-and-set), so an abort
-    or a rollback that changed it meanwhile stands; one that lands between the claim and the
-    record of the revision finds the claim and sends the device back, and this sees it and does
-    the same."""
-    if e.state == QUEUED:
-        if not rollouts.move(e, IN_PROGRESS, "assigning", now):
-            return
-        e = rollouts.execution(e.rollout_id, e.device_id)
-    if rollouts.get(r.rollout_id).state != RUNNING:
-        return  # stopped since this tick began: the claim is settled by whoever stopped it
-    rev = devices.assign(manifest, device_id=e.device_id, window=r.spec.window, jitter_s=r.spec.jitter_s)[0].desired_rev
-    if not rollouts.move(e, IN_PROGRESS, "assigned", now, desired_rev=rev):
-        if rollouts.execution(e.rollout_id, e.device_id).state in (CANCELED, ROLLED_BACK) and e.previous:
+def _assign(due: list[Execution], manifest, r: Rollout, registry: Registry, devices: DeviceStore,
+            rollouts: RolloutStore, now: float) -> None:
+    """Tell these devices the version: three transactions for a whole wave. The executions are
+    claimed first (compare-and-set), so an abort or a rollback that changed one meanwhile
+    stands; one that lands between the claim and the record of the revision finds the claim and
+    sends the device back, and this sees it and does the same."""
+    claimed = [e for e in due if e.state != QUEUED]  # claimed by a tick that did not finish
+    claimed += rollouts.move_all([e for e in due if e.state == QUEUED], IN_PROGRESS, "assigning", now)
+    if not claimed or rollouts.get(r.rollout_id).state != RUNNING:
+        return  # stopped since this tick began: the claims are settled by whoever stopped it
+    told = devices.assign(manifest, device_ids=[e.device_id for e in claimed], window=r.spec.window,
+                          jitter_s=r.spec.jitter_s)
+    revs = {d.device_id: d.desired_rev for d in told}
+    moved = {e.device_id for e in rollouts.move_all(claimed, IN_PROGRESS, "assigned", now, desired_revs=revs)}
+    for e in claimed:
+        if e.device_id not in moved and e.previous and \
+                rollouts.execution(e.rollout_id, e.device_id).state in (CANCELED, ROLLED_BACK):
             devices.assign(registry.resolve(e.previous), device_id=e.device_id)  # rolled back under our feet
 
 

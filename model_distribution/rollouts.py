@@ -32,7 +32,7 @@ import secrets
 import sqlite3
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from model_distribution.devices import counter_deltas, is_number
@@ -357,6 +357,31 @@ class RolloutStore:
                 (state, detail, desired_rev, report_at, report_at, at, at, e.rollout_id, e.device_id,
                  e.row_version))
         return cur.rowcount == 1
+
+    def move_all(self, execs: list[Execution], state: str, detail: str | None, at: float,
+                 desired_revs: dict[str, int] | None = None) -> list[Execution]:
+        """``move`` for many executions in one transaction (a wave's 500 devices are one commit,
+        not 500); the ones that moved, as they are now (the others changed since they were read)."""
+        moved = []
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                for e in execs:
+                    rev = (desired_revs or {}).get(e.device_id)
+                    cur = self._db.execute(
+                        "UPDATE rollout_devices SET state = ?, detail = ?, desired_rev = COALESCE(?, desired_rev), "
+                        "updated_at = ?, row_version = row_version + 1 "
+                        "WHERE rollout_id = ? AND device_id = ? AND row_version = ?",
+                        (state, detail, rev, at, e.rollout_id, e.device_id, e.row_version))
+                    if cur.rowcount == 1:
+                        moved.append(replace(e, state=state, detail=detail, updated_at=at,
+                                             row_version=e.row_version + 1,
+                                             desired_rev=rev if rev is not None else e.desired_rev))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return moved
 
     def device_states(self) -> dict[str, tuple[str, str, str]]:
         """device -> (rollout, model@version, execution state) of its latest rollout."""

@@ -334,9 +334,9 @@ def test_a_rollback_that_lands_while_a_tick_assigns_wins(fleet):
     claimed = stale[1]
     assert fleet.rollouts.move(claimed, "IN_PROGRESS", "assigning", fleet.now)  # a tick claimed this one
     rollback(fleet.registry, fleet.devices, fleet.rollouts, r.rollout_id)
-    _assign(stale[0], fleet.v2, fleet.status(r.rollout_id), fleet.registry, fleet.devices, fleet.rollouts, fleet.now)
+    _assign([stale[0]], fleet.v2, fleet.status(r.rollout_id), fleet.registry, fleet.devices, fleet.rollouts, fleet.now)
     claimed_now = fleet.rollouts.execution(r.rollout_id, claimed.device_id)
-    _assign(claimed_now, fleet.v2, r, fleet.registry, fleet.devices, fleet.rollouts, fleet.now)
+    _assign([claimed_now], fleet.v2, r, fleet.registry, fleet.devices, fleet.rollouts, fleet.now)
     assert fleet.devices_told("tiny@1.1.0") == []
     states = {e.device_id: e.state for e in fleet.rollouts.executions(r.rollout_id)}
     assert states[stale[0].device_id] == "CANCELED" and states[claimed.device_id] == "ROLLED_BACK"
