@@ -2,7 +2,8 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-EXTRAS ?= edge,fleet,cloud,models,tools,dev
+# the CPU onnxruntime only: onnx-cuda never goes with onnx (one onnxruntime folder)
+EXTRAS ?= edge,fleet,cloud,models,tools,dev,onnx,onnx-export
 # The CPU build of torch (pip's find-links on these machines holds it; a CUDA machine may
 # override TORCH_SPEC, e.g. TORCH_SPEC="torch==2.13.0" with a CUDA index).
 TORCH_SPEC ?= torch==2.13.0

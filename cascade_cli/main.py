@@ -156,6 +156,25 @@ def cmd_models_quantize(args) -> int:
     return 0
 
 
+def cmd_models_export(args) -> int:
+    from pathlib import Path
+
+    from cloud_tier.onnx_export import DEFAULT_PRECISION, ExportError, export_onnx, summary
+
+    precision = args.precision or DEFAULT_PRECISION[args.target]
+    try:
+        manifest = export_onnx(args.model, Path(args.out), precision, args.target, verify=not args.no_verify,
+                               force=args.force)
+    except ExportError as e:
+        print(f"cascade: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out).resolve()
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    print(f"{manifest['name']}: {out} (onnx {precision} for {args.target}, {format_size(size)})")
+    print(summary(manifest))
+    return 0
+
+
 def cmd_cloud_worker(args) -> int:
     from cascade.config import ConfigError
     from cloud_tier.config import CloudConfig
@@ -308,6 +327,19 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--name", help="the new model's name (default: <model>-<type>)")
     qz.add_argument("--threads", type=int, default=0, help="quantizer threads (0: every core)")
     qz.set_defaults(func=cmd_models_quantize)
+    ex = _parser(models, "export", "export a model for ONNX Runtime devices (onnxruntime-genai's model builder; "
+                                   "needs the onnx-export extra), verified against the PyTorch engine")
+    ex.add_argument("model", help="catalogue name, .gguf path or HF directory")
+    ex.add_argument("--format", choices=["onnx"], required=True, help="the export's format")
+    ex.add_argument("--precision", choices=["int4", "fp16", "fp32"],
+                    help="int4 (MatMulNBits), fp16, or fp32, the reference (default: int4 for cpu, fp16 for cuda)")
+    ex.add_argument("--target", choices=["cpu", "cuda"], default="cpu", help="the execution provider it is built for")
+    ex.add_argument("--out", required=True, help="the directory to write (must not exist, or be empty)")
+    ex.add_argument("--no-verify", action="store_true", help="skip decoding fixed prompts against the engine")
+    ex.add_argument("--force", action="store_true", help="replace an --out that is not empty")
+    ex.set_defaults(func=cmd_models_export)
+    # a bad command line exits 2 with one line (argparse's own error prints the usage first)
+    ex.error = lambda message: ex.exit(2, f"cascade: models export: {message}\n")
 
     from model_distribution.fleet_cli import add_fleet_parser
 

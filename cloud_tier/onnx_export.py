@@ -44,6 +44,10 @@ MANIFEST_VERSION = 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 VERIFY_TOKENS = 24
+# The least mean teacher-forced agreement a quantized export is stated to keep. Measured for SmolLM2
+# int4 (accuracy level 4) on an AVX-512 CPU: 78% teacher-forced, 27% greedy (greedy runs part
+# at the first near-tie, one prompt at token 1). fp16 is unmeasured here (no GPU), so no floor.
+AGREEMENT_FLOOR = {"int4": 0.6}
 VERIFY_PROMPTS = (
     "What is the capital of France?",
     "Write a short poem about the sea.",
@@ -199,37 +203,52 @@ def _publish(built: Path, out: Path, work: Path) -> None:
 def verify_export(export_dir: Path, hf_dir: Path, precision: str, target: str) -> dict:
     """Greedy tokens of the export vs our PyTorch engine (float32) on VERIFY_PROMPTS.
 
-    Per prompt: the index of the first differing token (None: all equal) and the share of the
-    VERIFY_TOKENS positions equal before it. fp32 must match exactly (else ExportError)."""
+    Per prompt: the index of the first differing token (None: all equal), the share of the
+    VERIFY_TOKENS positions equal before it, and the share of positions whose argmax equals the
+    engine's next token when both read the engine's tokens (teacher-forced). fp32 must match
+    exactly (else ExportError)."""
     import onnxruntime_genai as og
 
     if target == "cuda" and not og.is_cuda_available():
         return {"skipped": True, "reason": "target cuda, but this onnxruntime-genai has no CUDA provider "
                                            "(a CPU build, or no GPU here)"}
+    from cascade.chat_template import ChatTemplate
     from cloud_tier.engine import LLMEngine
     from cloud_tier.sampling import SamplingParams
 
     engine = LLMEngine.from_model(str(hf_dir), dtype="float32", max_model_len=512, num_kv_blocks=64)
-    prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True,
-                                                    add_generation_prompt=True) for p in VERIFY_PROMPTS]
-    prompts = [list(p["input_ids"] if isinstance(p, dict) else p) for p in prompts]
+    tok = engine.tokenizer
+    template = ChatTemplate(tok.chat_template, tok.bos_token or "", tok.eos_token or "")  # as the cloud's chat API
+    prompts = [tok.encode(template.render([{"role": "user", "content": p}]), add_special_tokens=False)
+               for p in VERIFY_PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=VERIFY_TOKENS, ignore_eos=True)
     reference = [o.token_ids for o in engine.generate(prompts, params)]
     del engine
-    exported = onnx_greedy(export_dir, prompts, VERIFY_TOKENS, target)
+    exported, forced = onnx_decode(export_dir, prompts, reference, target)
     per_prompt = []
-    for text, ref, got in zip(VERIFY_PROMPTS, reference, exported, strict=True):
+    for text, ref, got, matches in zip(VERIFY_PROMPTS, reference, exported, forced, strict=True):
         first = next((i for i, (a, b) in enumerate(zip(ref, got, strict=True)) if a != b), None)
         equal = VERIFY_TOKENS if first is None else first
-        per_prompt.append({"prompt": text, "first_divergence": first, "agreement": round(equal / VERIFY_TOKENS, 3)})
+        per_prompt.append({"prompt": text, "first_divergence": first, "agreement": round(equal / VERIFY_TOKENS, 3),
+                           "teacher_forced_agreement": round(matches / VERIFY_TOKENS, 3)})
     result = {
         "reference": "cloud_tier.engine float32, greedy",
         "runtime": f"onnxruntime-genai {builder_version()} ({target})",
         "prompts": len(prompts), "tokens": VERIFY_TOKENS,
         "exact": all(p["first_divergence"] is None for p in per_prompt),
         "mean_agreement": round(sum(p["agreement"] for p in per_prompt) / len(per_prompt), 3),
+        "mean_teacher_forced_agreement": round(
+            sum(p["teacher_forced_agreement"] for p in per_prompt) / len(per_prompt), 3),
         "per_prompt": per_prompt,
     }
+    floor = AGREEMENT_FLOOR.get(precision)
+    if floor is not None:
+        result["floor"] = floor
+        result["within_floor"] = result["mean_teacher_forced_agreement"] >= floor
+        if not result["within_floor"]:
+            log.warning("the %s export agrees with the engine on %.0f%% of teacher-forced positions, below its "
+                        "stated floor of %.0f%%", precision, 100 * result["mean_teacher_forced_agreement"],
+                        100 * floor)
     if precision == "fp32" and not result["exact"]:
         worst = min(per_prompt, key=lambda p: p["agreement"])
         raise ExportError(f"the fp32 export's greedy tokens differ from the engine's (prompt {worst['prompt']!r} "
@@ -237,8 +256,14 @@ def verify_export(export_dir: Path, hf_dir: Path, precision: str, target: str) -
     return result
 
 
-def onnx_greedy(export_dir: Path, prompts: list[list[int]], max_tokens: int, target: str) -> list[list[int]]:
-    """Greedy tokens from onnxruntime-genai: append the prompt, then argmax of each step's logits."""
+def onnx_decode(export_dir: Path, prompts: list[list[int]], references: list[list[int]],
+                target: str) -> tuple[list[list[int]], list[int]]:
+    """(greedy tokens, teacher-forced matches) from onnxruntime-genai, per prompt.
+
+    Greedy: append the prompt, then the argmax of each step's logits, as many tokens as the
+    reference has. Teacher-forced: append the reference's tokens instead and count the steps whose
+    argmax equals the reference's next token; unlike the greedy run, one early near-tie does not
+    decide every later position."""
     import numpy as np
     import onnxruntime_genai as og
 
@@ -247,21 +272,23 @@ def onnx_greedy(export_dir: Path, prompts: list[list[int]], max_tokens: int, tar
     if target == "cuda":
         config.append_provider("cuda")
     model = og.Model(config)
-    outputs = []
-    for ids in prompts:
+
+    def run(ids: list[int], forced: list[int] | None, n: int) -> list[int]:
         params = og.GeneratorParams(model)
-        params.set_search_options(max_length=len(ids) + max_tokens, batch_size=1)
+        params.set_search_options(max_length=len(ids) + n, batch_size=1)
         gen = og.Generator(model, params)
         gen.append_tokens(np.array(ids, dtype=np.int32))
         tokens: list[int] = []
-        while True:
+        for i in range(n):
             tokens.append(int(np.argmax(gen.get_logits()[0, -1])))
-            if len(tokens) == max_tokens:
-                break
-            gen.append_tokens(np.array(tokens[-1:], dtype=np.int32))
-        outputs.append(tokens)
-        del gen
-    return outputs
+            if i + 1 < n:
+                gen.append_tokens(np.array([forced[i] if forced else tokens[-1]], dtype=np.int32))
+        return tokens
+
+    greedy = [run(ids, None, len(ref)) for ids, ref in zip(prompts, references, strict=True)]
+    matches = [sum(a == b for a, b in zip(run(ids, ref, len(ref)), ref, strict=True))
+               for ids, ref in zip(prompts, references, strict=True)]
+    return greedy, matches
 
 
 def summary(manifest: dict) -> str:
@@ -270,6 +297,9 @@ def summary(manifest: dict) -> str:
     if v.get("skipped"):
         return f"verification skipped: {v['reason']}"
     firsts = ", ".join("-" if p["first_divergence"] is None else str(p["first_divergence"]) for p in v["per_prompt"])
-    verdict = "tokens equal the engine's" if v["exact"] else f"mean agreement {v['mean_agreement']:.0%}"
+    verdict = "tokens equal the engine's" if v["exact"] else (
+        f"greedy agreement {v['mean_agreement']:.0%}, teacher-forced {v['mean_teacher_forced_agreement']:.0%}")
+    if v.get("within_floor") is False:
+        verdict += f", BELOW the stated floor of {v['floor']:.0%}"
     return (f"verified on {v['prompts']} prompts x {v['tokens']} greedy tokens against the PyTorch engine: "
             f"{verdict} (first divergence per prompt: {firsts})")
