@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -151,8 +150,8 @@ class OnnxLoop:
 def worker(args) -> int:
     prompts = json.loads(Path(args.prompts).read_text())
     loop = (LlamaLoop if args.worker == "llama.cpp" else OnnxLoop)(args.model, args.threads)
-    print(json.dumps(measure(loop.generate, prompts, args.tokens)
-                     | {"rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+    # VmHWM, not ru_maxrss: that one carries over the parent's peak across fork and exec
+    print(json.dumps(measure(loop.generate, prompts, args.tokens) | {"rss_peak_bytes": peak_rss(os.getpid())}))
     return 0
 
 
