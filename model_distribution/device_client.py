@@ -204,7 +204,8 @@ class DeviceUpdater:
         if fmt not in FORMATS:
             return f"format {fmt!r} cannot be served by this agent ({', '.join(FORMATS)})"
         if fmt == "onnx" and importlib.util.find_spec("onnxruntime_genai") is None:
-            return "format 'onnx' cannot be served by this agent: onnxruntime-genai is not installed here"
+            return ("format 'onnx' cannot be served by this agent: onnxruntime-genai is not installed here "
+                    "(the onnx or onnx-cuda extra)")
         need = manifest.get("min_agent_version")
         if need and parse_semver(need) > parse_semver(self.config.agent_version):
             return f"it needs agent {need}, this agent is {self.config.agent_version}"

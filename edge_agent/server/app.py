@@ -64,7 +64,7 @@ def onnx_model_info(name: str, catalog: Catalog) -> ModelInfo:
         info = listed[0] if listed else catalog.onnx_info(path)  # the latter says why not
     if importlib.util.find_spec("onnxruntime_genai") is None:
         raise OnnxModelError("[model] backend onnx needs onnxruntime-genai, which is not installed here "
-                             "(onnxruntime-genai, or onnxruntime-genai-cuda on a CUDA device: never both)")
+                             "(pip install 'cascade-serve[edge,onnx]', or [edge,onnx-cuda] with CUDA: never both)")
     check_onnxruntime_install()  # MixedOnnxRuntime: two onnxruntime builds share one folder
     return info
 
