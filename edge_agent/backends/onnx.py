@@ -32,7 +32,7 @@ from edge_agent.backends.base import (
     TokenEvent,
     TopToken,
 )
-from edge_agent.backends.sampling import Sampler, StepStats, top_logprobs
+from edge_agent.backends.sampling import Sampler, StepStats
 from edge_agent.hardware import choose_providers
 
 log = logging.getLogger(__name__)
@@ -271,7 +271,7 @@ class OnnxBackend(Backend):
             text = releaser.push(piece)
             yield TokenEvent(token_id=token, text=text, piece=piece,
                              logprob=float(logits[token]) - log_z, entropy=entropy,
-                             top=self._top(logits, log_z, options.top_logprobs))
+                             top=self._top(options.top_logprobs))
             if releaser.stopped:
                 reason = "stop"
                 break
@@ -314,11 +314,11 @@ class OnnxBackend(Backend):
             raise
         self._kv_tokens.extend(chunk)
 
-    def _top(self, logits: np.ndarray, log_z: float, k: int) -> tuple[TopToken, ...]:
+    def _top(self, k: int) -> tuple[TopToken, ...]:
         if k <= 0:
             return ()
         return tuple(TopToken(t, self._pieces[t].decode("utf-8", errors="replace"), lp, self._pieces[t])
-                     for t, lp in top_logprobs(logits, log_z, k))
+                     for t, lp in self._stats.top(k))
 
 
 # -- the export's files ------------------------------------------------------------------------

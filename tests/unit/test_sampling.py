@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from edge_agent.backends.base import GenerationOptions
-from edge_agent.backends.sampling import Sampler, StepStats, top_logprobs
+from edge_agent.backends.sampling import Sampler, StepStats
 
 V = 1000
 
@@ -105,17 +105,40 @@ def test_presence_and_frequency_penalties_count_the_output_only():
 def test_step_stats_match_a_float64_log_softmax():
     rng = np.random.default_rng(0)
     logits = (rng.standard_normal(49152) * 4).astype(np.float32)
-    log_z, entropy = StepStats(len(logits))(logits)
+    stats = StepStats(len(logits))
+    log_z, entropy = stats(logits)
     ref = logits.astype(np.float64) - logits.max()
     ref_logprobs = ref - np.log(np.exp(ref).sum())
     assert logits[17] - log_z == pytest.approx(ref_logprobs[17], abs=1e-4)
     assert entropy == pytest.approx(-(np.exp(ref_logprobs) * ref_logprobs).sum(), rel=1e-4)
-    top = top_logprobs(logits, log_z, 3)
-    assert [t for t, _ in top] == np.argsort(-ref_logprobs)[:3].tolist()
-    assert [lp for _, lp in top] == pytest.approx(np.sort(ref_logprobs)[::-1][:3], abs=1e-4)
+    for k in (1, 3, 20):
+        top = stats.top(k)
+        assert [t for t, _ in top] == np.argsort(-ref_logprobs)[:k].tolist()
+        assert [lp for _, lp in top] == pytest.approx(np.sort(ref_logprobs)[::-1][:k], abs=1e-4)
+
+
+def test_top_alternatives_of_a_peaked_distribution_reach_past_the_near_candidates():
+    # one token far ahead: fewer than k within a few nats, so the partition over all is used
+    logits = logits_with({4: 30.0, 9: 5.0, 2: 1.0}, rest=0.0)
+    stats = StepStats(V)
+    stats(logits)
+    top = [t for t, _ in stats.top(5)]
+    assert top[:3] == [4, 9, 2] and len(top) == 5 and len(set(top)) == 5
 
 
 def test_a_near_certain_token_has_an_entropy_near_zero_never_below():
     for top in (20.0, 50.0, 200.0):
         _, entropy = StepStats(V)(logits_with({4: top}, rest=0.0))
         assert 0.0 <= entropy < 1e-4
+
+
+def test_draws_over_a_large_vocabulary_follow_the_distribution():
+    # 49152 tokens: the blocked inverse CDF; mass on a few ids spread over several blocks
+    big = np.full(49152, -40.0, dtype=np.float32)
+    chosen = {7: 0.4, 5000: 0.3, 30001: 0.2, 49151: 0.1}
+    for t, p in chosen.items():
+        big[t] = math.log(p)
+    s = Sampler(GenerationOptions(temperature=1.0, seed=5), [], len(big))
+    picks = np.array([s.sample(big) for _ in range(10000)])
+    assert set(picks.tolist()) <= set(chosen)
+    assert [np.mean(picks == t) for t in chosen] == pytest.approx(list(chosen.values()), abs=0.02)
