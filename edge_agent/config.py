@@ -42,6 +42,7 @@ class ModelConfig:
     providers: list[str] = field(default_factory=list)  # onnx: execution providers in order; []: what loads here
     n_ctx: int = 2048
     n_batch: int = 256
+    flash_attn: bool = False  # llama.cpp: flash attention (its "auto" halved CPU decode at long contexts here)
     threads: int = 0  # decode threads per slot; 0: cores - 1 on machines of up to 4 cores, else all
     threads_batch: int = 0  # prompt threads per slot; 0: one per core
     parallel: int = 1  # slots: requests generated at the same time, each with its own context

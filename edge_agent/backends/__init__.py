@@ -23,7 +23,7 @@ def load_slots(fmt: str, path: Path | str, name: str, quantization: str, m: Mode
         from edge_agent.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
 
         cfg = LlamaCppConfig(path=str(path), name=name, n_ctx=m.n_ctx, n_batch=m.n_batch,
-                             n_threads=m.threads, n_threads_batch=m.threads_batch)
+                             n_threads=m.threads, n_threads_batch=m.threads_batch, flash_attn=m.flash_attn)
         make = functools.partial(LlamaCppBackend, cfg, quantization=quantization)
     else:
         raise ValueError(f"no backend serves models of format {fmt!r} (gguf, onnx)")
