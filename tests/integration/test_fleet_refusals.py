@@ -228,3 +228,18 @@ def test_outside_its_window_a_device_downloads_and_waits_and_it_fetches_ahead_wh
     assert states[-1]["prefetch"] == "tiny@1.2.0" and states[-1]["prefetch_state"] == "READY"
     assert states[-1]["state"] == "ACTIVE" and states[-1]["desired"] == "tiny@1.1.0"
     up.close()
+
+
+def test_a_version_fetched_ahead_switches_on_the_metadata_it_was_verified_against_while_that_is_recent(
+        three_versions, tmp_path):
+    v1, v2, _ = three_versions.manifests
+    ahead = {"model": v2.name, "version": v2.version, "sha256": v2.sha256, "size": v2.size, "format": "gguf"}
+    for trust_s, refreshes in ((600.0, 0), (0.0, 1)):  # recent: no second refresh; too old: refreshed first
+        up, states = _updater(three_versions, tmp_path / f"d{trust_s}", prefetch_trust_s=trust_s)
+        assert up.apply({**_desired(v1, 1), "prefetch": ahead}) == "ACTIVE"
+        assert states[-1]["prefetch_state"] == "READY"
+        metadata: list[str] = []
+        up.http.event_hooks["request"] = [lambda r, seen=metadata: seen.append(r.url.path)]
+        assert up.apply(_desired(v2, 2)) == "ACTIVE" and states[-1]["model"] == "tiny@1.1.0"
+        assert len([p for p in metadata if p.endswith("/v1/tuf/timestamp.json")]) == refreshes, metadata
+        up.close()
