@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(VENV)/bin/cascade demo
 
 test: $(STAMP)
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=30
 
 bench: $(STAMP)
 	$(PY) bench/edge_overhead.py
