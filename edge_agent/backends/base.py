@@ -100,4 +100,14 @@ class Backend(ABC):
                  cancel: threading.Event | None = None) -> Iterator[TokenEvent | Finish]: ...
 
 
-__all__ = ["Backend", "Finish", "GenerationOptions", "ModelDescription", "TokenEvent", "TopToken"]
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share: what a slot's cache can keep of a new prompt."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+__all__ = ["Backend", "common_prefix", "Finish", "GenerationOptions", "ModelDescription", "TokenEvent", "TopToken"]

@@ -28,6 +28,7 @@ from edge_agent.backends.base import (
     ModelDescription,
     TokenEvent,
     TopToken,
+    common_prefix,
 )
 
 log = logging.getLogger(__name__)
@@ -241,12 +242,8 @@ class LlamaCppBackend(Backend):
     def _evaluate_prompt(self, tokens: list[int]) -> int:
         """Bring the context to ``tokens``, reusing the longest common prefix; returns how many
         prompt tokens were reused."""
-        common = 0
-        for a, b in zip(self._kv_tokens, tokens, strict=False):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(tokens) - 1)  # the last prompt token is evaluated for its logits
+        common = min(common_prefix(self._kv_tokens, tokens), len(tokens) - 1)  # the last prompt token is
+        # evaluated for its logits
         if not self._ctx.kv_cache_seq_rm(0, common, -1):
             common = 0
             self._ctx.kv_cache_clear()

@@ -31,6 +31,7 @@ from edge_agent.backends.base import (
     ModelDescription,
     TokenEvent,
     TopToken,
+    common_prefix,
 )
 from edge_agent.backends.sampling import Sampler, StepStats
 from edge_agent.hardware import choose_providers
@@ -285,12 +286,8 @@ class OnnxBackend(Backend):
     def _evaluate_prompt(self, tokens: list[int]) -> int:
         """Bring the generator to ``tokens``, reusing the longest common prefix; returns how many
         prompt tokens were reused."""
-        common = 0
-        for a, b in zip(self._kv_tokens, tokens, strict=False):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(tokens) - 1)  # the last prompt token is appended for its logits
+        common = min(common_prefix(self._kv_tokens, tokens), len(tokens) - 1)  # the last prompt token is
+        # appended for its logits
         if common == 0 or self.provider not in REWINDABLE:
             common = 0
             if self._kv_tokens:
