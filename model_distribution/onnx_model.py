@@ -165,15 +165,6 @@ def _safe_members(tar: tarfile.TarFile, where: Path) -> list[tarfile.TarInfo]:
     return members
 
 
-def unpacked_size(path: Path | str) -> int:
-    """The bytes the tar's files take once unpacked (for a disk-room check)."""
-    try:
-        with tarfile.open(path, "r:") as tar:
-            return sum(m.size for m in _safe_members(tar, Path(path)) if m.isfile())
-    except tarfile.TarError as e:
-        raise OnnxModelError(f"{path} is not an uncompressed tar: {e}") from e
-
-
 def unpack_onnx_tar(path: Path | str, dest: Path | str) -> Path:
     """Unpack the artifact into the directory ``dest`` (atomically: a temp folder beside it,
     checked to be an export, then renamed); ``dest`` as it is when it exists already (its name

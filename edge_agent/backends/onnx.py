@@ -35,6 +35,7 @@ from edge_agent.backends.base import (
 )
 from edge_agent.backends.sampling import Sampler, StepStats
 from edge_agent.hardware import choose_providers
+from model_distribution.onnx_model import describe_onnx_dir
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +70,23 @@ class OnnxConfig:
 # -- one og.Model per process ------------------------------------------------------------------
 
 @dataclass
+class _Text:
+    """What the export's tokenizer files say, read once per model (tokenizer.json is megabytes)."""
+
+    n_vocab: int
+    pieces: list[bytes]
+    bos: int
+    adds_bos: bool
+    eos: set[int]
+    template: ChatTemplate
+
+
+@dataclass
 class _SharedModel:
     model: og.Model
     tokenizer: og.Tokenizer
     provider: str
+    text: _Text
     users: int = 0
 
 
@@ -86,7 +100,8 @@ def _acquire_model(config: OnnxConfig) -> tuple[tuple, _SharedModel]:
         shared = _models.get(key)
         if shared is None:
             model, provider = _load_model(config)
-            shared = _models[key] = _SharedModel(model, og.Tokenizer(model), provider)
+            tokenizer = og.Tokenizer(model)
+            shared = _models[key] = _SharedModel(model, tokenizer, provider, _read_text(Path(config.path), tokenizer))
         shared.users += 1
         return key, shared
 
@@ -148,8 +163,10 @@ class OnnxBackend(Backend):
         genai = json.loads((root / "genai_config.json").read_text())["model"]
         self._key, shared = _acquire_model(self.config)
         self._model, self._tokenizer, self.provider = shared.model, shared.tokenizer, shared.provider
+        t = shared.text
+        self._n_vocab, self._pieces, self._bos, self._adds_bos, self._eos, self._template = \
+            t.n_vocab, t.pieces, t.bos, t.adds_bos, t.eos, t.template
         try:
-            self._load_text(root, genai)
             n_ctx = self.config.n_ctx
             if genai.get("context_length") and n_ctx > genai["context_length"]:
                 log.info("onnx: n_ctx %d is above the model's context length; using %d", n_ctx,
@@ -158,7 +175,7 @@ class OnnxBackend(Backend):
             self.description = ModelDescription(
                 name=self.config.name, path=self.config.path, architecture=genai.get("type", "unknown"),
                 n_ctx=n_ctx, n_vocab=self._n_vocab, chat_template=not self._template.is_transcript,
-                quantization=self._quantization or _export_quantization(root), format="onnx")
+                quantization=self._quantization or describe_onnx_dir(root)["quantization"], format="onnx")
             self._stats = StepStats(self._n_vocab)
             self._warm_up()
         except BaseException:
@@ -166,30 +183,6 @@ class OnnxBackend(Backend):
             raise
         log.info("loaded %s (%s, n_ctx=%d, provider %s)", self.config.name, self.config.path,
                  self.description.n_ctx, self.provider)
-
-    def _load_text(self, root: Path, genai: dict) -> None:
-        tok_json = json.loads((root / "tokenizer.json").read_text())
-        tok_config = _read_json(root / "tokenizer_config.json")
-        self._n_vocab = int(genai.get("vocab_size") or len(tok_json["model"]["vocab"]))
-        self._pieces = _token_pieces(tok_json, self._n_vocab)
-        self._bos = int(genai.get("bos_token_id", -1))
-        first = self._tokenizer.encode("a").tolist()
-        self._adds_bos = self._bos >= 0 and bool(first) and first[0] == self._bos
-        # EOS: the export's list, the tokenizer's end-of-turn token and its configured eos token
-        eos = genai.get("eos_token_id", [])
-        self._eos = set(eos if isinstance(eos, list) else [eos])
-        try:
-            self._eos.add(int(self._tokenizer.eot_token_id))
-        except Exception:  # the tokenizer defines none for this model
-            pass
-        added = {t["content"]: t["id"] for t in tok_json.get("added_tokens", [])}
-        eos_text = _token_text(tok_config.get("eos_token"))
-        if eos_text in added:
-            self._eos.add(added[eos_text])
-        template_file = root / "chat_template.jinja"
-        template = template_file.read_text() if template_file.is_file() else tok_config.get("chat_template")
-        self._template = ChatTemplate(template, bos_token=_token_text(tok_config.get("bos_token")),
-                                      eos_token=eos_text)
 
     def _new_generator(self) -> None:
         params = og.GeneratorParams(self._model)
@@ -325,16 +318,35 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def _read_text(root: Path, tokenizer: og.Tokenizer) -> _Text:
+    genai = json.loads((root / "genai_config.json").read_text())["model"]
+    tok_json = json.loads((root / "tokenizer.json").read_text())
+    tok_config = _read_json(root / "tokenizer_config.json")
+    n_vocab = int(genai.get("vocab_size") or len(tok_json["model"]["vocab"]))
+    bos = int(genai.get("bos_token_id", -1))
+    first = tokenizer.encode("a").tolist()
+    # EOS: the export's list, the tokenizer's end-of-turn token and its configured eos token
+    eos = genai.get("eos_token_id", [])
+    eos = set(eos if isinstance(eos, list) else [eos])
+    try:
+        eos.add(int(tokenizer.eot_token_id))
+    except Exception:  # the tokenizer defines none for this model
+        pass
+    added = {t["content"]: t["id"] for t in tok_json.get("added_tokens", [])}
+    eos_text = _token_text(tok_config.get("eos_token"))
+    if eos_text in added:
+        eos.add(added[eos_text])
+    template_file = root / "chat_template.jinja"
+    template = template_file.read_text() if template_file.is_file() else tok_config.get("chat_template")
+    return _Text(n_vocab, _token_pieces(tok_json, n_vocab), bos, bos >= 0 and bool(first) and first[0] == bos, eos,
+                 ChatTemplate(template, bos_token=_token_text(tok_config.get("bos_token")), eos_token=eos_text))
+
+
 def _token_text(value) -> str:
     """A special token as tokenizer_config.json gives it: a string or {"content": ...}."""
     if isinstance(value, dict):
         return value.get("content", "")
     return value or ""
-
-
-def _export_quantization(root: Path) -> str:
-    manifest = _read_json(root / "cascade_model.json")
-    return manifest.get("quantization") or "unknown"
 
 
 def _token_pieces(tok_json: dict, n_vocab: int) -> list[bytes]:
