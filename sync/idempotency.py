@@ -48,29 +48,24 @@ class Claim:
     owner: str | None = field(default=None, compare=False)  # the claimant's token when state is NEW
 
 
-class IdempotencyStore(SQLiteStore):
-    """Per-tenant Idempotency-Key -> stored response, in SQLite (WAL). The first request with a
-    key claims it; a concurrent duplicate waits for the first to finish; a replay gets the stored
-    result; expired keys are collected. Several processes may share the file."""
+class IdempotencyRecords:
+    """The store's semantics, over SQL both SQLite and PostgreSQL speak: per-tenant
+    Idempotency-Key -> stored response. The first request with a key claims it; a concurrent
+    duplicate waits for the first to finish; a replay gets the stored result; expired keys are
+    collected. A backend gives ``_write()`` (a transaction whose ``execute`` returns a cursor)
+    and ``_read()`` (rows as dicts): ``IdempotencyStore`` (SQLite) and
+    ``sync.idempotency_pg.PgIdempotencyStore``."""
 
-    def __init__(self, path: Path | str, ttl_s: float = 24 * 3600,
-                 clock: Callable[[], float] = time.time, lease_s: float = 600.0):
+    # claim() reads the row it may take over inside its write transaction: SQLite's BEGIN
+    # IMMEDIATE already holds the database's write lock, PostgreSQL must lock the row
+    _FOR_UPDATE = ""
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float], lease_s: float):
         if not 0 < lease_s <= ttl_s:
             raise ValueError(f"need 0 < lease_s <= ttl_s, got lease_s={lease_s} ttl_s={ttl_s}")
         self.ttl_s = ttl_s
         self.lease_s = lease_s
         self._clock = clock
-        super().__init__(path)
-        with self._write():
-            self._db["idempotency"].create(
-                {"tenant": str, "key": str, "request_hash": str, "state": str, "result": str,
-                 "created_at": float, "updated_at": float, "owner": str},
-                pk=("tenant", "key"),
-                not_null={"request_hash", "state", "created_at", "updated_at"},
-                if_not_exists=True)
-            self._db["idempotency"].create_index(["created_at"], if_not_exists=True)
-            if "owner" not in self._db["idempotency"].columns_dict:  # a store from before owners
-                self._db["idempotency"].add_column("owner", str)
 
     def _is_free(self, state: str, created_at: float, updated_at: float, now: float) -> bool:
         return (state == _Row.RELEASED
@@ -82,17 +77,23 @@ class IdempotencyStore(SQLiteStore):
         carries the owner token that ``complete``, ``release`` and ``renew`` need."""
         if not 0 < len(key) <= MAX_KEY_LEN:
             raise ValueError(f"an idempotency key is 1-{MAX_KEY_LEN} characters")
-        now = self._clock()
-        with self._write() as conn:
-            row = conn.execute(
+        now, owner = self._clock(), secrets.token_hex(16)
+        with self._write() as tx:
+            # the insert is the atomic claim of a new key: of two racing claimants one inserts, the
+            # other waits for its commit and then finds the row
+            if tx.execute(
+                    "INSERT INTO idempotency (tenant, key, request_hash, state, result, created_at, updated_at, "
+                    "owner) VALUES (?, ?, ?, ?, NULL, ?, ?, ?) ON CONFLICT (tenant, key) DO NOTHING",
+                    (tenant, key, request_hash, _Row.IN_PROGRESS.value, now, now, owner)).rowcount > 0:
+                return Claim(ClaimState.NEW, owner=owner)
+            row = tx.execute(
                 "SELECT request_hash, state, result, created_at, updated_at FROM idempotency "
-                "WHERE tenant = ? AND key = ?", (tenant, key)).fetchone()
-            if row is None or self._is_free(row[1], row[3], row[4], now):
-                owner = secrets.token_hex(16)
-                conn.execute(
-                    "INSERT OR REPLACE INTO idempotency (tenant, key, request_hash, state, "
-                    "result, created_at, updated_at, owner) VALUES (?, ?, ?, ?, NULL, ?, ?, ?)",
-                    (tenant, key, request_hash, _Row.IN_PROGRESS.value, now, now, owner))
+                "WHERE tenant = ? AND key = ?" + self._FOR_UPDATE, (tenant, key)).fetchone()
+            if self._is_free(row[1], row[3], row[4], now):
+                tx.execute(
+                    "UPDATE idempotency SET request_hash = ?, state = ?, result = NULL, created_at = ?, "
+                    "updated_at = ?, owner = ? WHERE tenant = ? AND key = ?",
+                    (request_hash, _Row.IN_PROGRESS.value, now, now, owner, tenant, key))
                 return Claim(ClaimState.NEW, owner=owner)
         stored_hash, state, result = row[0], row[1], row[2]
         if stored_hash != request_hash:
@@ -123,8 +124,8 @@ class IdempotencyStore(SQLiteStore):
 
     def _update_held(self, tenant: str, key: str, owner: str, assignments: str, values: tuple) -> bool:
         # the owner token alone decides: a claim taken over after its lease has another owner
-        with self._write() as conn:
-            return conn.execute(
+        with self._write() as tx:
+            return tx.execute(
                 f"UPDATE idempotency SET {assignments}, updated_at = ? "
                 "WHERE tenant = ? AND key = ? AND owner = ? AND state = ?",
                 (*values, self._clock(), tenant, key, owner, _Row.IN_PROGRESS.value)).rowcount > 0
@@ -149,13 +150,10 @@ class IdempotencyStore(SQLiteStore):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         if request_hash is None:
-            with self._lock:
-                row = self._db.conn.execute(
-                    "SELECT request_hash FROM idempotency WHERE tenant = ? AND key = ?",
-                    (tenant, key)).fetchone()
-            if row is None:
+            rows = self._read("SELECT request_hash FROM idempotency WHERE tenant = ? AND key = ?", (tenant, key))
+            if not rows:
                 raise LookupError(f"no claim of idempotency key {key!r} to wait for")
-            request_hash = row[0]
+            request_hash = rows[0]["request_hash"]
         while True:
             claim = self.claim(tenant, key, request_hash)
             remaining = deadline - loop.time()
@@ -165,15 +163,31 @@ class IdempotencyStore(SQLiteStore):
 
     def collect_expired(self) -> int:
         """Delete the rows claimed more than ``ttl_s`` ago; returns how many."""
-        with self._write() as conn:
-            return conn.execute("DELETE FROM idempotency WHERE created_at <= ?",
-                                (self._clock() - self.ttl_s,)).rowcount
+        with self._write() as tx:
+            return tx.execute("DELETE FROM idempotency WHERE created_at <= ?", (self._clock() - self.ttl_s,)).rowcount
 
     def stats(self) -> dict[str, int]:
         """Rows by state: in_progress (abandoned ones included), done, released."""
         counts = dict.fromkeys((s.value for s in _Row), 0)
-        with self._lock:
-            for row in self._db.query(
-                    "SELECT state, count(*) AS n FROM idempotency GROUP BY state"):
-                counts[row["state"]] = row["n"]
+        for row in self._read("SELECT state, count(*) AS n FROM idempotency GROUP BY state"):
+            counts[row["state"]] = row["n"]
         return counts
+
+
+class IdempotencyStore(SQLiteStore, IdempotencyRecords):
+    """The Idempotency-Key store in SQLite (WAL); several processes may share the file."""
+
+    def __init__(self, path: Path | str, ttl_s: float = 24 * 3600,
+                 clock: Callable[[], float] = time.time, lease_s: float = 600.0):
+        IdempotencyRecords.__init__(self, ttl_s, clock, lease_s)
+        SQLiteStore.__init__(self, path)
+        with self._write():
+            self._db["idempotency"].create(
+                {"tenant": str, "key": str, "request_hash": str, "state": str, "result": str,
+                 "created_at": float, "updated_at": float, "owner": str},
+                pk=("tenant", "key"),
+                not_null={"request_hash", "state", "created_at", "updated_at"},
+                if_not_exists=True)
+            self._db["idempotency"].create_index(["created_at"], if_not_exists=True)
+            if "owner" not in self._db["idempotency"].columns_dict:  # a store from before owners
+                self._db["idempotency"].add_column("owner", str)

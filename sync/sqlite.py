@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,6 +25,11 @@ class SQLiteStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+    def _read(self, sql: str, params: Sequence = ()) -> list[dict]:
+        """The rows of one query, as dicts (``sync.postgres.PgStore`` has the same)."""
+        with self._lock:
+            return list(self._db.query(sql, params))
 
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:

@@ -155,3 +155,30 @@ def gateway_count(cloud, tenant: str, metric: str = "cascade_gateway_requests_to
                     s.labels.get(k) == v for k, v in labels.items()):
                 total += s.value
     return total
+
+
+@pytest.fixture(scope="session")
+def postgres_dsn():
+    """A real PostgreSQL server for the session (tests/pg_redis.py): its superuser's DSN. Use
+    ``tests.pg_redis.fresh_database(dsn)`` for a database of a test's own."""
+    from tests.pg_redis import MissingServer, Postgres
+
+    try:
+        server = Postgres()
+    except MissingServer as e:
+        pytest.fail(str(e), pytrace=False)
+    yield server.dsn
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """A real Redis server for the session (tests/pg_redis.py): its URL."""
+    from tests.pg_redis import MissingServer, Redis
+
+    try:
+        server = Redis()
+    except MissingServer as e:
+        pytest.fail(str(e), pytrace=False)
+    yield server.url
+    server.stop()

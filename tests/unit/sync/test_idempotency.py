@@ -4,6 +4,8 @@ import multiprocessing
 import pytest
 
 from sync.idempotency import Claim, ClaimState, IdempotencyStore
+from sync.idempotency_pg import PgIdempotencyStore
+from tests.pg_redis import fresh_database
 from tests.unit.sync.fakes import FakeClock
 
 
@@ -12,11 +14,30 @@ def clock():
     return FakeClock()
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def backend(request, tmp_path):
+    """``backend(**kwargs)`` opens a store (closed after the test) on one database per test: a
+    SQLite file, or a fresh database on the session's PostgreSQL. Every test that uses it runs on
+    both."""
+    if request.param == "sqlite":
+        cls, where = IdempotencyStore, tmp_path / "idem.db"
+    else:
+        cls, where = PgIdempotencyStore, fresh_database(request.getfixturevalue("postgres_dsn"))
+    opened = []
+
+    def open_store(**kwargs):
+        opened.append(cls(where, **kwargs))
+        return opened[-1]
+
+    open_store.cls, open_store.where = cls, where
+    yield open_store
+    for s in opened:
+        s.close()
+
+
 @pytest.fixture
-def store(tmp_path, clock):
-    s = IdempotencyStore(tmp_path / "idem.db", ttl_s=3600, clock=clock, lease_s=60)
-    yield s
-    s.close()
+def store(backend, clock):
+    return backend(ttl_s=3600, clock=clock, lease_s=60)
 
 
 def test_first_claim_is_new_then_replays_the_stored_result(store):
@@ -166,31 +187,26 @@ def test_expired_but_uncollected_key_claims_new(store, clock):
     assert store.claim("acme", "k1", "h2") == Claim(ClaimState.NEW)
 
 
-def test_two_stores_share_one_file(tmp_path, clock):
-    a = IdempotencyStore(tmp_path / "idem.db", clock=clock)
-    b = IdempotencyStore(tmp_path / "idem.db", clock=clock)
-    try:
-        claim = a.claim("acme", "k1", "h1")
-        assert claim.state == ClaimState.NEW
-        assert b.claim("acme", "k1", "h1").state == ClaimState.IN_PROGRESS
-        a.complete("acme", "k1", {"ok": True}, owner=claim.owner)
-        assert b.claim("acme", "k1", "h1") == Claim(ClaimState.DONE, {"ok": True})
-    finally:
-        a.close()
-        b.close()
+def test_two_stores_share_one_database(backend, clock):
+    a, b = backend(clock=clock), backend(clock=clock)
+    claim = a.claim("acme", "k1", "h1")
+    assert claim.state == ClaimState.NEW
+    assert b.claim("acme", "k1", "h1").state == ClaimState.IN_PROGRESS
+    a.complete("acme", "k1", {"ok": True}, owner=claim.owner)
+    assert b.claim("acme", "k1", "h1") == Claim(ClaimState.DONE, {"ok": True})
 
 
-def _claim_all(path, n, results):
-    store = IdempotencyStore(path)
+def _claim_all(cls, where, n, results):
+    store = cls(where)
     results.put([store.claim("acme", f"k{i}", "h").state.value for i in range(n)])
     store.close()
 
 
-def test_processes_racing_on_a_fresh_file_each_key_is_new_once(tmp_path):
+def test_processes_racing_on_a_fresh_database_each_key_is_new_once(backend):
     # also covers several processes creating the schema at once
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_claim_all, args=(tmp_path / "idem.db", 50, results))
+    procs = [ctx.Process(target=_claim_all, args=(backend.cls, backend.where, 50, results))
              for _ in range(4)]
     for p in procs:
         p.start()
@@ -207,9 +223,9 @@ def test_key_length_is_bounded(store, key):
         store.claim("acme", key, "h1")
 
 
-def test_lease_must_fit_in_the_ttl(tmp_path):
+def test_lease_must_fit_in_the_ttl(backend):
     with pytest.raises(ValueError):
-        IdempotencyStore(tmp_path / "idem.db", ttl_s=10, lease_s=60)
+        backend(ttl_s=10, lease_s=60)
 
 
 # --- owners and leases ------------------------------------------------------------------------
@@ -244,8 +260,8 @@ def test_a_finished_claim_is_not_renewed(store):
     assert store.renew("acme", "k1", owner=owner) is False
 
 
-def test_heartbeat_keeps_a_running_claim_past_a_short_lease(tmp_path):
-    store = IdempotencyStore(tmp_path / "idem.db", lease_s=0.3)
+def test_heartbeat_keeps_a_running_claim_past_a_short_lease(backend):
+    store = backend(lease_s=0.3)
 
     async def scenario():
         owner = store.claim("acme", "k1", "h1").owner
@@ -257,16 +273,13 @@ def test_heartbeat_keeps_a_running_claim_past_a_short_lease(tmp_path):
         await asyncio.sleep(0.4)  # no heartbeat: free after a lease
         return held, store.claim("acme", "k1", "h1")
 
-    try:
-        held, after = asyncio.run(scenario())
-    finally:
-        store.close()
+    held, after = asyncio.run(scenario())
     assert held == Claim(ClaimState.IN_PROGRESS)
     assert after.state == ClaimState.NEW
 
 
-def test_heartbeat_ends_when_the_claim_is_no_longer_held(tmp_path):
-    store = IdempotencyStore(tmp_path / "idem.db", lease_s=0.3)
+def test_heartbeat_ends_when_the_claim_is_no_longer_held(backend):
+    store = backend(lease_s=0.3)
 
     async def scenario():
         owner = store.claim("acme", "k1", "h1").owner
@@ -274,10 +287,7 @@ def test_heartbeat_ends_when_the_claim_is_no_longer_held(tmp_path):
         store.complete("acme", "k1", "r", owner=owner)
         return await asyncio.wait_for(beat, 2.0)
 
-    try:
-        assert asyncio.run(scenario()) is None
-    finally:
-        store.close()
+    assert asyncio.run(scenario()) is None
 
 
 def test_a_store_from_before_owners_is_migrated(tmp_path, clock):
