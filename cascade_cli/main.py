@@ -214,6 +214,9 @@ def cmd_cloud_serve(args) -> int:
         "engine": {"model": args.model, "max_model_len": args.max_model_len,
                    "kv_cache_memory_bytes": args.kv_cache_bytes},
     }
+    overrides["gateway"].update(k8s_namespace=args.k8s_namespace, k8s_selector=args.k8s_selector,
+                                k8s_prefill_selector=args.k8s_prefill_selector,
+                                k8s_decode_selector=args.k8s_decode_selector, k8s_port=args.k8s_port)
     try:
         serve.run(CloudConfig.load(args.config, overrides), args.config)
     except (ConfigError, ModelNotFound, StartupError) as e:
@@ -390,6 +393,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-cache-bytes", type=int, help=f"memory for KV blocks, per started worker "
                                                           f"(default: {eng.kv_cache_memory_bytes})")
     serve.add_argument("--worker-api-key", help="the bearer key between the gateway and its workers (default: none)")
+    serve.add_argument("--k8s-selector", metavar="SELECTOR",
+                       help="find workers through the Kubernetes API: a label selector of their pods (role: the "
+                            "cascade.dev/role label, else both) (default: none)")
+    serve.add_argument("--k8s-prefill-selector", metavar="SELECTOR",
+                       help="a label selector of prefill worker pods (default: none)")
+    serve.add_argument("--k8s-decode-selector", metavar="SELECTOR",
+                       help="a label selector of decode worker pods (default: none)")
+    serve.add_argument("--k8s-namespace", metavar="NAMESPACE",
+                       help="where the worker pods are (default: the gateway pod's namespace)")
+    serve.add_argument("--k8s-port", type=int, metavar="PORT",
+                       help=f"a worker pod's port when it names none 'http' (default: {gw.k8s_port})")
     serve.set_defaults(func=cmd_cloud_serve)
 
     from cloud_tier.gateway.keys_cli import add_keys_parser

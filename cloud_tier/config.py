@@ -106,6 +106,17 @@ class GatewayConfig:
     # /metrics: open unless a key is set (then "Authorization: Bearer <metrics_key>"); per tenant unless off
     metrics_key: str = ""
     metrics_tenant_labels: bool = True
+    # workers found through the Kubernetes API (cloud_tier/gateway/discovery.py): on when a selector is set;
+    # namespace "": the gateway pod's own; a pod's port: its container port named http, else k8s_port
+    k8s_namespace: str = ""
+    k8s_selector: str = ""  # label selector of worker pods; role: their cascade.dev/role label, else both
+    k8s_prefill_selector: str = ""  # pods with the prefill role, whatever their label says
+    k8s_decode_selector: str = ""  # ... the decode role
+    k8s_port: int = 8000
+
+    @property
+    def k8s_discovery(self) -> bool:
+        return bool(self.k8s_selector or self.k8s_prefill_selector or self.k8s_decode_selector)
 
     def __post_init__(self):
         if self.kv_transport not in ("tcp", "shm", "auto"):
@@ -120,6 +131,8 @@ class GatewayConfig:
             raise ValueError("SLOs must be positive")
         if not 0 < self.idempotency_lease_s <= self.idempotency_ttl_s:
             raise ValueError("idempotency_lease_s must be > 0 and at most idempotency_ttl_s")
+        if not 0 < self.k8s_port <= 65535:
+            raise ValueError(f"k8s_port must be in 1..65535, got {self.k8s_port}")
 
 
 @dataclass
