@@ -25,7 +25,8 @@ def run(config: CloudConfig, config_path: str | None = None) -> None:
     # uvicorn re-raises the SIGTERM it handled once it has shut down; with the default handler
     # that would end this process before the workers it started are stopped
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    urls = [u.strip() for u in g.workers.split(",") if u.strip()]
+    urls = [u.strip() for field in (g.workers, g.prefill_workers, g.decode_workers)
+            for u in field.split(",") if u.strip()]
     children = None
     if not urls:
         from cloud_tier.worker.processes import WorkerProcesses

@@ -9,7 +9,11 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import xxhash
+
 _ROOT_HASH = 0  # parent hash of a prompt's first block
+TEXT_BLOCK_CHARS = 64  # GIE's approximate prefix scorer: 64 characters ~ one 16-token vLLM block
+TEXT_MAX_BLOCKS = 256
 
 
 class NoWorkerError(LookupError):
@@ -133,6 +137,7 @@ class PrefixIndex:
         self.block_size = block_size
         self.max_blocks_per_worker = max_blocks_per_worker
         self._blocks: dict[str, OrderedDict[int, None]] = {}
+        self._capacity: dict[str, int] = {}  # per-worker bounds, where one is known
 
     def block_hashes(self, token_ids: Sequence[int]) -> list[int]:
         """Chained hashes of the full blocks of token_ids (a trailing partial block is ignored)."""
@@ -145,17 +150,25 @@ class PrefixIndex:
 
     def insert(self, worker_id: str, token_ids: Sequence[int]) -> None:
         """Record that the worker now holds these blocks."""
-        blocks = self._blocks.setdefault(worker_id, OrderedDict())
-        for h in reversed(self.block_hashes(token_ids)):
-            blocks[h] = None
-            blocks.move_to_end(h)
-        while len(blocks) > self.max_blocks_per_worker:
-            blocks.popitem(last=False)
+        self.insert_hashes(worker_id, self.block_hashes(token_ids))
 
     def match(self, token_ids: Sequence[int]) -> dict[str, int]:
         """worker_id -> matched prefix length in tokens (consecutive leading full blocks held),
         for every worker with a hit. Matched entries are touched."""
-        hashes = self.block_hashes(token_ids)
+        return {w: n * self.block_size for w, n in self.match_hashes(self.block_hashes(token_ids)).items()}
+
+    def insert_hashes(self, worker_id: str, hashes: Sequence[int]) -> None:
+        """Record a prompt's chained block hashes (any block kind: token or character blocks)."""
+        blocks = self._blocks.setdefault(worker_id, OrderedDict())
+        for h in reversed(hashes):
+            blocks[h] = None
+            blocks.move_to_end(h)
+        limit = self._capacity.get(worker_id, self.max_blocks_per_worker)
+        while len(blocks) > limit:
+            blocks.popitem(last=False)
+
+    def match_hashes(self, hashes: Sequence[int]) -> dict[str, int]:
+        """worker_id -> how many leading blocks of ``hashes`` it holds (only workers with a hit)."""
         hits: dict[str, int] = {}
         for worker_id, blocks in self._blocks.items():
             n = 0
@@ -164,12 +177,33 @@ class PrefixIndex:
             for h in reversed(hashes[:n]):
                 blocks.move_to_end(h)
             if n:
-                hits[worker_id] = n * self.block_size
+                hits[worker_id] = n
         return hits
+
+    def set_capacity(self, worker_id: str, max_blocks: int) -> None:
+        """Bound one worker's entries (e.g. by the blocks its KV cache holds)."""
+        self._capacity[worker_id] = max(1, max_blocks)
 
     def remove_worker(self, worker_id: str) -> None:
         self._blocks.pop(worker_id, None)
+        self._capacity.pop(worker_id, None)
 
     def num_blocks(self, worker_id: str) -> int:
         """How many blocks the index records for the worker."""
         return len(self._blocks.get(worker_id, ()))
+
+
+def text_block_hashes(model: str, text: str, block_chars: int = TEXT_BLOCK_CHARS,
+                      max_blocks: int = TEXT_MAX_BLOCKS) -> list[int]:
+    """Chained hashes of a prompt's full ``block_chars``-byte blocks, for workers whose tokenizer
+    the gateway does not have (the Gateway API Inference Extension's approximate prefix scorer):
+    the chain is seeded by xxh64(model name), each block's hash is xxh64(block + the previous
+    hash as 8 little-endian bytes); a trailing partial block and anything past ``max_blocks`` are
+    ignored."""
+    data = text.encode()[:block_chars * max_blocks]
+    parent = xxhash.xxh64_intdigest(model.encode())
+    hashes: list[int] = []
+    for start in range(0, len(data) - block_chars + 1, block_chars):
+        parent = xxhash.xxh64_intdigest(data[start:start + block_chars] + parent.to_bytes(8, "little"))
+        hashes.append(parent)
+    return hashes

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from fastapi import APIRouter, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
@@ -17,8 +17,9 @@ from cascade.web import openai_response, openapi, parse_body, read_json
 from cascade.web.caller import CallerGone, while_connected
 from cascade.web.requests import bearer_matches
 from cloud_tier.gateway.keys import ApiKey
+from cloud_tier.gateway.openai_results import chunks_to_response, response_to_chunks
 from cloud_tier.gateway.service import GatewayService
-from cloud_tier.gateway.streams import pull_first, render_stored, replay
+from cloud_tier.gateway.streams import first_of, pull_first, relay_sse, render_stored, replay, replay_chunks
 
 
 def service(request: Request) -> GatewayService:
@@ -40,7 +41,7 @@ _ADMIN_ERRORS = openapi.errors(401, 403, 500)
 @ops.get("/health", responses=openapi.errors(503))
 async def healthz(request: Request):
     svc = service(request)
-    workers = {w.url: {"role": w.role, "healthy": w.healthy} for w in svc.pool.workers.values()}
+    workers = {w.url: {"role": w.role, "type": w.kind, "healthy": w.healthy} for w in svc.pool.workers.values()}
     if not any(w.healthy for w in svc.pool.workers.values()):
         raise errors.APIError(503, "no healthy worker", "server_error", code="no_workers")
     return {"status": "ok", "tier": "cloud", "role": "gateway", "version": cascade.__version__,
@@ -60,7 +61,7 @@ async def metrics(request: Request):
 def _card(request: Request) -> ModelCard:
     svc = service(request)
     return ModelCard(id=svc.model_id, created=request.app.state.started,
-                     meta={"max_model_len": svc.builder.max_model_len})
+                     meta={"max_model_len": svc.max_model_len})
 
 
 @v1.get("/models", responses=openapi.errors(401, 403, 500))
@@ -88,9 +89,13 @@ async def _serve(request: Request, endpoint: str, schema, formatter):
         raise
     try:  # a client that leaves while its request waits (admission, a duplicate's result) is let go
         result, headers = await while_connected(
-            request, svc.begin(key, endpoint, body, req, request.headers.get("idempotency-key")))
+            request, svc.begin(key, endpoint, body, req, request.headers.get("idempotency-key"),
+                               request.headers.get("x-request-id")))
     except CallerGone:
         return Response(status_code=499)
+    if (isinstance(result, dict) and "openai" in result) or (not isinstance(result, dict) and svc.pool.foreign):
+        return await _serve_foreign(request, endpoint, result, bool(req.stream), req.include_usage_in_stream(),
+                                    headers)
     fmt = formatter(svc.model_id, req.logprobs)
     if isinstance(result, dict):  # a cache hit or a replay: nothing to wait for
         if not req.stream:
@@ -103,6 +108,30 @@ async def _serve(request: Request, endpoint: str, schema, formatter):
     resp = await openai_response(request, result, fmt, req.stream, req.include_usage_in_stream(), lambda _: None)
     resp.headers.update(headers)
     return resp
+
+
+async def _serve_foreign(request: Request, endpoint: str, result, stream: bool, include_usage: bool,
+                         headers: dict[str, str]):
+    """An OpenAI-compatible worker's answer, passed on as it came (or its stored copy)."""
+    if isinstance(result, dict):  # a cache hit or a replay, in the shape this request wants
+        shape = result["openai"]
+        if not stream:
+            body = result["events"][0] if shape == "body" else chunks_to_response(result["events"], endpoint)
+            return JSONResponse(body, headers=headers)
+        chunks = result["events"] if shape == "chunks" else response_to_chunks(result["events"][0], endpoint)
+        return StreamingResponse(relay_sse(replay_chunks(chunks), include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", **headers})
+    if not stream:
+        try:
+            body = await while_connected(request, first_of(result))
+        except CallerGone:
+            return Response(status_code=499)
+        return JSONResponse(body, headers=headers)
+    result = await pull_first(result, request.is_disconnected)
+    if result is None:
+        return Response(status_code=499)  # the client left before the first chunk
+    return StreamingResponse(relay_sse(result, include_usage), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", **headers})
 
 
 @v1.post("/chat/completions", openapi_extra=openapi.body(ChatCompletionRequest),
@@ -160,7 +189,8 @@ async def workers(request: Request):
     _key(request, "admin")
     svc = service(request)
     return {"object": "list", "data": [
-        {"url": w.url, "role": w.role, "healthy": w.healthy, "committed_blocks": w.committed_blocks,
+        {"url": w.url, "role": w.role, "type": w.kind, "healthy": w.healthy, "committed_blocks": w.committed_blocks,
          "pending_prefill_tokens": w.pending_prefill_tokens, "in_flight": w.in_flight,
-         "load": w.report.model_dump() if w.report else None, "last_error": w.last_error}
+         "load": w.report.model_dump() if w.report else (dataclasses.asdict(w.foreign) if w.foreign else None),
+         "breaker": w.breaker.state if w.breaker else "closed", "last_error": w.last_error}
         for w in svc.pool.workers.values()]}

@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
+from cascade import errors
 from cascade.generation import Finish, TokenEvent, event_from_wire, event_to_wire
 from cloud_tier.gateway.admission import Ticket
 from cloud_tier.gateway.keys import ApiKey
+from cloud_tier.gateway.openai_results import usage_of
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,16 +42,51 @@ class Flight:
     last_token_at: float | None = None
     error: Exception | None = None  # why the stream failed (the worker, not the client); None: it did not
     settled: bool = False
+    ended: bool = False  # its event stream ran to its end
+    openai: str | None = None  # an OpenAI-compatible worker's answer: "chunks" (a stream) or "body"
+
+
+def observe_event(f: Flight, ev) -> None:
+    """What our workers' events tell a flight: tokens, their times, the finish."""
+    f.events.append(event_to_wire(ev))
+    if isinstance(ev, TokenEvent):
+        f.generated_tokens += 1
+        f.last_token_at = time.perf_counter()
+        if f.first_token_at is None:
+            f.first_token_at = f.last_token_at
+    elif isinstance(ev, Finish):
+        f.finish = ev
+
+
+def observe_chunk(f: Flight, chunk: dict) -> None:
+    """What an OpenAI-compatible worker's chunks (or its one body) tell a flight: a chunk with
+    text counts as a token until the worker's usage, which ends the flight, says how many."""
+    f.events.append(chunk)
+    choices = chunk.get("choices") or ()
+    if any((c.get("delta") or {}).get("content") or c.get("text") or (c.get("message") or {}).get("content")
+           for c in choices if isinstance(c, dict)):
+        f.generated_tokens += 1
+        f.last_token_at = time.perf_counter()
+        if f.first_token_at is None:
+            f.first_token_at = f.last_token_at
+    usage = usage_of(chunk)
+    if usage is not None:
+        reasons = [ch.get("finish_reason") for ev in f.events for ch in (ev.get("choices") or ())
+                   if isinstance(ch, dict) and ch.get("finish_reason")]
+        f.finish = Finish(reasons[-1] if reasons else "stop", usage[0], usage[1])
 
 
 class Recorder:
-    """Wraps a flight's event stream: records the events for the cache and idempotency store,
-    and settles the flight when closed (read to the end, failed, or abandoned by the client)."""
+    """Wraps a flight's event stream: records the events for the cache and idempotency store
+    (``observe``: our workers' events or OpenAI chunks), and settles the flight when closed (read
+    to the end, failed, or abandoned by the client)."""
 
-    def __init__(self, events: AsyncIterator, flight: Flight, settle: Callable[[Flight], None]):
+    def __init__(self, events: AsyncIterator, flight: Flight, settle: Callable[[Flight], None],
+                 observe: Callable[[Flight, object], None] = observe_event):
         self._events = events
         self.flight = flight
         self._settle = settle
+        self._observe = observe
 
     def __aiter__(self):
         return self
@@ -55,19 +95,15 @@ class Recorder:
         f = self.flight
         try:
             ev = await self._events.__anext__()
-        except (StopAsyncIteration, asyncio.CancelledError):
-            raise  # the end, or the client is gone (cancelled): not a failure of the stream
+        except StopAsyncIteration:
+            f.ended = True
+            raise
+        except asyncio.CancelledError:
+            raise  # the client is gone: not a failure of the stream
         except Exception as e:
             f.error = e
             raise
-        f.events.append(event_to_wire(ev))
-        if isinstance(ev, TokenEvent):
-            f.generated_tokens += 1
-            f.last_token_at = time.perf_counter()
-            if f.first_token_at is None:
-                f.first_token_at = f.last_token_at
-        elif isinstance(ev, Finish):
-            f.finish = ev
+        self._observe(f, ev)
         return ev
 
     async def aclose(self) -> None:
@@ -175,3 +211,43 @@ def render_stored(stored: dict, fmt) -> bytes:
         events = [event_from_wire(e) for e in stored["events"]]
         body = stored["json"] = fmt.response(events[:-1], events[-1]).model_dump(exclude_none=True)
     return json.dumps({**body, "id": fmt.id, "created": fmt.created}, separators=(",", ":")).encode()
+
+
+async def replay_chunks(chunks: list[dict]) -> AsyncIterator[dict]:
+    for c in chunks:
+        yield c
+
+
+async def first_of(events) -> dict:
+    """The one item of a stream that has one (a worker's JSON body), the stream closed after."""
+    try:
+        async for item in events:
+            return item
+    finally:
+        await events.aclose()
+    raise errors.APIError(502, "The cloud worker gave no answer.", "server_error", code="worker_failed")
+
+
+async def relay_sse(chunks, include_usage: bool) -> AsyncIterator[str]:
+    """OpenAI chunks as SSE, unchanged but for the usage the gateway asked for on the client's
+    behalf (its chunk and ``usage: null`` fields are left out for a client that did not); a
+    failure after the first byte goes in-band, and the stream always ends with [DONE]."""
+    try:
+        async for chunk in chunks:
+            if not include_usage and "usage" in chunk:
+                if not chunk.get("choices"):
+                    continue
+                chunk = {k: v for k, v in chunk.items() if k != "usage"}
+            yield f"data: {json.dumps(chunk, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    except asyncio.CancelledError:
+        raise
+    except errors.APIError as e:
+        yield e.sse()
+    except Exception as e:
+        log.exception("relaying a worker's stream failed")
+        yield errors.APIError(500, f"relaying the stream failed: {e}", "server_error").sse()
+    finally:
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    yield "data: [DONE]\n\n"

@@ -1,6 +1,12 @@
-"""The gateway's view of its workers: role, health and load from ``/internal/load`` (polled),
-plus what the gateway itself has put on each (prompt tokens waiting to prefill, KV blocks
-committed to requests in flight), which the polled numbers lag behind."""
+"""The gateway's view of its workers: kind, role, health and load, plus what the gateway itself
+has put on each (prompt tokens waiting to prefill, KV blocks committed to requests in flight,
+requests sent since the last scrape), which the polled numbers lag behind.
+
+Our workers (kind ``cascade``) report on ``/internal/load``; foreign ones (``vllm``, ``sglang``,
+any ``openai``-compatible server) on their own ``/metrics``, scraped about every second, and
+their health on ``/health`` (``/v1/models`` for a plain OpenAI-compatible one). A worker's kind is
+what it was given, else detected: ``/internal/load`` answers -> cascade, else the names in its
+``/metrics``. A worker whose numbers are older than ``stale_after_s`` counts as saturated."""
 
 from __future__ import annotations
 
@@ -12,7 +18,9 @@ from dataclasses import dataclass
 import httpx
 
 from cloud_tier.disagg.protocol import WorkerLoadReport
+from cloud_tier.gateway.breaker import CircuitBreaker
 from cloud_tier.gateway.placement import WorkerLoad
+from cloud_tier.gateway.worker_metrics import KINDS, ForeignLoad, detect_kind, parse_load
 
 log = logging.getLogger(__name__)
 
@@ -21,13 +29,30 @@ log = logging.getLogger(__name__)
 class Worker:
     url: str
     role: str = "unknown"
+    kind: str = "auto"  # cascade | vllm | sglang | openai; auto until detected
     healthy: bool = False
-    report: WorkerLoadReport | None = None
+    report: WorkerLoadReport | None = None  # ours
+    foreign: ForeignLoad | None = None  # a foreign worker's /metrics
+    scraped_at: float | None = None  # monotonic time of the last good poll
+    sent_since_scrape: int = 0  # requests the gateway sent after that poll
+    blocks_since_scrape: int = 0  # ... and the KV blocks they may need
     pending_prefill_tokens: int = 0
     committed_blocks: int = 0
     in_flight: int = 0
     down_since: float | None = None
     last_error: str = ""
+    breaker: CircuitBreaker | None = None
+
+    @property
+    def is_foreign(self) -> bool:
+        return self.kind in ("vllm", "sglang", "openai")
+
+    def available(self) -> bool:
+        """Healthy and its breaker lets a request through."""
+        return self.healthy and (self.breaker is None or self.breaker.allows())
+
+    def stale(self, now: float, stale_after_s: float) -> bool:
+        return self.scraped_at is None or now - self.scraped_at > stale_after_s
 
     @property
     def kv_address(self) -> str | None:
@@ -45,20 +70,45 @@ class Worker:
 
 class WorkerPool:
     def __init__(self, urls: list[str], client: httpx.AsyncClient, api_key: str = "",
-                 interval_s: float = 0.5):
-        self.workers = {u.rstrip("/"): Worker(u.rstrip("/")) for u in urls}
+                 interval_s: float = 0.5, kind: str = "auto", roles: dict[str, str] | None = None,
+                 metrics_interval_s: float = 1.0, breaker_threshold: int = 3, breaker_open_s: float = 5.0):
+        if kind != "auto" and kind not in KINDS:
+            raise ValueError(f"worker type must be auto or one of {', '.join(KINDS)}, got {kind!r}")
         self.client = client
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.interval_s = interval_s
+        self.metrics_interval_s = metrics_interval_s
+        self.kind = kind
+        self._breaker = (breaker_threshold, breaker_open_s)
+        self.workers: dict[str, Worker] = {}
+        self.set_workers({u: (roles or {}).get(u, "") for u in urls})
         self._task: asyncio.Task | None = None
         self.changed = asyncio.Event()  # set when capacity may have grown
+        self.foreign = False  # decide_mode()
+
+    def set_workers(self, roles: dict[str, str], kinds: dict[str, str] | None = None) -> None:
+        """The pool becomes these workers (url -> role given for it, "" when its own report says):
+        new ones join unhealthy until polled, gone ones leave (their requests in flight finish)."""
+        wanted = {u.rstrip("/"): r for u, r in roles.items()}
+        for url in list(self.workers):
+            if url not in wanted:
+                log.info("worker %s left the pool", url)
+                del self.workers[url]
+        for url, role in wanted.items():
+            if url not in self.workers:
+                kind = (kinds or {}).get(url) or self.kind
+                self.workers[url] = Worker(url, role=role or "unknown", kind=kind,
+                                           breaker=CircuitBreaker(*self._breaker))
 
     async def start(self, wait_s: float = 0.0) -> None:
         """Poll every worker once (for up to ``wait_s`` until all answer), then keep polling."""
-        deadline = time.monotonic() + wait_s
+        started = time.monotonic()
+        deadline = started + wait_s
         while True:
             await self.poll()
-            if all(w.healthy for w in self.workers.values()) or time.monotonic() >= deadline:
+            now = time.monotonic()
+            healthy = [w.healthy for w in self.workers.values()]
+            if all(healthy) or now >= deadline or (any(healthy) and now - started >= 2.0):
                 break
             await asyncio.sleep(0.2)
         self._task = asyncio.create_task(self._loop())
@@ -69,7 +119,14 @@ class WorkerPool:
             await asyncio.gather(self._task, return_exceptions=True)
 
     def by_role(self, *roles: str, healthy: bool = True) -> list[Worker]:
-        return [w for w in self.workers.values() if w.role in roles and (w.healthy or not healthy)]
+        return [w for w in self.workers.values() if w.role in roles and (w.healthy or not healthy)
+                and (self.foreign or not w.is_foreign)]
+
+    def decide_mode(self) -> None:
+        """Once at start: with any foreign worker every request goes the OpenAI way, to our workers
+        too (their OpenAI API), since a foreign worker shares neither our tokenizer's token ids nor
+        our internal protocol. A foreign worker that turns up later in a pool of ours is left out."""
+        self.foreign = self.kind in ("vllm", "sglang", "openai") or any(w.is_foreign for w in self.workers.values())
 
     @property
     def block_size(self) -> int:
@@ -94,22 +151,59 @@ class WorkerPool:
     async def poll(self) -> None:
         await asyncio.gather(*(self._poll_one(w) for w in self.workers.values()))
 
+    def mark_up(self, w: Worker) -> None:
+        if not w.healthy:
+            log.info("worker %s (%s, %s) is up", w.url, w.kind, w.role)
+        w.healthy, w.down_since = True, None
+        w.scraped_at, w.sent_since_scrape, w.blocks_since_scrape = time.monotonic(), 0, 0
+        self.changed.set()
+
     async def _poll_one(self, w: Worker) -> None:
         try:
-            r = await self.client.get(f"{w.url}/internal/load", headers=self.headers, timeout=2.0)
-            r.raise_for_status()
-            report = WorkerLoadReport.model_validate_json(r.content)
+            if w.kind == "auto":
+                w.kind = await self._detect(w)
+            if w.kind == "cascade":
+                r = await self.client.get(f"{w.url}/internal/load", headers=self.headers, timeout=2.0)
+                r.raise_for_status()
+                w.report = WorkerLoadReport.model_validate_json(r.content)
+                w.role = w.report.role
+            else:
+                await self._poll_foreign(w)
         except (httpx.HTTPError, ValueError) as e:
             self.mark_down(w.url, repr(e))
             return
-        if not w.healthy:
-            log.info("worker %s (%s) is up", w.url, report.role)
-        w.report, w.role, w.healthy, w.down_since = report, report.role, True, None
-        self.changed.set()
+        self.mark_up(w)
+
+    async def _detect(self, w: Worker) -> str:
+        """cascade when /internal/load answers as ours, else what /metrics names (or openai)."""
+        r = await self.client.get(f"{w.url}/internal/load", headers=self.headers, timeout=2.0)
+        if r.status_code == 200:
+            try:
+                WorkerLoadReport.model_validate_json(r.content)
+                return "cascade"
+            except ValueError:
+                pass
+        r = await self.client.get(f"{w.url}/metrics", headers=self.headers, timeout=2.0)
+        kind = detect_kind(r.text) if r.status_code == 200 else "openai"
+        log.info("worker %s is %s (detected)", w.url, kind)
+        return kind
+
+    async def _poll_foreign(self, w: Worker) -> None:
+        health = "/v1/models" if w.kind == "openai" else "/health"
+        r = await self.client.get(f"{w.url}{health}", headers=self.headers, timeout=2.0)
+        r.raise_for_status()
+        if w.kind in ("vllm", "sglang"):
+            m = await self.client.get(f"{w.url}/metrics", headers=self.headers, timeout=2.0)
+            m.raise_for_status()
+            w.foreign = parse_load(w.kind, m.text)
+        else:
+            w.foreign = ForeignLoad()
+        if w.role == "unknown":
+            w.role = "both"
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(self.metrics_interval_s if self.foreign else self.interval_s)
             try:
                 await self.poll()
             except Exception:  # never let the health loop die

@@ -1,0 +1,135 @@
+"""What the gateway reads of an OpenAI-compatible worker's answers without changing them: the
+prompt's text (for prefix routing), a token estimate (for quotas before the worker's own usage
+is known), the usage, a cache key, and the two shapes a stored answer is replayed in (the SSE
+chunks of a stream, one JSON body)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+CHARS_PER_TOKEN = 4  # the usual estimate (GIE's too), only until the worker's usage says
+
+
+def prompt_text(endpoint: str, body: dict) -> str:
+    """The prompt as one string: a chat's messages as role + text in order, a completion's prompt."""
+    if endpoint == "chat":
+        parts = []
+        for m in body.get("messages") or ():
+            if not isinstance(m, dict):
+                continue
+            content = m.get("content")
+            if isinstance(content, list):  # content parts: their text
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            parts.append(f"{m.get('role', '')}\n{content if isinstance(content, str) else ''}\n")
+        return "".join(parts)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        return " ".join(str(p) for p in prompt)
+    return prompt if isinstance(prompt, str) else ""
+
+
+def estimate_tokens(text: str) -> int:
+    return max(1, len(text) // CHARS_PER_TOKEN)
+
+
+def max_tokens_of(body: dict) -> int | None:
+    for name in ("max_completion_tokens", "max_tokens"):
+        v = body.get(name)
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+            return v
+    return None
+
+
+def usage_of(obj: dict) -> tuple[int, int] | None:
+    """(prompt_tokens, completion_tokens) of a chunk or a body that carries usage, else None."""
+    u = obj.get("usage") if isinstance(obj, dict) else None
+    if not isinstance(u, dict):
+        return None
+    p, c = u.get("prompt_tokens"), u.get("completion_tokens")
+    if not (isinstance(p, int) and isinstance(c, int)):
+        return None
+    return p, c
+
+
+def is_deterministic(body: dict) -> bool:
+    """Only greedy (temperature 0) or seeded sampling gives the same answer twice."""
+    t, seed = body.get("temperature"), body.get("seed")
+    n = body.get("n", 1)
+    return (t == 0 or (isinstance(seed, int) and not isinstance(seed, bool))) and n in (1, None)
+
+
+def cache_key(tenant: str, endpoint: str, body: dict) -> str | None:
+    """sha256 of the request as the worker gets it, less how it is delivered (stream, its
+    options, the user field), per tenant; None when the answer is not deterministic."""
+    if not is_deterministic(body):
+        return None
+    core = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "user")}
+    canonical = json.dumps({"tenant": tenant, "endpoint": endpoint, "body": core}, sort_keys=True,
+                           separators=(",", ":"), ensure_ascii=False, default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def chunks_to_response(chunks: list[dict], endpoint: str) -> dict[str, Any]:
+    """A stream's chunks as the one JSON body the same request, not streamed, would get."""
+    first = next((c for c in chunks if c.get("choices")), chunks[0] if chunks else {})
+    choices: dict[int, dict] = {}
+    usage = None
+    for c in chunks:
+        usage = c.get("usage") or usage
+        for ch in c.get("choices") or ():
+            i = ch.get("index", 0)
+            acc = choices.setdefault(i, {"index": i, "text": "", "role": None, "finish_reason": None,
+                                         "logprobs": None})
+            delta = ch.get("delta") or {}
+            acc["text"] += (delta.get("content") or "") if endpoint == "chat" else (ch.get("text") or "")
+            acc["role"] = delta.get("role") or acc["role"]
+            acc["finish_reason"] = ch.get("finish_reason") or acc["finish_reason"]
+            lp = ch.get("logprobs")
+            if isinstance(lp, dict):
+                acc["logprobs"] = _merge_logprobs(acc["logprobs"], lp)
+    out_choices = []
+    for i in sorted(choices):
+        acc = choices[i]
+        if endpoint == "chat":
+            out_choices.append({"index": i, "message": {"role": acc["role"] or "assistant", "content": acc["text"]},
+                                "logprobs": acc["logprobs"], "finish_reason": acc["finish_reason"]})
+        else:
+            out_choices.append({"index": i, "text": acc["text"], "logprobs": acc["logprobs"],
+                                "finish_reason": acc["finish_reason"]})
+    body = {"id": first.get("id"), "object": "chat.completion" if endpoint == "chat" else "text_completion",
+            "created": first.get("created"), "model": first.get("model"), "choices": out_choices}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def _merge_logprobs(acc: dict | None, lp: dict) -> dict:
+    if acc is None:
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in lp.items()}
+    for k, v in lp.items():
+        if isinstance(v, list) and isinstance(acc.get(k), list):
+            acc[k].extend(v)
+    return acc
+
+
+def response_to_chunks(body: dict, endpoint: str) -> list[dict]:
+    """One JSON body as the stream of chunks a streamed request would get (one per choice, then
+    the usage chunk)."""
+    obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
+    base = {"id": body.get("id"), "object": obj, "created": body.get("created"), "model": body.get("model")}
+    chunks = []
+    for ch in body.get("choices") or ():
+        if endpoint == "chat":
+            msg = ch.get("message") or {}
+            c = {"index": ch.get("index", 0), "delta": {"role": msg.get("role", "assistant"),
+                                                        "content": msg.get("content") or ""},
+                 "logprobs": ch.get("logprobs"), "finish_reason": ch.get("finish_reason")}
+        else:
+            c = {"index": ch.get("index", 0), "text": ch.get("text") or "", "logprobs": ch.get("logprobs"),
+                 "finish_reason": ch.get("finish_reason")}
+        chunks.append({**base, "choices": [c]})
+    if body.get("usage") is not None:
+        chunks.append({**base, "choices": [], "usage": body["usage"]})
+    return chunks

@@ -1,0 +1,78 @@
+"""What a foreign worker's own ``/metrics`` says about its load, and what kind of server it is.
+
+vLLM names its series ``vllm:*`` and SGLang ``sglang:*`` (both Prometheus text); the gateway reads
+the waiting and running requests, the KV cache's use (a fraction, 0..1, in both) and how many
+tokens the KV cache holds (vLLM: ``vllm:cache_config_info``'s ``num_gpu_blocks`` x ``block_size``
+labels; SGLang: ``sglang:max_total_num_tokens``). Series carry a model label; a server with
+several models is summed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+KINDS = ("cascade", "vllm", "sglang", "openai")
+
+
+@dataclass(frozen=True)
+class ForeignLoad:
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0  # 0..1 of the KV cache in use
+    kv_tokens: int = 0  # tokens the KV cache holds when full (0: unknown)
+    block_size: int = 16
+
+
+def detect_kind(metrics_text: str) -> str:
+    """``vllm`` or ``sglang`` from the names a worker's /metrics exposes, else ``openai``."""
+    if "\nvllm:" in metrics_text or metrics_text.startswith("vllm:") or "# TYPE vllm:" in metrics_text:
+        return "vllm"
+    if "\nsglang:" in metrics_text or metrics_text.startswith("sglang:") or "# TYPE sglang:" in metrics_text:
+        return "sglang"
+    return "openai"
+
+
+_NAMES = {
+    "vllm": {"waiting": "vllm:num_requests_waiting", "running": "vllm:num_requests_running",
+             "kv_usage": "vllm:kv_cache_usage_perc"},
+    "sglang": {"waiting": "sglang:num_queue_reqs", "running": "sglang:num_running_reqs",
+               "kv_usage": "sglang:token_usage"},
+}
+
+
+def parse_load(kind: str, metrics_text: str) -> ForeignLoad:
+    """The load a ``vllm`` or ``sglang`` worker reports (ValueError on text that is not Prometheus'
+    format). Other kinds report nothing: all zeros, the gateway's own counts are all it has."""
+    names = _NAMES.get(kind)
+    if names is None:
+        return ForeignLoad()
+    wanted = {v: k for k, v in names.items()}
+    sums = {"waiting": 0.0, "running": 0.0, "kv_usage": 0.0}
+    usage_series = 0
+    kv_tokens, block_size = 0, 16
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            field = wanted.get(s.name)
+            if field == "kv_usage":
+                usage_series += 1
+                sums[field] = max(sums[field], s.value)  # one cache per server: several models share it
+            elif field is not None:
+                sums[field] += s.value
+            elif s.name == "vllm:cache_config_info":
+                blocks = _int(s.labels.get("num_gpu_blocks")) or _int(s.labels.get("num_cpu_blocks"))
+                block_size = _int(s.labels.get("block_size")) or block_size
+                kv_tokens = max(kv_tokens, blocks * block_size)
+            elif s.name == "sglang:max_total_num_tokens":
+                kv_tokens, block_size = max(kv_tokens, int(s.value)), 1
+    usage = sums["kv_usage"]
+    return ForeignLoad(waiting=sums["waiting"], running=sums["running"],
+                       kv_usage=min(max(usage / 100.0 if usage > 1.0 else usage, 0.0), 1.0),
+                       kv_tokens=kv_tokens, block_size=block_size)
+
+
+def _int(text: str | None) -> int:
+    try:
+        return int(float(text)) if text not in (None, "", "None") else 0
+    except ValueError:
+        return 0

@@ -1,0 +1,115 @@
+"""An OpenAI-compatible worker in front of a real one, to inject faults between the gateway and
+it: health, models and metrics pass through; the completion endpoints answer as ``mode`` says
+(pass through, an HTTP error, an HTML page, a stream cut after a few chunks, a stall before the
+first byte). It records every completion body and request id it was sent."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from cascade.processes import free_port
+
+
+@dataclass
+class Mode:
+    status: int = 200  # not 200: answer this status with ``error`` as the OpenAI-style body
+    error: dict = field(default_factory=lambda: {"message": "injected", "type": "server_error"})
+    html: bool = False  # answer 200 with an HTML page instead
+    cut_after: int | None = None  # end the stream after this many chunks, without [DONE]
+    stall_s: float = 0.0  # before the response starts
+    health_status: int = 200
+
+
+class FaultyOpenAIWorker:
+    def __init__(self, target_url: str, metrics_text: str | None = None):
+        self.target = target_url
+        self.metrics_text = metrics_text  # answer /metrics with this (e.g. a vLLM scrape) instead of passing through
+        self.mode = Mode()
+        self.bodies: list[dict] = []
+        self.request_ids: list[str | None] = []
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = uvicorn.Server(uvicorn.Config(self._app(), host="127.0.0.1", port=self.port,
+                                                     log_level="warning", lifespan="off"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    def start(self) -> FaultyOpenAIWorker:
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the faulty worker did not start")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
+
+    def _app(self) -> FastAPI:
+        app = FastAPI()
+        client = httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=5.0))
+
+        @app.get("/health")
+        async def health() -> Response:
+            if self.mode.health_status != 200:
+                return Response(status_code=self.mode.health_status)
+            r = await client.get(f"{self.target}/health")
+            return Response(r.content, status_code=r.status_code)
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            if self.metrics_text is not None:
+                return Response(self.metrics_text, media_type="text/plain")
+            r = await client.get(f"{self.target}/metrics")
+            return Response(r.content, status_code=r.status_code, media_type="text/plain")
+
+        @app.get("/v1/models")
+        async def models() -> Response:
+            r = await client.get(f"{self.target}/v1/models")
+            return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+        @app.post("/v1/chat/completions")
+        @app.post("/v1/completions")
+        async def complete(request: Request):
+            body = await request.body()
+            self.bodies.append(json.loads(body))
+            self.request_ids.append(request.headers.get("x-request-id"))
+            mode = self.mode
+            if mode.stall_s:
+                await asyncio.sleep(mode.stall_s)
+            if mode.html:
+                return Response("<html><body>502 Bad Gateway</body></html>", media_type="text/html")
+            if mode.status != 200:
+                return JSONResponse({"error": mode.error}, status_code=mode.status)
+            req = client.build_request("POST", f"{self.target}{request.url.path}", content=body,
+                                       headers={"content-type": "application/json"})
+            resp = await client.send(req, stream=True)
+            if resp.status_code != 200 or "text/event-stream" not in resp.headers.get("content-type", ""):
+                content = await resp.aread()
+                return Response(content, status_code=resp.status_code, media_type="application/json")
+            return StreamingResponse(self._relay(resp, mode), media_type="text/event-stream")
+
+        return app
+
+    async def _relay(self, resp: httpx.Response, mode: Mode):
+        n = 0
+        try:
+            async for line in resp.aiter_lines():
+                if not line:
+                    continue
+                if mode.cut_after is not None and n >= mode.cut_after:
+                    return
+                n += 1
+                yield line + "\n\n"
+        finally:
+            await resp.aclose()
