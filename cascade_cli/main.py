@@ -207,7 +207,8 @@ def cmd_cloud_serve(args) -> int:
     if args.both and args.prefill is None and args.decode is None:
         args.prefill = args.decode = 0  # `--both N` alone: N co-located workers, nothing else
     overrides = {
-        "gateway": {"host": args.host, "port": args.port, "prefill": args.prefill, "decode": args.decode,
+        "gateway": {"host": args.host, "port": args.port, "db": args.db, "redis": args.redis,
+                    "prefill": args.prefill, "decode": args.decode,
                     "both": args.both, "workers": args.workers, "worker_threads": args.worker_threads,
                     "kv_transport": args.kv_transport},
         "server": {"api_key": args.worker_api_key},
@@ -393,6 +394,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-cache-bytes", type=int, help=f"memory for KV blocks, per started worker "
                                                           f"(default: {eng.kv_cache_memory_bytes})")
     serve.add_argument("--worker-api-key", help="the bearer key between the gateway and its workers (default: none)")
+    serve.add_argument("--db", help="keys, budgets and idempotency records: a SQLite path, or a postgresql:// DSN that "
+                                    "several gateway replicas share (default: $CASCADE_HOME/cloud/gateway.db)")
+    serve.add_argument("--redis", help="a redis:// URL for the quotas, result cache and spend counters that several "
+                                       "gateway replicas share (default: none, in this process)")
     serve.add_argument("--k8s-selector", metavar="SELECTOR",
                        help="find workers through the Kubernetes API: a label selector of their pods (role: the "
                             "cascade.dev/role label, else both) (default: none)")

@@ -80,7 +80,12 @@ class GatewayConfig:
     both: int = 0
     worker_threads: int = 0  # torch threads per started worker; 0: the cores shared out
     kv_transport: str = "auto"  # tcp | shm | auto (shm when a pair is on this host)
-    db: str = ""  # keys and idempotency store; "": $CASCADE_HOME/cloud/gateway.db
+    # keys, budgets and idempotency: a path (SQLite; "": $CASCADE_HOME/cloud/gateway.db) or a postgresql:// DSN
+    # shared by several gateway replicas; redis: a redis:// URL for quotas, the result cache and spend
+    # counters shared by the replicas ("": in this process, spend in the db)
+    db: str = ""
+    redis: str = ""
+    model_prices: str = ""  # USD per million prompt:completion tokens: "model=0.15:0.60,other=1:2" ("*": any)
     # service-level objectives: admission rejects early what would miss the TTFT one
     ttft_slo_s: float = 10.0
     tpot_slo_s: float = 0.25
@@ -131,8 +136,31 @@ class GatewayConfig:
             raise ValueError("SLOs must be positive")
         if not 0 < self.idempotency_lease_s <= self.idempotency_ttl_s:
             raise ValueError("idempotency_lease_s must be > 0 and at most idempotency_ttl_s")
+        if self.redis and not self.redis.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis must be a redis://, rediss:// or unix:// URL (or empty), not {self.redis!r}")
+        parse_model_prices(self.model_prices)
         if not 0 < self.k8s_port <= 65535:
             raise ValueError(f"k8s_port must be in 1..65535, got {self.k8s_port}")
+
+
+def parse_model_prices(text: str) -> dict[str, tuple[float, float]]:
+    """``[gateway] model_prices`` ("smollm2-135m=0.15:0.60,other=1:2": USD per million prompt and
+    completion tokens, by model; "*" prices any model not named) as {model: (prompt, completion)}."""
+    prices = {}
+    for item in (i.strip() for i in text.split(",")):
+        if not item:
+            continue
+        name, _, rates = item.partition("=")
+        prompt, _, completion = rates.partition(":")
+        try:
+            pair = (float(prompt), float(completion))
+        except ValueError:
+            pair = (-1.0, -1.0)
+        if not name.strip() or not all(0 <= x < float("inf") for x in pair):
+            raise ValueError(f"model_prices: {item!r} is not model=PROMPT:COMPLETION (USD per million tokens, "
+                             "numbers >= 0)")
+        prices[name.strip()] = pair
+    return prices
 
 
 @dataclass

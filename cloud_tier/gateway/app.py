@@ -1,6 +1,6 @@
-"""``build_app(config, worker_urls)``: the gateway. The lifespan opens the key and idempotency
-stores, finds the workers and takes the model's names and tokenizer from one of them (the
-gateway never holds the model, nor torch)."""
+"""``build_app(config, worker_urls)``: the gateway. The lifespan opens its stores (SQLite and
+in-process, or PostgreSQL and Redis: ``stores.open_stores``), finds the workers and takes the
+model's names and tokenizer from one of them (the gateway never holds the model, nor torch)."""
 
 from __future__ import annotations
 
@@ -9,30 +9,22 @@ import contextlib
 import logging
 import time
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 import httpx
 from fastapi import FastAPI
 
-from cascade.config import cascade_home
 from cascade.web import build_openai_app
 from cloud_tier import tokenizer_files
 from cloud_tier.config import CloudConfig
 from cloud_tier.disagg.protocol import ServedModel
-from cloud_tier.gateway.keys import KeyStore
 from cloud_tier.gateway.routes import admin, ops, v1
 from cloud_tier.gateway.service import GatewayService
+from cloud_tier.gateway.stores import open_stores
 from cloud_tier.gateway.worker_pool import WorkerPool
 from cloud_tier.request_builder import RequestBuilder
-from sync.idempotency import IdempotencyStore
+from sync.idempotency import IdempotencyRecords
 
 log = logging.getLogger(__name__)
-
-
-def db_path(config: CloudConfig) -> Path:
-    path = Path(config.gateway.db) if config.gateway.db else cascade_home() / "cloud" / "gateway.db"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 async def served_model(pool: WorkerPool, timeout_s: float) -> ServedModel:
@@ -58,10 +50,7 @@ def build_app(config: CloudConfig, worker_urls: list[str]) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        db = db_path(config)
-        keys = KeyStore(db)
-        idem = IdempotencyStore(db.with_name("idempotency.db"), ttl_s=g.idempotency_ttl_s,
-                                lease_s=g.idempotency_lease_s)
+        stores = open_stores(config)
         client = httpx.AsyncClient(timeout=httpx.Timeout(g.request_timeout_s, connect=5.0),
                                    limits=httpx.Limits(max_connections=1024, max_keepalive_connections=128))
         pool = WorkerPool(worker_urls, client, config.server.api_key, g.health_interval_s)
@@ -69,22 +58,21 @@ def build_app(config: CloudConfig, worker_urls: list[str]) -> FastAPI:
         model = await served_model(pool, g.startup_timeout_s)
         tokenizer = await asyncio.to_thread(tokenizer_files.load, model.tokenizer_files)
         builder = RequestBuilder(tokenizer, pool.max_model_len or model.max_model_len)
-        app.state.service = GatewayService(g, pool, keys, idem, builder, model.model, set(model.aliases), client,
+        app.state.service = GatewayService(g, pool, stores, builder, model.model, set(model.aliases), client,
                                            config.server.api_key)
-        collector = asyncio.create_task(_collect(idem))
+        collector = asyncio.create_task(_collect(stores.idempotency))
         try:
             yield
         finally:
             collector.cancel()
             await pool.close()
             await client.aclose()
-            idem.close()
-            keys.close()
+            stores.close()
 
     return build_openai_app("cascade cloud gateway", lifespan, config, "cloud", ops, v1, admin)
 
 
-async def _collect(idem: IdempotencyStore, every_s: float = 600.0) -> None:
+async def _collect(idem: IdempotencyRecords, every_s: float = 600.0) -> None:
     while True:
         with contextlib.suppress(Exception):
             n = await asyncio.to_thread(idem.collect_expired)

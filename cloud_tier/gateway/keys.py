@@ -1,4 +1,6 @@
-"""API keys bound to tenants, kept in SQLite as sha256 hashes.
+"""API keys bound to tenants, kept as sha256 hashes, with the tenants' limits and the budgets of
+tenants and keys: in SQLite here (``KeyStore``), in PostgreSQL for several gateway replicas
+(``keys_pg.PgKeyStore``), one implementation of their semantics (``KeyRecords``) for both.
 
 A key reads ``csk-<key_id>-<secret>``: the 8-character ``key_id`` is public (listings, metrics,
 revocation) and selects the row; the whole key's hash is then compared in constant time.
@@ -11,10 +13,9 @@ import hmac
 import math
 import re
 import secrets
-import sqlite3
 import string
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from cascade.protocol import INT32
 from sync.sqlite import SQLiteStore
 
 SCOPES = ("infer", "admin")
+PERIODS = ("day", "month")  # budgets run per UTC calendar day or month
+BUDGET_SCOPES = ("tenant", "key")
 KEY_PREFIX = "csk-"
 
 _TENANT_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -78,6 +81,26 @@ class ApiKey:
 
 
 @dataclass(frozen=True)
+class Budget:
+    """What a tenant or a key may spend per ``period``: ``tokens`` (prompt + completion) and/or
+    ``usd`` (priced by ``[gateway] model_prices``); 0: no cap."""
+
+    tokens: float = 0.0
+    usd: float = 0.0
+    period: str = "month"
+
+    def __post_init__(self):
+        _check_limit("budget tokens", self.tokens)
+        _check_limit("budget usd", self.usd)
+        if self.period not in PERIODS:
+            raise ValueError(f"a budget period is {' or '.join(PERIODS)}, not {self.period!r}")
+
+    @property
+    def active(self) -> bool:
+        return self.tokens > 0 or self.usd > 0
+
+
+@dataclass(frozen=True)
 class TenantLimits:
     tenant: str
     rps: float = 0.0  # 0: none
@@ -99,35 +122,23 @@ def _row_to_key(row: dict) -> ApiKey:
                   created_at=row["created_at"], revoked=bool(row["revoked"]), priority=row["priority"])
 
 
-class KeyStore(SQLiteStore):
-    """API keys in SQLite (WAL), stored only as a hash; the plaintext is returned once by create().
+class KeyRecords:
+    """The key store's semantics over SQL that SQLite and PostgreSQL both speak. A backend gives
+    ``_write()`` (a transaction whose ``execute`` returns a cursor) and ``_read()`` (rows as dicts)
+    and creates the tables.
 
-    Several processes may open the same file. verify() and tenant_limits() answer from a
-    per-process cache for up to ``cache_ttl_s``, so a revocation or a limit change made elsewhere
-    takes effect within that time (at once in the process that made it).
+    verify(), tenant_limits() and budget() answer from a per-process cache for up to
+    ``cache_ttl_s``, so a revocation or a change of limits or budgets made elsewhere (another
+    process, another replica) takes effect within that time (at once in the process that made it).
     """
 
-    def __init__(self, path: Path | str, cache_ttl_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, cache_ttl_s: float, clock: Callable[[], float]):
         self.cache_ttl_s = cache_ttl_s
         self._clock = clock
         # key_id -> (sha256 hex, key, expires at); only live keys, so its size is bounded by them
         self._keys: dict[str, tuple[str, ApiKey, float]] = {}
-        self._limits: dict[str, tuple[TenantLimits, float]] = {}
-        super().__init__(path)
-        with self._write():
-            self._db["tenants"].create(
-                {"name": str, "rps": float, "tpm": float, "created_at": float},
-                pk="name", not_null={"rps", "tpm", "created_at"}, if_not_exists=True)
-            self._db["api_keys"].create(
-                {"key_id": str, "key_hash": str, "tenant": str, "device": str, "scopes": str,
-                 "rps": float, "tpm": float, "created_at": float, "revoked": int},
-                pk="key_id",
-                not_null={"key_hash", "tenant", "scopes", "rps", "tpm", "created_at", "revoked"},
-                foreign_keys=[("tenant", "tenants", "name")], if_not_exists=True)
-            self._db["api_keys"].create_index(["tenant"], if_not_exists=True)
-            if "priority" not in self._db["api_keys"].columns_dict:  # a database from before priorities
-                self._db["api_keys"].add_column("priority", int, not_null_default=0)
+        # ("limits", tenant) | ("budget", scope, name) -> (value, expires at)
+        self._settings: dict[tuple, tuple[TenantLimits | Budget, float]] = {}
 
     def create(self, tenant: str, device: str | None = None, scopes: Iterable[str] = ("infer",),
                rps: float = 0.0, tpm: float = 0.0, priority: int = 0) -> tuple[str, ApiKey]:
@@ -142,18 +153,17 @@ class KeyStore(SQLiteStore):
                             scopes=frozenset(scopes), rps=float(rps), tpm=float(tpm),
                             created_at=time.time(), priority=priority)  # validates
             plaintext = f"{KEY_PREFIX}{key_id}-{secrets.token_urlsafe(32)}"
-            try:
-                with self._write() as conn:
-                    conn.execute("INSERT OR IGNORE INTO tenants (name, rps, tpm, created_at) "
-                                 "VALUES (?, 0, 0, ?)", (tenant, record.created_at))
-                    conn.execute(
-                        "INSERT INTO api_keys (key_id, key_hash, tenant, device, scopes, rps, "
-                        "tpm, created_at, revoked, priority) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
-                        (key_id, _hash(plaintext), tenant, device, " ".join(sorted(record.scopes)),
-                         record.rps, record.tpm, record.created_at, record.priority))
-            except sqlite3.IntegrityError:
-                continue  # key_id taken (1 in 36^8 per existing key): draw another
-            return plaintext, record
+            with self._write() as tx:
+                tx.execute("INSERT INTO tenants (name, rps, tpm, created_at) VALUES (?, 0, 0, ?) "
+                           "ON CONFLICT (name) DO NOTHING", (tenant, record.created_at))
+                inserted = tx.execute(
+                    "INSERT INTO api_keys (key_id, key_hash, tenant, device, scopes, rps, tpm, created_at, "
+                    "revoked, priority) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, ?) ON CONFLICT (key_id) DO NOTHING",
+                    (key_id, _hash(plaintext), tenant, device, " ".join(sorted(record.scopes)),
+                     record.rps, record.tpm, record.created_at, record.priority)).rowcount > 0
+            if inserted:
+                return plaintext, record
+            # key_id taken (1 in 36^8 per existing key): draw another
         raise RuntimeError("could not draw an unused key id")
 
     def verify(self, presented: str) -> ApiKey | None:
@@ -171,8 +181,7 @@ class KeyStore(SQLiteStore):
         return key if hmac.compare_digest(stored, digest) else None
 
     def _load(self, key_id: str, now: float) -> tuple[str, ApiKey, float] | None:
-        with self._lock:
-            rows = list(self._db.query("SELECT * FROM api_keys WHERE key_id = ?", [key_id]))
+        rows = self._read("SELECT * FROM api_keys WHERE key_id = ?", [key_id])
         if not rows or rows[0]["revoked"]:
             self._keys.pop(key_id, None)
             return None
@@ -182,45 +191,126 @@ class KeyStore(SQLiteStore):
 
     def revoke(self, key_id: str) -> bool:
         """Revoke a key (already revoked: still True). False when no key has this id."""
-        with self._write() as conn:
-            found = conn.execute("UPDATE api_keys SET revoked = 1 WHERE key_id = ?",
-                                 (key_id,)).rowcount > 0
+        with self._write() as tx:
+            found = tx.execute("UPDATE api_keys SET revoked = 1 WHERE key_id = ?", (key_id,)).rowcount > 0
         self._keys.pop(key_id, None)
         return found
 
     def list(self, tenant: str | None = None) -> list[ApiKey]:
         """Every key, revoked ones included, oldest first."""
         where, params = ("WHERE tenant = ?", [tenant]) if tenant is not None else ("", [])
-        with self._lock:
-            rows = list(self._db.query(
-                f"SELECT * FROM api_keys {where} ORDER BY created_at, key_id", params))
-        return [_row_to_key(r) for r in rows]
+        return [_row_to_key(r) for r in self._read(f"SELECT * FROM api_keys {where} ORDER BY created_at, key_id",
+                                                   params)]
 
     def set_tenant_limits(self, tenant: str, rps: float | None = None,
                           tpm: float | None = None) -> TenantLimits:
         """Set a tenant's limits (None: leave as is), creating the tenant if new."""
         TenantLimits(tenant, rps or 0.0, tpm or 0.0)  # validates the values given
-        with self._write() as conn:
-            conn.execute("INSERT OR IGNORE INTO tenants (name, rps, tpm, created_at) "
-                         "VALUES (?, 0, 0, ?)", (tenant, time.time()))
-            conn.execute("UPDATE tenants SET rps = coalesce(?, rps), tpm = coalesce(?, tpm) "
-                         "WHERE name = ?", (rps, tpm, tenant))
-        limits = self._read_limits(tenant)
-        self._limits[tenant] = (limits, self._clock() + self.cache_ttl_s)
-        return limits
+        with self._write() as tx:
+            tx.execute("INSERT INTO tenants (name, rps, tpm, created_at) VALUES (?, 0, 0, ?) "
+                       "ON CONFLICT (name) DO NOTHING", (tenant, time.time()))
+            tx.execute("UPDATE tenants SET rps = coalesce(?, rps), tpm = coalesce(?, tpm) WHERE name = ?",
+                       (rps, tpm, tenant))
+        return self._refresh(("limits", tenant), lambda: self._read_limits(tenant))
 
     def tenant_limits(self, tenant: str) -> TenantLimits:
         """A tenant's limits (an unknown tenant has none), cached like verify()."""
-        now = self._clock()
-        hit = self._limits.get(tenant)
-        if hit is not None and hit[1] > now:
-            return hit[0]
-        limits = self._read_limits(tenant)
-        self._limits[tenant] = (limits, now + self.cache_ttl_s)
-        return limits
+        return self._cached(("limits", tenant), lambda: self._read_limits(tenant))
 
     def _read_limits(self, tenant: str) -> TenantLimits:
         _check_tenant(tenant)
-        with self._lock:
-            rows = list(self._db.query("SELECT rps, tpm FROM tenants WHERE name = ?", [tenant]))
+        rows = self._read("SELECT rps, tpm FROM tenants WHERE name = ?", [tenant])
         return TenantLimits(tenant, rows[0]["rps"], rows[0]["tpm"]) if rows else TenantLimits(tenant)
+
+    # -- budgets (cloud_tier/gateway/budgets.py spends them) ----------------------------------
+
+    def set_budget(self, scope: str, name: str, tokens: float | None = None, usd: float | None = None,
+                   period: str | None = None) -> Budget:
+        """Set the budget of a tenant or a key (``scope`` "tenant" or "key", ``name`` its name or
+        key_id; None: leave as is, 0: no cap)."""
+        _check_budget_scope(scope, name)
+        Budget(tokens or 0.0, usd or 0.0, period or "month")  # validates the values given
+        with self._write() as tx:
+            tx.execute("INSERT INTO budgets (scope, name, tokens, usd, period) VALUES (?, ?, 0, 0, 'month') "
+                       "ON CONFLICT (scope, name) DO NOTHING", (scope, name))
+            tx.execute("UPDATE budgets SET tokens = coalesce(?, tokens), usd = coalesce(?, usd), "
+                       "period = coalesce(?, period) WHERE scope = ? AND name = ?", (tokens, usd, period, scope, name))
+        return self._refresh(("budget", scope, name), lambda: self._read_budget(scope, name))
+
+    def budget(self, scope: str, name: str) -> Budget:
+        """The budget of a tenant or a key (none set: no cap, monthly), cached like verify()."""
+        return self._cached(("budget", scope, name), lambda: self._read_budget(scope, name))
+
+    def _read_budget(self, scope: str, name: str) -> Budget:
+        _check_budget_scope(scope, name)
+        rows = self._read("SELECT tokens, usd, period FROM budgets WHERE scope = ? AND name = ?", [scope, name])
+        return Budget(rows[0]["tokens"], rows[0]["usd"], rows[0]["period"]) if rows else Budget()
+
+    def add_spend(self, charges: Sequence[tuple[str, str, str, float, float, float]]) -> None:
+        """Add (scope, name, period id, tokens, usd, ttl_s) to the spend counters, in one
+        transaction (ttl_s is for Redis' counters: a period's row here is kept)."""
+        with self._write() as tx:
+            for scope, name, period_id, tokens, usd, _ in charges:
+                tx.execute("INSERT INTO spend (scope, name, period, tokens, usd) VALUES (?, ?, ?, ?, ?) "
+                           "ON CONFLICT (scope, name, period) DO UPDATE SET tokens = spend.tokens + excluded.tokens, "
+                           "usd = spend.usd + excluded.usd", (scope, name, period_id, tokens, usd))
+
+    def spent(self, counters: Sequence[tuple[str, str, str]]) -> list[tuple[float, float]]:
+        """(tokens, usd) spent by each (scope, name, period id); (0, 0) for none."""
+        out = []
+        for scope, name, period_id in counters:
+            rows = self._read("SELECT tokens, usd FROM spend WHERE scope = ? AND name = ? AND period = ?",
+                              [scope, name, period_id])
+            out.append((rows[0]["tokens"], rows[0]["usd"]) if rows else (0.0, 0.0))
+        return out
+
+    def _cached(self, what: tuple, load: Callable):
+        now = self._clock()
+        hit = self._settings.get(what)
+        if hit is not None and hit[1] > now:
+            return hit[0]
+        value = load()
+        self._settings[what] = (value, now + self.cache_ttl_s)
+        return value
+
+    def _refresh(self, what: tuple, load: Callable):
+        value = load()
+        self._settings[what] = (value, self._clock() + self.cache_ttl_s)
+        return value
+
+
+def _check_budget_scope(scope: str, name: str) -> None:
+    if scope not in BUDGET_SCOPES:
+        raise ValueError(f"a budget's scope is {' or '.join(BUDGET_SCOPES)}, not {scope!r}")
+    if scope == "tenant":
+        _check_tenant(name)
+    elif not (isinstance(name, str) and re.fullmatch(r"[a-z0-9]{8}", name)):
+        raise ValueError(f"a key id is 8 characters of [a-z0-9], not {name!r}")
+
+
+class KeyStore(SQLiteStore, KeyRecords):
+    """API keys in SQLite (WAL), stored only as a hash; the plaintext is returned once by create().
+    Several processes may open the same file."""
+
+    def __init__(self, path: Path | str, cache_ttl_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic):
+        KeyRecords.__init__(self, cache_ttl_s, clock)
+        SQLiteStore.__init__(self, path)
+        with self._write():
+            self._db["tenants"].create(
+                {"name": str, "rps": float, "tpm": float, "created_at": float},
+                pk="name", not_null={"rps", "tpm", "created_at"}, if_not_exists=True)
+            self._db["api_keys"].create(
+                {"key_id": str, "key_hash": str, "tenant": str, "device": str, "scopes": str,
+                 "rps": float, "tpm": float, "created_at": float, "revoked": int},
+                pk="key_id",
+                not_null={"key_hash", "tenant", "scopes", "rps", "tpm", "created_at", "revoked"},
+                foreign_keys=[("tenant", "tenants", "name")], if_not_exists=True)
+            self._db["api_keys"].create_index(["tenant"], if_not_exists=True)
+            if "priority" not in self._db["api_keys"].columns_dict:  # a database from before priorities
+                self._db["api_keys"].add_column("priority", int, not_null_default=0)
+            self._db["budgets"].create({"scope": str, "name": str, "tokens": float, "usd": float, "period": str},
+                                       pk=("scope", "name"), not_null={"tokens", "usd", "period"},
+                                       if_not_exists=True)
+            self._db["spend"].create({"scope": str, "name": str, "period": str, "tokens": float, "usd": float},
+                                     pk=("scope", "name", "period"), not_null={"tokens", "usd"}, if_not_exists=True)

@@ -19,16 +19,17 @@ import httpx
 from cascade import errors
 from cloud_tier.config import GatewayConfig
 from cloud_tier.gateway.admission import Admission
-from cloud_tier.gateway.keys import ApiKey, KeyStore, check_priority
+from cloud_tier.gateway.keys import ApiKey, check_priority
 from cloud_tier.gateway.metrics import GatewayMetrics
 from cloud_tier.gateway.placement import PrefixIndex, RouterConfig
-from cloud_tier.gateway.quotas import Limits, Quotas
-from cloud_tier.gateway.result_cache import ResultCache, cache_key
+from cloud_tier.gateway.quotas import Limits
+from cloud_tier.gateway.result_cache import cache_key
+from cloud_tier.gateway.stores import Stores
 from cloud_tier.gateway.streams import Flight, Recorder, RunToEnd
 from cloud_tier.gateway.worker_client import WorkerClient
 from cloud_tier.gateway.worker_pool import WorkerPool
 from cloud_tier.request_builder import RequestBuilder
-from sync.idempotency import ClaimState, IdempotencyStore
+from sync.idempotency import ClaimState
 
 
 def request_hash(endpoint: str, body: dict) -> str:
@@ -74,19 +75,20 @@ def tokens_used(f: Flight) -> int:
 
 
 class GatewayService:
-    def __init__(self, config: GatewayConfig, pool: WorkerPool, keys: KeyStore, idempotency: IdempotencyStore,
-                 builder: RequestBuilder, model_id: str, aliases: set[str], client: httpx.AsyncClient,
+    def __init__(self, config: GatewayConfig, pool: WorkerPool, stores: Stores, builder: RequestBuilder,
+                 model_id: str, aliases: set[str], client: httpx.AsyncClient,
                  worker_api_key: str = ""):
         self.config = config
         self.pool = pool
-        self.keys = keys
-        self.idempotency = idempotency
+        self.keys = stores.keys
+        self.idempotency = stores.idempotency
         self.builder = builder
         self.model_id = model_id
         self.model_names = {model_id, *aliases}
         self.metrics = GatewayMetrics(config.metrics_tenant_labels)
-        self.quotas = Quotas()
-        self.cache = ResultCache(config.result_cache_entries, config.result_cache_bytes, config.result_cache_ttl_s)
+        self.quotas = stores.quotas
+        self.cache = stores.cache
+        self.budgets = stores.budgets
         self.admission = Admission(pool, config.kv_high_watermark, config.max_queue)
         self.router_config = RouterConfig(
             alpha=config.route_alpha, beta=config.route_beta, prefill_ms_per_token=config.prefill_ms_per_token,
@@ -178,6 +180,11 @@ class GatewayService:
         d = self.quotas.admit(key.tenant, key.key_id, Limits(tl.rps, tl.tpm), Limits(key.rps, key.tpm),
                               predicted_tokens)
         if d.allowed:
+            try:
+                self.budgets.check(key)  # after the quota, so that a request it refuses costs no spend lookup
+            except errors.APIError:
+                self.quotas.reconcile(key.tenant, key.key_id, predicted_tokens, 0)  # its tokens back
+                raise
             return
         if d.reason == "tpm_never":
             raise errors.APIError(429, f"This request may use {predicted_tokens} tokens, more than the "
@@ -195,7 +202,10 @@ class GatewayService:
         if f.ticket is not None:
             self.admission.release(f.ticket)
         fin = f.finish
-        self.quotas.reconcile(f.tenant, f.key.key_id, f.predicted_tokens, tokens_used(f))
+        used = tokens_used(f)
+        self.quotas.reconcile(f.tenant, f.key.key_id, f.predicted_tokens, used)
+        completion = fin.completion_tokens if fin is not None else f.generated_tokens
+        self.budgets.charge(f.key, self.model_id, used - completion, completion)
         if fin is None:
             self._end_claim(f)
             self._count(f, outcome_of(f.error) if f.error is not None else "499")  # no error: the client left

@@ -8,6 +8,8 @@ import pytest
 
 from cloud_tier.gateway.keys import ApiKey, KeyStore, TenantLimits
 from cloud_tier.gateway.keys_cli import add_keys_parser
+from cloud_tier.gateway.keys_pg import PgKeyStore
+from tests.pg_redis import fresh_database
 
 
 class FakeClock:
@@ -23,9 +25,11 @@ def db(tmp_path):
     return tmp_path / "gateway.db"
 
 
-@pytest.fixture
-def store(db):
-    s = KeyStore(db)
+@pytest.fixture(params=["sqlite", "postgres"])
+def store(request, db):
+    """The key store on SQLite and on PostgreSQL (a fresh database): the tests that use it run on both."""
+    s = KeyStore(db) if request.param == "sqlite" else PgKeyStore(fresh_database(request.getfixturevalue(
+        "postgres_dsn")))
     yield s
     s.close()
 
@@ -79,9 +83,11 @@ def test_right_id_with_wrong_secret_is_refused(store):
     assert store.verify(plaintext[:-1] + ("a" if plaintext[-1] != "a" else "b")) is None
 
 
-def test_only_the_hash_is_stored(store, db):
+def test_only_the_hash_is_stored(db):
+    store = KeyStore(db)
     plaintext, key = store.create("acme", device="pi-7")
     store.verify(plaintext)
+    store.close()
     secret = plaintext.split("-", 2)[2].encode()
     raw = b"".join(p.read_bytes() for p in db.parent.iterdir() if p.name.startswith(db.name))
     assert plaintext.encode() not in raw and secret not in raw
