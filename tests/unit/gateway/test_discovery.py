@@ -292,3 +292,42 @@ def test_no_cluster_and_no_kubeconfig_is_a_config_error(tmp_path, monkeypatch):
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
     with pytest.raises(ConfigError, match="k8s discovery: not in a pod .* no usable kubeconfig"):
         KubernetesDiscovery("cascade", WORKER_SELECTOR)
+
+
+# --- configuration: [gateway] k8s_* and cascade cloud serve --k8s-* --------------------------------------
+
+def serve_config(monkeypatch, argv: list[str]):
+    from cascade_cli.main import main
+
+    got = []
+    monkeypatch.setattr("cloud_tier.serve.run", lambda config, *rest: got.append(config))
+    code = main(["cloud", "serve", *argv])
+    return code, (got[0] if got else None)
+
+
+def test_the_k8s_flags_reach_the_gateway_config(monkeypatch):
+    code, config = serve_config(monkeypatch, [
+        "--k8s-prefill-selector", "app.kubernetes.io/name=vllm-prefill",
+        "--k8s-decode-selector", "app.kubernetes.io/name=vllm-decode", "--k8s-namespace", "inference",
+        "--k8s-port", "8080"])
+    assert code == 0
+    g = config.gateway
+    assert (g.k8s_selector, g.k8s_prefill_selector, g.k8s_decode_selector, g.k8s_namespace, g.k8s_port) == (
+        "", "app.kubernetes.io/name=vllm-prefill", "app.kubernetes.io/name=vllm-decode", "inference", 8080)
+    assert g.k8s_discovery
+
+
+def test_k8s_discovery_is_off_unless_a_selector_is_set_and_env_sets_it_too():
+    from cloud_tier.config import CloudConfig
+
+    assert not CloudConfig.load(environ={}).gateway.k8s_discovery
+    env = {"CASCADE_CLOUD_GATEWAY_K8S_SELECTOR": WORKER_SELECTOR, "CASCADE_CLOUD_GATEWAY_K8S_PORT": "9000"}
+    g = CloudConfig.load(environ=env).gateway
+    assert g.k8s_discovery and (g.k8s_selector, g.k8s_port) == (WORKER_SELECTOR, 9000)
+
+
+def test_a_bad_k8s_port_exits_2_with_one_line(monkeypatch, capsys):
+    code, config = serve_config(monkeypatch, ["--k8s-selector", WORKER_SELECTOR, "--k8s-port", "0"])
+    assert (code, config) == (2, None)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "k8s_port must be in 1..65535" in err
