@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cascade.config import ConfigError
+from cloud_tier.gateway.worker_metrics import KINDS
 
 log = logging.getLogger(__name__)
 
 ROLE_LABEL = "cascade.dev/role"
 TYPE_LABEL = "cascade.dev/worker-type"
 ROLES = ("both", "prefill", "decode")
-WORKER_TYPES = ("cascade", "vllm", "sglang", "openai")  # the worker pool's kinds
+WORKER_TYPES = KINDS  # the worker pool's kinds
 PORT_NAME = "http"  # a container port of this name is the worker's API port
 # in a pod, the namespace it runs in (mounted with its service account token)
 _NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
