@@ -204,13 +204,33 @@ def cmd_cloud_serve(args) -> int:
     from cloud_tier.worker.processes import StartupError
     from model_distribution.catalog import ModelNotFound
 
+    # --prefill/--decode: a number of workers to start here, or the URLs of vLLM prefill/decode workers
+    prefill_urls = decode_urls = None
+    for role in ("prefill", "decode"):
+        value = getattr(args, role)
+        if value is not None and not value.strip().isdigit():
+            urls = [u.strip() for u in value.split(",") if u.strip()]
+            if not urls or not all(u.startswith(("http://", "https://")) for u in urls):
+                print(f"cascade: --{role} takes a number of workers to start or http(s):// URLs, not {value!r}",
+                      file=sys.stderr)
+                return 2
+            prefill_urls, decode_urls = (",".join(urls), decode_urls) if role == "prefill" else (prefill_urls,
+                                                                                                 ",".join(urls))
+            setattr(args, role, None)
+        elif value is not None:
+            setattr(args, role, int(value))
+    if (prefill_urls is None) != (decode_urls is None):
+        print("cascade: prefill/decode pairs need both --prefill URL and --decode URL", file=sys.stderr)
+        return 2
     if args.both and args.prefill is None and args.decode is None:
         args.prefill = args.decode = 0  # `--both N` alone: N co-located workers, nothing else
     overrides = {
         "gateway": {"host": args.host, "port": args.port, "db": args.db, "redis": args.redis,
                     "prefill": args.prefill, "decode": args.decode,
                     "both": args.both, "workers": args.workers, "worker_threads": args.worker_threads,
-                    "kv_transport": args.kv_transport},
+                    "kv_transport": args.kv_transport, "worker_type": args.worker_type,
+                    "prefill_workers": prefill_urls, "decode_workers": decode_urls,
+                    "kv_connector": args.kv_connector},
         "server": {"api_key": args.worker_api_key},
         "engine": {"model": args.model, "max_model_len": args.max_model_len,
                    "kv_cache_memory_bytes": args.kv_cache_bytes},
@@ -377,13 +397,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="cloud.toml (default: none)")
     serve.add_argument("--host", help=f"the gateway's address (default: {gw.host})")
     serve.add_argument("--port", type=int, help=f"the gateway's port (default: {gw.port})")
-    serve.add_argument("--prefill", type=int, help=f"prefill workers to start (default: {gw.prefill}; 0 when only "
-                                                   "--both is given)")
-    serve.add_argument("--decode", type=int, help=f"decode workers to start (default: {gw.decode}; 0 when only "
-                                                  "--both is given)")
+    serve.add_argument("--prefill", metavar="N|URL,...",
+                       help=f"prefill workers to start (default: {gw.prefill}; 0 when only --both is given), or "
+                            "the URLs of vLLM prefill workers (with --decode URL,... and --kv-connector nixl)")
+    serve.add_argument("--decode", metavar="N|URL,...",
+                       help=f"decode workers to start (default: {gw.decode}; 0 when only --both is given), or "
+                            "the URLs of vLLM decode workers")
     serve.add_argument("--both", type=int, help=f"co-located workers to start (default: {gw.both})")
-    serve.add_argument("--workers", help="comma-separated URLs of workers started elsewhere; starts none, and "
-                                         "needs no torch here (default: none)")
+    serve.add_argument("--workers", help="comma-separated URLs of workers started elsewhere (ours, vLLM, SGLang or "
+                                         "any OpenAI-compatible server); starts none, and needs no torch here "
+                                         "(default: none)")
+    serve.add_argument("--worker-type", choices=["auto", "cascade", "vllm", "sglang", "openai"],
+                       help="what the --workers are; auto: detected (/internal/load: ours, else the names in their "
+                            f"/metrics: vllm: or sglang:, else openai) (default: {gw.worker_type})")
+    serve.add_argument("--kv-connector", choices=["nixl"],
+                       help="how vLLM prefill/decode pairs move KV: nixl, vLLM's NixlConnector (prefill with "
+                            "max_tokens 1, then decode with its kv_transfer_params)")
     serve.add_argument("--model", help=f"for the workers it starts: catalogue name, .gguf path or HF directory "
                                        f"(default: {eng.model})")
     serve.add_argument("--worker-threads", type=int, help="torch threads per started worker "

@@ -75,6 +75,28 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     workers: str = ""  # comma-separated worker URLs started elsewhere; "": start our own
+    # what they are: auto (detected: /internal/load -> cascade, else /metrics names vllm: / sglang:, else openai)
+    worker_type: str = "auto"
+    prefill_workers: str = ""  # vLLM prefill/decode pairs: comma-separated URLs by role ...
+    decode_workers: str = ""
+    kv_connector: str = ""  # ... and how their KV moves: "nixl" (vLLM's NixlConnector two-step flow)
+    pd_min_prompt_chars: int = 1024  # shorter prompts skip the prefill step
+    pd_skip_hit_share: float = 0.8  # ... as do prompts the decode worker holds this share of
+    # foreign workers' health, failures and load (see cloud_tier/gateway/openai_route.py, openai_proxy.py)
+    metrics_interval_s: float = 1.0  # scrape of a foreign worker's /metrics and /health
+    stale_after_s: float = 3.0  # load numbers older than this: the worker counts as saturated
+    worker_max_waiting: int = 8  # a foreign worker with this many requests waiting is saturated
+    shed_step: float = 0.1  # priority p > 0 is shed from pressure 1 - shed_step * p (floor 0.5)
+    connect_timeout_s: float = 2.0
+    first_token_timeout_s: float = 60.0
+    retries: int = 2  # further attempts on another worker, before the first byte only
+    retry_backoff_s: float = 0.1
+    breaker_threshold: int = 3  # failures in a row that open a worker's circuit breaker ...
+    breaker_open_s: float = 5.0  # ... for this long (doubling while the trial fails)
+    route_prefix_weight: float = 2.0  # foreign routing: prefix share, queue and KV use weights
+    route_queue_weight: float = 1.0
+    route_kv_weight: float = 1.0
+    default_max_tokens: int = 512  # a request's predicted output (quota) when it names no max_tokens
     prefill: int = 1  # workers to start, by role (when ``workers`` is empty)
     decode: int = 1
     both: int = 0
@@ -124,11 +146,23 @@ class GatewayConfig:
         return bool(self.k8s_selector or self.k8s_prefill_selector or self.k8s_decode_selector)
 
     def __post_init__(self):
+        if self.worker_type not in ("auto", "cascade", "vllm", "sglang", "openai"):
+            raise ValueError(f"worker_type must be auto, cascade, vllm, sglang or openai, got {self.worker_type!r}")
+        if self.kv_connector not in ("", "nixl"):
+            raise ValueError(f"kv_connector must be nixl (or empty), got {self.kv_connector!r}")
+        if bool(self.prefill_workers) != bool(self.decode_workers):
+            raise ValueError("prefill and decode worker URLs go together: give both")
+        if self.worker_max_waiting < 1 or self.retries < 0 or self.breaker_threshold < 1:
+            raise ValueError("worker_max_waiting and breaker_threshold must be >= 1, retries >= 0")
+        if min(self.connect_timeout_s, self.first_token_timeout_s, self.metrics_interval_s, self.stale_after_s,
+               self.breaker_open_s) <= 0:
+            raise ValueError("timeouts and intervals must be > 0")
         if self.kv_transport not in ("tcp", "shm", "auto"):
             raise ValueError(f"kv_transport must be tcp, shm or auto, got {self.kv_transport!r}")
         if min(self.prefill, self.decode, self.both) < 0:
             raise ValueError("worker counts must be >= 0")
-        if not self.workers and not (self.both or (self.prefill and self.decode)):
+        if not (self.workers or self.prefill_workers or self.k8s_discovery) and not (
+                self.both or (self.prefill and self.decode)):
             raise ValueError("start at least one prefill and one decode worker, or one 'both' worker")
         if not 0 < self.kv_high_watermark <= 1:
             raise ValueError("kv_high_watermark must be in (0, 1]")
@@ -136,11 +170,11 @@ class GatewayConfig:
             raise ValueError("SLOs must be positive")
         if not 0 < self.idempotency_lease_s <= self.idempotency_ttl_s:
             raise ValueError("idempotency_lease_s must be > 0 and at most idempotency_ttl_s")
+        if not 0 < self.k8s_port <= 65535:
+            raise ValueError(f"k8s_port must be in 1..65535, got {self.k8s_port}")
         if self.redis and not self.redis.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis must be a redis://, rediss:// or unix:// URL (or empty), not {self.redis!r}")
         parse_model_prices(self.model_prices)
-        if not 0 < self.k8s_port <= 65535:
-            raise ValueError(f"k8s_port must be in 1..65535, got {self.k8s_port}")
 
 
 def parse_model_prices(text: str) -> dict[str, tuple[float, float]]:

@@ -28,13 +28,14 @@ def run(config: CloudConfig, config_path: str | None = None) -> None:
     urls = [u.strip() for field in (g.workers, g.prefill_workers, g.decode_workers)
             for u in field.split(",") if u.strip()]
     children = None
-    if not urls:
+    if not urls and not g.k8s_discovery:
         from cloud_tier.worker.processes import WorkerProcesses
 
         children = WorkerProcesses(config, config_path)
     try:
-        urls = urls or children.start()
-        log.info("cloud gateway on http://%s:%d in front of %s", g.host, g.port, ", ".join(urls))
+        urls = urls or (children.start() if children is not None else [])
+        log.info("cloud gateway on http://%s:%d in front of %s", g.host, g.port,
+                 ", ".join(urls) or f"the pods k8s discovery finds ({g.k8s_selector or 'by role'})")
         uvicorn.run(build_app(config, urls), host=g.host, port=g.port, log_level=config.server.log_level,
                     timeout_graceful_shutdown=5, access_log=False)
     finally:

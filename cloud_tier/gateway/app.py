@@ -45,26 +45,94 @@ async def served_model(pool: WorkerPool, timeout_s: float) -> ServedModel:
         await asyncio.sleep(2.0)
 
 
+async def foreign_models(pool: WorkerPool, timeout_s: float) -> tuple[list[str], int | None]:
+    """The model names OpenAI-compatible workers serve (their /v1/models, all of them) and the
+    shortest max_model_len they state (vLLM does), waiting for at least one to answer."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        names: list[str] = []
+        lens: list[int] = []
+        last_error = "no worker answered"
+        for w in pool.workers.values():
+            try:
+                r = await pool.client.get(f"{w.url}/v1/models", headers=pool.headers, timeout=10.0)
+                r.raise_for_status()
+                for card in r.json().get("data") or ():
+                    if isinstance(card, dict) and isinstance(card.get("id"), str):
+                        names.append(card["id"]) if card["id"] not in names else None
+                        n = card.get("max_model_len")
+                        if isinstance(n, int) and n > 0:
+                            lens.append(n)
+            except (httpx.HTTPError, ValueError, AttributeError) as e:
+                last_error = f"{w.url}: {e!r}"
+        if names:
+            return names, min(lens) if lens else None
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"no worker listed its models in {timeout_s:.0f} s ({last_error})")
+        log.info("waiting for a worker to list its models (%s)", last_error)
+        await asyncio.sleep(2.0)
+
+
+async def _first_worker(pool: WorkerPool, timeout_s: float) -> None:
+    """Until discovery has found a worker (its kind decides how the gateway talks to the pool)."""
+    deadline = time.monotonic() + timeout_s
+    while not pool.workers:
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"k8s discovery found no ready worker pod in {timeout_s:.0f} s")
+        await asyncio.sleep(1.0)
+
+
+def worker_roles(config: CloudConfig, worker_urls: list[str]) -> dict[str, str]:
+    """url -> the role it was given ("" when its own report says): --prefill/--decode URLs."""
+    g = config.gateway
+    roles = {u: "" for u in worker_urls}
+    for field, role in ((g.prefill_workers, "prefill"), (g.decode_workers, "decode")):
+        roles.update({u.strip(): role for u in field.split(",") if u.strip()})
+    return roles
+
+
 def build_app(config: CloudConfig, worker_urls: list[str]) -> FastAPI:
     g = config.gateway
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         stores = open_stores(config)
-        client = httpx.AsyncClient(timeout=httpx.Timeout(g.request_timeout_s, connect=5.0),
+        client = httpx.AsyncClient(timeout=httpx.Timeout(g.request_timeout_s, connect=g.connect_timeout_s),
                                    limits=httpx.Limits(max_connections=1024, max_keepalive_connections=128))
-        pool = WorkerPool(worker_urls, client, config.server.api_key, g.health_interval_s)
+        roles = worker_roles(config, worker_urls)
+        pool = WorkerPool(list(roles), client, config.server.api_key, g.health_interval_s, kind=g.worker_type,
+                          roles=roles, metrics_interval_s=g.metrics_interval_s,
+                          breaker_threshold=g.breaker_threshold, breaker_open_s=g.breaker_open_s)
+        watcher = None
+        if g.k8s_discovery:  # the pool follows the ready pods the selectors match
+            from cloud_tier.gateway.discovery import KubernetesDiscovery, follow
+
+            discovery = KubernetesDiscovery(g.k8s_namespace, g.k8s_selector, g.k8s_prefill_selector,
+                                            g.k8s_decode_selector, port=g.k8s_port)
+            watcher = asyncio.create_task(follow(discovery, lambda found: pool.set_workers(
+                {d.url: d.role for d in found}, {d.url: d.worker_type for d in found})))
+            await _first_worker(pool, g.startup_timeout_s)
         await pool.start(wait_s=30.0)
-        model = await served_model(pool, g.startup_timeout_s)
-        tokenizer = await asyncio.to_thread(tokenizer_files.load, model.tokenizer_files)
-        builder = RequestBuilder(tokenizer, pool.max_model_len or model.max_model_len)
-        app.state.service = GatewayService(g, pool, stores, builder, model.model, set(model.aliases), client,
+        pool.decide_mode()
+        if pool.foreign:
+            names, max_len = await foreign_models(pool, g.startup_timeout_s)
+            builder = None  # the body goes to the worker as it is: the worker's tokenizer is the one
+            model_id, aliases, max_model_len = names[0], set(names[1:]), max_len
+        else:
+            model = await served_model(pool, g.startup_timeout_s)
+            tokenizer = await asyncio.to_thread(tokenizer_files.load, model.tokenizer_files)
+            builder = RequestBuilder(tokenizer, pool.max_model_len or model.max_model_len)
+            model_id, aliases, max_model_len = model.model, set(model.aliases), builder.max_model_len
+        app.state.service = GatewayService(g, pool, stores, builder, model_id, aliases, client,
                                            config.server.api_key)
+        app.state.service.max_model_len = max_model_len
         collector = asyncio.create_task(_collect(stores.idempotency))
         try:
             yield
         finally:
             collector.cancel()
+            if watcher is not None:
+                watcher.cancel()
             await pool.close()
             await client.aclose()
             stores.close()

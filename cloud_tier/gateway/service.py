@@ -12,20 +12,25 @@ import hashlib
 import json
 import math
 import time
+import uuid
 from collections.abc import AsyncIterator
 
 import httpx
 
 from cascade import errors
+from cascade.generation import Finish
 from cloud_tier.config import GatewayConfig
+from cloud_tier.gateway import openai_results
 from cloud_tier.gateway.admission import Admission
 from cloud_tier.gateway.keys import ApiKey, check_priority
 from cloud_tier.gateway.metrics import GatewayMetrics
-from cloud_tier.gateway.placement import PrefixIndex, RouterConfig
+from cloud_tier.gateway.openai_proxy import Attempt, OpenAIProxy, ProxyConfig
+from cloud_tier.gateway.openai_route import ForeignRouting, choose
+from cloud_tier.gateway.placement import PrefixIndex, RouterConfig, text_block_hashes
 from cloud_tier.gateway.quotas import Limits
 from cloud_tier.gateway.result_cache import cache_key
 from cloud_tier.gateway.stores import Stores
-from cloud_tier.gateway.streams import Flight, Recorder, RunToEnd
+from cloud_tier.gateway.streams import Flight, Recorder, RunToEnd, observe_chunk
 from cloud_tier.gateway.worker_client import WorkerClient
 from cloud_tier.gateway.worker_pool import WorkerPool
 from cloud_tier.request_builder import RequestBuilder
@@ -85,6 +90,7 @@ class GatewayService:
         self.builder = builder
         self.model_id = model_id
         self.model_names = {model_id, *aliases}
+        self.max_model_len = builder.max_model_len if builder is not None else None
         self.metrics = GatewayMetrics(config.metrics_tenant_labels)
         self.quotas = stores.quotas
         self.cache = stores.cache
@@ -97,6 +103,17 @@ class GatewayService:
         self.index = PrefixIndex(pool.block_size, self.router_config.index_blocks_per_worker)
         self.workers = WorkerClient(pool, client, self.admission, self.index, self.router_config, config.kv_transport,
                                     config.ttft_slo_s, worker_api_key)
+        # foreign workers (vLLM, SGLang, any OpenAI-compatible server): no tokenizer, their own load numbers
+        self.routing = ForeignRouting(
+            max_waiting=config.worker_max_waiting, kv_high_watermark=config.kv_high_watermark,
+            stale_after_s=config.stale_after_s, shed_step=config.shed_step, prefix_weight=config.route_prefix_weight,
+            queue_weight=config.route_queue_weight, kv_weight=config.route_kv_weight)
+        self.text_index = PrefixIndex(1, self.router_config.index_blocks_per_worker)
+        self.proxy = OpenAIProxy(pool, client, ProxyConfig(
+            retries=config.retries, retry_backoff_s=config.retry_backoff_s,
+            first_token_timeout_s=config.first_token_timeout_s, kv_connector=config.kv_connector,
+            pd_min_prompt_chars=config.pd_min_prompt_chars, pd_skip_hit_share=config.pd_skip_hit_share),
+            worker_api_key)
 
     # -- auth ----------------------------------------------------------------------------
 
@@ -116,8 +133,8 @@ class GatewayService:
 
     # -- the pipeline --------------------------------------------------------------------
 
-    async def begin(self, key: ApiKey, endpoint: str, body: dict, req, idem_key: str | None
-                    ) -> tuple[AsyncIterator | dict, dict[str, str]]:
+    async def begin(self, key: ApiKey, endpoint: str, body: dict, req, idem_key: str | None,
+                    request_id: str | None = None) -> tuple[AsyncIterator | dict, dict[str, str]]:
         """The request's event stream, or the stored result of a cache hit or a replay, and the
         response headers to add. Raises APIError (with everything already settled) when it is
         not served."""
@@ -127,6 +144,8 @@ class GatewayService:
             if stored is not None:
                 self._count(flight, "replay")
                 return stored, {"X-Cascade-Idempotent-Replay": "true", "X-Cascade-Cache": "miss"}
+        if self.pool.foreign:
+            return await self._begin_foreign(flight, endpoint, body, req, request_id or uuid.uuid4().hex)
         try:
             priority = request_priority(key, (req.model_extra or {}).get("priority"))
             plan = self.builder.chat(req) if endpoint == "chat" else self.builder.completion(req)
@@ -149,6 +168,54 @@ class GatewayService:
             raise
         events = Recorder(self.workers.generate(flight, plan, need), flight, self._settle)
         return (RunToEnd(events) if idem_key else events), {"X-Cascade-Cache": "miss"}
+
+    async def _begin_foreign(self, flight: Flight, endpoint: str, body: dict, req, request_id: str
+                             ) -> tuple[AsyncIterator | dict, dict[str, str]]:
+        """The pipeline for OpenAI-compatible workers: the body goes to the worker as it is; tokens
+        are estimated from its characters until the worker's usage says (quotas are trued up then);
+        routing and admission read the workers' own load numbers (``openai_route``)."""
+        headers = {"X-Cascade-Cache": "miss", "X-Request-Id": request_id}
+        flight.openai = "chunks" if body.get("stream") else "body"
+        try:
+            priority = request_priority(flight.key, (req.model_extra or {}).get("priority"))
+            text = openai_results.prompt_text(endpoint, body)
+            max_tokens = openai_results.max_tokens_of(body)
+            predicted = openai_results.estimate_tokens(text) + (
+                self.config.default_max_tokens if max_tokens is None else max_tokens)
+            flight.cache_key = openai_results.cache_key(flight.tenant, endpoint, body)
+            hit = self.cache.get(flight.cache_key) if flight.cache_key else None
+            self.metrics.cache.labels("hit" if hit else "miss").inc()
+            if hit is not None:
+                self._check_quota(flight, 0)
+                self._end_claim(flight, hit)
+                self._count(flight, "cache_hit")
+                return hit, {**headers, "X-Cascade-Cache": "hit"}
+            self._check_quota(flight, predicted)
+            flight.predicted_tokens = predicted
+            flight.prompt_tokens = openai_results.estimate_tokens(text)
+            need = math.ceil(predicted / 16)
+            hashes = text_block_hashes(str(body.get("model", "")), text)
+            roles = ("decode",) if self.pool.by_role("decode", healthy=False) else ("both",)
+
+            def rechoose(exclude: frozenset[str]):
+                return choose(self.pool.by_role(*roles), self.text_index, hashes, priority, self.routing, need,
+                              exclude)[0]
+
+            flight.ticket, hit_blocks = choose(self.pool.by_role(*roles), self.text_index, hashes, priority,
+                                               self.routing, need)
+        except BaseException as e:
+            self._settle_early(flight, e)
+            raise
+
+        def on_ticket(ticket) -> None:
+            self.admission.release(flight.ticket)
+            flight.ticket = ticket
+
+        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+        attempt = Attempt(path, body, bool(body.get("stream")), request_id, len(text), len(hashes))
+        events = Recorder(self.proxy.run(attempt, flight.ticket, hit_blocks, rechoose, on_ticket), flight,
+                          self._settle, observe_chunk)
+        return (RunToEnd(events) if flight.idem_key else events), headers
 
     async def _claim(self, flight: Flight, body: dict) -> dict | None:
         t, k = flight.tenant, flight.idem_key
@@ -201,6 +268,8 @@ class GatewayService:
         its result (cache, idempotency), count it."""
         if f.ticket is not None:
             self.admission.release(f.ticket)
+        if f.finish is None and f.ended and f.openai:  # a worker that sent no usage: our estimate
+            f.finish = Finish("stop", f.prompt_tokens, f.generated_tokens)
         fin = f.finish
         used = tokens_used(f)
         self.quotas.reconcile(f.tenant, f.key.key_id, f.predicted_tokens, used)
@@ -210,7 +279,7 @@ class GatewayService:
             self._end_claim(f)
             self._count(f, outcome_of(f.error) if f.error is not None else "499")  # no error: the client left
             return
-        stored = {"events": f.events}
+        stored = {"events": f.events, **({"openai": f.openai} if f.openai else {})}
         if f.cache_key:
             self.cache.put(f.cache_key, stored, sum(len(json.dumps(e)) for e in f.events))
         self._end_claim(f, stored)
