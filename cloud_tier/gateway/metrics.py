@@ -3,7 +3,11 @@ off, for a scraper that should not learn who the tenants are) and per worker."""
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from cloud_tier.gateway.openai_route import pressure, queue_of
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TPOT = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2)
@@ -41,6 +45,12 @@ class GatewayMetrics:
                                        ["worker", "role"], registry=r)
         self.worker_healthy = Gauge("cascade_gateway_worker_healthy", "1 when the health check passes",
                                     ["worker", "role"], registry=r)
+        self.worker_breaker_open = Gauge("cascade_gateway_worker_breaker_open",
+                                         "1 while the worker's circuit breaker keeps requests away", ["worker", "role"],
+                                         registry=r)
+        self.worker_pressure = Gauge("cascade_gateway_worker_pressure",
+                                     "A foreign worker's load against its saturation point (1: saturated; +Inf: its "
+                                     "numbers are stale)", ["worker", "role"], registry=r)
         self.admission_waiting = Gauge("cascade_gateway_admission_waiting", "Requests waiting for KV room",
                                        registry=r)
 
@@ -49,13 +59,23 @@ class GatewayMetrics:
         values = (tenant, *labels) if self.tenant_labels else labels
         return metric.labels(*values) if values else metric
 
-    def refresh(self, pool, admission) -> None:
+    def refresh(self, pool, admission, routing=None) -> None:
+        now = time.monotonic()
         for w in pool.workers.values():
             labels = (w.url, w.role)
             load = w.load()
-            self.worker_kv_total.labels(*labels).set(load.kv_blocks_total)
-            self.worker_kv_used.labels(*labels).set(load.kv_blocks_used)
-            self.worker_queue.labels(*labels).set(load.queue_len)
+            if w.is_foreign and w.foreign is not None:
+                total = w.foreign.kv_tokens // 16
+                self.worker_kv_total.labels(*labels).set(total)
+                self.worker_kv_used.labels(*labels).set(round(w.foreign.kv_usage * total))
+                self.worker_queue.labels(*labels).set(queue_of(w))
+            else:
+                self.worker_kv_total.labels(*labels).set(load.kv_blocks_total)
+                self.worker_kv_used.labels(*labels).set(load.kv_blocks_used)
+                self.worker_queue.labels(*labels).set(load.queue_len)
+            self.worker_breaker_open.labels(*labels).set(0 if w.breaker is None or w.breaker.allows() else 1)
+            if routing is not None and pool.foreign:
+                self.worker_pressure.labels(*labels).set(pressure(w, routing, now))
             self.worker_committed.labels(*labels).set(w.committed_blocks)
             self.worker_healthy.labels(*labels).set(1 if w.healthy else 0)
             r = w.report

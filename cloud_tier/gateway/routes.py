@@ -54,7 +54,7 @@ async def metrics(request: Request):
     # [gateway] metrics_key: a scraper must present it
     if svc.config.metrics_key and not bearer_matches(request, svc.config.metrics_key):
         raise errors.unauthorized("This gateway's /metrics needs its metrics key as a bearer token.")
-    svc.metrics.refresh(svc.pool, svc.admission)
+    svc.metrics.refresh(svc.pool, svc.admission, svc.routing)
     return PlainTextResponse(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
