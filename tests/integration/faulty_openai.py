@@ -27,6 +27,7 @@ class Mode:
     cut_after: int | None = None  # end the stream after this many chunks, without [DONE]
     stall_s: float = 0.0  # before the response starts
     health_status: int = 200
+    kv_params: dict | None = None  # add these kv_transfer_params to a JSON answer (a KV connector's reply)
 
 
 class FaultyOpenAIWorker:
@@ -96,6 +97,8 @@ class FaultyOpenAIWorker:
             resp = await client.send(req, stream=True)
             if resp.status_code != 200 or "text/event-stream" not in resp.headers.get("content-type", ""):
                 content = await resp.aread()
+                if mode.kv_params is not None and resp.status_code == 200:
+                    content = json.dumps({**json.loads(content), "kv_transfer_params": mode.kv_params}).encode()
                 return Response(content, status_code=resp.status_code, media_type="application/json")
             return StreamingResponse(self._relay(resp, mode), media_type="text/event-stream")
 

@@ -29,6 +29,8 @@ def proxies(cloud_worker):
 def healthy_proxies(proxies):
     for w in proxies:
         w.mode = type(w.mode)()
+        w.bodies.clear()
+        w.request_ids.clear()
     yield
 
 
@@ -190,3 +192,42 @@ def test_a_stalled_worker_fails_fast_and_its_breaker_opens(tmp_path, proxies):
         assert c.chat.completions.create(model="smollm2-135m", messages=CHAT, max_tokens=2).choices
     finally:
         g.stop()
+
+
+@pytest.fixture
+def pd_pair(tmp_path, proxies):
+    prefill, decode = proxies
+    g = Server(tmp_path, ["cloud", "serve"], "--prefill", prefill.url, "--decode", decode.url, "--kv-connector", "nixl",
+               "--worker-type", "openai").wait_healthy(60)
+    g.home = tmp_path
+    yield g, prefill, decode
+    g.stop()
+
+
+LONG = [{"role": "system", "content": "You answer briefly. " * 80}, {"role": "user", "content": "Name a colour."}]
+
+
+def test_a_pd_pair_prefills_with_one_token_then_decodes_with_the_returned_params(pd_pair):
+    g, prefill, decode = pd_pair
+    params = {"remote_engine_id": "e1", "remote_block_ids": [1, 2], "remote_host": "10.0.0.1", "remote_port": 5600,
+              "do_remote_prefill": True, "do_remote_decode": False}
+    prefill.mode.kv_params = params
+    c = client_of(g, "oa-pd")
+    chunks = list(c.chat.completions.create(model="smollm2-135m", messages=LONG, max_tokens=6, stream=True,
+                                            extra_headers={"X-Request-Id": "pd-1"}))
+    assert any(ch.choices and ch.choices[0].delta.content for ch in chunks)
+    (p,), (d,) = prefill.bodies, decode.bodies
+    assert p["max_tokens"] == 1 and p["stream"] is False and "stream_options" not in p
+    assert p["kv_transfer_params"]["do_remote_decode"] is True and p["messages"] == LONG
+    assert d["kv_transfer_params"] == params and d["max_tokens"] == 6 and d["stream"] is True
+    assert prefill.request_ids == decode.request_ids == ["pd-1"]
+
+
+def test_a_short_prompt_skips_the_prefill_and_a_failed_prefill_decodes_alone(pd_pair):
+    g, prefill, decode = pd_pair
+    c = client_of(g, "oa-pd-skip")
+    assert c.chat.completions.create(model="smollm2-135m", messages=CHAT, max_tokens=3).choices
+    assert prefill.bodies == [] and len(decode.bodies) == 1
+    prefill.mode.status = 500
+    assert c.chat.completions.create(model="smollm2-135m", messages=LONG, max_tokens=3).choices
+    assert len(prefill.bodies) == 1 and "kv_transfer_params" not in decode.bodies[-1]
