@@ -182,3 +182,26 @@ def redis_url():
         pytest.fail(str(e), pytrace=False)
     yield server.url
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_worker(engine_home, tmp_path_factory):
+    """ONE real vLLM (its CPU build, tests/vllm_server.py) on SmolLM2 from our conversion for the
+    session: 16 KV blocks of 128 tokens (15 usable: 1,920 tokens), at most 8 requests in a batch,
+    max_model_len 1024. Short requests run side by side; a few ~600-token prompts fill the KV
+    and queue the rest, so a shedding test can saturate it. Fails, not skips, when vLLM's
+    virtualenv is missing (.ci/run installs it)."""
+    from cloud_tier.engine.llm_engine import resolve_model_dir
+    from tests.vllm_server import VllmMissing, VllmServer
+
+    try:
+        server = VllmServer(resolve_model_dir("smollm2-135m"), tmp_path_factory.mktemp("vllm"))
+    except VllmMissing as e:
+        pytest.fail(str(e), pytrace=False)
+    try:
+        server.wait_healthy()
+    except BaseException:
+        server.stop()
+        raise
+    yield server
+    server.stop()
