@@ -25,6 +25,7 @@ class Ticket:
     worker: Worker
     blocks: int
     released: bool = False
+    epoch: int = -1  # the worker's scrape it was sent after (foreign workers: its count lags until the next)
 
 
 class Admission:
@@ -78,8 +79,12 @@ class Admission:
         if ticket.released:
             return
         ticket.released = True
-        ticket.worker.committed_blocks -= ticket.blocks
-        ticket.worker.in_flight -= 1
+        w = ticket.worker
+        w.committed_blocks -= ticket.blocks
+        w.in_flight -= 1
+        if ticket.epoch == w.scrape_epoch:  # it came and went between two scrapes: no longer load
+            w.sent_since_scrape -= 1
+            w.blocks_since_scrape -= ticket.blocks
         self._released.append((time.monotonic(), ticket.blocks))
 
     def _try(self, need: int, roles: tuple[str, ...]) -> Ticket | None:

@@ -118,4 +118,4 @@ def choose(workers: Sequence[Worker], index: PrefixIndex, hashes: list[int], pri
         if held:
             index.set_capacity(best.url, held)
         index.insert_hashes(best.url, hashes)
-    return Ticket(best, need_blocks), hits.get(best.url, 0)
+    return Ticket(best, need_blocks, epoch=best.scrape_epoch), hits.get(best.url, 0)

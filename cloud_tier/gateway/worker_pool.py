@@ -34,7 +34,8 @@ class Worker:
     report: WorkerLoadReport | None = None  # ours
     foreign: ForeignLoad | None = None  # a foreign worker's /metrics
     scraped_at: float | None = None  # monotonic time of the last good poll
-    sent_since_scrape: int = 0  # requests the gateway sent after that poll
+    sent_since_scrape: int = 0  # requests the gateway sent after that poll, still in flight
+    scrape_epoch: int = 0  # counts the good polls
     blocks_since_scrape: int = 0  # ... and the KV blocks they may need
     pending_prefill_tokens: int = 0
     committed_blocks: int = 0
@@ -156,6 +157,7 @@ class WorkerPool:
             log.info("worker %s (%s, %s) is up", w.url, w.kind, w.role)
         w.healthy, w.down_since = True, None
         w.scraped_at, w.sent_since_scrape, w.blocks_since_scrape = time.monotonic(), 0, 0
+        w.scrape_epoch += 1
         self.changed.set()
 
     async def _poll_one(self, w: Worker) -> None:

@@ -74,6 +74,11 @@ class FaultyOpenAIWorker:
             r = await client.get(f"{self.target}/metrics")
             return Response(r.content, status_code=r.status_code, media_type="text/plain")
 
+        @app.get("/internal/load")
+        async def load() -> Response:  # ours only: lets the gateway see it is our worker, and its load
+            r = await client.get(f"{self.target}/internal/load")
+            return Response(r.content, status_code=r.status_code, media_type="application/json")
+
         @app.get("/v1/models")
         async def models() -> Response:
             r = await client.get(f"{self.target}/v1/models")
