@@ -129,6 +129,30 @@ def test_a_mixed_pool_sends_a_shared_prefix_to_the_worker_that_holds_it_unless_i
             f.result()
 
 
+# the gateway-only install: neither torch nor transformers can be imported
+NO_TORCH = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None; "
+            "sys.modules['cloud_tier.engine'] = None; from cascade_cli.main import main; sys.exit(main())")
+
+
+def test_the_gateway_in_front_of_vllm_needs_neither_torch_nor_transformers(tmp_path, vllm_worker):
+    import sys
+
+    from cascade.processes import free_port, spawn, stop, wait_healthy
+
+    port, log = free_port(), tmp_path / "gateway.log"
+    proc = spawn([sys.executable, "-c", NO_TORCH, "--log-level", "WARNING", "cloud", "serve", "--workers",
+                  vllm_worker.url, "--port", str(port)], env={"CASCADE_HOME": str(tmp_path)}, log=log)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, 120, "gateway without torch", log=log)
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key=create_key(tmp_path, "--tenant", "no-torch"), max_retries=0,
+                          timeout=120)
+        assert list(c.chat.completions.create(model="smollm2-135m", messages=CHAT, max_tokens=3, stream=True))
+    finally:
+        stop(proc)
+    assert "Traceback" not in log.read_text()
+
+
 def test_a_killed_vllm_worker_stops_receiving_traffic_and_the_client_gets_a_clean_error(tmp_path, vllm_worker,
                                                                                         cloud_worker):
     """LAST: it kills the session's vLLM."""
