@@ -28,7 +28,7 @@ from cloud_tier.gateway.openai_proxy import Attempt, OpenAIProxy, ProxyConfig
 from cloud_tier.gateway.openai_route import ForeignRouting, choose
 from cloud_tier.gateway.placement import PrefixIndex, RouterConfig, text_block_hashes
 from cloud_tier.gateway.quotas import Limits
-from cloud_tier.gateway.result_cache import cache_key
+from cloud_tier.gateway.result_cache import ResultCache, cache_key
 from cloud_tier.gateway.stores import Stores
 from cloud_tier.gateway.streams import Flight, Recorder, RunToEnd, observe_chunk
 from cloud_tier.gateway.worker_client import WorkerClient
@@ -94,6 +94,9 @@ class GatewayService:
         self.metrics = GatewayMetrics(config.metrics_tenant_labels)
         self.quotas = stores.quotas
         self.cache = stores.cache
+        # (tenant, request_hash of a body) -> its result cache key: the prompt's token ids need the
+        # tokenizer, by far the costliest step of a cache hit (a body's plan never changes)
+        self.cache_keys = ResultCache(config.result_cache_entries, ttl_s=config.result_cache_ttl_s)
         self.budgets = stores.budgets
         self.admission = Admission(pool, config.kv_high_watermark, config.max_queue)
         self.router_config = RouterConfig(
@@ -148,9 +151,16 @@ class GatewayService:
             return await self._begin_foreign(flight, endpoint, body, req, request_id or uuid.uuid4().hex)
         try:
             priority = request_priority(key, (req.model_extra or {}).get("priority"))
-            plan = self.builder.chat(req) if endpoint == "chat" else self.builder.completion(req)
-            plan = dataclasses.replace(plan, priority=priority)
-            flight.cache_key = cache_key(key.tenant, self.model_id, endpoint, plan)
+            # a body this tenant sent before has the same plan, so the same cache key: a hit is
+            # looked up without rendering and tokenizing the prompt again
+            seen = (key.tenant, request_hash(endpoint, body))
+            flight.cache_key = self.cache_keys.get(seen)
+            plan = None
+            if flight.cache_key is None:
+                plan = self._plan(endpoint, req, priority)
+                flight.cache_key = cache_key(key.tenant, self.model_id, endpoint, plan)
+                if flight.cache_key:
+                    self.cache_keys.put(seen, flight.cache_key, 0)
             hit = self.cache.get(flight.cache_key) if flight.cache_key else None
             self.metrics.cache.labels("hit" if hit else "miss").inc()
             if hit is not None:
@@ -158,6 +168,8 @@ class GatewayService:
                 self._end_claim(flight, hit)
                 self._count(flight, "cache_hit")
                 return hit, {"X-Cascade-Cache": "hit"}
+            if plan is None:  # seen before, but its answer is no longer cached
+                plan = self._plan(endpoint, req, priority)
             self._check_quota(flight, plan.max_total_tokens)
             flight.predicted_tokens = plan.max_total_tokens
             flight.prompt_tokens = len(plan.prompt_token_ids)
@@ -169,6 +181,10 @@ class GatewayService:
         events = Recorder(self.workers.generate(flight, plan, need), flight, self._settle)
         return (RunToEnd(events) if idem_key else events), {"X-Cascade-Cache": "miss"}
 
+    def _plan(self, endpoint: str, req, priority: int):
+        plan = self.builder.chat(req) if endpoint == "chat" else self.builder.completion(req)
+        return dataclasses.replace(plan, priority=priority)
+
     async def _begin_foreign(self, flight: Flight, endpoint: str, body: dict, req, request_id: str
                              ) -> tuple[AsyncIterator | dict, dict[str, str]]:
         """The pipeline for OpenAI-compatible workers: the body goes to the worker as it is; tokens
@@ -176,6 +192,7 @@ class GatewayService:
         routing and admission read the workers' own load numbers (``openai_route``)."""
         headers = {"X-Cascade-Cache": "miss", "X-Request-Id": request_id}
         flight.openai = "chunks" if body.get("stream") else "body"
+        flight.model = str(body.get("model", ""))  # a foreign pool may serve several: priced by the one asked
         try:
             priority = request_priority(flight.key, (req.model_extra or {}).get("priority"))
             text = openai_results.prompt_text(endpoint, body)
@@ -274,7 +291,7 @@ class GatewayService:
         used = tokens_used(f)
         self.quotas.reconcile(f.tenant, f.key.key_id, f.predicted_tokens, used)
         completion = fin.completion_tokens if fin is not None else f.generated_tokens
-        self.budgets.charge(f.key, self.model_id, used - completion, completion)
+        self.budgets.charge(f.key, f.model or self.model_id, used - completion, completion)
         if fin is None:
             self._end_claim(f)
             self._count(f, outcome_of(f.error) if f.error is not None else "499")  # no error: the client left

@@ -44,6 +44,7 @@ class Flight:
     settled: bool = False
     ended: bool = False  # its event stream ran to its end
     openai: str | None = None  # an OpenAI-compatible worker's answer: "chunks" (a stream) or "body"
+    model: str = ""  # the model asked for, when the pool serves several
 
 
 def observe_event(f: Flight, ev) -> None:
