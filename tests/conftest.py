@@ -188,16 +188,17 @@ def redis_url():
 def vllm_worker(engine_home, tmp_path_factory):
     """ONE real vLLM (its CPU build, tests/vllm_server.py) on SmolLM2 from our conversion for the
     session: 16 KV blocks of 128 tokens (15 usable: 1,920 tokens), at most 8 requests in a batch,
-    max_model_len 1024. Short requests run side by side; a few ~600-token prompts fill the KV
-    and queue the rest, so a shedding test can saturate it. Fails, not skips, when vLLM's
+    max_model_len 1024. Short requests run side by side; two ~800-token prompts hold 14 of the 15
+    blocks and queue the rest, so a shedding test can saturate it. Fails, not skips, when vLLM's
     virtualenv is missing (.ci/run installs it)."""
     from cloud_tier.engine.llm_engine import resolve_model_dir
-    from tests.vllm_server import VllmMissing, VllmServer
+    from tests.vllm_server import VllmMissing, VllmServer, vllm_python
 
     try:
-        server = VllmServer(resolve_model_dir("smollm2-135m"), tmp_path_factory.mktemp("vllm"))
+        vllm_python()
     except VllmMissing as e:
         pytest.fail(str(e), pytrace=False)
+    server = VllmServer(resolve_model_dir("smollm2-135m"), tmp_path_factory.mktemp("vllm"))
     try:
         server.wait_healthy()
     except BaseException:
