@@ -231,3 +231,32 @@ def test_a_short_prompt_skips_the_prefill_and_a_failed_prefill_decodes_alone(pd_
     prefill.mode.status = 500
     assert c.chat.completions.create(model="smollm2-135m", messages=LONG, max_tokens=3).choices
     assert len(prefill.bodies) == 1 and "kv_transfer_params" not in decode.bodies[-1]
+
+
+def _in_flight(g, admin_key: str) -> dict[str, tuple[int, int]]:
+    data = httpx.get(f"{g.url}/v1/admin/workers", headers={"authorization": f"Bearer {admin_key}"}, timeout=10).json()
+    return {w["url"]: (w["in_flight"], w["committed_blocks"]) for w in data["data"]}
+
+
+def test_clients_that_hang_up_at_every_stage_leave_nothing_held(pair, proxies):
+    admin = create_key(pair.home, "--tenant", "oa-hangup", "--admin")
+    body = {"model": "smollm2-135m", "messages": CHAT, "max_tokens": 64, "stream": True, "ignore_eos": True}
+    headers = {"authorization": f"Bearer {admin}"}
+    for w in proxies:
+        w.mode.stall_s = 1.0  # hang up before the first byte
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{pair.url}/v1/chat/completions", headers=headers, json=body, timeout=0.3)
+    for w in proxies:
+        w.mode.stall_s = 0
+    with httpx.stream("POST", f"{pair.url}/v1/chat/completions", headers=headers, json=body, timeout=60) as r:
+        for line in r.iter_lines():  # hang up after the first chunk
+            if line.startswith("data:"):
+                break
+    for w in proxies:
+        w.mode.stall_s = 1.0
+    with pytest.raises(httpx.ReadTimeout):  # not streamed, gone while it runs
+        httpx.post(f"{pair.url}/v1/chat/completions", headers=headers, json={**body, "stream": False}, timeout=0.3)
+    deadline = time.monotonic() + 15
+    while any(v != (0, 0) for v in _in_flight(pair, admin).values()):
+        assert time.monotonic() < deadline, _in_flight(pair, admin)
+        time.sleep(0.2)
