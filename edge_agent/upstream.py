@@ -18,6 +18,7 @@ import httpx
 from cascade import errors
 from cascade.generation import Finish, TokenEvent, TopToken
 from cascade.policy.backpressure import CircuitBreaker, parse_retry_after
+from cascade.sse import BrokenStream, next_chunk
 from edge_agent.config import UpstreamConfig
 from sync.delivery import Outcome
 from sync.queue import Item
@@ -283,23 +284,10 @@ def _model_ids(body: dict | None) -> list[str] | None:
 async def _next_chunk(lines: AsyncIterator[str]) -> dict | None:
     """The next chunk of an OpenAI stream; None at ``[DONE]``. UpstreamBroken for a stream that
     ends without ``[DONE]``, a chunk that is not a JSON object, or an in-band error."""
-    async for line in lines:
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return None
-        try:
-            chunk = json.loads(data)
-        except ValueError:
-            raise UpstreamBroken(f"unreadable chunk: {data[:100]!r}") from None
-        if not isinstance(chunk, dict):
-            raise UpstreamBroken(f"a chunk that is not an object: {data[:100]!r}")
-        if "error" in chunk:
-            err = chunk["error"]
-            raise UpstreamBroken((err.get("message") if isinstance(err, dict) else None) or str(err)[:200])
-        return chunk
-    raise UpstreamBroken("the stream was cut (no [DONE])")
+    try:
+        return await next_chunk(lines)
+    except BrokenStream as e:
+        raise UpstreamBroken(str(e)) from None
 
 
 async def _events(resp: httpx.Response, lines: AsyncIterator[str], first: dict,

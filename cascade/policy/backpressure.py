@@ -1,6 +1,7 @@
 """Cloud back-pressure: a circuit breaker. A 429 or an unreachable cloud opens it (until the
 Retry-After, or a backoff); while open the agent serves locally, marked degraded, instead of
-queueing behind the cloud. After that time one probe goes through; a success closes it.
+queueing behind the cloud. After that time one probe goes through; a success closes it. The
+gateway keeps one per worker, opened only after ``threshold`` failures in a row.
 
 A refusal of this device (401/403: a wrong or revoked key) is a state of its own, ``refused``:
 the cloud is up but will not serve us, which no amount of quick retrying changes, so it is
@@ -63,11 +64,12 @@ class CircuitBreaker:
     max_retry_after_s: float = MAX_RETRY_AFTER_S
     refused: bool = False  # the last failure was the cloud refusing this device (401/403)
     last_error: str = ""
+    threshold: int = 1  # failures in a row before it opens (the gateway's breaker per worker: 3)
 
     @property
     def state(self) -> str:
         """closed | open | half_open | refused (open because the cloud refused this device)."""
-        if self.failures == 0:
+        if self.failures < self.threshold and not self.refused:
             return "closed"
         if self.clock() < self.open_until:
             return "refused" if self.refused else "open"
@@ -110,7 +112,9 @@ class CircuitBreaker:
         self.probing = False
         self.refused = refused
         self.last_error = error
-        backoff = exponential_backoff_s(self.failures, base_s, max_s)
+        if self.failures < self.threshold and not refused:
+            return  # not yet
+        backoff = exponential_backoff_s(self.failures - self.threshold + 1, base_s, max_s)
         retry_after_s = clamp_retry_after(retry_after_s, self.max_retry_after_s)
         self.open_until = self.clock() + (max(retry_after_s, base_s if refused else 0.0)
                                           if retry_after_s is not None else backoff)

@@ -26,6 +26,7 @@ class Ticket:
     blocks: int
     released: bool = False
     epoch: int = -1  # the worker's scrape it was sent after (foreign workers: its count lags until the next)
+    probe: bool = False  # it is the half-open breaker's one probe
 
 
 class Admission:
@@ -82,6 +83,8 @@ class Admission:
         w = ticket.worker
         w.committed_blocks -= ticket.blocks
         w.in_flight -= 1
+        if ticket.probe and w.breaker is not None:
+            w.breaker.abandon()  # ended without a success or failure (the client left): the next one probes
         if ticket.epoch == w.scrape_epoch:  # it came and went between two scrapes: no longer load
             w.sent_since_scrape -= 1
             w.blocks_since_scrape -= ticket.blocks

@@ -31,6 +31,10 @@ class GatewayMetrics:
         self.tpot = Histogram("cascade_gateway_time_per_output_token_seconds", "Mean time between tokens",
                               t, buckets=_TPOT, registry=r)
         self.cache = Counter("cascade_gateway_result_cache_total", "Result cache lookups", ["result"], registry=r)
+        self._cache_hit, self._cache_miss = self.cache.labels("hit"), self.cache.labels("miss")
+        # (metric, label values) -> its child: labels() takes a lock and builds the key every call, on
+        # every request; a child lives as long as its metric anyway
+        self._children: dict[tuple, object] = {}
         self.worker_kv_total = Gauge("cascade_gateway_worker_kv_blocks_total", "KV blocks", ["worker", "role"],
                                      registry=r)
         self.worker_kv_used = Gauge("cascade_gateway_worker_kv_blocks_used", "KV blocks in use or committed",
@@ -57,7 +61,13 @@ class GatewayMetrics:
     def of(self, metric, tenant: str, *labels: str):
         """``metric`` for ``tenant`` and ``labels`` (the tenant left out when tenant labels are off)."""
         values = (tenant, *labels) if self.tenant_labels else labels
-        return metric.labels(*values) if values else metric
+        child = self._children.get((metric, values))
+        if child is None:
+            child = self._children[metric, values] = metric.labels(*values) if values else metric
+        return child
+
+    def cache_lookup(self, hit: bool) -> None:
+        (self._cache_hit if hit else self._cache_miss).inc()
 
     def refresh(self, pool, admission, routing=None) -> None:
         now = time.monotonic()
@@ -73,7 +83,7 @@ class GatewayMetrics:
                 self.worker_kv_total.labels(*labels).set(load.kv_blocks_total)
                 self.worker_kv_used.labels(*labels).set(load.kv_blocks_used)
                 self.worker_queue.labels(*labels).set(load.queue_len)
-            self.worker_breaker_open.labels(*labels).set(0 if w.breaker is None or w.breaker.allows() else 1)
+            self.worker_breaker_open.labels(*labels).set(0 if w.breaker is None or w.breaker.available else 1)
             if routing is not None and pool.foreign:
                 self.worker_pressure.labels(*labels).set(pressure(w, routing, now))
             self.worker_committed.labels(*labels).set(w.committed_blocks)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import httpx
 
 from cascade import errors
+from cascade.sse import BrokenStream, next_chunk
 from cloud_tier.gateway.admission import Ticket
 from cloud_tier.gateway.worker_client import _error_of
 from cloud_tier.gateway.worker_pool import Worker, WorkerPool
@@ -187,7 +188,7 @@ class OpenAIProxy:
     def _failed(self, w: Worker, why: str, down: bool = False) -> None:
         w.last_error = why
         if w.breaker is not None:
-            w.breaker.failure()
+            w.breaker.failure(why)
         if down:
             self.pool.mark_down(w.url, why)
 
@@ -199,28 +200,13 @@ class _Retryable(Exception):
 
 
 async def _next_data(lines: AsyncIterator[str]) -> dict | None:
-    """The next SSE data event as a dict; None at [DONE] or the end. An error event raises."""
-    async for line in lines:
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return None
-        try:
-            obj = json.loads(data)
-        except ValueError as e:
-            raise errors.APIError(502, "The cloud worker sent a malformed stream event.", "server_error",
-                                  code="worker_bad_stream") from e
-        if not isinstance(obj, dict):
-            raise errors.APIError(502, "The cloud worker sent a malformed stream event.", "server_error",
-                                  code="worker_bad_stream")
-        if "error" in obj or obj.get("object") == "error":
-            e = obj.get("error") if isinstance(obj.get("error"), dict) else obj
-            raise errors.APIError(502, str(e.get("message", "worker error"))[:500], "server_error",
-                                  code="worker_error")
-        return obj
-    raise errors.APIError(502, "The cloud worker ended the stream before it finished.", "server_error",
-                          code="worker_failed")
+    """The next chunk of the worker's stream; None at [DONE]. A broken stream or an in-band error
+    is a 502."""
+    try:
+        return await next_chunk(lines)
+    except BrokenStream as e:
+        code = "worker_error" if e.error is not None else "worker_bad_stream"
+        raise errors.APIError(502, f"The cloud worker's stream broke: {e}", "server_error", code=code) from None
 
 
 def _json_body(content: bytes) -> dict:

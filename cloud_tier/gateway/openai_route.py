@@ -107,8 +107,9 @@ def choose(workers: Sequence[Worker], index: PrefixIndex, hashes: list[int], pri
         return cfg.prefix_weight * share - cfg.queue_weight * queues[w.url] / top - cfg.kv_weight * kv
 
     best = min(open_, key=lambda w: (-score(w), queues[w.url], w.url))
+    probe = best.breaker is not None and best.breaker.state == "half_open"
     if best.breaker is not None:
-        best.breaker.take()
+        best.breaker.allow()  # in half-open: this request is the one probe
     best.sent_since_scrape += 1
     best.blocks_since_scrape += need_blocks
     best.committed_blocks += need_blocks
@@ -118,4 +119,4 @@ def choose(workers: Sequence[Worker], index: PrefixIndex, hashes: list[int], pri
         if held:
             index.set_capacity(best.url, held)
         index.insert_hashes(best.url, hashes)
-    return Ticket(best, need_blocks, epoch=best.scrape_epoch), hits.get(best.url, 0)
+    return Ticket(best, need_blocks, epoch=best.scrape_epoch, probe=probe), hits.get(best.url, 0)

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from cascade.policy.backpressure import CircuitBreaker
 from cloud_tier.disagg.protocol import WorkerLoadReport
-from cloud_tier.gateway.breaker import CircuitBreaker
 from cloud_tier.gateway.placement import WorkerLoad
 from cloud_tier.gateway.worker_metrics import KINDS, ForeignLoad, detect_kind, parse_load
 
@@ -50,7 +50,7 @@ class Worker:
 
     def available(self) -> bool:
         """Healthy and its breaker lets a request through."""
-        return self.healthy and (self.breaker is None or self.breaker.allows())
+        return self.healthy and (self.breaker is None or self.breaker.available)
 
     def stale(self, now: float, stale_after_s: float) -> bool:
         return self.scraped_at is None or now - self.scraped_at > stale_after_s
@@ -99,7 +99,8 @@ class WorkerPool:
             if url not in self.workers:
                 kind = (kinds or {}).get(url) or self.kind
                 self.workers[url] = Worker(url, role=role or "unknown", kind=kind,
-                                           breaker=CircuitBreaker(*self._breaker))
+                                           breaker=CircuitBreaker(threshold=self._breaker[0],
+                                                                  base_backoff_s=self._breaker[1]))
 
     async def start(self, wait_s: float = 0.0) -> None:
         """Poll every worker once (for up to ``wait_s`` until all answer), then keep polling."""

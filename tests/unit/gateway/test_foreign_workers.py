@@ -9,7 +9,7 @@ import pytest
 import xxhash
 
 from cascade import errors
-from cloud_tier.gateway.breaker import CircuitBreaker
+from cascade.policy.backpressure import CircuitBreaker
 from cloud_tier.gateway.openai_results import cache_key, chunks_to_response, prompt_text, response_to_chunks
 from cloud_tier.gateway.openai_route import ForeignRouting, choose, pressure, pressure_limit
 from cloud_tier.gateway.placement import PrefixIndex, text_block_hashes
@@ -53,26 +53,27 @@ def test_vllm_and_sglang_load_is_read_from_their_metrics():
         parse_load("vllm", "vllm:num_requests_waiting{ 1 2 3")
 
 
-def test_the_breaker_opens_after_failures_in_a_row_and_a_trial_closes_it():
+def test_the_workers_breaker_opens_after_failures_in_a_row_and_a_probe_closes_it():
     now = [0.0]
-    b = CircuitBreaker(threshold=2, open_s=5, max_open_s=20, clock=lambda: now[0])
-    b.failure()
+    b = CircuitBreaker(threshold=2, base_backoff_s=5, max_backoff_s=20, clock=lambda: now[0])
+    b.failure("x")
     b.success()
-    b.failure()
-    assert b.allows()  # not in a row
-    b.failure()
-    assert b.state == "open" and not b.allows()
+    b.failure("x")
+    assert b.available  # not in a row
+    b.failure("x")
+    assert b.state == "open" and not b.available
     now[0] = 5.0
-    assert b.state == "half_open" and b.allows()
-    b.take()
-    assert not b.allows()  # one trial at a time
-    b.failure()  # the trial failed: open for twice as long
+    assert b.state == "half_open" and b.allow()
+    assert not b.available  # one probe at a time
+    b.failure("x")  # the probe failed: open for twice as long
     now[0] = 14.0
     assert b.state == "open"
     now[0] = 15.0
-    b.take()
+    assert b.allow()
+    b.abandon()  # the probe's client left: the next request probes
+    assert b.allow()
     b.success()
-    assert b.state == "closed" and b.allows()
+    assert b.state == "closed" and b.available
 
 
 def test_text_block_hashes_are_gies_chain_seeded_by_the_model():
