@@ -62,7 +62,8 @@ def plane(tmp_path):
     pub.start()
     devices = [SimDevice(url, f"k{i}", repo.desired_public_key()) for i in range(N)]
     yield {"broker": broker, "url": url, "store": store, "v1": v1, "v2": v2, "devices": devices, "repo": repo}
-    for d in devices:
+    for d in devices:  # a DISCONNECT wakes each network loop: loop_stop alone waits out its 1 s select, 20 times
+        d.client.client.disconnect()
         d.client.client.loop_stop()
     pub.stop()
     broker.stop()
@@ -122,6 +123,7 @@ def test_a_forged_or_misaddressed_document_is_refused(plane):
     attacker.publish(topic("default", "k0", "desired"), misaddressed, qos=1, retain=True).wait_for_publish(5)
     wait_until(lambda: len(d.client.refused) == 2, "both refused")
     assert d.last()["sha256"] == plane["v1"].sha256 and len(d.applied) == 1
+    attacker.disconnect()
     attacker.loop_stop()
 
 
@@ -204,8 +206,8 @@ def test_device_credentials_reach_only_the_devices_own_topics_on_a_real_broker(t
         refused.loop_start()
         time.sleep(0.5)
         assert not refused.is_connected()  # the broker answered "not authorized"
-        refused.loop_stop()
-        for c in (plane, k1):
+        for c in (refused, plane, k1):
+            c.disconnect()
             c.loop_stop()
     finally:
         broker.stop()
