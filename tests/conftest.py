@@ -189,8 +189,12 @@ def vllm_worker(engine_home, tmp_path_factory):
     """ONE real vLLM (its CPU build, tests/vllm_server.py) on SmolLM2 from our conversion for the
     session: 16 KV blocks of 128 tokens (15 usable: 1,920 tokens), at most 8 requests in a batch,
     max_model_len 1024. Short requests run side by side; two ~800-token prompts hold 14 of the 15
-    blocks and queue the rest, so a shedding test can saturate it. Fails, not skips, when vLLM's
-    virtualenv is missing (.ci/run installs it)."""
+    blocks and queue the rest, so a shedding test can saturate it. It runs vLLM's NixlConnector
+    (kv_both), so it can also be the prefill half of a P/D pair, which saves starting one more vLLM
+    (~1-2 min here) for the P/D test. Its cost: start to /health 68 and 78 s against 55 and 58 s
+    without (load 3-5; importing nixl and making its UCX agent take ~1 s each by its log, the rest
+    is the engine process starting slower), and nothing for plain requests (the same greedy
+    answers). Fails, not skips, when vLLM's virtualenv is missing (.ci/run installs it)."""
     from cloud_tier.engine.llm_engine import resolve_model_dir
     from tests.vllm_server import VllmMissing, VllmServer, vllm_python
 
@@ -198,7 +202,7 @@ def vllm_worker(engine_home, tmp_path_factory):
         vllm_python()
     except VllmMissing as e:
         pytest.fail(str(e), pytrace=False)
-    server = VllmServer(resolve_model_dir("smollm2-135m"), tmp_path_factory.mktemp("vllm"))
+    server = VllmServer(resolve_model_dir("smollm2-135m"), tmp_path_factory.mktemp("vllm"), nixl=True)
     try:
         server.wait_healthy()
     except BaseException:

@@ -7,11 +7,15 @@ How it is started, and why (measured here, /work/notes/vllm-findings.md):
   more worker process, a whole Python + torch + vLLM import (~25 s on the loaded 2-core machine);
 - ``--num-gpu-blocks-override N`` (honoured on CPU): a KV budget of N blocks of 128 tokens, small
   enough for a test to fill, with ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) as the ceiling;
-- offline: the model is our SmolLM2 conversion, no hub look-ups.
+- offline: the model is our SmolLM2 conversion, no hub look-ups;
+- ``nixl=True``: vLLM's NixlConnector as ``kv_both`` (one server can be the prefill or the decode
+  half of a P/D pair) with its KV buffer in CPU memory, UCX over tcp/shared memory, and a NIXL
+  side-channel port of its own (two servers on one host must not share the default 5600).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -25,6 +29,7 @@ from cascade.processes import free_port, spawn, stop, wait_healthy
 VLLM_VENV = Path(os.environ.get("CASCADE_VLLM_VENV") or Path.home() / ".cache/cascade/vllm-venv")
 MODEL = "smollm2-135m"
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 
 
 class VllmMissing(RuntimeError):
@@ -33,21 +38,26 @@ class VllmMissing(RuntimeError):
 
 def vllm_python(venv: Path = VLLM_VENV) -> Path:
     """The venv's python; ``VllmMissing`` saying how to install it when it is not there.
-    install-vllm.sh writes ``.installed`` last, so a half-made venv counts as missing."""
-    python = venv / "bin" / "python"
-    if not python.exists() or not (venv / ".installed").is_file():
+    install-vllm.sh writes ``.installed`` last, so a half-made venv counts as missing, and one made
+    before it installed nixl (its ``.installed`` does not name nixl) counts as unfinished."""
+    python, marker = venv / "bin" / "python", venv / ".installed"
+    if not python.exists() or not marker.is_file():
         raise VllmMissing(f"vLLM's CPU build is not installed in {venv}: run `bash scripts/install-vllm.sh` "
                           "(.ci/run does, before the tests)")
+    if "nixl" not in marker.read_text():
+        raise VllmMissing(f"vLLM's virtualenv in {venv} has no nixl: run `bash scripts/install-vllm.sh` "
+                          "(it adds it)")
     return python
 
 
 class VllmServer:
     """``python -m vllm.entrypoints.openai.api_server`` serving ``model_dir`` as ``MODEL`` in a
-    process group of its own, its output in ``log_dir``. ``extra_args`` and ``env`` are passed on
-    (a KV connector, a NIXL side-channel port)."""
+    process group of its own, its output in ``log_dir``. ``extra_args`` and ``env`` are passed on.
+    ``nixl``: with the NixlConnector (``NIXL``), its side channel on ``nixl_port``."""
 
     def __init__(self, model_dir: Path, log_dir: Path, *extra_args: str, num_blocks: int | None = 16,
-                 max_num_seqs: int = 8, max_model_len: int = 1024, env: dict[str, str] | None = None):
+                 max_num_seqs: int = 8, max_model_len: int = 1024, nixl: bool = False,
+                 env: dict[str, str] | None = None):
         self.model = MODEL
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -58,10 +68,14 @@ class VllmServer:
                "--max-num-seqs", str(max_num_seqs), *extra_args]
         if num_blocks is not None:
             cmd += ["--num-gpu-blocks-override", str(num_blocks)]
-        self.proc: subprocess.Popen = spawn(cmd, env={
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1", **(env or {})},
-            log=self.log, cwd=log_dir)
+        base = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1"}
+        self.nixl_port = None
+        if nixl:
+            self.nixl_port = free_port()
+            cmd += ["--kv-transfer-config", json.dumps(NIXL)]
+            base.update(VLLM_NIXL_SIDE_CHANNEL_PORT=str(self.nixl_port), UCX_TLS="tcp,self,sm")
+        self.proc: subprocess.Popen = spawn(cmd, env={**base, **(env or {})}, log=self.log, cwd=log_dir)
 
     def wait_healthy(self, timeout_s: float = 600) -> VllmServer:
         """Until /health answers 200; ``NotHealthy`` with the log's tail if it exits or times out."""

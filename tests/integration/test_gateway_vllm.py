@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from cascade.processes import free_port
 from tests.conftest import Server, create_key, gateway_count
 from tests.integration.faulty_openai import FaultyOpenAIWorker
 
@@ -151,6 +152,111 @@ def test_the_gateway_in_front_of_vllm_needs_neither_torch_nor_transformers(tmp_p
     finally:
         stop(proc)
     assert "Traceback" not in log.read_text()
+
+
+def _counter(server, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples on a vLLM's /metrics whose labels include ``labels``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == name and labels.items() <= s.labels.items())
+
+
+def _pulled(server) -> float:
+    """Prompt tokens whose KV ``server`` pulled from another vLLM instead of computing it."""
+    return _counter(server, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+
+
+def _served(server) -> float:
+    return _counter(server, "vllm:request_success_total")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def decode_vllm(request, vllm_worker, tmp_path_factory):
+    """The decode half of a vLLM P/D pair; the session's vLLM (which runs the NixlConnector too) is
+    the prefill half. Spawned as soon as the session's vLLM is up, when the P/D test is among those
+    selected, so that its start (~1-2 min here) overlaps the tests before it; that test waits for it
+    and stops it (and so does the teardown here, if it failed first)."""
+    from cloud_tier.engine.llm_engine import resolve_model_dir
+    from tests.vllm_server import VllmServer
+
+    wanted = test_a_vllm_prefill_decode_pair_through_the_gateway_moves_the_kv_over_nixl.__name__
+    if not any(item.name == wanted for item in request.session.items):
+        yield None
+        return
+    server = VllmServer(resolve_model_dir("smollm2-135m"), tmp_path_factory.mktemp("vllm-decode"), nixl=True)
+    yield server
+    server.stop()
+
+
+def _greedy(c: openai.OpenAI, req: dict, stream: bool) -> list:
+    """The answer's tokens, each with its logprob and the top two (openai's ChatCompletionTokenLogprob)."""
+    if not stream:
+        return c.chat.completions.create(**req).choices[0].logprobs.content
+    return [t for ch in c.chat.completions.create(**req, stream=True) if ch.choices and ch.choices[0].logprobs
+            for t in ch.choices[0].logprobs.content]
+
+
+def _assert_same_greedy_answer(got: list, want: list) -> None:
+    """Token for token (as text), with logprobs within bf16 noise, up to the first token whose top
+    two the reference has within 0.3 nats (bf16 logits here move in steps of 0.125). After such a
+    near-tie either may win: the decode server computes the last prompt token against the KV it
+    pulled, another kernel path than the reference's one-pass prefill, and bf16 rounds them apart
+    (seen: equal through 8-16 tokens, then a tie at margin 0 or 0.125 goes the other way)."""
+    compared = 0
+    for g, w in zip(got, want, strict=True):
+        if w.top_logprobs[0].logprob - w.top_logprobs[1].logprob < 0.3:
+            break
+        assert g.token == w.token and abs(g.logprob - w.logprob) < 0.3, (compared, g, w)
+        compared += 1
+    assert compared >= 3, (got, want)
+
+
+def test_a_vllm_prefill_decode_pair_through_the_gateway_moves_the_kv_over_nixl(tmp_path, vllm_worker, decode_vllm):
+    decode = decode_vllm.wait_healthy()
+    alone = openai.OpenAI(base_url=f"{vllm_worker.url}/v1", api_key="x", max_retries=0, timeout=120)
+
+    def ask(topic: str) -> dict:  # greedy, a prompt over pd_min_prompt_chars (1024) that differs from its first block
+        return {"model": "smollm2-135m", "messages": [{"role": "user", "content": f"Tell me about {topic}. " * 50}],
+                "max_tokens": 12, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+
+    g = Server(tmp_path, ["cloud", "serve"], "--prefill", vllm_worker.url, "--decode", decode.url,
+               "--kv-connector", "nixl").wait_healthy(120)
+    g.home = tmp_path
+    try:
+        deadline = time.monotonic() + 30  # /healthz answers once one is up: wait for the prefill's first scrape too
+        while not all(w["healthy"] for w in httpx.get(f"{g.url}/healthz", timeout=10).json()["workers"].values()):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        c = client_of(g, "vllm-pd")
+        for stream, topic in ((False, "the sea"), (True, "the mountains")):
+            req = ask(topic)
+            ref = alone.chat.completions.create(**req)  # the reference: one vLLM computes all of it
+            want = ref.choices[0].logprobs.content
+            served, pulled = _served(vllm_worker), _pulled(decode)
+            _assert_same_greedy_answer(_greedy(c, req, stream), want)
+            assert _served(vllm_worker) == served + 1  # the prefill step ran on the session's vLLM ...
+            # ... and the decode server took all of the prompt's KV from it over NIXL
+            assert _pulled(decode) - pulled == ref.usage.prompt_tokens, stream
+        served, pulled = _served(vllm_worker), _pulled(decode)
+        assert c.chat.completions.create(model="smollm2-135m", messages=CHAT, max_tokens=3).choices
+        assert (_served(vllm_worker), _pulled(decode)) == (served, pulled)  # a short prompt: decode alone
+    finally:
+        g.stop()
+    # a prefill worker that cannot be reached: the decode server answers alone, computing the whole
+    # prompt itself, which gives exactly the reference's answer
+    dead = Server(tmp_path, ["cloud", "serve"], "--prefill", f"http://127.0.0.1:{free_port()}", "--decode",
+                  decode.url, "--kv-connector", "nixl", "--worker-type", "vllm").wait_healthy(120)
+    dead.home = tmp_path
+    try:
+        req, pulled = ask("the desert"), _pulled(decode)
+        got = client_of(dead, "vllm-pd-dead").chat.completions.create(**req).choices[0].message.content
+        assert got == alone.chat.completions.create(**req).choices[0].message.content
+        assert _pulled(decode) == pulled
+    finally:
+        dead.stop()
+        decode.stop()
 
 
 def test_a_killed_vllm_worker_stops_receiving_traffic_and_the_client_gets_a_clean_error(tmp_path, vllm_worker,
