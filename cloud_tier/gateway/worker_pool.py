@@ -36,6 +36,7 @@ class Worker:
     scraped_at: float | None = None  # monotonic time of the last good poll
     sent_since_scrape: int = 0  # requests the gateway sent after that poll, still in flight
     scrape_epoch: int = 0  # counts the good polls
+    poll_failures: int = 0  # polls failed in a row
     blocks_since_scrape: int = 0  # ... and the KV blocks they may need
     pending_prefill_tokens: int = 0
     committed_blocks: int = 0
@@ -173,8 +174,12 @@ class WorkerPool:
             else:
                 await self._poll_foreign(w)
         except (httpx.HTTPError, ValueError) as e:
-            self.mark_down(w.url, repr(e))
+            # refused: down at once; slow or odd (a loaded host): down when it happens twice in a row
+            w.poll_failures += 1
+            if isinstance(e, httpx.ConnectError) or w.poll_failures >= 2:
+                self.mark_down(w.url, repr(e))
             return
+        w.poll_failures = 0
         self.mark_up(w)
 
     async def _detect(self, w: Worker) -> str:
@@ -193,10 +198,10 @@ class WorkerPool:
 
     async def _poll_foreign(self, w: Worker) -> None:
         health = "/v1/models" if w.kind == "openai" else "/health"
-        r = await self.client.get(f"{w.url}{health}", headers=self.headers, timeout=2.0)
+        r = await self.client.get(f"{w.url}{health}", headers=self.headers, timeout=3.0)
         r.raise_for_status()
         if w.kind in ("vllm", "sglang"):
-            m = await self.client.get(f"{w.url}/metrics", headers=self.headers, timeout=2.0)
+            m = await self.client.get(f"{w.url}/metrics", headers=self.headers, timeout=3.0)
             m.raise_for_status()
             w.foreign = parse_load(w.kind, m.text)
         else:
