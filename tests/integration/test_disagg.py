@@ -88,10 +88,26 @@ def _handoff(prefill: LLMEngine, decode: LLMEngine, prompt: str, params: Samplin
     return adopted["first"]
 
 
+@pytest.fixture(scope="module")
+def co_located(smollm2_engine):
+    """``co_located(params)``: the prefill engine's own outputs for PROMPTS, once per params (both
+    transports compare with the same run)."""
+    runs: dict[int, list] = {}
+
+    def get(params: SamplingParams) -> list:
+        key = PARAMS.index(params)
+        if key not in runs:
+            runs[key] = smollm2_engine.generate(PROMPTS, params)
+        return runs[key]
+
+    return get
+
+
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 @pytest.mark.parametrize("params", PARAMS, ids=["greedy", "seeded"])
-def test_handoff_over_a_transport_continues_like_one_engine(smollm2_engine, decode_engine, transport, params):
-    refs = smollm2_engine.generate(PROMPTS, params)
+def test_handoff_over_a_transport_continues_like_one_engine(smollm2_engine, decode_engine, co_located, transport,
+                                                           params):
+    refs = co_located(params)
     for prompt, ref in zip(PROMPTS, refs, strict=True):
         first = _handoff(smollm2_engine, decode_engine, prompt, params, transport)
         final = _run_to_end(decode_engine, first)
