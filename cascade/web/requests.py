@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 import json
 import math
+import re
 from typing import TypeVar
 
 from fastapi import Request
@@ -44,15 +45,20 @@ async def read_json(request: Request, limit: int) -> dict:
     except UnicodeDecodeError as e:
         raise errors.bad_request("The request body is not valid UTF-8.", None, "invalid_encoding") from e
     try:
-        data = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+        if text.startswith("\ufeff"):  # what json.loads says of it
+            raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
+        data = _DECODER.decode(text)
     except json.JSONDecodeError as e:
         raise errors.bad_request(f"The request body is not valid JSON: {e}.", None, "invalid_json") from e
     except ValueError as e:  # NaN, Infinity, or a number too large for a float
         raise errors.bad_request(f"The request body is not valid JSON: {e}.", None, "invalid_json") from e
     if not isinstance(data, dict):
         raise errors.bad_request("The request body must be a JSON object.", None, "invalid_json")
-    try:  # a \ud800 escape decodes to a lone surrogate, which no encoder downstream will take
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    # a \ud800 escape decodes to a lone surrogate, which no encoder downstream will take (strict
+    # UTF-8 never decodes to one, so only a body with such an escape needs the whole check)
+    try:
+        if _SURROGATE_ESCAPE.search(text):
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as e:
         raise errors.bad_request("The request body has a string with a lone UTF-16 surrogate "
                                  "(an unpaired \\ud800-\\udfff escape).", None, "invalid_encoding") from e
@@ -68,6 +74,10 @@ def _finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{text[:40]} is out of range")
     return value
+
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float)  # json.loads makes one a call
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def _too_large(limit: int) -> errors.APIError:

@@ -17,7 +17,7 @@ from cascade.web import build_openai_app
 from cloud_tier import tokenizer_files
 from cloud_tier.config import CloudConfig
 from cloud_tier.disagg.protocol import ServedModel
-from cloud_tier.gateway.routes import admin, ops, v1
+from cloud_tier.gateway.routes import admin, generation, ops, v1
 from cloud_tier.gateway.service import GatewayService
 from cloud_tier.gateway.stores import open_stores
 from cloud_tier.gateway.worker_pool import WorkerPool
@@ -137,7 +137,7 @@ def build_app(config: CloudConfig, worker_urls: list[str]) -> FastAPI:
             await client.aclose()
             stores.close()
 
-    return build_openai_app("cascade cloud gateway", lifespan, config, "cloud", ops, v1, admin)
+    return build_openai_app("cascade cloud gateway", lifespan, config, "cloud", generation, ops, v1, admin)
 
 
 async def _collect(idem: IdempotencyRecords, every_s: float = 600.0) -> None:

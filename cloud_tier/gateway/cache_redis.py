@@ -16,7 +16,7 @@ from typing import Any
 import redis
 
 from cloud_tier.gateway.quotas_redis import connect
-from cloud_tier.gateway.result_cache import CacheStats
+from cloud_tier.gateway.result_cache import CacheStats, ResultCache
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,9 @@ class RedisResultCache:
         self._redis = connect(url)
         self._prefix = prefix
         self.stats = CacheStats()  # this replica's lookups (evictions are Redis': not counted here)
+        # key -> (the JSON Redis gave, its value): a value Redis gives again as the same bytes is
+        # not decoded again, and keeps what was rendered from it (streams.render_stored)
+        self._decoded = ResultCache(1024, min(max_bytes, 16 << 20), ttl_s)
 
     def get(self, key: str) -> Any | None:
         """The value, or None if absent or expired."""
@@ -42,7 +45,12 @@ class RedisResultCache:
             self.stats.misses += 1
             return None
         self.stats.hits += 1
-        return json.loads(raw)
+        known = self._decoded.get(key)
+        if known is not None and known[0] == raw:
+            return known[1]
+        value = json.loads(raw)
+        self._decoded.put(key, (raw, value), len(raw))
+        return value
 
     def put(self, key: str, value: Any, size_bytes: int) -> None:
         """Store the JSON-serialisable ``value`` for ``ttl_s`` (replacing any value under key).

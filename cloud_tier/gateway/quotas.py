@@ -73,6 +73,9 @@ class QuotaDecision:
     scope: str = ""  # "tenant" | "key"
 
 
+_ALLOWED = QuotaDecision(True)
+
+
 class Quotas:
     """Per-tenant and per-key buckets. admit() checks every applicable bucket and takes from all
     or none. Buckets are created lazily per (scope, id, kind) and recreated (full) when the
@@ -102,6 +105,8 @@ class Quotas:
               predicted_tokens: int) -> QuotaDecision:
         """Take one request and predicted_tokens from every applicable bucket, or refuse with the
         longest wait among the buckets that refused (tpm_never wins: no wait is enough)."""
+        if not (tenant_limits.rps or tenant_limits.tpm or key_limits.rps or key_limits.tpm):
+            return _ALLOWED  # no bucket applies (most keys, on every cache hit)
         checks = [*self._applicable("tenant", tenant, tenant_limits, predicted_tokens),
                   *self._applicable("key", key_id, key_limits, predicted_tokens)]
         refusal: QuotaDecision | None = None

@@ -13,7 +13,7 @@ import cascade
 from cascade import errors
 from cascade.openai_format import ChatFormatter, CompletionFormatter
 from cascade.protocol import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList
-from cascade.web import openai_response, openapi, parse_body, read_json
+from cascade.web import RequestRoute, openai_response, openapi, parse_body, read_json
 from cascade.web.caller import CallerGone, while_connected
 from cascade.web.requests import bearer_matches
 from cloud_tier.gateway.keys import ApiKey
@@ -31,6 +31,8 @@ def _key(request: Request, scope: str = "infer") -> ApiKey:
 
 
 ops = APIRouter()  # health and metrics
+# generation: most of the traffic; its handlers read their own bodies and answer a Response
+generation = APIRouter(prefix="/v1", route_class=RequestRoute)
 v1 = APIRouter(prefix="/v1")
 admin = APIRouter(prefix="/v1/admin")
 _GENERATION_ERRORS = openapi.errors(400, 401, 403, 404, 409, 413, 422, 429, 500, 502, 503)
@@ -134,14 +136,14 @@ async def _serve_foreign(request: Request, endpoint: str, result, stream: bool, 
                              headers={"Cache-Control": "no-cache", **headers})
 
 
-@v1.post("/chat/completions", openapi_extra=openapi.body(ChatCompletionRequest),
-         responses={**openapi.generation(ChatCompletion, "chat.completion.chunk"), **_GENERATION_ERRORS})
+@generation.post("/chat/completions", openapi_extra=openapi.body(ChatCompletionRequest),
+                 responses={**openapi.generation(ChatCompletion, "chat.completion.chunk"), **_GENERATION_ERRORS})
 async def chat_completions(request: Request):
     return await _serve(request, "chat", ChatCompletionRequest, ChatFormatter)
 
 
-@v1.post("/completions", openapi_extra=openapi.body(CompletionRequest),
-         responses={**openapi.generation(Completion, "text_completion"), **_GENERATION_ERRORS})
+@generation.post("/completions", openapi_extra=openapi.body(CompletionRequest),
+                 responses={**openapi.generation(Completion, "text_completion"), **_GENERATION_ERRORS})
 async def completions(request: Request):
     return await _serve(request, "completions", CompletionRequest, CompletionFormatter)
 

@@ -206,12 +206,21 @@ async def replay(stored: dict) -> AsyncIterator[TokenEvent | Finish]:
 
 
 def render_stored(stored: dict, fmt) -> bytes:
-    """A stored result as a non-streamed body: rendered once, then only a fresh id and time."""
-    body = stored.get("json")
-    if body is None:
+    """A stored result as a non-streamed body: rendered once, as a template that only a fresh id
+    and time go into (the same bytes as dumping the response with them, at under half the cost)."""
+    template = stored.get("json_template")
+    if template is None:
         events = [event_from_wire(e) for e in stored["events"]]
-        body = stored["json"] = fmt.response(events[:-1], events[-1]).model_dump(exclude_none=True)
-    return json.dumps({**body, "id": fmt.id, "created": fmt.created}, separators=(",", ":")).encode()
+        body = fmt.response(events[:-1], events[-1]).model_dump(exclude_none=True)
+        template = stored["json_template"] = _template({**body, "id": None, "created": None})
+    return (template % {"id": json.dumps(fmt.id), "created": json.dumps(fmt.created)}).encode()
+
+
+def _template(body: dict) -> str:
+    """``body`` as compact JSON with %(id)s and %(created)s in place of those two values."""
+    items = [f"{json.dumps(k)}:%({k})s" if k in ("id", "created") else
+             f"{json.dumps(k)}:{json.dumps(v, separators=(',', ':'))}".replace("%", "%%") for k, v in body.items()]
+    return "{" + ",".join(items) + "}"
 
 
 async def replay_chunks(chunks: list[dict]) -> AsyncIterator[dict]:
