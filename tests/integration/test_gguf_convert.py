@@ -1,7 +1,8 @@
 """GGUF -> HF directory conversion, checked against transformers' own GGUF loader and llama.cpp.
 
-Each model is converted once per module (SmolLM2 ~16 s, Gemma 3 ~60 s) and read once by the
-reference loader (~30 s, ~45 s); every test below shares both.
+Each model is converted once per session (SmolLM2 ~16 s, Gemma 3 ~60 s) and read once by the
+reference loader (~30 s, ~45 s; tests/integration/gguf_reference.py, shared with the engine parity
+tests); every test below shares both.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from cloud_tier.engine.models.gguf_convert import (
 )
 from model_distribution.catalog import Catalog
 from model_distribution.gguf_meta import read_metadata
+from tests.integration.gguf_reference import Reference, gguf_reference
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
 MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
@@ -68,12 +70,6 @@ class Converted:
     convert_s: float
 
 
-@dataclass(frozen=True)
-class Reference:
-    model: torch.nn.Module
-    config: object
-
-
 @pytest.fixture(scope="module", params=["smollm2-135m", pytest.param("gemma3-270m", marks=pytest.mark.slow)])
 def converted(request, engine_home) -> Converted:
     # the session's engine home: the engine tests then reuse this conversion instead of redoing it
@@ -87,25 +83,8 @@ def converted(request, engine_home) -> Converted:
 
 @pytest.fixture(scope="module")
 def reference(converted) -> Reference:
-    """The model as transformers' GGUF loader builds it.
-
-    ``from_pretrained(gguf_file=...)`` runs exactly ``load_gguf_checkpoint`` for these
-    architectures, but refuses to start without accelerate, which this project does not depend
-    on; calling the loader directly also parses the file once instead of twice. Both give the
-    same tensors and logits (checked by hand with accelerate installed).
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    with torch.device("meta"):  # only its parameter names are used, to map the GGUF names
-        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(converted.hf_dir))
-    parsed = load_gguf_checkpoint(str(converted.gguf), return_tensors=True, model_to_load=skeleton)
-    config = AutoConfig.for_model(**parsed["config"])
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    loaded = model.load_state_dict(parsed["tensors"], strict=False)
-    assert loaded.missing_keys == (["lm_head.weight"] if config.tie_word_embeddings else [])
-    assert not loaded.unexpected_keys
-    return Reference(model, config)
+    """The model as transformers' GGUF loader builds it (shared with the engine parity tests)."""
+    return gguf_reference(converted.gguf, converted.hf_dir)
 
 
 def test_every_tensor_equals_the_transformers_gguf_loader(converted, reference):
