@@ -18,6 +18,7 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests import loopback
 from tests.integration.worker_accounting import leftovers, shm_segments
 
 LIVE: list = []  # tests.conftest.Server instances whose process runs
@@ -25,7 +26,7 @@ LIVE: list = []  # tests.conftest.Server instances whose process runs
 
 def _get(url: str) -> httpx.Response | None:
     try:
-        return httpx.get(url, timeout=5)
+        return loopback.get(url, timeout=5)  # not httpx.get: a TLS context per call, several per test
     except httpx.HTTPError:
         return None
 

@@ -6,11 +6,10 @@ import os
 import subprocess
 from pathlib import Path
 
-import httpx
 import pytest
 
 from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
-from tests import accounting
+from tests import accounting, loopback
 
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
@@ -148,8 +147,8 @@ def gateway_count(cloud, tenant: str, metric: str = "cascade_gateway_requests_to
     """A gateway counter for ``tenant`` from /metrics, summed over the labels not given."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    total = 0.0
-    for family in text_string_to_metric_families(httpx.get(f"{cloud.url}/metrics", timeout=10).text):
+    total = 0.0  # loopback, not httpx.get: a TLS context per call, and callers poll this
+    for family in text_string_to_metric_families(loopback.get(f"{cloud.url}/metrics", timeout=10).text):
         for s in family.samples:
             if s.name == metric and s.labels.get("tenant") == tenant and all(
                     s.labels.get(k) == v for k, v in labels.items()):

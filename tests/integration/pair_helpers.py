@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import httpx
 
 from cloud_tier.disagg.messages import MAGIC, MessageKind, TransferAck, decode
+from tests import loopback
 from tests.conftest import Server, create_key, gateway_count
 
 MODEL = "smollm2-135m"
@@ -41,8 +42,8 @@ def completion(ids: list[int], max_tokens: int, stream: bool) -> dict:
 
 
 def counters(cloud: Cloud) -> dict[str, int]:
-    p = httpx.get(f"{cloud.prefill.url}/internal/stats", timeout=10).json()["prefill"]
-    d = httpx.get(f"{cloud.decode.url}/internal/stats", timeout=10).json()["decode"]
+    p = loopback.get(f"{cloud.prefill.url}/internal/stats", timeout=10).json()["prefill"]
+    d = loopback.get(f"{cloud.decode.url}/internal/stats", timeout=10).json()["decode"]
     return {"transfers_ok": p["transfers_ok"], "prefill_cancelled": p["cancelled"], "adopted": d["adopted"]}
 
 
@@ -103,7 +104,7 @@ def gauge(server: Server, name: str) -> float:
     """A metric without labels from ``server``'s /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics", timeout=10).text):
+    for family in text_string_to_metric_families(loopback.get(f"{server.url}/metrics", timeout=10).text):
         for s in family.samples:
             if s.name == name:
                 return s.value

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import httpx
+from tests import loopback
 
 SHM = Path("/dev/shm")
 
@@ -18,7 +18,7 @@ def shm_segments() -> set[str]:
 
 
 def worker_stats(url: str) -> dict:
-    r = httpx.get(f"{url}/internal/stats", timeout=10)
+    r = loopback.get(f"{url}/internal/stats", timeout=10)
     r.raise_for_status()
     return r.json()
 
