@@ -71,6 +71,13 @@ class RequestRecord(_Message):
     sampling: dict[str, Any]  # SamplingParams fields
     eos_token_ids: list[int] = []
     priority: int = 0
+    # the request's service level (cloud_tier.engine.request.ServiceLevel); timeout_s: what was left of
+    # its deadline when this record was sent (clocks differ between hosts, durations travel)
+    priority_class: Literal["interactive", "escalation", "batch"] = "interactive"
+    ttft_slo_s: Annotated[float, Field(gt=0)] | None = None
+    tpot_slo_s: Annotated[float, Field(gt=0)] | None = None
+    timeout_s: float | None = None
+    tenant: str = Field(default="", max_length=256)
     logprobs: list[TokenLogprobRecord] = []  # of output_token_ids, when asked
     sampler_state: bytes | None = None  # torch.Generator state of a seeded request
     num_cached_tokens: int = 0  # prompt tokens the prefill worker took from its prefix cache

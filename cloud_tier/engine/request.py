@@ -13,6 +13,33 @@ from dataclasses import dataclass, field
 from cloud_tier.sampling import SamplingParams
 
 
+PRIORITY_CLASSES = ("interactive", "escalation", "batch")  # served in this order; batch is preempted first
+
+
+@dataclass(frozen=True)
+class ServiceLevel:
+    """What a request is owed: its class, its latency targets and its deadline. None: no target."""
+
+    priority_class: str = "interactive"
+    ttft_s: float | None = None  # first token within this long of arrival
+    tpot_s: float | None = None  # then one token per this long
+    deadline: float | None = None  # time.monotonic() by which it ends, with what it has (finish "length")
+    tenant: str = ""  # whose reservation it draws on
+
+    def __post_init__(self):
+        if self.priority_class not in PRIORITY_CLASSES:
+            raise ValueError(f"priority class must be one of {', '.join(PRIORITY_CLASSES)}, "
+                             f"got {self.priority_class!r}")
+        for name in ("ttft_s", "tpot_s"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be > 0, got {v!r}")
+
+    @property
+    def rank(self) -> int:
+        return PRIORITY_CLASSES.index(self.priority_class)
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
@@ -45,6 +72,8 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache (-1: not looked up)
     num_preemptions: int = 0
     kv_transfer: bool = False  # prefill only: stop after the first token and keep the KV to send
+    slo: ServiceLevel = ServiceLevel()
+    truncated: str = ""  # why it ended early with what it had ("deadline"), else ""
     token_ids: list[int] = field(init=False)  # prompt + output, appended as tokens are sampled
     block_hashes: list = field(default_factory=list)  # chained hashes of full blocks, filled lazily
 
