@@ -44,7 +44,8 @@ from vllm.benchmarks.serve import add_cli_args, main_async
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 KEEP = ("completed", "failed", "duration", "request_throughput", "output_throughput", "p50_ttft_ms",
-        "p99_ttft_ms", "mean_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "ttfts", "errors")
+        "p99_ttft_ms", "mean_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "p50_itl_ms", "p99_itl_ms", "request_goodput",
+        "ttfts", "errors")
 
 
 def main():

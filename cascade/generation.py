@@ -34,13 +34,15 @@ class Finish:
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens reused from the previous request's KV
     text: str = ""  # trailing text released at the end (held back for a stop check)
+    truncated: str = ""  # ended early with what it had, and why ("deadline"); finish_reason is "length"
 
 
 # -- on the wire (worker -> gateway, one JSON object per line) --------------------------------
 
 def event_to_wire(ev: TokenEvent | Finish) -> dict:
     if isinstance(ev, Finish):
-        return {"finish": [ev.finish_reason, ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens, ev.text]}
+        fields = [ev.finish_reason, ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens, ev.text]
+        return {"finish": fields + [ev.truncated] if ev.truncated else fields}
     return {"token": [ev.token_id, ev.text, ev.piece.hex(), ev.logprob, ev.entropy,
                       [[t.token_id, t.text, t.logprob, t.bytes.hex()] for t in ev.top]]}
 
@@ -49,8 +51,11 @@ def event_from_wire(data: dict) -> TokenEvent | Finish:
     """The inverse of ``event_to_wire``; ValueError on anything else."""
     try:
         if "finish" in data:
-            reason, prompt, completion, cached, text = data["finish"]
-            return Finish(str(reason), int(prompt), int(completion), int(cached), str(text))
+            reason, prompt, completion, cached, text, *truncated = data["finish"]
+            if len(truncated) > 1:
+                raise ValueError("too many finish fields")
+            return Finish(str(reason), int(prompt), int(completion), int(cached), str(text),
+                          str(truncated[0]) if truncated else "")
         tid, text, piece, logprob, entropy, top = data["token"]
         return TokenEvent(int(tid), str(text), bytes.fromhex(piece), float(logprob), float(entropy),
                           tuple(TopToken(int(a), str(b), float(c), bytes.fromhex(d)) for a, b, c, d in top))

@@ -43,6 +43,14 @@ def usage_of(finish: Finish) -> Usage:
     return Usage.of(finish.prompt_tokens, finish.completion_tokens)
 
 
+def cascade_of(base: dict | None, finish: Finish | None) -> dict | None:
+    """The response's ``cascade`` object: the edge agent's (tier, reason), and ``truncated``
+    when the answer was cut short ("deadline")."""
+    if finish is None or not finish.truncated:
+        return base
+    return {**(base or {}), "truncated": finish.truncated}
+
+
 class ChatFormatter:
     def __init__(self, model: str, logprobs: bool):
         self.id = new_id("chatcmpl")
@@ -51,12 +59,12 @@ class ChatFormatter:
         self.logprobs = logprobs
         self.cascade: dict | None = None  # set by the edge agent: goes on the final chunk / body
 
-    def _chunk(self, delta: DeltaMessage, events: Sequence[TokenEvent] = (), finish: str | None = None,
+    def _chunk(self, delta: DeltaMessage, events: Sequence[TokenEvent] = (), finish: Finish | None = None,
                usage: Usage | None = None) -> str:
         lp = ChoiceLogprobs(content=[_token_logprob(e) for e in events]) if self.logprobs and events else None
-        choice = ChatChunkChoice(delta=delta, logprobs=lp, finish_reason=finish)
-        return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
-                                       choices=[choice], usage=usage, cascade=self.cascade if finish else None))
+        choice = ChatChunkChoice(delta=delta, logprobs=lp, finish_reason=finish.finish_reason if finish else None)
+        return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice],
+                                       usage=usage, cascade=cascade_of(self.cascade, finish) if finish else None))
 
     def first_chunk(self) -> str:
         return self._chunk(DeltaMessage(role="assistant", content=""))
@@ -68,8 +76,7 @@ class ChatFormatter:
 
     def final_chunks(self, finish: Finish, include_usage: bool) -> list[str]:
         usage = usage_of(finish)
-        out = [self._chunk(DeltaMessage(content=finish.text or None), finish=finish.finish_reason,
-                           usage=usage)]
+        out = [self._chunk(DeltaMessage(content=finish.text or None), finish=finish, usage=usage)]
         if include_usage:
             out.append(sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
                                                choices=[], usage=usage)))
@@ -81,7 +88,7 @@ class ChatFormatter:
         choice = ChatChoice(message=ResponseMessage(content=text), logprobs=lp,
                             finish_reason=finish.finish_reason)
         return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice],
-                              usage=usage_of(finish), cascade=self.cascade)
+                              usage=usage_of(finish), cascade=cascade_of(self.cascade, finish))
 
 
 class CompletionFormatter:
@@ -106,12 +113,12 @@ class CompletionFormatter:
             self._offset += len(e.text)
         return out
 
-    def _chunk(self, text: str, events: Sequence[TokenEvent] = (), finish: str | None = None,
+    def _chunk(self, text: str, events: Sequence[TokenEvent] = (), finish: Finish | None = None,
                usage: Usage | None = None) -> str:
         choice = CompletionChoice(text=text, logprobs=self._logprobs(events) if events else None,
-                                  finish_reason=finish)
+                                  finish_reason=finish.finish_reason if finish else None)
         return sse(Completion(id=self.id, created=self.created, model=self.model, choices=[choice],
-                              usage=usage, cascade=self.cascade if finish else None))
+                              usage=usage, cascade=cascade_of(self.cascade, finish) if finish else None))
 
     def first_chunk(self) -> str | None:
         return None
@@ -123,7 +130,7 @@ class CompletionFormatter:
 
     def final_chunks(self, finish: Finish, include_usage: bool) -> list[str]:
         usage = usage_of(finish)
-        out = [self._chunk(finish.text, finish=finish.finish_reason, usage=usage)]
+        out = [self._chunk(finish.text, finish=finish, usage=usage)]
         if include_usage:
             out.append(sse(Completion(id=self.id, created=self.created, model=self.model, choices=[],
                                       usage=usage)))
@@ -134,4 +141,4 @@ class CompletionFormatter:
         choice = CompletionChoice(text=text, logprobs=self._logprobs(events),
                                   finish_reason=finish.finish_reason)
         return Completion(id=self.id, created=self.created, model=self.model, choices=[choice],
-                          usage=usage_of(finish), cascade=self.cascade)
+                          usage=usage_of(finish), cascade=cascade_of(self.cascade, finish))

@@ -16,6 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
 INT32 = (-(2**31), 2**31 - 1)  # what the queue and the engines store a priority in
+# a request's priority class, served in this order (and preempted in the reverse): the app's own
+# requests, the edge agents' escalations, the Batch API's lines
+PRIORITY_CLASSES = ("interactive", "escalation", "batch")
 INT64 = (-(2**63), 2**63 - 1)
 Count = Annotated[int, Field(ge=1, le=INT32[1])]  # a number of tokens: positive, within 32 bits
 TokenId = Annotated[int, Field(ge=INT32[0], le=INT32[1])]  # checked against the vocabulary where it runs

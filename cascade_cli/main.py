@@ -186,7 +186,8 @@ def cmd_cloud_worker(args) -> int:
         "engine": {"model": args.model, "dtype": args.dtype, "device": args.device,
                    "kv_cache_memory_bytes": args.kv_cache_bytes, "max_model_len": args.max_model_len,
                    "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                   "threads": args.threads},
+                   "threads": args.threads, "ttft_slo_s": args.ttft_slo_s, "tpot_slo_s": args.tpot_slo_s,
+                   "reservations": args.reservations},
         "worker": {"role": args.role},
     }
     try:
@@ -390,6 +391,15 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--max-num-batched-tokens", type=int,
                         help=f"token budget of one step (default: {eng.max_num_batched_tokens})")
     worker.add_argument("--threads", type=int, help="torch threads (default: 0 = torch's choice)")
+    worker.add_argument("--ttft-slo-s", type=float, metavar="S",
+                        help="time-to-first-token target of requests that name none; what would miss it gets "
+                             "429 + Retry-After (reason slo) (default: none)")
+    worker.add_argument("--tpot-slo-s", type=float, metavar="S",
+                        help="time-per-output-token target of requests that name none: admission keeps the "
+                             "running decodes within it (default: none)")
+    worker.add_argument("--reservations", metavar="TENANT=SHARE,...",
+                        help="shares of the KV blocks and running slots kept for tenants, e.g. gold=0.3 "
+                             "(default: none)")
     worker.set_defaults(func=cmd_cloud_worker)
 
     serve = _parser(cloud, "serve", "the gateway, with the prefill and decode workers it starts "

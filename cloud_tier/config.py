@@ -44,8 +44,19 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     threads: int = 0  # torch intra-op threads on CPU; 0: torch's default
+    # service levels (cloud_tier/engine/scheduler.py): targets of requests that name none (0: none),
+    # refusing early what would miss its TTFT target, the short-prompt lane, tenants' reservations
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
+    slo_reject: bool = True
+    short_prompt_tokens: int = 256
+    short_lane_share: float = 0.25
+    reservations: str = ""  # "tenant=share,...": KV blocks and running slots kept free for each tenant
 
     def __post_init__(self):
+        for name in ("ttft_slo_s", "tpot_slo_s"):  # 0 in cloud.toml (which has no None) means no target
+            if getattr(self, name) == 0:
+                object.__setattr__(self, name, None)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -54,6 +65,11 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 1")
         if self.kv_cache_memory_bytes < 1:
             raise ValueError("kv_cache_memory_bytes must be positive")
+        if any(v is not None and not v > 0 for v in (self.ttft_slo_s, self.tpot_slo_s)):
+            raise ValueError("ttft_slo_s and tpot_slo_s must be > 0 (0: no target)")
+        if not 0 <= self.short_lane_share < 1 or self.short_prompt_tokens < 1:
+            raise ValueError("short_lane_share must be in [0, 1) and short_prompt_tokens >= 1")
+        parse_reservations(self.reservations)
 
 
 @dataclass
@@ -175,6 +191,26 @@ class GatewayConfig:
         if self.redis and not self.redis.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis must be a redis://, rediss:// or unix:// URL (or empty), not {self.redis!r}")
         parse_model_prices(self.model_prices)
+
+
+def parse_reservations(text: str) -> dict[str, float]:
+    """``[engine] reservations`` ("gold=0.3,silver=0.1": the share of the KV blocks and of the running
+    slots kept for each tenant) as {tenant: share}; the shares must add up to less than 1."""
+    shares: dict[str, float] = {}
+    for item in (i.strip() for i in text.split(",")):
+        if not item:
+            continue
+        name, _, share = item.partition("=")
+        try:
+            value = float(share)
+        except ValueError:
+            value = -1.0
+        if not name.strip() or not 0 < value < 1:
+            raise ValueError(f"reservations: {item!r} is not tenant=SHARE with 0 < SHARE < 1")
+        shares[name.strip()] = value
+    if sum(shares.values()) >= 1:
+        raise ValueError(f"reservations: the shares add up to {sum(shares.values()):g}; they must stay under 1")
+    return shares
 
 
 def parse_model_prices(text: str) -> dict[str, tuple[float, float]]:

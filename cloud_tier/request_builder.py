@@ -4,11 +4,16 @@ worker when it is called directly). Needs the model's tokenizer, not the model."
 
 from __future__ import annotations
 
+import dataclasses
+import email.utils
+import math
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cascade import errors
 from cascade.chat_template import ChatTemplate, ChatTemplateError
-from cascade.protocol import INT32, ChatCompletionRequest, CompletionRequest
+from cascade.protocol import INT32, PRIORITY_CLASSES, ChatCompletionRequest, CompletionRequest
 from cloud_tier.sampling import SamplingParams
 
 
@@ -20,6 +25,12 @@ class Plan:
     params: SamplingParams
     logprobs: int | None  # top-k wanted per token (None: no logprobs)
     priority: int = 0
+    # its service level, from the body (priority_class, ttft_slo_s, tpot_slo_s, timeout: seconds for the
+    # whole answer); a server may add its defaults and the X-Cascade-* headers (see ``service_level``)
+    priority_class: str = "interactive"
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
+    timeout_s: float | None = None
 
     @property
     def max_total_tokens(self) -> int:
@@ -85,9 +96,52 @@ class RequestBuilder:
                 stop_token_ids=tuple(_extra(extra, "stop_token_ids", [], lambda v: isinstance(v, list) and all(
                     _int32(t) and t >= 0 for t in v), "a list of token ids")))
             priority = _extra(extra, "priority", 0, _int32, "an integer in [-2**31, 2**31)")
+            priority_class = _extra(extra, "priority_class", "interactive", PRIORITY_CLASSES.__contains__,
+                                    f"one of {', '.join(PRIORITY_CLASSES)}")
+            ttft, tpot, timeout = (_extra(extra, name, None, _seconds, "a number of seconds > 0")
+                                   for name in ("ttft_slo_s", "tpot_slo_s", "timeout"))
         except (ValueError, TypeError) as e:
             raise errors.bad_request(str(e)) from e
-        return Plan(tokens, params, logprobs, priority)
+        return Plan(tokens, params, logprobs, priority, priority_class, ttft, tpot, timeout)
+
+
+def with_headers(plan: Plan, headers: Mapping[str, str], wall: float | None = None) -> Plan:
+    """``plan`` under the headers ``X-Cascade-Priority`` (a class, over the body's priority_class)
+    and ``X-Cascade-Deadline`` (seconds from now, or an absolute time: a Unix timestamp or an HTTP
+    date); the earlier of the body's ``timeout`` and the header's deadline wins. 400 on a bad one."""
+    priority_class = headers.get("x-cascade-priority") or plan.priority_class
+    if priority_class not in PRIORITY_CLASSES:
+        raise errors.bad_request(f"Invalid X-Cascade-Priority {priority_class[:40]!r}: it must be one of "
+                                 f"{', '.join(PRIORITY_CLASSES)}.", "X-Cascade-Priority", "invalid_value")
+    timeout = plan.timeout_s
+    if (raw := headers.get("x-cascade-deadline")) is not None:
+        left = deadline_seconds(raw, wall)
+        timeout = left if timeout is None else min(timeout, left)
+    if (priority_class, timeout) == (plan.priority_class, plan.timeout_s):
+        return plan
+    return dataclasses.replace(plan, priority_class=priority_class, timeout_s=timeout)
+
+
+def deadline_seconds(raw: str, wall: float | None = None) -> float:
+    """Seconds left until the deadline an ``X-Cascade-Deadline`` header gives: a number of seconds
+    (a relative timeout), a Unix timestamp (a number over 10^9) or an HTTP date. A deadline already
+    past gives 0: the request ends at once with nothing (finish "length"). 400 otherwise."""
+    wall = time.time() if wall is None else wall
+    try:
+        value = float(raw)
+    except ValueError:
+        try:
+            value = email.utils.parsedate_to_datetime(raw).timestamp()
+        except (TypeError, ValueError, IndexError):
+            value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise errors.bad_request(f"Invalid X-Cascade-Deadline {raw[:60]!r}: give seconds from now, a Unix "
+                                 "timestamp or an HTTP date.", "X-Cascade-Deadline", "invalid_value")
+    return max(0.0, value - wall) if value > 1e9 else value
+
+
+def _seconds(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e9
 
 
 def _int32(v) -> bool:

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from cascade import errors
 from cascade.generation import Finish, TokenEvent
 from cascade.openai_format import DONE
+from cascade.web.caller import CallerGone, while_connected
 
 log = logging.getLogger(__name__)
 
@@ -22,9 +23,26 @@ async def openai_response(request: Request, events: AsyncIterator, fmt, stream: 
     """Answer from a stream of generation events (``TokenEvent``s then a ``Finish``): as SSE
     when ``stream``, else as one JSON body. A client that goes away stops the generation: the
     stream is closed (streaming) or the collecting task cancelled (not streaming). ``count`` is
-    called once with the final status ("200", "499" gone, "500" failed mid-stream)."""
+    called once with the final status ("200", "499" gone, "500" failed mid-stream).
+
+    A stream starts when its first event exists, as vLLM's does: the role chunk goes out with the
+    first token, so a client's time to first byte is its time to first token, and a refusal before
+    it (a 429 for a target it would miss, a 503) is a plain HTTP error, not an in-band one."""
     if stream:
-        return StreamingResponse(_sse(events, fmt, include_usage, count), media_type="text/event-stream",
+        try:
+            first = await while_connected(request, anext(events))
+        except CallerGone:
+            await events.aclose()
+            count("499")
+            return Response(status_code=499)
+        except errors.APIError as e:
+            await events.aclose()
+            count(str(e.status))
+            raise
+        except BaseException:
+            await events.aclose()
+            raise
+        return StreamingResponse(_sse(first, events, fmt, include_usage, count), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     collect = asyncio.create_task(_collect(events))
     watcher = asyncio.create_task(_watch_disconnect(request, collect))
@@ -64,17 +82,15 @@ async def _watch_disconnect(request: Request, task: asyncio.Task) -> None:
             return
 
 
-async def _sse(events: AsyncIterator, fmt, include_usage: bool, count: Callable[[str], None]):
+async def _sse(first, events: AsyncIterator, fmt, include_usage: bool, count: Callable[[str], None]):
     status = "200"
     try:
-        first = fmt.first_chunk()
-        if first:
-            yield first
+        if (role := fmt.first_chunk()) is not None:
+            yield role
+        for chunk in _chunks(first, fmt, include_usage):
+            yield chunk
         async for ev in events:
-            if isinstance(ev, Finish):
-                for chunk in fmt.final_chunks(ev, include_usage):
-                    yield chunk
-            elif (chunk := fmt.token_chunk(ev)) is not None:
+            for chunk in _chunks(ev, fmt, include_usage):
                 yield chunk
     except asyncio.CancelledError:
         status = "499"  # the client went away; closing ``events`` stops the generation
@@ -90,3 +106,10 @@ async def _sse(events: AsyncIterator, fmt, include_usage: bool, count: Callable[
         await events.aclose()
         count(status)
     yield DONE
+
+
+def _chunks(ev, fmt, include_usage: bool) -> list[str]:
+    if isinstance(ev, Finish):
+        return fmt.final_chunks(ev, include_usage)
+    chunk = fmt.token_chunk(ev)
+    return [] if chunk is None else [chunk]

@@ -15,7 +15,7 @@ import httpx
 
 from cloud_tier.disagg.messages import RequestRecord, TransferAck, TransferHeader
 from cloud_tier.disagg.protocol import GenerateRequest, PrefillRequest, PrefillResponse
-from cloud_tier.disagg.records import logprobs_of, params_of
+from cloud_tier.disagg.records import logprobs_of, params_of, service_level_of
 from cloud_tier.disagg.transport import KVReceiver, ReceiverLimits, payload_to_tensor
 from cloud_tier.engine.async_engine import AsyncLLMEngine
 from cloud_tier.engine.llm_engine import KVCapacityError
@@ -152,7 +152,7 @@ class DecodeService:
                 raise ValueError("the KV is of another prompt than the one asked for")
             if len(sent.output_token_ids) != 1:
                 raise ValueError("a transferred request carries exactly its first token")
-            req = self.engine.prepare(rec.prompt_token_ids, params_of(rec), rid, rec.priority)
+            req = self.engine.prepare(rec.prompt_token_ids, params_of(rec), rid, rec.priority, service_level_of(rec))
             req.append_token(sent.output_token_ids[0])
             kv = payload_to_tensor(header, payload)
             stream = await self.engine.adopt(req, kv, logprobs_of(sent.logprobs[0]) if sent.logprobs else None,

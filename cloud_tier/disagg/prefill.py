@@ -10,7 +10,7 @@ import time
 
 from cloud_tier.disagg.messages import RequestRecord, TransferHeader
 from cloud_tier.disagg.protocol import PrefillRequest, PrefillResponse
-from cloud_tier.disagg.records import logprob_record, params_of
+from cloud_tier.disagg.records import logprob_record, params_of, service_level_of
 from cloud_tier.disagg.transport import (
     KVSender,
     ShmSender,
@@ -20,6 +20,7 @@ from cloud_tier.disagg.transport import (
 )
 from cloud_tier.engine.async_engine import AsyncLLMEngine
 from cloud_tier.engine.llm_engine import KVHandoff
+from cloud_tier.engine.scheduler import SLOMissError
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +53,17 @@ class PrefillService:
         rid = rec.request_id
         started = time.perf_counter()
         try:
-            req = self.engine.prepare(rec.prompt_token_ids, params_of(rec), rid, rec.priority)
+            req = self.engine.prepare(rec.prompt_token_ids, params_of(rec), rid, rec.priority, service_level_of(rec))
         except (ValueError, TypeError) as e:
             return PrefillResponse(request_id=rid, ok=False, code="bad_request", message=str(e))
         rid = req.request_id  # the engine names a request that came without an id
         req.kv_transfer = True
         final = None
-        async for out in self.engine.stream(req):
-            final = out
+        try:
+            async for out in self.engine.stream(req):
+                final = out
+        except SLOMissError as e:  # it would miss its TTFT target: the decode worker answers 429
+            return PrefillResponse(request_id=rid, ok=False, code="slo", message=str(e))
         prefill_ms = (time.perf_counter() - started) * 1e3
         first = rec.model_copy(update={
             "request_id": rid, "transfer_token": "", "output_token_ids": list(final.token_ids),

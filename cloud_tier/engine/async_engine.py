@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator, Sequence
 
 from cloud_tier.engine.llm_engine import LLMEngine
 from cloud_tier.engine.outputs import RequestOutput
-from cloud_tier.engine.request import Request
+from cloud_tier.engine.request import Request, ServiceLevel
+from cloud_tier.engine.scheduler import SLOMissError
 from cloud_tier.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -49,21 +50,23 @@ class AsyncLLMEngine:
         return self.engine.tokenizer
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0,
+                       slo: ServiceLevel | None = None) -> AsyncIterator[RequestOutput]:
         """Validate (ValueError before anything is queued), then stream the request's outputs.
-        Stopping the iteration early aborts the request."""
-        req = self.prepare(prompt, params, request_id, priority)
+        Stopping the iteration early aborts the request. SLOMissError (before any output) if it
+        would miss its TTFT target."""
+        req = self.prepare(prompt, params, request_id, priority, slo)
         async for out in self.stream(req):
             yield out
 
     def prepare(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None,
-                priority: int = 0) -> Request:
+                priority: int = 0, slo: ServiceLevel | None = None) -> Request:
         """A validated request (ValueError, also for the id of a request streaming here)."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error}")
         if request_id is not None and request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}: a request with this id is in flight")
-        return self.engine.make_request(prompt, params, request_id, priority)
+        return self.engine.make_request(prompt, params, request_id, priority, slo=slo)
 
     async def stream(self, req: Request) -> AsyncIterator[RequestOutput]:
         """Queue ``req`` and stream its outputs (ValueError if the engine refuses it, e.g. a
@@ -192,8 +195,7 @@ class AsyncLLMEngine:
                     self._wake.clear()
                     continue
                 for out in self.engine.step():
-                    item = _snapshot(out) if out.error is None else RequestFailedError(out.error)
-                    self._deliver(out.request_id, item)
+                    self._deliver(out.request_id, _item(out))
                 if self.engine.stalled:  # nothing can run until a held KV is released: no busy loop
                     self._wake.wait(0.05)
                     self._wake.clear()
@@ -207,6 +209,15 @@ class AsyncLLMEngine:
                 if kind == "call":
                     _, loop, future = payload
                     loop.call_soon_threadsafe(_settle, future, None, EngineDeadError(f"the engine stopped: {e}"))
+
+
+def _item(out: RequestOutput) -> RequestOutput | BaseException:
+    """What a request's stream gets for ``out``: a copy of it, or the error that ended it."""
+    if out.retry_after_s is not None:
+        return SLOMissError(f"request {out.request_id!r} refused: {out.error}", out.retry_after_s)
+    if out.error is not None:
+        return RequestFailedError(out.error)
+    return _snapshot(out)
 
 
 def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:

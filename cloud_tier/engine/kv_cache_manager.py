@@ -106,10 +106,11 @@ class KVCacheManager:
     # -- allocation ----------------------------------------------------------------------
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: KVCacheBlocks | None = None) -> KVCacheBlocks | None:
+                       new_computed_blocks: KVCacheBlocks | None = None, reserve: int = 0) -> KVCacheBlocks | None:
         """Make room for ``num_new_tokens`` more tokens of ``request`` (after the prefix-cache hits
-        in ``new_computed_blocks``, when it is first scheduled). Returns the newly allocated
-        blocks, or None (and changes nothing) if they do not fit."""
+        in ``new_computed_blocks``, when it is first scheduled), leaving ``reserve`` blocks free
+        (others' reservations). Returns the newly allocated blocks, or None (and changes nothing)
+        if they do not fit."""
         held = self.req_blocks.get(request.request_id, [])
         computed = new_computed_blocks.blocks if new_computed_blocks else ()
         num_computed = request.num_computed_tokens + len(computed) * self.block_size
@@ -117,7 +118,7 @@ class KVCacheManager:
         num_new_blocks = max(0, self.blocks_for_tokens(total) - len(held) - len(computed))
         # hits that sit in the free queue stop being allocatable once we take them
         num_free_hits = sum(1 for b in computed if b.ref_cnt == 0)
-        if num_new_blocks > self.pool.num_free - num_free_hits:
+        if num_new_blocks and num_new_blocks > self.pool.num_free - num_free_hits - reserve:
             return None
         blocks = self.req_blocks.setdefault(request.request_id, [])
         self.pool.touch(computed)

@@ -24,9 +24,9 @@ from cloud_tier.engine.kv_cache_manager import KVCacheManager
 from cloud_tier.engine.model_runner import ModelRunner
 from cloud_tier.engine.models.loader import load_model, read_config
 from cloud_tier.engine.outputs import RequestOutput
-from cloud_tier.engine.request import Request, RequestStatus
+from cloud_tier.engine.request import Request, RequestStatus, ServiceLevel
 from cloud_tier.engine.sampler import TokenLogprobs
-from cloud_tier.engine.scheduler import Scheduler, SchedulerConfig
+from cloud_tier.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from cloud_tier.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,9 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
-            long_prefill_token_threshold=config.long_prefill_token_threshold), self.kv)
+            long_prefill_token_threshold=config.long_prefill_token_threshold, default_ttft_s=config.ttft_slo_s,
+            default_tpot_s=config.tpot_slo_s, slo_reject=config.slo_reject, reservations=config.reservations,
+            short_prompt_tokens=config.short_prompt_tokens, short_lane_share=config.short_lane_share), self.kv)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype,
                                   self.device, config.seed)
         self._tracked: dict[str, _Tracked] = {}
@@ -102,9 +104,10 @@ class LLMEngine:
 
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                      request_id: str | None = None, priority: int = 0,
-                     arrival_time: float | None = None) -> Request:
+                     arrival_time: float | None = None, slo: ServiceLevel | None = None) -> Request:
         """Tokenize and validate a prompt into a request record (raises ValueError). Safe to call
-        from another thread than the one stepping the engine."""
+        from another thread than the one stepping the engine. ``slo``: its class, targets and
+        deadline (a ``time.monotonic()`` time)."""
         params = params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.model.config["vocab_size"]
@@ -114,12 +117,14 @@ class LLMEngine:
             raise ValueError(f"the prompt is {len(token_ids)} tokens; this model's maximum context "
                              f"length is {self.max_model_len} tokens")
         req = Request(request_id or uuid.uuid4().hex, token_ids, params, eos_token_ids=self.eos_token_ids,
-                      priority=priority, arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+                      priority=priority, arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+                      slo=slo or ServiceLevel())
         self.scheduler.check_admissible(req)  # reads only the configuration: safe on any thread
         return req
 
     def add(self, req: Request) -> str:
-        """Queue a request made by ``make_request``."""
+        """Queue a request made by ``make_request`` (ValueError if refused; SLOMissError, a
+        ValueError, if it would miss its TTFT target)."""
         self.scheduler.add_request(req)
         params = req.sampling_params
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
@@ -189,6 +194,46 @@ class LLMEngine:
         self._tracked[req.request_id] = tracked
         return self._process(tracked, req.output_token_ids[0], logprobs, time.monotonic())
 
+    def calibrate(self, prefill_tokens: int = 128, decodes: int = 8, context: int = 32, repeats: int = 3) -> None:
+        """Teach the scheduler's step-cost model this machine's speed before the first request
+        (a server calls this once at start): steps of one decode, of ``decodes`` decodes, of a
+        prefill and of both, each timed at its best of ``repeats`` runs after a warm-up, over free
+        blocks of the cache (nothing is cached yet: the KV written is never read). Without it the
+        model starts from a prior and learns from the first steps, too late for the TTFT
+        estimates of a burst that comes at once."""
+        bs = self.config.block_size
+        prefill_tokens = min(prefill_tokens, self.max_model_len - 1, self.kv.num_blocks * bs // 2)
+        per_decode = self.kv.blocks_for_tokens(context)
+        decodes = max(2, min(decodes, (self.kv.num_blocks - self.kv.blocks_for_tokens(prefill_tokens)) // per_decode))
+        if self.kv.num_free_blocks < self.kv.num_blocks or prefill_tokens < 2 or context >= self.max_model_len:
+            return  # the cache is in use (or too small to measure): learn from the steps instead
+        blocks = iter(range(self.kv.num_blocks))
+        prefill = Request("calibrate-prefill", [0] * prefill_tokens, SamplingParams(temperature=0.0))
+        prefill_blocks = [next(blocks) for _ in range(self.kv.blocks_for_tokens(prefill_tokens))]
+        decoding = []
+        for i in range(decodes):
+            r = Request(f"calibrate-decode-{i}", [0] * context, SamplingParams(temperature=0.0))
+            r.num_computed_tokens = context - 1
+            decoding.append(ScheduledRequest(r, 1, [next(blocks) for _ in range(per_decode)]))
+        half = ScheduledRequest(prefill, prefill_tokens // 2, prefill_blocks)
+        steps = [decoding[:1], decoding, [ScheduledRequest(prefill, prefill_tokens, prefill_blocks)], [half, *decoding]]
+        try:
+            for scheduled in steps:
+                out = SchedulerOutput(scheduled=scheduled)
+                times = []
+                for _ in range(repeats + 1):
+                    started = time.perf_counter()
+                    self.runner.execute(out)
+                    times.append(time.perf_counter() - started)
+                for _ in range(4):  # worth a few steps: the first requests' estimates lean on it
+                    self.scheduler.observe_step(out, min(times[1:]))
+        finally:
+            for r in (prefill, *(d.request for d in decoding)):
+                self.runner.sampler.forget(r.request_id)
+        c = self.scheduler.cost
+        log.info("step cost: %.1f ms + %.3f ms per prefill token + %.2f ms per decode", 1e3 * c.base_s,
+                 1e3 * c.per_prefill_token_s, 1e3 * c.per_decode_s)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -199,18 +244,20 @@ class LLMEngine:
         that cannot go on ends with finish_reason "error" (its output says why); the others and
         the engine go on."""
         scheduled = self.scheduler.schedule()
+        outputs = self._ended_early(scheduled)
         self.stalled = scheduled.is_empty and self.scheduler.has_unfinished()
         if scheduled.is_empty:
-            return []
+            return outputs
+        started = time.perf_counter()
         try:
             result = self.runner.execute(scheduled)
         except Exception as e:  # which request broke the batch is unknown: it all fails, unwritten KV unused
             log.exception("a step of %d requests failed", len(scheduled.scheduled))
             failed = (self._fail(s.request, f"the engine step failed: {e!r}") for s in scheduled.scheduled)
-            return [out for out in failed if out is not None]
+            return outputs + [out for out in failed if out is not None]
+        self.scheduler.observe_step(scheduled, time.perf_counter() - started)
         self.scheduler.update(scheduled, result.sampled)
         now = time.monotonic()
-        outputs = []
         for s in scheduled.scheduled:
             rid = s.request.request_id
             tracked = self._tracked.get(rid)
@@ -228,6 +275,31 @@ class LLMEngine:
                 continue
             if out is not None:
                 outputs.append(out)
+        return outputs
+
+    def _ended_early(self, scheduled) -> list[RequestOutput]:
+        """Final outputs of the requests the scheduler ended before this step: past their deadline
+        (finish "length" with what they have, ``truncated="deadline"``) or refused for a TTFT
+        target that passed while they queued (``retry_after_s`` set)."""
+        outputs = []
+        for req in (*scheduled.expired, *scheduled.rejected):
+            tracked = self._tracked.get(req.request_id)
+            self._handoffs.pop(req.request_id, None)
+            self._forget(req.request_id)
+            if tracked is None:
+                continue
+            out = tracked.output
+            out.new_token_ids, out.new_logprobs = [], []
+            out.delta_text = tracked.detok.finish()
+            out.text = tracked.detok.text
+            out.finished, out.finish_reason = True, req.status.finish_reason
+            out.num_cached_tokens = max(req.num_cached_tokens, 0)
+            if req.truncated:
+                out.truncated = req.truncated
+            else:
+                out.retry_after_s = 1.0
+                out.error = "its time-to-first-token target passed while it waited"
+            outputs.append(out)
         return outputs
 
     def _fail(self, req: Request, why: str) -> RequestOutput | None:
@@ -305,10 +377,14 @@ class LLMEngine:
         self.kv.check_integrity()
 
     def stats(self) -> dict:
+        s = self.scheduler
         return {"kv_blocks_total": self.kv.num_blocks, "kv_blocks_free": self.kv.num_free_blocks,
-                "kv_usage": self.kv.usage, "waiting": self.scheduler.num_waiting,
-                "running": self.scheduler.num_running, "preemptions": self.scheduler.num_preemptions,
-                "prefix_cache_queries": self.kv.stats.queries, "prefix_cache_hits": self.kv.stats.hits}
+                "kv_usage": self.kv.usage, "waiting": s.num_waiting,
+                "running": s.num_running, "preemptions": s.num_preemptions,
+                "prefix_cache_queries": self.kv.stats.queries, "prefix_cache_hits": self.kv.stats.hits,
+                "slo_rejected": sum(s.num_rejected.values()), "deadline_expired": s.num_expired,
+                "step_base_s": s.cost.base_s, "step_prefill_token_s": s.cost.per_prefill_token_s,
+                "step_decode_s": s.cost.per_decode_s}
 
 
 def _load_tokenizer(model_dir: Path):

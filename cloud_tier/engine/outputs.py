@@ -20,6 +20,9 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "transfer" | "error"
     error: str | None = None  # why, when finish_reason is "error"
+    # refused before its first token: it would miss its TTFT target (seconds to wait before a retry)
+    retry_after_s: float | None = None
+    truncated: str = ""  # ended early with what it had: "deadline"
     num_cached_tokens: int = 0
     arrival_time: float = 0.0
     first_token_time: float | None = None

@@ -10,10 +10,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from cascade.protocol import PRIORITY_CLASSES
 from cloud_tier.sampling import SamplingParams
-
-
-PRIORITY_CLASSES = ("interactive", "escalation", "batch")  # served in this order; batch is preempted first
 
 
 @dataclass(frozen=True)
@@ -76,6 +74,9 @@ class Request:
     truncated: str = ""  # why it ended early with what it had ("deadline"), else ""
     token_ids: list[int] = field(init=False)  # prompt + output, appended as tokens are sampled
     block_hashes: list = field(default_factory=list)  # chained hashes of full blocks, filled lazily
+    # when it should start to meet its TTFT target (arrival + target - its own prefill time), set by
+    # the scheduler when queued; the last tie-break of its order (slack first, within class and priority)
+    due: float | None = None
 
     def __post_init__(self):
         if not self.prompt_token_ids:
@@ -111,5 +112,10 @@ class Request:
         p = self.sampling_params
         return token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids)
 
-    def sort_key(self) -> tuple[int, float]:
-        return (self.priority, self.arrival_time)
+    @property
+    def tenant(self) -> str:
+        return self.slo.tenant
+
+    def sort_key(self) -> tuple[int, int, float]:
+        """Served first: the higher class, then the lower priority number, then the least slack."""
+        return (self.slo.rank, self.priority, self.arrival_time if self.due is None else self.due)

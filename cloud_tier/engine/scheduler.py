@@ -1,20 +1,42 @@
 """The scheduler: which requests run this step, and how many tokens each (continuous batching
-with a token budget, chunked prefill, FCFS with priorities, preemption by recompute).
+with a token budget, chunked prefill, preemption by recompute), ordered and admitted against
+service-level objectives.
+
+Order: priority class (interactive, escalation, batch), then the priority number, then slack: a
+request is due to start at arrival + its TTFT target - its own prefill time, so the one closest to
+missing goes first (without a target, at arrival + ``untargeted_slack_s``: FCFS among themselves).
+
+Admission keeps the running decodes within their TPOT target: a step's prefill tokens are capped
+at what the learned step cost (``slo.StepCostModel``) allows next to the decodes, and a request
+joins the running set only while one step of all of them fits the tightest target. Long prompts
+take at most ``1 - short_lane_share`` of a step's prefill tokens while a short prompt waits, so a
+short request is never stuck behind a long prefill. A request that would miss its TTFT target
+anyway is refused when it comes (``SLOMissError``: the server's 429 + Retry-After, reason "slo"),
+or, if it was admitted and its target passed while it queued, before it starts. Tenants'
+reservations (``slo.Reservations``) keep a share of blocks and slots free for each.
+
+Deadlines: a request whose deadline passes ends with what it has (finish "length",
+``truncated = "deadline"``).
 
 ``schedule()`` returns a plain dataclass and ``update()`` consumes the sampled tokens, so the
-scheduler is tested without torch. Each policy is a separate pass: running requests first
-(decodes and unfinished prefill chunks), then waiting ones with what is left of the budget.
+scheduler is tested without torch. Each policy is a separate pass: deadlines and hopeless requests
+first, then running requests (decodes and unfinished prefill chunks), then waiting ones with what
+is left of the budget.
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
 import logging
-from collections.abc import Iterable
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from cloud_tier.engine.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from cloud_tier.engine.request import Request, RequestStatus
+from cloud_tier.engine.slo import Reservations, StepCostModel, estimate_ttft
 
 log = logging.getLogger(__name__)
 
@@ -26,12 +48,36 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # cap on one request's prefill chunk; 0: the budget
+    # service levels: targets for requests that name none (None: no target), and what to do about them
+    default_ttft_s: float | None = None
+    default_tpot_s: float | None = None
+    slo_reject: bool = True  # refuse what would miss its TTFT target (only requests that have one)
+    untargeted_slack_s: float = 60.0  # a request without a TTFT target is due this long after arrival
+    short_prompt_tokens: int = 256  # a prompt (left to compute) this short is in the short lane ...
+    short_lane_share: float = 0.25  # ... which keeps this share of a step's prefill tokens while one waits
+    min_prefill_chunk: int = 32  # the least prefill a step takes under a TPOT cap, so prompts progress
+    reservations: str = ""  # "tenant=share,...": KV blocks and running slots kept for each tenant
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
             raise ValueError("max_num_seqs, max_num_batched_tokens >= 1 and max_model_len >= 2")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill the token budget must cover max_model_len")
+        for name in ("default_ttft_s", "default_tpot_s"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be > 0 (or None: no target), got {v!r}")
+        if not 0 <= self.short_lane_share < 1 or self.min_prefill_chunk < 1 or self.short_prompt_tokens < 1:
+            raise ValueError("short_lane_share must be in [0, 1), min_prefill_chunk and short_prompt_tokens >= 1")
+        Reservations.parse(self.reservations)
+
+
+class SLOMissError(ValueError):
+    """Refused: this request would miss its TTFT target (a server answers 429 + Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)
@@ -55,6 +101,16 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    expired: list[Request] = field(default_factory=list)  # deadline passed: ended with what they had
+    rejected: list[Request] = field(default_factory=list)  # TTFT target passed while queued: refused
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if not _is_decode(s))
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for s in self.scheduled if _is_decode(s))
 
     @property
     def num_batched_tokens(self) -> int:
@@ -65,23 +121,88 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def _is_decode(s: ScheduledRequest) -> bool:
+    return s.num_new_tokens == 1 and s.samples
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic,
+                 cost: StepCostModel | None = None):
         self.config = config
         self.kv = kv
-        self.waiting: list[Request] = []  # sorted by (priority, arrival)
+        self.clock = clock
+        self.cost = cost or StepCostModel()
+        self.reservations = Reservations.parse(config.reservations)
+        self.waiting: list[Request] = []  # sorted by Request.sort_key
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # prefilled for a decode worker: blocks kept until released
         self.num_preemptions = 0
+        self.num_rejected: Counter[str] = Counter()  # by tenant: refused for their TTFT target
+        self.num_expired = 0
 
     # -- requests in and out -------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        """Queue ``request`` (ValueError if it can never run here; SLOMissError if it would miss
+        its TTFT target: nothing is queued then)."""
         self._check_new_id(request.request_id)
         self.check_admissible(request)
+        ttft = self.ttft_target(request)
+        if request.due is None:
+            request.due = (request.arrival_time + self.config.untargeted_slack_s if ttft is None else
+                           request.arrival_time + ttft - self.cost.step_s(request.num_tokens, 0))
+        if ttft is not None and self.config.slo_reject:
+            self._check_ttft(request, ttft)
         self.requests[request.request_id] = request
         self._enqueue(request)
+
+    def ttft_target(self, request: Request) -> float | None:
+        return request.slo.ttft_s if request.slo.ttft_s is not None else self.config.default_ttft_s
+
+    def tpot_target(self, request: Request) -> float | None:
+        return request.slo.tpot_s if request.slo.tpot_s is not None else self.config.default_tpot_s
+
+    def estimate_ttft(self, request: Request) -> float:
+        """Seconds until ``request``'s first token if queued now: the prefill ahead of it (requests
+        that would be served before it), its own, and the wait for a running slot when every one
+        allowed (by max_num_seqs and the TPOT targets) is taken by requests it does not outrank."""
+        key = request.sort_key()
+        ahead = [r for r in self.waiting if r.sort_key() <= key]
+        # requests of a lower class give their slot and their KV up to it (preemption): not in its way
+        running = [r for r in self.running if r.slo.rank <= request.slo.rank]
+        tokens_ahead = sum(r.num_tokens - r.num_computed_tokens for r in ahead)
+        # running prefills still to finish ahead of it, except the long ones a short prompt runs beside
+        tokens_ahead += sum(left - 1 for r in running if (left := r.num_tokens - r.num_computed_tokens) > 1
+                            and not (self._is_short(request) and not self._is_short(r)
+                                     and self.config.short_lane_share > 0))
+        capacity = self._slot_capacity(request)
+        # when a slot frees for it, in decode steps: the running hold theirs for what they may still
+        # generate, and each request ahead takes the first one free for all it may generate
+        free_at = [max(1, r.sampling_params.max_tokens - r.num_output_tokens) for r in running[:capacity]]
+        free_at += [0] * (capacity - len(free_at))
+        heapq.heapify(free_at)
+        for r in ahead:
+            heapq.heapreplace(free_at, free_at[0] + r.sampling_params.max_tokens)
+        return estimate_ttft(self.cost, tokens_ahead, request.num_tokens - request.num_computed_tokens,
+                             self.config.max_num_batched_tokens, min(len(running), capacity), free_at[0])
+
+    def _slot_capacity(self, request: Request | None = None) -> int:
+        """Running requests at once: max_num_seqs, fewer when one step of them all would exceed
+        the tightest TPOT target among them (and ``request``'s)."""
+        targets = [t for r in self.running if (t := self.tpot_target(r)) is not None]
+        if request is not None and (t := self.tpot_target(request)) is not None:
+            targets.append(t)
+        cap = self.config.max_num_seqs
+        return min(cap, self.cost.decodes_within(min(targets))) if targets else cap
+
+    def _check_ttft(self, request: Request, ttft: float) -> None:
+        waited = self.clock() - request.arrival_time
+        expected = waited + self.estimate_ttft(request)
+        if expected > ttft:
+            self.num_rejected[request.tenant] += 1
+            raise SLOMissError(f"this request would get its first token in about {expected:.1f} s, over its "
+                               f"time-to-first-token target of {ttft:g} s", max(1.0, expected - ttft))
 
     def peak_kv_tokens(self, request: Request) -> int:
         """The most tokens of KV ``request`` can hold at once: everything but its last token,
@@ -160,37 +281,109 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        now = self.clock()
+        self._expire(out, now)
+        if self.config.slo_reject:
+            self._reject_hopeless(out, now)
+        self._plan_prefill()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
         return out
 
+    def _plan_prefill(self) -> None:
+        """This step's prefill allowance: what the TPOT targets of the running decodes leave (at
+        least ``min_prefill_chunk``), and the long prompts' part of it while a short one waits."""
+        room = self.config.max_num_batched_tokens
+        targets = [t for r in self.running if (t := self.tpot_target(r)) is not None]
+        if targets:
+            decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+            room = min(room, max(self.config.min_prefill_chunk, self.cost.prefill_tokens_within(min(targets), decodes)))
+        self._prefill_room = room
+        short_waiting = any(self._is_short(r) for r in self.waiting)
+        self._long_room = int(room * (1 - self.config.short_lane_share)) if short_waiting else room
+
+    def _is_short(self, request: Request) -> bool:
+        return request.num_tokens - request.num_computed_tokens <= self.config.short_prompt_tokens
+
     def _chunk(self, request: Request, budget: int, num_hit: int = 0) -> int:
-        """Tokens to compute for ``request`` this step (a whole prompt, a chunk of it, or 1)."""
+        """Tokens to compute for ``request`` this step (a whole prompt, a chunk of it, or 1),
+        within the step's prefill allowance (a long prompt: within its lane's)."""
         n = request.num_tokens - request.num_computed_tokens - num_hit
+        if n <= 1:
+            return min(n, budget)
         if self.config.long_prefill_token_threshold:
             n = min(n, self.config.long_prefill_token_threshold)
-        return min(n, budget)
+        if self.config.enable_chunked_prefill:  # without chunks a prompt goes whole: no allowance to cut it to
+            n = min(n, self._prefill_room if self._is_short(request) else min(self._prefill_room, self._long_room))
+        return max(0, min(n, budget))
+
+    def _took_prefill(self, request: Request, n: int) -> None:
+        if n > 1 or request.num_tokens - request.num_computed_tokens > 1:
+            self._prefill_room -= n
+            if not self._is_short(request):
+                self._long_room -= n
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        for req in sorted(self.running, key=Request.sort_key):
+        """Decodes first (one token each, the TPOT they are owed), then unfinished prefill chunks,
+        each in order of standing; a request that finds no KV room preempts the lowest-standing."""
+        order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.sort_key()))
+        for req in order:
             if budget <= 0:
                 break
             if req not in self.running:  # preempted earlier in this pass
                 continue
             n = self._chunk(req, budget)
-            while self.kv.allocate_slots(req, n) is None:
-                victim = max(self.running, key=Request.sort_key)
+            if n <= 0:
+                continue  # a prefill chunk with no allowance left this step: the decodes go on
+            while not self._allocate(req, n):
+                victim = self._victim(req)
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
-                budget += self._unschedule(out, victim)  # on a (priority, arrival) tie it may have run
+                budget += self._unschedule(out, victim)  # on a sort-key tie it may have run
                 if victim is req:
                     n = 0
                     break
             if n:
                 out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_ids(req.request_id)))
+                self._took_prefill(req, n)
                 budget -= n
         return budget
+
+    def _victim(self, request: Request) -> Request:
+        """Who gives its KV up so ``request`` can go on: the lowest-standing running request
+        (batch first) among those drawing on the same pool. With reservations, a request within
+        its tenant's share takes from those beyond theirs, and one beyond its share only from
+        those beyond theirs too (never from a reservation)."""
+        if self.reservations:
+            used = self._usage()[0]
+            over = [r for r in self.running if self._beyond_share(r, used)]
+            if over:
+                return max(over, key=Request.sort_key)
+        return max(self.running, key=Request.sort_key)
+
+    def _beyond_share(self, request: Request, used: dict[str, int]) -> bool:
+        t = self.reservations.group(request.tenant)
+        return t == "" or used.get(t, 0) > self.reservations.amount(t, self.kv.num_blocks)
+
+    def _usage(self) -> tuple[dict[str, int], dict[str, int]]:
+        """KV blocks and running slots in use, by reservation group ("" for the shared rest)."""
+        blocks: Counter[str] = Counter()
+        slots: Counter[str] = Counter()
+        for r in self.running:
+            g = self.reservations.group(r.tenant)
+            blocks[g] += len(self.kv.req_blocks.get(r.request_id, ()))
+            slots[g] += 1
+        return blocks, slots
+
+    def _allocate(self, request: Request, n: int, computed: KVCacheBlocks | None = None) -> bool:
+        """Blocks for ``n`` more tokens of ``request``, leaving the other tenants' unused
+        reservations free."""
+        reserve = 0
+        if self.reservations:
+            blocks, _ = self._usage()
+            reserve = self.reservations.held_back(self.reservations.group(request.tenant), self.kv.num_blocks, blocks)
+        return self.kv.allocate_slots(request, n, computed, reserve=reserve) is not None
 
     @staticmethod
     def _unschedule(out: SchedulerOutput, request: Request) -> int:
@@ -202,27 +395,91 @@ class Scheduler:
         return 0
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        """Admit waiting requests in order while the budget, the slots and the KV allow. One that
+        finds no room stays first in line and nothing that draws on the same pool jumps ahead of
+        it (FCFS); a request on another tenant's reservation, or a short one passing a long prompt
+        whose lane is spent this step, goes on."""
+        blocked: set[str] = set()  # reservation groups that found no room this step
+        long_spent = False
+        i = 0
+        while i < len(self.waiting) and budget > 0:
+            req = self.waiting[i]
+            group = self.reservations.group(req.tenant)
+            if group in blocked or (long_spent and not self._is_short(req)):
+                i += 1
+                continue
+            if not self._has_slot(req):
+                blocked.add(group)
+                i += 1
+                continue
             computed: KVCacheBlocks | None = None
             num_hit = 0
             if req.num_computed_tokens == 0:
                 computed, num_hit = self.kv.get_computed_blocks(req)
-            n = req.num_tokens - req.num_computed_tokens - num_hit
-            if n > budget and not self.config.enable_chunked_prefill:
+            left = req.num_tokens - req.num_computed_tokens - num_hit
+            if left > budget and not self.config.enable_chunked_prefill:
                 break
             n = self._chunk(req, budget, num_hit)
-            if self.kv.allocate_slots(req, n, computed) is None:
-                break  # no room: it stays first in line (FCFS), nothing behind it jumps ahead
+            if n <= 0:
+                if self._is_short(req) or self._prefill_room <= 0:
+                    break  # no prefill allowance left this step
+                long_spent = True  # the long lane is spent: short prompts behind it still go
+                i += 1
+                continue
+            if not self._allocate(req, n, computed):
+                blocked.add(group)  # no room: first in line for its pool
+                i += 1
+                continue
             if req.num_cached_tokens < 0:  # first admitted (not a resumption after preemption)
                 req.num_cached_tokens = num_hit
                 self.kv.stats.record(req.num_tokens, num_hit)
-            self.waiting.pop(0)
+            del self.waiting[i]
             req.num_computed_tokens += num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_ids(req.request_id)))
+            self._took_prefill(req, n)
             budget -= n
+
+    def _has_slot(self, request: Request) -> bool:
+        """Whether ``request`` may join the running set: within max_num_seqs less the other
+        tenants' unused slot reservations, and within the TPOT targets' slot capacity."""
+        limit = self._slot_capacity(request)
+        if self.reservations:
+            _, slots = self._usage()
+            limit = min(limit, self.config.max_num_seqs - self.reservations.held_back(
+                self.reservations.group(request.tenant), self.config.max_num_seqs, slots))
+        return len(self.running) < max(1, limit)
+
+    # -- deadlines and targets -----------------------------------------------------------
+
+    def _expire(self, out: SchedulerOutput, now: float) -> None:
+        """End the requests whose deadline has passed, with what they have."""
+        for req in [r for r in (*self.running, *self.waiting) if r.slo.deadline is not None and now >= r.slo.deadline]:
+            if req in self.running:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.truncated = "deadline"
+            self._finish(req, RequestStatus.FINISHED_LENGTH)
+            self.num_expired += 1
+            out.expired.append(req)
+
+    def _reject_hopeless(self, out: SchedulerOutput, now: float) -> None:
+        """Refuse the queued requests that have not started and whose TTFT target has passed:
+        served now they would count for nobody's goodput and delay those that still can make it."""
+        for req in list(self.waiting):
+            ttft = self.ttft_target(req)
+            if ttft is None or req.num_output_tokens or req.num_preemptions or now - req.arrival_time <= ttft:
+                continue
+            self.waiting.remove(req)
+            self.num_rejected[req.tenant] += 1
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            out.rejected.append(req)
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """The engine's measured time of a step it ran: the cost model learns from it."""
+        self.cost.observe(out.num_prefill_tokens, out.num_decodes, seconds)
 
     # -- after the step ------------------------------------------------------------------
 

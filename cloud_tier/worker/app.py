@@ -25,6 +25,7 @@ def build_app(config: CloudConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine = await asyncio.to_thread(LLMEngine, config.engine)
+        await asyncio.to_thread(engine.calibrate)  # the scheduler's TTFT/TPOT estimates start from this machine
         async_engine = AsyncLLMEngine(engine)
         name, aliases = served_names(config.engine.model)
         role = config.worker.role

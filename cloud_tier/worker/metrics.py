@@ -21,6 +21,13 @@ class WorkerMetrics:
                              registry=r)
         self.e2e = Histogram("cascade_worker_request_duration_seconds", "Arrival to last token",
                              buckets=_LATENCY, registry=r)
+        by_tenant = ["tenant", "priority_class"]
+        self.finished = Counter("cascade_worker_slo_requests_total", "Finished requests by tenant and class",
+                                by_tenant, registry=r)
+        self.goodput = Counter("cascade_worker_goodput_requests_total", "Finished requests that met both their "
+                               "TTFT and TPOT targets (goodput: its rate)", by_tenant, registry=r)
+        self.slo_rejected = Counter("cascade_worker_slo_rejected_total", "Requests refused (429, reason slo): "
+                                    "they would have missed their TTFT target", by_tenant, registry=r)
         self.kv_blocks_total = Gauge("cascade_worker_kv_blocks_total", "KV cache blocks", registry=r)
         self.kv_blocks_used = Gauge("cascade_worker_kv_blocks_used", "KV cache blocks in use or cached-free "
                                     "excluded", registry=r)

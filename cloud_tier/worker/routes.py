@@ -78,7 +78,7 @@ async def get_model(request: Request, model: str) -> ModelCard:
 async def chat_completions(request: Request):
     svc = service(request)
     req = parse_body(ChatCompletionRequest, await read_json(request, request.app.state.config.server.max_body_bytes))
-    job = svc.chat_job(req)
+    job = svc.chat_job(req, request.headers)
     fmt = ChatFormatter(svc.model_id, req.logprobs)
     return await openai_response(request, svc.run(job), fmt, req.stream, req.include_usage_in_stream(),
                                  _counter(svc, "chat"))
@@ -89,7 +89,7 @@ async def chat_completions(request: Request):
 async def completions(request: Request):
     svc = service(request)
     req = parse_body(CompletionRequest, await read_json(request, request.app.state.config.server.max_body_bytes))
-    job = svc.completion_job(req)
+    job = svc.completion_job(req, request.headers)
     fmt = CompletionFormatter(svc.model_id, req.logprobs)
     return await openai_response(request, svc.run(job), fmt, req.stream, req.include_usage_in_stream(),
                                  _counter(svc, "completions"))
@@ -171,6 +171,8 @@ async def generate(request: Request):
         return Response(status_code=499)
     except PrefillFailed as e:
         await events.aclose()
+        if e.code == "slo":
+            raise errors.too_many_requests(str(e), 1.0, "slo") from e
         status = 503 if e.code in ("no_capacity", "prefill_unreachable", "transfer_failed") else 502
         raise errors.APIError(status, str(e), "server_error", code=e.code) from e
     except BaseException:

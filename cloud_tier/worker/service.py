@@ -5,7 +5,7 @@ call that runs a request here, prefilled locally or by a prefill worker."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 from cascade import errors
@@ -15,11 +15,12 @@ from cloud_tier import tokenizer_files
 from cloud_tier.disagg.decode import DecodeService
 from cloud_tier.disagg.prefill import PrefillService
 from cloud_tier.disagg.protocol import GenerateRequest, ServedModel
-from cloud_tier.disagg.records import params_of
+from cloud_tier.disagg.records import params_of, service_level_of
 from cloud_tier.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from cloud_tier.engine.outputs import RequestOutput
-from cloud_tier.engine.request import Request
-from cloud_tier.request_builder import Plan, RequestBuilder
+from cloud_tier.engine.request import Request, ServiceLevel
+from cloud_tier.engine.scheduler import SLOMissError
+from cloud_tier.request_builder import Plan, RequestBuilder, with_headers
 from cloud_tier.worker.metrics import WorkerMetrics
 from cloud_tier.worker.protocol import DecodeStats, EngineStats, PrefillStats, WorkerStats
 
@@ -75,17 +76,18 @@ class WorkerService:
 
     # -- OpenAI request -> job -----------------------------------------------------------
 
-    def chat_job(self, req: ChatCompletionRequest) -> EngineJob:
+    def chat_job(self, req: ChatCompletionRequest, headers: Mapping[str, str] | None = None) -> EngineJob:
         self.check_model(req.model)
-        return self._job(self.builder.chat(req))
+        return self._job(self.builder.chat(req), headers or {})
 
-    def completion_job(self, req: CompletionRequest) -> EngineJob:
+    def completion_job(self, req: CompletionRequest, headers: Mapping[str, str] | None = None) -> EngineJob:
         self.check_model(req.model)
-        return self._job(self.builder.completion(req))
+        return self._job(self.builder.completion(req), headers or {})
 
-    def _job(self, plan: Plan) -> EngineJob:
+    def _job(self, plan: Plan, headers: Mapping[str, str]) -> EngineJob:
+        slo = service_level(plan, headers)
         try:
-            request = self.engine.prepare(plan.prompt_token_ids, plan.params, priority=plan.priority)
+            request = self.engine.prepare(plan.prompt_token_ids, plan.params, priority=plan.priority, slo=slo)
         except EngineDeadError as e:
             raise errors.APIError(503, str(e), "server_error", code="engine_unavailable") from e
         except (ValueError, TypeError) as e:
@@ -96,7 +98,7 @@ class WorkerService:
 
     async def run(self, job: EngineJob) -> AsyncIterator[TokenEvent | Finish]:
         """The engine's outputs for ``job`` as generation events (aborted if not read to the end)."""
-        async for ev in self.events(self.engine.stream(job.request), job.arrived):
+        async for ev in self.events(self.engine.stream(job.request), job.arrived, job.request.slo):
             yield ev
 
     async def generate(self, body: GenerateRequest) -> AsyncIterator[TokenEvent | Finish]:
@@ -105,7 +107,8 @@ class WorkerService:
         rec = body.record
         if body.prefill_url is None:
             try:
-                req = self.engine.prepare(rec.prompt_token_ids, params_of(rec), rec.request_id, rec.priority)
+                req = self.engine.prepare(rec.prompt_token_ids, params_of(rec), rec.request_id, rec.priority,
+                                          service_level_of(rec))
             except EngineDeadError as e:
                 raise errors.APIError(503, str(e), "server_error", code="engine_unavailable") from e
             except (ValueError, TypeError) as e:
@@ -116,14 +119,15 @@ class WorkerService:
                 raise errors.bad_request(f"this worker's role is {self.role}: it does not adopt prefilled "
                                          "requests", "prefill_url")
             outputs = self.decode.generate_remote(body)
-        async for ev in self.events(outputs, arrived):
+        async for ev in self.events(outputs, arrived, service_level_of(rec)):
             yield ev
 
-    async def events(self, outputs: AsyncIterator[RequestOutput], arrived: float
+    async def events(self, outputs: AsyncIterator[RequestOutput], arrived: float, slo: ServiceLevel
                      ) -> AsyncIterator[TokenEvent | Finish]:
         decode = self.engine.tokenizer.decode
         m = self.metrics
-        last = None
+        last = first = None
+        tenant = slo.tenant or "-"
         try:
             async for out in outputs:
                 now = time.perf_counter()
@@ -134,6 +138,7 @@ class WorkerService:
                     m.generation_tokens.inc()
                     if last is None:
                         m.ttft.observe(now - arrived)
+                        first = now
                     else:
                         m.itl.observe(now - last)
                     last = now
@@ -142,14 +147,42 @@ class WorkerService:
                 if out.finished:
                     m.prompt_tokens.inc(out.num_prompt_tokens)
                     m.e2e.observe(now - arrived)
+                    self._count_goodput(slo, tenant, arrived, first, now, len(out.token_ids))
                     yield Finish(out.finish_reason or "stop", out.num_prompt_tokens, len(out.token_ids),
-                                 out.num_cached_tokens)
+                                 out.num_cached_tokens, truncated=out.truncated)
                     return
+        except SLOMissError as e:  # refused before its first token: it would miss its TTFT target
+            m.slo_rejected.labels(tenant=tenant, priority_class=slo.priority_class).inc()
+            raise errors.too_many_requests(str(e), e.retry_after_s, "slo") from e
         except RequestFailedError as e:  # this request only (non-finite logits, ...): the engine goes on
             raise errors.APIError(500, f"The engine could not go on with this request: {e}", "server_error",
                                   code="engine_error") from e
         finally:
             await outputs.aclose()
+
+
+    def _count_goodput(self, slo: ServiceLevel, tenant: str, arrived: float, first: float | None, last: float,
+                       tokens: int) -> None:
+        """A finished request counts for goodput when it met both its targets (the engine's
+        defaults where it named none; no target: met)."""
+        config = self.engine.engine.config
+        ttft_target = slo.ttft_s or config.ttft_slo_s
+        tpot_target = slo.tpot_s or config.tpot_slo_s
+        ttft = (first or last) - arrived
+        tpot = (last - first) / (tokens - 1) if first is not None and tokens > 1 else 0.0
+        met = (ttft_target is None or ttft <= ttft_target) and (tpot_target is None or tpot <= tpot_target)
+        labels = {"tenant": tenant, "priority_class": slo.priority_class}
+        self.metrics.finished.labels(**labels).inc()
+        if met:
+            self.metrics.goodput.labels(**labels).inc()
+
+
+def service_level(plan: Plan, headers: Mapping[str, str], now: float | None = None) -> ServiceLevel:
+    """A direct request's service level: the body's fields (``Plan``) under the X-Cascade-* headers
+    (``with_headers``: 400 on a bad one); its deadline from now (``time.monotonic()``)."""
+    plan = with_headers(plan, headers)
+    deadline = None if plan.timeout_s is None else (time.monotonic() if now is None else now) + plan.timeout_s
+    return ServiceLevel(plan.priority_class, plan.ttft_slo_s, plan.tpot_slo_s, deadline)
 
 
 def _engine_stats(engine) -> EngineStats:  # on the engine thread

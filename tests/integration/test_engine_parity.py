@@ -2,6 +2,8 @@
 greedy tokens identical and per-step logits close, for a mixed continuous batch with chunked
 prefill, and the KV cache's invariants checked after every step."""
 
+import os
+
 import pytest
 import torch
 
@@ -14,6 +16,8 @@ from tests.integration.gguf_reference import gguf_reference
 # every step's logits are compared, so drift shows without a long run: 32 steps cross two KV
 # blocks of every prompt, and the decodes share steps with the long prompts' prefill chunks
 NEW_TOKENS = 32
+# scripts/gpu-check.sh runs these on CUDA (the reference stays on the CPU in float32)
+DEVICE = os.environ.get("CASCADE_TEST_DEVICE", "cpu")
 PARAGRAPH = ("The river wound through the valley, past farms and mills, carrying boats of grain "
              "towards the sea, where merchants waited on the docks for news of the harvest. ")
 PROMPTS = [
@@ -79,7 +83,7 @@ def hf_reference(name: str):
 def test_greedy_tokens_and_logits_match_transformers(engine_home, name, extra_prompt):
     prompts = PROMPTS + ([extra_prompt] if extra_prompt else [])
     engine = LLMEngine.from_model(name, dtype="float32", max_model_len=1024, max_num_batched_tokens=64,
-                                  num_kv_blocks=400)
+                                  num_kv_blocks=400, device=DEVICE)
     ours = run_engine_mixed(engine, prompts)
     ref = hf_reference(name)
     compared = 0

@@ -1,0 +1,127 @@
+"""What the scheduler knows about time: a step-cost model learned from the engine's own steps,
+the TTFT a new request can expect, and the tenants' reservations. No torch: tested as tables.
+
+A step costs ``base + per_prefill_token * prefill_tokens + per_decode * decodes`` seconds; the
+engine reports each step's (prefill tokens, decodes, seconds) and the three coefficients follow
+by exponentially weighted least squares, starting from a prior worth a few steps, so the first
+estimates are sane and the model tracks a machine that gets busier.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from cloud_tier.config import parse_reservations
+
+
+class StepCostModel:
+    """Seconds per engine step as a linear function of (1, prefill tokens, decode sequences)."""
+
+    def __init__(self, base_s: float = 0.02, per_prefill_token_s: float = 0.0005, per_decode_s: float = 0.002,
+                 decay: float = 0.97, prior_weight: float = 4.0):
+        self.decay = decay
+        prior = np.array([base_s, per_prefill_token_s, per_decode_s])
+        # the prior as pseudo-observations: three typical steps whose times it predicts exactly
+        xs = np.array([[1.0, 0.0, 1.0], [1.0, 256.0, 0.0], [1.0, 0.0, 32.0]])
+        self._xtx = prior_weight * xs.T @ xs
+        self._xty = prior_weight * xs.T @ (xs @ prior)
+        self.coef = prior
+        self.num_observed = 0
+
+    @property
+    def base_s(self) -> float:
+        return float(self.coef[0])
+
+    @property
+    def per_prefill_token_s(self) -> float:
+        return float(self.coef[1])
+
+    @property
+    def per_decode_s(self) -> float:
+        return float(self.coef[2])
+
+    def observe(self, prefill_tokens: int, decodes: int, seconds: float) -> None:
+        if not math.isfinite(seconds) or seconds <= 0:
+            return
+        x = np.array([1.0, float(prefill_tokens), float(decodes)])
+        self._xtx = self.decay * self._xtx + np.outer(x, x)
+        self._xty = self.decay * self._xty + x * seconds
+        coef = _nonnegative_solve(self._xtx + 1e-9 * np.eye(3), self._xty)
+        if coef is not None:
+            self.coef = coef
+        self.num_observed += 1
+
+    def step_s(self, prefill_tokens: int, decodes: int) -> float:
+        return self.base_s + self.per_prefill_token_s * prefill_tokens + self.per_decode_s * decodes
+
+    def prefill_tokens_within(self, seconds: float, decodes: int) -> int:
+        """The most prefill tokens a step with ``decodes`` decodes can take and still last at most
+        ``seconds`` (0 if even the decodes alone take longer)."""
+        room = seconds - self.base_s - self.per_decode_s * decodes
+        if room <= 0:
+            return 0
+        return int(room / max(self.per_prefill_token_s, 1e-9))
+
+    def decodes_within(self, seconds: float) -> int:
+        """The most decodes one step can carry within ``seconds`` (at least 1)."""
+        return max(1, int((seconds - self.base_s) / max(self.per_decode_s, 1e-9)))
+
+
+def _nonnegative_solve(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
+    """argmin |Ax - b| over x >= 0 for the normal equations ``a x = b`` (a cost is never negative:
+    noisy steps can fit a negative base): a coefficient the free fit drives below zero is held at
+    zero and the others refit, until none is negative."""
+    free = np.ones(len(b), dtype=bool)
+    while free.any():
+        x = np.zeros(len(b))
+        try:
+            x[free] = np.linalg.solve(a[np.ix_(free, free)], b[free])
+        except np.linalg.LinAlgError:
+            return None
+        if np.all(x >= 0):
+            return x
+        free &= x > 0
+    return None
+
+
+def estimate_ttft(cost: StepCostModel, prefill_tokens_ahead: int, own_prefill_tokens: int, token_budget: int,
+                  decodes: int, slot_wait_steps: int = 0) -> float:
+    """Seconds until a new request's first token: its slot's wait (steps until enough running
+    requests finish), then the steps that prefill what is ahead of it and itself, each carrying
+    the running decodes."""
+    tokens = prefill_tokens_ahead + own_prefill_tokens
+    steps = max(1, math.ceil(tokens / max(token_budget, 1)))
+    prefill = steps * (cost.base_s + cost.per_decode_s * decodes) + cost.per_prefill_token_s * tokens
+    return slot_wait_steps * cost.step_s(0, decodes) + prefill
+
+
+@dataclass(frozen=True)
+class Reservations:
+    """Per-tenant shares of the KV blocks and of the running slots that another tenant's flood
+    cannot take: ``"gold=0.3,silver=0.1"``. A tenant with a share uses it first, then the shared
+    rest like anyone; tenants with none (or no tenant named) share what is not reserved. An unused
+    share is kept free for its tenant, so a burst of theirs starts at once, not after a preemption."""
+
+    shares: dict[str, float]
+
+    @classmethod
+    def parse(cls, text: str) -> Reservations:
+        return cls(parse_reservations(text))
+
+    def __bool__(self) -> bool:
+        return bool(self.shares)
+
+    def group(self, tenant: str) -> str:
+        """The pool a tenant draws on: its own reservation, or the shared rest ("")."""
+        return tenant if tenant in self.shares else ""
+
+    def amount(self, tenant: str, total: int) -> int:
+        return int(self.shares.get(tenant, 0.0) * total)
+
+    def held_back(self, tenant: str, total: int, used: dict[str, int]) -> int:
+        """How much of ``total`` the *other* tenants' unused reservations keep from ``tenant``."""
+        return sum(max(0, int(share * total) - used.get(name, 0))
+                   for name, share in self.shares.items() if name != tenant)
