@@ -1,8 +1,8 @@
 """Bad input gets a clear OpenAI-style error, never a 500 or a hung stream."""
 
-import httpx
 import pytest
 
+from tests import loopback
 from tests.conftest import Agent
 
 MODEL = "smollm2-135m"
@@ -10,7 +10,7 @@ OK_MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
 def post(agent, path, content=None, json=None, headers=None):
-    return httpx.post(f"{agent.url}{path}", content=content, json=json, headers=headers, timeout=60)
+    return loopback.post(f"{agent.url}{path}", content=content, json=json, headers=headers, timeout=60)
 
 
 def assert_error(r, status, param=None, code=None):
@@ -101,8 +101,8 @@ def test_body_too_large(agent):
 
 
 def test_unknown_route_and_method(agent):
-    assert httpx.get(f"{agent.url}/v1/nothing").status_code == 404
-    r = httpx.get(f"{agent.url}/v1/chat/completions")
+    assert loopback.get(f"{agent.url}/v1/nothing").status_code == 404
+    r = loopback.get(f"{agent.url}/v1/chat/completions")
     assert r.status_code == 405 and r.json()["error"]["message"]
 
 
@@ -112,10 +112,10 @@ def test_api_key_when_configured(tmp_path):
         body = {"model": MODEL, "messages": OK_MESSAGES, "max_tokens": 2}
         assert_error(post(a, "/v1/chat/completions", json=body), 401, code="invalid_api_key")
         assert_error(post(a, "/v1/chat/completions", json=body, headers={"Authorization": "Bearer wrong"}), 401)
-        assert httpx.get(f"{a.url}/v1/models").status_code == 401
+        assert loopback.get(f"{a.url}/v1/models").status_code == 401
         ok = post(a, "/v1/chat/completions", json=body, headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200
-        assert httpx.get(f"{a.url}/healthz").status_code == 200  # health stays open for supervisors
+        assert loopback.get(f"{a.url}/healthz").status_code == 200  # health stays open for supervisors
     finally:
         a.stop()
 

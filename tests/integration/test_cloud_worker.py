@@ -2,11 +2,11 @@
 
 import sys
 
-import httpx
 import openai
 import pytest
 
 from cloud_tier.engine import SamplingParams
+from tests import loopback
 
 MODEL = "smollm2-135m"
 QUESTION = [{"role": "user", "content": "Which city is the capital of France?"}]
@@ -56,15 +56,16 @@ def test_errors_are_openai_shaped(worker, client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="word " * 2000, max_tokens=4)
     assert e.value.body["code"] == "context_length_exceeded"
-    r = httpx.post(f"{worker.url}/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"})
+    r = loopback.post(f"{worker.url}/v1/chat/completions", content=b"{nope",
+                      headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
 
 
 def test_health_and_metrics(worker, client):
     client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
-    health = httpx.get(f"{worker.url}/healthz").json()
+    health = loopback.get(f"{worker.url}/healthz").json()
     assert health["tier"] == "cloud" and health["engine"]["kv_blocks_total"] > 0
-    text = httpx.get(f"{worker.url}/metrics").text
+    text = loopback.get(f"{worker.url}/metrics").text
     for name in ("cascade_worker_kv_blocks_total", "cascade_worker_prefix_cache_hits_tokens",
                  "cascade_worker_generation_tokens_total", "cascade_worker_time_to_first_token_seconds_bucket"):
         assert name in text
@@ -96,7 +97,7 @@ def test_a_gateway_without_torch_serves_in_front_of_a_worker(worker, tmp_path):
         want = direct.chat.completions.create(**args)
         assert got.choices[0].message.content == want.choices[0].message.content
         assert got.usage.prompt_tokens == want.usage.prompt_tokens  # the same tokenizer, taken from the worker
-        assert httpx.get(f"{url}/healthz").json()["workers"][worker.url]["healthy"] is True
+        assert loopback.get(f"{url}/healthz").json()["workers"][worker.url]["healthy"] is True
     finally:
         stop(gateway)
     assert "Traceback" not in log.read_text()
@@ -105,13 +106,13 @@ def test_a_gateway_without_torch_serves_in_front_of_a_worker(worker, tmp_path):
 def test_a_prefill_without_a_request_id_frees_its_kv(worker):
     """The engine names a request that came without an id; the prefill side must free the KV it
     held under that name (it once looked it up under "" and leaked a block, with a 500)."""
-    free = httpx.get(f"{worker.url}/internal/load").json()["kv_blocks_free"]
+    free = loopback.get(f"{worker.url}/internal/load").json()["kv_blocks_free"]
     body = {"kv_target": "127.0.0.1:1", "record": {"prompt_token_ids": [3, 4, 5], "request_id": "",
                                                    "sampling": {"max_tokens": 4, "temperature": 0}}}
-    r = httpx.post(f"{worker.url}/internal/prefill", json=body, timeout=60)
+    r = loopback.post(f"{worker.url}/internal/prefill", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["ok"] is False and r.json()["code"] == "transfer_failed"  # nobody listens at the target
-    assert httpx.get(f"{worker.url}/internal/load").json()["kv_blocks_free"] == free
+    assert loopback.get(f"{worker.url}/internal/load").json()["kv_blocks_free"] == free
 
 
 @pytest.mark.parametrize("extra", [{"priority": True}, {"priority": 1e300}, {"priority": 2**40}, {"priority": "1"},
@@ -119,5 +120,5 @@ def test_a_prefill_without_a_request_id_frees_its_kv(worker):
                                    {"ignore_eos": "false"}])
 def test_the_engines_extra_fields_are_checked_when_the_worker_is_called_directly(worker, extra):
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, **extra}
-    r = httpx.post(f"{worker.url}/v1/completions", json=body, timeout=60)
+    r = loopback.post(f"{worker.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra)), r.text

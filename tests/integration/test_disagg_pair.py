@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from cloud_tier.disagg.messages import MessageKind
+from tests import loopback
 from tests.conftest import Server
 from tests.integration.pair_helpers import (
     MODEL,
@@ -77,7 +78,7 @@ def ready(cloud):
     """Every gateway sees both workers healthy (a case may have stopped one), all idle."""
     deadline = time.monotonic() + 30
     for g in cloud.gateways.values():
-        while not all(w["healthy"] for w in httpx.get(f"{g.url}/healthz", timeout=10).json()["workers"].values()):
+        while not all(w["healthy"] for w in loopback.get(f"{g.url}/healthz", timeout=10).json()["workers"].values()):
             assert time.monotonic() < deadline, "the gateway does not see its workers healthy again"
             time.sleep(0.1)
     wait_idle(*cloud.workers)
@@ -111,7 +112,7 @@ def test_client_gone_during_the_kv_transfer_drops_the_transfer(ready, transport)
     waits on it; the client leaves; the decode worker resumes to a transfer whose caller is gone."""
     cloud, tenant = ready, f"gone-in-transfer-{transport}"
     gateway, auth = cloud.gateways[transport], tenant_key(ready, tenant)
-    decode_pid = httpx.get(f"{cloud.decode.url}/healthz").json()["pid"]
+    decode_pid = loopback.get(f"{cloud.decode.url}/healthz").json()["pid"]
     before, shm = counters(cloud), shm_segments()
 
     async def go():
@@ -255,7 +256,7 @@ def test_a_forged_kv_header_is_refused_before_anything_is_allocated(ready, smoll
     worker does not expect (a guessed token), as the issue's did: each is answered and closed at
     once, the worker's memory does not grow, and a real request is served afterwards."""
     cloud = ready
-    health = httpx.get(f"{cloud.decode.url}/healthz").json()
+    health = loopback.get(f"{cloud.decode.url}/healthz").json()
     host, port = health["kv_address"].rsplit(":", 1)
     rss_before = rss(health["pid"])
     forged = frame(MessageKind.TRANSFER_HEADER, {
@@ -274,7 +275,7 @@ def test_a_forged_kv_header_is_refused_before_anything_is_allocated(ready, smoll
     assert [(a.ok, a.code) for a in acks] == [(False, "unknown_request")] * 2
     assert rss(health["pid"]) - rss_before < 64 << 20
     auth = tenant_key(cloud, "after-forgery")
-    r = httpx.post(f"{cloud.gateways['tcp'].url}/v1/completions", headers=auth, timeout=120,
+    r = loopback.post(f"{cloud.gateways['tcp'].url}/v1/completions", headers=auth, timeout=120,
                    json=completion(prompt(20, 11), 4, False))
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     wait_idle(*cloud.workers)

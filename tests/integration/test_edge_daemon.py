@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from cascade.processes import free_port
+from tests import loopback
 from tests.conftest import REPO, Agent
 
 MODEL = "smollm2-135m"
@@ -86,7 +87,7 @@ def ask(agent: Agent, **cascade) -> httpx.Response:
     body = {"model": MODEL, "messages": QUESTION, "max_tokens": 4, "temperature": 0}
     if cascade:
         body["cascade"] = cascade
-    return httpx.post(f"{agent.url}/v1/chat/completions", json=body, timeout=120)
+    return loopback.post(f"{agent.url}/v1/chat/completions", json=body, timeout=120)
 
 
 class Stream(threading.Thread):
@@ -103,7 +104,7 @@ class Stream(threading.Thread):
     def run(self) -> None:
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": self.max_tokens, "temperature": 0,
                 "stream": True, "cascade": {"mode": "local"}}
-        with httpx.stream("POST", f"{self.agent.url}/v1/completions", json=body, timeout=120) as r:
+        with loopback.stream("POST", f"{self.agent.url}/v1/completions", json=body, timeout=120) as r:
             self.status = r.status_code
             for line in r.iter_lines():
                 if line.startswith("data:"):
@@ -137,7 +138,7 @@ def served(tmp_path_factory):
     notify = NotifySocket()
     agent = start(home, config, notify, WATCHDOG_USEC="400000")
     ready = notify.wait_for("READY", proc=agent.proc, timeout_s=180)
-    health = httpx.get(f"{agent.url}/healthz", timeout=5).status_code  # at once, no polling
+    health = loopback.get(f"{agent.url}/healthz", timeout=5).status_code  # at once, no polling
     yield {"agent": agent, "notify": notify, "config": config, "cloud_port": cloud_port, "ready": ready,
            "health_at_ready": health}
     agent.stop()
@@ -201,12 +202,12 @@ def test_sighup_swaps_the_cloud_client_and_leaves_the_model_for_a_restart(served
     write_config(config, other)
     config.write_text(config.read_text() + '\n[model]\nname = "gemma3-270m"\n')
     sighup(agent, notify)
-    health = httpx.get(f"{agent.url}/healthz", timeout=5).json()
+    health = loopback.get(f"{agent.url}/healthz", timeout=5).json()
     assert health["upstream"]["url"] == f"http://127.0.0.1:{other}/v1"
     warned = [rec for rec in log_records(agent) if rec["level"] == "WARNING" and "restart" in rec["msg"]]
     assert warned and "[model] name" in warned[-1]["msg"]  # a JSON line ([server] log_format = "json")
     assert {"ts", "level", "logger", "msg"} <= set(warned[-1])
-    assert httpx.get(f"{agent.url}/v1/models", timeout=5).json()["data"][0]["id"] == MODEL  # not reloaded
+    assert loopback.get(f"{agent.url}/v1/models", timeout=5).json()["data"][0]["id"] == MODEL  # not reloaded
     write_config(config, served["cloud_port"])
     sighup(agent, notify)
 
@@ -231,7 +232,7 @@ def test_sigterm_drains_a_running_stream_exits_0_and_keeps_the_queue(tmp_path):
         notify.wait_for("STOPPING", proc=agent.proc, timeout_s=10)
         time.sleep(0.5)
         with pytest.raises(httpx.ConnectError):  # no new connections while it drains
-            httpx.get(f"{agent.url}/healthz", timeout=5)
+            loopback.get(f"{agent.url}/healthz", timeout=5)
         assert stream.is_alive()  # ... and the stream is still being served
         stream.join(60)
         assert stream.completed(), stream.lines[-3:]
@@ -246,7 +247,7 @@ def test_sigterm_drains_a_running_stream_exits_0_and_keeps_the_queue(tmp_path):
     assert [(i["id"], i["state"]) for i in json.loads(listed.stdout)] == [(item, "queued")]
     again = Agent(home, "--config", str(config), "--threads", "1", "--n-ctx", "512").wait_healthy()
     try:
-        state = httpx.get(f"{again.url}/v1/requests/{item}", timeout=10).json()
+        state = loopback.get(f"{again.url}/v1/requests/{item}", timeout=10).json()
         assert state["state"] == "queued" and state["attempts"] >= 1
     finally:
         again.stop()

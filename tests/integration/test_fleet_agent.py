@@ -14,12 +14,12 @@ import subprocess
 import threading
 import time
 
-import httpx
 import pytest
 
 from cascade.processes import cascade_command
 from model_distribution.registry import Registry
 from model_distribution.signing import Repository
+from tests import loopback
 from tests.conftest import REPO, Agent, Server
 from tests.unit.sync.test_mqtt import MOSQUITTO, Mosquitto, wait_until
 
@@ -73,7 +73,7 @@ def test_an_agent_switches_to_its_assigned_version_while_it_serves(tmp_path, smo
         def long_stream():
             body = {"model": "smollm2-135m", "prompt": "Once upon a time", "max_tokens": 120, "temperature": 0,
                     "stream": True, "cascade": {"mode": "local"}}
-            with httpx.stream("POST", f"{agent.url}/v1/completions", json=body, timeout=300) as r:
+            with loopback.stream("POST", f"{agent.url}/v1/completions", json=body, timeout=300) as r:
                 results["status"] = r.status_code
                 results["lines"] = [ln for ln in r.iter_lines() if ln.startswith("data:")]
 
@@ -90,10 +90,10 @@ def test_an_agent_switches_to_its_assigned_version_while_it_serves(tmp_path, smo
         t.join(300)
         assert results["status"] == 200 and results["lines"][-1] == "data: [DONE]"
         assert not any('"error"' in ln for ln in results["lines"])  # the stream across the switch completed
-        models = httpx.get(f"{agent.url}/v1/models").json()["data"]
+        models = loopback.get(f"{agent.url}/v1/models").json()["data"]
         assert models[0]["id"] == "edge-model"
         for name in ("edge-model", "smollm2-135m"):  # the fleet's name, and the old one still answers
-            r = httpx.post(f"{agent.url}/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 4,
+            r = loopback.post(f"{agent.url}/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 4,
                                                                "cascade": {"mode": "local"}}, timeout=120)
             assert r.status_code == 200, r.text
 
@@ -166,22 +166,23 @@ def test_an_agent_killed_mid_download_and_mid_switch_comes_back_on_one_model_and
         assert resumed and int(resumed[-1].removeprefix("bytes=").rstrip("-")) >= had, link.requests
         kill(agent)  # mid-switch: the new file is in place, the agent had not switched yet
         agent = start_agent()
-        served = httpx.get(f"{agent.url}/v1/models").json()["data"]
+        served = loopback.get(f"{agent.url}/v1/models").json()["data"]
         assert len(served) == 1 and served[0]["id"] in ("smollm2-135m", "edge-model"), served  # one model
         wait_until(lambda: states and states[-1].get("state") == "ACTIVE", "ACTIVE after the kill", 120)
         assert states[-1]["sha256"] == v2.sha256, states[-1]
-        assert httpx.get(f"{agent.url}/v1/models").json()["data"][0]["id"] == "edge-model"
+        assert loopback.get(f"{agent.url}/v1/models").json()["data"][0]["id"] == "edge-model"
         assert not list((device_home / "edge" / "fleet" / "staging").glob("*"))  # nothing half-done left
         kill(agent)  # once ACTIVE, the next start serves the new version from the start
         states.clear()
         agent = start_agent()
-        assert httpx.get(f"{agent.url}/v1/models").json()["data"][0]["id"] == "edge-model"
-        r = httpx.post(f"{agent.url}/v1/completions", json={"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 4,
+        assert loopback.get(f"{agent.url}/v1/models").json()["data"][0]["id"] == "edge-model"
+        r = loopback.post(f"{agent.url}/v1/completions", json={"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 4,
                                                            "cascade": {"mode": "local"}}, timeout=120)
         assert r.status_code == 200, r.text  # the name apps were configured with still answers
         wait_until(lambda: states and states[-1].get("state") == "ACTIVE", "ACTIVE reported again", 60)
         assert states[-1]["sha256"] == v2.sha256 and not any(s.get("state") == "DOWNLOADING" for s in states)
     finally:
+        watcher.disconnect()  # wakes its network loop: loop_stop alone waits out a 1 s select
         watcher.loop_stop()
         agent.stop()
         link.down()
@@ -231,7 +232,7 @@ def test_a_real_agent_takes_part_in_a_staged_rollout_beside_simulated_devices_an
         while not stop.is_set():
             body = {"model": "smollm2-135m", "prompt": "Hello", "max_tokens": 8, "stream": True,
                     "cascade": {"mode": "local"}}
-            with httpx.stream("POST", f"{agent.url}/v1/completions", json=body, timeout=120) as r:
+            with loopback.stream("POST", f"{agent.url}/v1/completions", json=body, timeout=120) as r:
                 lines = [ln for ln in r.iter_lines() if ln.startswith("data:")]
                 answers.append(r.status_code if lines and lines[-1] == "data: [DONE]" else -1)
 
@@ -255,7 +256,7 @@ def test_a_real_agent_takes_part_in_a_staged_rollout_beside_simulated_devices_an
         stop.set()
         caller.join(120)
         assert answers and set(answers) == {200}, answers  # it served throughout, two switches included
-        assert httpx.get(f"{agent.url}/v1/models").json()["data"][0]["id"] == "edge-model"
+        assert loopback.get(f"{agent.url}/v1/models").json()["data"][0]["id"] == "edge-model"
     finally:
         stop.set()
         caller.join(120)

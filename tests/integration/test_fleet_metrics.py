@@ -4,7 +4,6 @@ metrics show rollouts by state, the rollout's devices by state and devices by re
 
 from __future__ import annotations
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from model_distribution.devices import DeviceStore
@@ -12,13 +11,14 @@ from model_distribution.registry import Registry
 from model_distribution.rollout_controller import start_rollout
 from model_distribution.rollouts import RolloutSpec, RolloutStore
 from model_distribution.signing import Repository
+from tests import loopback
 from tests.conftest import Server
 from tests.unit.sync.test_mqtt import wait_until
 from tests.unit.test_registry import make_gguf
 
 
 def samples(url: str, **kw) -> dict:
-    r = httpx.get(f"{url}/metrics", **kw)
+    r = loopback.get(f"{url}/metrics", **kw)
     assert r.status_code == 200, r.text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(r.text) for s in fam.samples}
@@ -37,7 +37,7 @@ def test_metrics_show_rollouts_their_devices_and_the_fleet_and_the_controller_mo
     server = Server(tmp_path, ["fleet", "serve"], "--no-broker",
                     env={"CASCADE_FLEET_SERVER_METRICS_KEY": "scrape-key"}).wait_healthy(60)
     try:
-        assert httpx.get(f"{server.url}/metrics").status_code == 401
+        assert loopback.get(f"{server.url}/metrics").status_code == 401
         auth = {"headers": {"Authorization": "Bearer scrape-key"}}
         r = start_rollout(reg, store, rollouts, RolloutSpec("tiny@1.1.0", "kiosks", [20, 100]))
 

@@ -17,6 +17,7 @@ import pytest
 
 from model_distribution.onnx_model import pack_onnx_dir
 from model_distribution.signing import Repository
+from tests import loopback
 from tests.conftest import Agent, Server
 from tests.integration.test_fleet_agent import fleet
 from tests.unit.sync.test_mqtt import MOSQUITTO, Mosquitto, wait_until
@@ -32,11 +33,11 @@ def push(home, path, version: str) -> dict:
 
 
 def served(agent) -> dict:
-    return httpx.get(f"{agent.url}/v1/models").json()["data"][0]
+    return loopback.get(f"{agent.url}/v1/models").json()["data"][0]
 
 
 def ask(agent) -> httpx.Response:
-    return httpx.post(f"{agent.url}/v1/chat/completions", timeout=120, json={
+    return loopback.post(f"{agent.url}/v1/chat/completions", timeout=120, json={
         "model": "edge-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0,
         "logprobs": True, "cascade": {"mode": "local"}})
 

@@ -11,7 +11,6 @@ import os
 import subprocess
 import time
 
-import httpx
 import paho.mqtt.client as mqtt
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -19,6 +18,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cascade.processes import cascade_command
 from model_distribution.registry import Registry
 from model_distribution.signing import Repository
+from tests import loopback
 from tests.conftest import REPO, Agent, Server
 from tests.unit.sync.test_mqtt import MOSQUITTO, Mosquitto, wait_until
 from tests.unit.test_registry import make_gguf
@@ -75,8 +75,8 @@ def test_what_the_agent_refuses_is_reported_with_the_reason_and_the_old_model_ke
         return final()
 
     def still_serving_the_old_model():
-        assert httpx.get(f"{agent.url}/v1/models").json()["data"][0]["id"] == "smollm2-135m"
-        r = httpx.post(f"{agent.url}/v1/completions", json={"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 3,
+        assert loopback.get(f"{agent.url}/v1/models").json()["data"][0]["id"] == "smollm2-135m"
+        r = loopback.post(f"{agent.url}/v1/completions", json={"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 3,
                                                            "cascade": {"mode": "local"}}, timeout=120)
         assert r.status_code == 200, r.text
 
@@ -122,6 +122,7 @@ def test_what_the_agent_refuses_is_reported_with_the_reason_and_the_old_model_ke
         wait_until(lambda: (json.loads(fleet(home, "devices", "--json"))[0].get("last_event") or {}).get(
             "event") == "desired_refused", "the control plane to record the refusal", 30)
     finally:
+        watcher.disconnect()  # wakes its network loop: loop_stop alone waits out a 1 s select
         watcher.loop_stop()
         agent.stop()
         plane.stop()

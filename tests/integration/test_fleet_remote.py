@@ -12,13 +12,13 @@ import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import httpx
 import pytest
 
 from cascade.processes import free_port
 from model_distribution.devices import DeviceStore
 from model_distribution.registry import Registry
 from model_distribution.signing import Repository, manifest_of, verified_target
+from tests import loopback
 from tests.conftest import REPO, Server
 from tests.unit.test_registry import make_gguf
 
@@ -134,16 +134,16 @@ def test_an_unreachable_or_malformed_url_exits_2_with_one_line(plane):
 def test_a_bad_file_is_refused_over_http_with_400_and_exit_2(plane):
     readme = REPO / "README.md"
     assert "GGUF magic" in refused(remote(plane, "push", str(readme), "--name", "bad", "--version", "1.0.0"))
-    r = httpx.post(f"{plane.url}/v1/fleet/models", params={"name": "bad", "version": "1.0.0"},
+    r = loopback.post(f"{plane.url}/v1/fleet/models", params={"name": "bad", "version": "1.0.0"},
                    content=readme.read_bytes(), headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 400 and "GGUF magic" in r.json()["error"]["message"]
     assert "uploads" not in r.json()["error"]["message"]  # the server's temporary path is not shown
     for params, param_says in [({"name": "Bad Name", "version": "1.0.0"}, "model name"),
                                ({"name": "bad", "version": "one"}, "semantic")]:
-        r = httpx.post(f"{plane.url}/v1/fleet/models", params=params, content=b"GGUF",
+        r = loopback.post(f"{plane.url}/v1/fleet/models", params=params, content=b"GGUF",
                        headers={"Authorization": f"Bearer {KEY}"})
         assert r.status_code == 400 and param_says in r.json()["error"]["message"]
-    cal = httpx.post(f"{plane.url}/v1/fleet/models", params={"name": "bad", "version": "1.0.0"},
+    cal = loopback.post(f"{plane.url}/v1/fleet/models", params={"name": "bad", "version": "1.0.0"},
                      content=plane.v1.read_bytes(), headers={"Authorization": f"Bearer {KEY}",
                                                              "X-Cascade-Calibration": "[1, 2]"})
     assert cal.status_code == 400 and cal.json()["error"]["param"] == "X-Cascade-Calibration"
@@ -158,11 +158,11 @@ def test_a_published_version_is_immutable_over_http(plane, tmp_path):
     assert "immutable" in refused(remote(plane, "push", str(plane.v2), "--name", "frozen", "--version", "1.0.0"))
     auth = {"Authorization": f"Bearer {KEY}"}
     url, params = f"{plane.url}/v1/fleet/models", {"name": "frozen", "version": "1.0.0"}
-    other = httpx.post(url, params=params, content=plane.v2.read_bytes(), headers=auth)
+    other = loopback.post(url, params=params, content=plane.v2.read_bytes(), headers=auth)
     assert other.status_code == 409 and other.json()["error"]["code"] == "conflict"
-    same = httpx.post(url, params=params, content=plane.v1.read_bytes(), headers=auth)
+    same = loopback.post(url, params=params, content=plane.v1.read_bytes(), headers=auth)
     assert same.status_code == 200 and same.json()["created"] is False
-    new = httpx.post(url, params={"name": "frozen", "version": "1.0.1"}, content=plane.v2.read_bytes(), headers=auth)
+    new = loopback.post(url, params={"name": "frozen", "version": "1.0.1"}, content=plane.v2.read_bytes(), headers=auth)
     assert new.status_code == 201 and new.json()["created"] is True
     frozen = json.loads(local(plane, "models", "--name", "frozen", "--json").stdout)
     listed = {(m["version"], m["sha256"]) for m in frozen}
@@ -181,12 +181,12 @@ def test_refused_operations_exit_2_with_the_reason(plane):
     assert "enrolled already" in refused(remote(plane, "devices", "add", "refusal-kiosk"))
     assert "must be 1-64 characters" in refused(remote(plane, "devices", "add", "bad id!"))
     auth = {"Authorization": f"Bearer {KEY}"}
-    taken = httpx.post(f"{plane.url}/v1/fleet/devices", json={"device": "refusal-kiosk"}, headers=auth)
-    missing = httpx.post(f"{plane.url}/v1/fleet/assign", json={"device": "nobody", "model": "refusals@1.0.0"},
+    taken = loopback.post(f"{plane.url}/v1/fleet/devices", json={"device": "refusal-kiosk"}, headers=auth)
+    missing = loopback.post(f"{plane.url}/v1/fleet/assign", json={"device": "nobody", "model": "refusals@1.0.0"},
                          headers=auth)
-    both = httpx.post(f"{plane.url}/v1/fleet/assign", json={"device": "refusal-kiosk", "group": "refusals",
+    both = loopback.post(f"{plane.url}/v1/fleet/assign", json={"device": "refusal-kiosk", "group": "refusals",
                                                             "model": "refusals@1.0.0"}, headers=auth)
-    unknown = httpx.post(f"{plane.url}/v1/fleet/devices", json={"device": "x", "colour": "red"}, headers=auth)
+    unknown = loopback.post(f"{plane.url}/v1/fleet/devices", json={"device": "x", "colour": "red"}, headers=auth)
     assert (taken.status_code, missing.status_code, both.status_code, unknown.status_code) == (409, 404, 400, 400)
 
 

@@ -16,13 +16,13 @@ import subprocess
 import sys
 import time
 
-import httpx
 import pytest
 
 from model_distribution.devices import DeviceStore
 from model_distribution.registry import Registry
 from model_distribution.rollouts import RolloutStore
 from model_distribution.signing import Repository
+from tests import loopback
 from tests.conftest import REPO, Server
 from tests.integration.test_fleet_remote import NO_BROKER, cascade, refused
 from tests.unit.test_registry import make_gguf
@@ -209,41 +209,41 @@ def test_the_http_endpoints_answer_with_their_status_codes(plane):
         ({**spec, "model": "tiny@9.9.9"}, 404, None),
         ({**spec, "group": "nobody"}, 404, None),
     ]:
-        r = httpx.post(url, json=body, headers=auth())
+        r = loopback.post(url, json=body, headers=auth())
         assert r.status_code == code, (body, r.text)
         error = r.json()["error"]
         assert error["message"] and error["type"] == "invalid_request_error"
         if param:
             assert error["param"] == param, r.text
     for raw in (b"not json", b"[1, 2]"):
-        assert httpx.post(url, content=raw, headers=auth()).status_code == 400
+        assert loopback.post(url, content=raw, headers=auth()).status_code == 400
     assert not [r for r in stored_rollouts(plane) if r.group == "http"]
 
-    created = httpx.post(url, json=spec, headers=auth())
+    created = loopback.post(url, json=spec, headers=auth())
     assert created.status_code == 201, created.text
     rollout = created.json()
     rid = rollout["rollout"]
     assert (rollout["state"], rollout["group"], rollout["waves"], rollout["spec"]["bake_s"]) == (
         "RUNNING", "http", [50, 100], 60)
-    busy = httpx.post(url, json=spec, headers=auth())
+    busy = loopback.post(url, json=spec, headers=auth())
     assert busy.status_code == 409 and "under way" in busy.json()["error"]["message"]
 
-    listed = httpx.get(url, headers=auth())
+    listed = loopback.get(url, headers=auth())
     assert listed.status_code == 200 and rid in [r["rollout"] for r in listed.json()["data"]]
-    shown = httpx.get(f"{url}/{rid}", headers=auth()).json()
+    shown = loopback.get(f"{url}/{rid}", headers=auth()).json()
     assert shown["rollout"] == rid and len(shown["executions"]) == 5 and shown["decisions"] == []
-    assert httpx.get(f"{url}/r-0-000000", headers=auth()).status_code == 404
+    assert loopback.get(f"{url}/r-0-000000", headers=auth()).status_code == 404
 
     steps = [("resume", 409), ("pause", 200), ("pause", 409), ("resume", 200), ("abort", 200), ("abort", 409),
              ("pause", 409), ("rollback", 200), ("rollback", 409)]
     for action, code in steps:
-        r = httpx.post(f"{url}/{rid}/{action}", headers=auth())
+        r = loopback.post(f"{url}/{rid}/{action}", headers=auth())
         assert r.status_code == code, (action, r.text)
         assert ("error" in r.json()) == (code != 200)
-    assert httpx.post(f"{url}/r-0-000000/pause", headers=auth()).status_code == 404
+    assert loopback.post(f"{url}/r-0-000000/pause", headers=auth()).status_code == 404
     for method, path in (("GET", ""), ("POST", ""), ("GET", f"/{rid}"), ("POST", f"/{rid}/pause")):
-        assert httpx.request(method, url + path, json=spec, headers=auth("wrong")).status_code == 401
-        assert httpx.request(method, url + path, json=spec).status_code == 401
+        assert loopback.request(method, url + path, json=spec, headers=auth("wrong")).status_code == 401
+        assert loopback.request(method, url + path, json=spec).status_code == 401
 
 
 def test_status_watch_redraws_until_the_rollout_stops_running(plane):

@@ -14,7 +14,6 @@ import shutil
 import threading
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
-import httpx
 import pytest
 
 from cascade.processes import free_port
@@ -22,6 +21,7 @@ from model_distribution.devices import DeviceStore, verify_desired
 from model_distribution.download import DownloadError, fetch
 from model_distribution.registry import Registry
 from model_distribution.signing import Repository, verified_target
+from tests import loopback
 from tests.conftest import Server
 from tests.unit.sync.test_mqtt import MOSQUITTO, Mosquitto, wait_until
 from tests.unit.test_registry import make_gguf
@@ -93,25 +93,25 @@ def test_bytes_that_do_not_match_the_signed_target_are_refused_and_dropped(plane
 
 def test_artifacts_answer_ranges_with_the_digest_as_etag(plane):
     url = f"{plane.url}/v1/artifacts/{plane.manifest.sha256}"
-    r = httpx.get(url, headers={"Range": "bytes=10-19"}, auth=plane.auth)
+    r = loopback.get(url, headers={"Range": "bytes=10-19"}, auth=plane.auth)
     assert r.status_code == 206 and r.content == plane.src.read_bytes()[10:20]
     assert r.headers["etag"] == f'"{plane.manifest.sha256}"' and r.headers["accept-ranges"] == "bytes"
     assert r.headers["cache-control"].startswith("private")  # no shared cache hands it out without credentials
-    assert httpx.get(f"{plane.url}/v1/artifacts/{'0' * 64}", auth=plane.auth).status_code == 404
-    bad = httpx.get(f"{plane.url}/v1/artifacts/not-a-digest", auth=plane.auth)
+    assert loopback.get(f"{plane.url}/v1/artifacts/{'0' * 64}", auth=plane.auth).status_code == 404
+    bad = loopback.get(f"{plane.url}/v1/artifacts/not-a-digest", auth=plane.auth)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "sha256"
 
 
 def test_only_metadata_files_are_served(plane):
-    assert httpx.get(f"{plane.url}/v1/tuf/1.root.json", auth=plane.auth).status_code == 200
+    assert loopback.get(f"{plane.url}/v1/tuf/1.root.json", auth=plane.auth).status_code == 200
     for name in ("..%2Fkeys%2Froot.pem", "root.pem", "2.root.json.tmp"):
-        assert httpx.get(f"{plane.url}/v1/tuf/{name}", auth=plane.auth).status_code == 404
+        assert loopback.get(f"{plane.url}/v1/tuf/{name}", auth=plane.auth).status_code == 404
 
 
 def test_the_admin_models_list_needs_the_admin_key(plane):
-    assert httpx.get(f"{plane.url}/v1/fleet/models").status_code == 401
-    assert httpx.get(f"{plane.url}/v1/fleet/models", auth=plane.auth).status_code == 401  # a device is no admin
-    r = httpx.get(f"{plane.url}/v1/fleet/models", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    assert loopback.get(f"{plane.url}/v1/fleet/models").status_code == 401
+    assert loopback.get(f"{plane.url}/v1/fleet/models", auth=plane.auth).status_code == 401  # a device is no admin
+    r = loopback.get(f"{plane.url}/v1/fleet/models", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
     assert r.status_code == 200 and [m["sha256"] for m in r.json()["data"]] == [plane.manifest.sha256]
 
 
@@ -126,42 +126,42 @@ def device_urls(plane) -> list[str]:
                          ids=["none", "wrong-secret", "unknown-device", "empty-secret"])
 def test_device_endpoints_refuse_missing_or_wrong_credentials_with_401(plane, auth):
     for url in device_urls(plane):
-        r = httpx.get(url, auth=auth)
+        r = loopback.get(url, auth=auth)
         assert r.status_code == 401, url
         assert r.headers["www-authenticate"].startswith("Basic") and r.json()["error"]["type"] == "authentication_error"
-    wrong_bearer = httpx.get(device_urls(plane)[0], headers={"Authorization": "Bearer not-the-admin-key"})
+    wrong_bearer = loopback.get(device_urls(plane)[0], headers={"Authorization": "Bearer not-the-admin-key"})
     assert wrong_bearer.status_code == 401
 
 
 def test_the_devices_own_credentials_and_the_admin_key_open_the_device_endpoints(plane):
     for url in device_urls(plane):
-        assert httpx.get(url, auth=plane.auth).status_code == 200, url
-        assert httpx.get(url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}).status_code == 200, url
+        assert loopback.get(url, auth=plane.auth).status_code == 200, url
+        assert loopback.get(url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}).status_code == 200, url
     for _ in range(20):  # verified once, then remembered: no scrypt per request
-        assert httpx.get(device_urls(plane)[1], auth=plane.auth).status_code == 200
+        assert loopback.get(device_urls(plane)[1], auth=plane.auth).status_code == 200
 
 
 def test_a_device_reads_only_its_own_signed_desired_state(plane):
-    r = httpx.get(f"{plane.url}/v1/devices/kiosk-7/desired", auth=plane.auth)
+    r = loopback.get(f"{plane.url}/v1/devices/kiosk-7/desired", auth=plane.auth)
     payload = verify_desired(r.content, plane.repo.desired_public_key(), "kiosk-7")  # as it checks the MQTT message
     assert (payload["model"], payload["version"], payload["sha256"]) == ("tiny", "1.0.0", plane.manifest.sha256)
-    again = httpx.get(f"{plane.url}/v1/devices/kiosk-7/desired", auth=plane.auth)
+    again = loopback.get(f"{plane.url}/v1/devices/kiosk-7/desired", auth=plane.auth)
     assert again.content == r.content  # signed once per revision
     other = ("kiosk-8", plane.secrets["kiosk-8"])
-    forbidden = httpx.get(f"{plane.url}/v1/devices/kiosk-7/desired", auth=other)
+    forbidden = loopback.get(f"{plane.url}/v1/devices/kiosk-7/desired", auth=other)
     assert forbidden.status_code == 403 and forbidden.json()["error"]["type"] == "permission_error"
-    assert httpx.get(f"{plane.url}/v1/devices/kiosk-8/desired", auth=other).status_code == 404  # nothing assigned
+    assert loopback.get(f"{plane.url}/v1/devices/kiosk-8/desired", auth=other).status_code == 404  # nothing assigned
 
 
 def test_a_device_reports_its_state_over_http_as_over_mqtt(plane):
     report = {"state": "ACTIVE", "model": "tiny@1.0.0", "sha256": plane.manifest.sha256, "rev": 1}
     other = ("kiosk-8", plane.secrets["kiosk-8"])
-    assert httpx.post(f"{plane.url}/v1/devices/kiosk-7/reported", json=report, auth=other).status_code == 403
-    assert httpx.post(f"{plane.url}/v1/devices/kiosk-7/reported", json=report).status_code == 401
-    bad = httpx.post(f"{plane.url}/v1/devices/kiosk-7/reported", content=b"[1, 2", auth=plane.auth)
+    assert loopback.post(f"{plane.url}/v1/devices/kiosk-7/reported", json=report, auth=other).status_code == 403
+    assert loopback.post(f"{plane.url}/v1/devices/kiosk-7/reported", json=report).status_code == 401
+    bad = loopback.post(f"{plane.url}/v1/devices/kiosk-7/reported", content=b"[1, 2", auth=plane.auth)
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
-    assert httpx.post(f"{plane.url}/v1/devices/kiosk-7/reported", json=report, auth=plane.auth).status_code == 204
-    listed = httpx.get(f"{plane.url}/v1/fleet/devices", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
+    assert loopback.post(f"{plane.url}/v1/devices/kiosk-7/reported", json=report, auth=plane.auth).status_code == 204
+    listed = loopback.get(f"{plane.url}/v1/fleet/devices", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
     rows = {d["device"]: d for d in listed["data"]}
     assert rows["kiosk-7"]["reported"] == report and rows["kiosk-7"]["last_seen"]
     assert rows["kiosk-8"]["reported"] is None
@@ -188,7 +188,7 @@ def test_the_http_desired_document_is_the_retained_mqtt_message(tmp_path):
     sub.on_message = lambda c, u, msg: got.append(msg.payload)
     try:
         store.assign(m, device_id="kiosk-1")
-        http = httpx.get(f"{server.url}/v1/devices/kiosk-1/desired", auth=("kiosk-1", secret))  # before it goes out
+        http = loopback.get(f"{server.url}/v1/devices/kiosk-1/desired", auth=("kiosk-1", secret))  # before it goes out
         assert http.status_code == 200
         assert sub.connect("127.0.0.1", broker.port) == 0
         sub.loop_start()
@@ -196,6 +196,7 @@ def test_the_http_desired_document_is_the_retained_mqtt_message(tmp_path):
         wait_until(lambda: got, "the retained desired message")
         assert got[-1] == http.content
     finally:
+        sub.disconnect()  # wakes its network loop: loop_stop alone waits out a 1 s select
         sub.loop_stop()
         store.close()
         server.stop()
@@ -241,12 +242,12 @@ def test_public_downloads_open_artifacts_and_metadata_but_not_a_devices_state(tm
     store.close()
     config = FleetConfig(server=ServerConfig(public_downloads=True), state=StateConfig(path=str(root)))
     with serve_in_thread(config) as url:
-        art = httpx.get(f"{url}/v1/artifacts/{m.sha256}")
+        art = loopback.get(f"{url}/v1/artifacts/{m.sha256}")
         assert art.status_code == 200 and art.content == (root / "artifacts" / "sha256" / m.sha256).read_bytes()
         assert art.headers["cache-control"].startswith("public")  # a CDN in front may cache it for everyone
-        assert httpx.get(f"{url}/v1/tuf/timestamp.json").status_code == 200
-        assert httpx.get(f"{url}/v1/devices/kiosk-1/desired").status_code == 401
-        assert httpx.get(f"{url}/v1/fleet/models").status_code == 200  # no admin key set: loopback only
+        assert loopback.get(f"{url}/v1/tuf/timestamp.json").status_code == 200
+        assert loopback.get(f"{url}/v1/devices/kiosk-1/desired").status_code == 401
+        assert loopback.get(f"{url}/v1/fleet/models").status_code == 200  # no admin key set: loopback only
 
 
 def updater(plane, tmp_path, activated, **config):
@@ -374,9 +375,9 @@ def test_guessing_a_devices_secret_is_throttled_and_its_own_pair_still_works_onc
     """Wrong secrets cost a scrypt each: after ten from one address in a minute the control plane
     answers 429 with Retry-After without checking; the device's cached pair is unaffected."""
     url = f"{plane.url}/v1/tuf/timestamp.json"
-    assert httpx.get(url, auth=("kiosk-8", plane.secrets["kiosk-8"])).status_code == 200  # known now
-    codes = [httpx.get(url, auth=("kiosk-8", f"guess-{i}")).status_code for i in range(12)]
+    assert loopback.get(url, auth=("kiosk-8", plane.secrets["kiosk-8"])).status_code == 200  # known now
+    codes = [loopback.get(url, auth=("kiosk-8", f"guess-{i}")).status_code for i in range(12)]
     assert codes[:10] == [401] * 10 and codes[10:] == [429, 429], codes
-    r = httpx.get(url, auth=("kiosk-8", "guess-x"))
+    r = loopback.get(url, auth=("kiosk-8", "guess-x"))
     assert r.status_code == 429 and 1 <= int(r.headers["retry-after"]) <= 60 and r.json()["error"]["message"]
-    assert httpx.get(url, auth=("kiosk-8", plane.secrets["kiosk-8"])).status_code == 200
+    assert loopback.get(url, auth=("kiosk-8", plane.secrets["kiosk-8"])).status_code == 200

@@ -1,9 +1,9 @@
 """Gemma 3 270M: shipped in chunk packages, assembled on first use, served as a base model."""
 
-import httpx
 import openai
 
 from model_distribution.catalog import Catalog
+from tests import loopback
 from tests.conftest import Agent
 
 
@@ -13,7 +13,7 @@ def test_base_model_is_assembled_then_served_with_a_transcript(tmp_path):
     try:
         info = Catalog(tmp_path).get("gemma3-270m")
         assert info.ready and info.path.parent == tmp_path / "models"
-        card = httpx.get(f"{a.url}/v1/models").json()["data"][0]
+        card = loopback.get(f"{a.url}/v1/models").json()["data"][0]
         assert card["id"] == "gemma3-270m"
         assert card["meta"]["chat_template"] is False and card["meta"]["quantization"] == "Q4_K_M"
         client = openai.OpenAI(base_url=f"{a.url}/v1", api_key="x", max_retries=0)

@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from tests import loopback
 from tests.conftest import Agent
 from tests.misbehaving import MisbehavingCloud
 
@@ -53,11 +54,11 @@ def chat(agent: Agent, stream: bool = False, headers: dict | None = None, max_to
          **cascade) -> httpx.Response:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": max_tokens,
             "temperature": 0, "stream": stream, "cascade": {"mode": "cloud", "offline": "local", **cascade}}
-    return httpx.post(f"{agent.url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+    return loopback.post(f"{agent.url}/v1/chat/completions", json=body, headers=headers, timeout=60)
 
 
 def health(agent: Agent) -> dict:
-    r = httpx.get(f"{agent.url}/healthz", timeout=10)
+    r = loopback.get(f"{agent.url}/healthz", timeout=10)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -160,10 +161,10 @@ def test_a_refused_key_is_its_own_state_not_an_outage(agent, cloud):
     assert q.status_code == 202 and q.headers["x-cascade-reason"] == "cloud_refused"
     item = q.json()["id"]
     deadline = time.monotonic() + 10
-    while "refused" not in (httpx.get(f"{agent.url}/v1/requests/{item}").json()["last_error"] or ""):
-        assert time.monotonic() < deadline, httpx.get(f"{agent.url}/v1/requests/{item}").json()
+    while "refused" not in (loopback.get(f"{agent.url}/v1/requests/{item}").json()["last_error"] or ""):
+        assert time.monotonic() < deadline, loopback.get(f"{agent.url}/v1/requests/{item}").json()
         time.sleep(0.2)
-    assert httpx.get(f"{agent.url}/v1/requests/{item}").json()["state"] == "queued"
+    assert loopback.get(f"{agent.url}/v1/requests/{item}").json()["state"] == "queued"
     log = agent.log.read_text()
     assert "refuses this device" in log
     cloud.set("forbid")  # still refused: no second log line for the same state
@@ -177,7 +178,7 @@ def test_a_refused_key_is_its_own_state_not_an_outage(agent, cloud):
 def wait_final(agent: Agent, item: str, timeout_s: float = 20) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
-        got = httpx.get(f"{agent.url}/v1/requests/{item}", timeout=10).json()
+        got = loopback.get(f"{agent.url}/v1/requests/{item}", timeout=10).json()
         if got["state"] in ("done", "failed", "expired"):
             return got
         assert time.monotonic() < deadline, got
@@ -193,7 +194,7 @@ def test_a_queued_request_is_done_only_with_a_real_completion(agent, cloud, beha
     item = r.json()["id"]
     cloud.set(behave)  # what the delivery loop meets
     deadline = time.monotonic() + 10
-    while (got := httpx.get(f"{agent.url}/v1/requests/{item}").json())["attempts"] < 3:
+    while (got := loopback.get(f"{agent.url}/v1/requests/{item}").json())["attempts"] < 3:
         assert got["state"] in ("queued", "sending"), got
         assert time.monotonic() < deadline, got
         time.sleep(0.1)
@@ -277,7 +278,7 @@ def test_a_low_confidence_escalation_the_cloud_refuses_keeps_the_local_answer(tm
     try:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 6,
                 "temperature": 0}
-        r = httpx.post(f"{a.url}/v1/chat/completions", json=body, timeout=60)
+        r = loopback.post(f"{a.url}/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         assert r.headers["x-cascade-tier"] == "edge" and r.headers["x-cascade-reason"].startswith("low_confidence")
         assert any(p["headers"].get("x-cascade-reason") == "low_confidence" for p in cloud.posts())

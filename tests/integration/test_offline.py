@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from tests import loopback
 from tests.conftest import Agent, create_key, gateway_count
 from tests.faults import Proxy
 
@@ -39,7 +40,7 @@ def start_agent(home, env) -> Agent:
 def post(agent: Agent, text: str, session: str | None = None, **cascade) -> httpx.Response:
     body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 4, "temperature": 0,
             "cascade": {"mode": "cloud", **({"session": session} if session else {}), **cascade}}
-    return httpx.post(f"{agent.url}/v1/chat/completions", json=body, timeout=30)
+    return loopback.post(f"{agent.url}/v1/chat/completions", json=body, timeout=30)
 
 
 def wait_done(agent: Agent, ids, timeout_s: float = 240) -> dict[str, dict]:
@@ -49,7 +50,7 @@ def wait_done(agent: Agent, ids, timeout_s: float = 240) -> dict[str, dict]:
     while pending and time.monotonic() < deadline:
         still = []
         for i in pending:
-            r = httpx.get(f"{agent.url}/v1/requests/{i}", timeout=10)
+            r = loopback.get(f"{agent.url}/v1/requests/{i}", timeout=10)
             assert r.status_code == 200, r.text
             if r.json()["state"] in ("done", "failed", "expired"):
                 out[i] = r.json()
@@ -97,7 +98,7 @@ def test_queued_while_the_cloud_is_down_then_delivered_once_in_session_order(tmp
         assert degraded.status_code == 200 and degraded.headers["x-cascade-degraded"] == "true"
         refinement = degraded.headers["x-cascade-refinement"]
         assert degraded.json()["cascade"]["refinement"] == refinement
-        first = httpx.get(f"{agent.url}/v1/requests/{accepted['a'][0]}").json()
+        first = loopback.get(f"{agent.url}/v1/requests/{accepted['a'][0]}").json()
         assert first["state"] == "queued" and "response" not in first
         _wait_for_a_failed_try(agent)
         assert gateway_count(cloud_both, "offline-order") == 0  # nothing reached the cloud
@@ -139,11 +140,11 @@ def test_a_new_escalation_waits_behind_its_sessions_queued_requests(tmp_path, en
     agent = start_agent(tmp_path, agent_env(proxy, key))
     try:
         long = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story about a lighthouse."}],
-                "max_tokens": 160, "temperature": 0, "cascade": {"mode": "cloud", "session": "door"}}
-        first = httpx.post(f"{agent.url}/v1/chat/completions", json=long, timeout=30)
+                "max_tokens": 64, "temperature": 0, "cascade": {"mode": "cloud", "session": "door"}}  # seconds
+        first = loopback.post(f"{agent.url}/v1/chat/completions", json=long, timeout=30)
         assert first.status_code == 202
         proxy.up()
-        _wait(lambda: httpx.get(f"{agent.url}/v1/requests/{first.json()['id']}").json()["state"] == "sending",
+        _wait(lambda: loopback.get(f"{agent.url}/v1/requests/{first.json()['id']}").json()["state"] == "sending",
               "the queued request to be sent", 30)
         # the cloud is reachable now, but the session's earlier request is still on its way
         behind = post(agent, "And now a short one.", session="door")
@@ -191,28 +192,29 @@ def test_a_full_queue_refuses_requests_and_ttls_expire(tmp_path, engine_home, cl
         assert "retry-after" in full.headers
         bad = post(agent, "e", callback_url="http://example.com/hook")  # not on this device
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "cascade.callback_url"
-        _wait(lambda: httpx.get(f"{agent.url}/v1/requests/{short.json()['id']}").json()["state"] == "expired",
+        _wait(lambda: loopback.get(f"{agent.url}/v1/requests/{short.json()['id']}").json()["state"] == "expired",
               "the 0.5 s TTL to expire the first request", 15)
         assert post(agent, "f").status_code == 202  # the expired one no longer takes room
-        assert httpx.get(f"{agent.url}/v1/requests/{ids[0]}").json()["state"] == "queued"
-        assert httpx.get(f"{agent.url}/v1/requests/not-an-id").status_code == 404
+        assert loopback.get(f"{agent.url}/v1/requests/{ids[0]}").json()["state"] == "queued"
+        assert loopback.get(f"{agent.url}/v1/requests/not-an-id").status_code == 404
         # an app that retries a POST whose 202 it lost, with its own Idempotency-Key, gets the same item
         body = {"model": MODEL, "messages": [{"role": "user", "content": "g"}], "cascade": {"mode": "cloud"}}
         url, key_header = f"{agent.url}/v1/chat/completions", {"Idempotency-Key": "app-1"}
-        assert httpx.post(url, json=body, headers=key_header).status_code == 503  # full: not stored
+        assert loopback.post(url, json=body, headers=key_header).status_code == 503  # full: not stored
         assert _drop(tmp_path, ids[0]) == 0  # the operator makes room while the agent runs
-        first = httpx.post(url, json=body, headers=key_header)
-        again = httpx.post(url, json=body, headers=key_header)
+        first = loopback.post(url, json=body, headers=key_header)
+        again = loopback.post(url, json=body, headers=key_header)
         assert first.status_code == again.status_code == 202 and first.json()["id"] == again.json()["id"]
-        other = httpx.post(url, json={**body, "max_tokens": 3}, headers=key_header)
+        other = loopback.post(url, json={**body, "max_tokens": 3}, headers=key_header)
         assert other.status_code == 422 and other.json()["error"]["code"] == "idempotency_key_reused"
     finally:
         agent.stop()
 
 
 def test_kill_9_during_enqueue_and_delivery_loses_nothing_and_runs_each_once(tmp_path, engine_home, cloud_both, proxy):
-    """50 SIGKILLs at random points: 25 while apps enqueue (cloud down), 25 while the queue is
-    delivered (cloud up). Every acknowledged (202) item is delivered; the cloud ran each once."""
+    """24 SIGKILLs at random points: 12 while apps enqueue (cloud down), 12 while the queue is
+    delivered (cloud up). Every acknowledged (202) item is delivered; the cloud ran each once.
+    (Each kill costs an agent start, 3-8 s here: 50 kills made this one test 4-5 minutes.)"""
     rng = random.Random(6)
     tenant = "offline-kill"
     key = create_key(engine_home, "--tenant", tenant, "--device", "kiosk-9")
@@ -221,6 +223,8 @@ def test_kill_9_during_enqueue_and_delivery_loses_nothing_and_runs_each_once(tmp
     n = 0
 
     def app(agent: Agent, stop: threading.Event) -> None:
+        """Ten requests a second: every acknowledged one is delivered at the end, one cloud
+        generation each (unpaced, two apps enqueued 600 in 12 cycles)."""
         nonlocal n
         while not stop.is_set():
             n += 1
@@ -230,21 +234,26 @@ def test_kill_9_during_enqueue_and_delivery_loses_nothing_and_runs_each_once(tmp
                 return  # the agent was killed mid-request: not acknowledged
             if r.status_code == 202:
                 acked.append(r.json()["id"])
+            stop.wait(0.1)
 
-    for cycle in range(50):
-        if cycle == 25:
+    enqueuing = delivering = 12
+    for cycle in range(enqueuing + delivering):
+        if cycle == enqueuing:
             proxy.up()
         agent = start_agent(tmp_path, env)
         stop = threading.Event()
-        apps = [threading.Thread(target=app, args=(agent, stop)) for _ in range(2)] if cycle < 25 else []
+        apps = [threading.Thread(target=app, args=(agent, stop)) for _ in range(2)] if cycle < enqueuing else []
+        had = len(acked)
         for t in apps:
             t.start()
-        time.sleep(rng.uniform(0.05, 1.0 if cycle < 25 else 2.0))
+        if apps:  # killed while the apps' requests come in, not before the first has landed
+            _wait(lambda had=had: len(acked) > had, "a request acknowledged", 30)
+        time.sleep(rng.uniform(0.05, 1.0 if cycle < enqueuing else 2.0))
         kill(agent)
         stop.set()
         for t in apps:
             t.join()
-    assert len(acked) > 50
+    assert len(acked) > enqueuing
     agent = start_agent(tmp_path, env)
     try:
         done = wait_done(agent, acked, 600)
@@ -305,7 +314,7 @@ def test_telemetry_is_spooled_while_the_broker_is_down_and_published_after(tmp_p
                                    "CASCADE_EDGE_MQTT_FLEET": FLEET, "CASCADE_EDGE_CASCADE_DEVICE": DEVICE,
                                    "CASCADE_EDGE_MQTT_TELEMETRY_INTERVAL_S": "0.25"})
     try:
-        r = httpx.post(f"{agent.url}/v1/chat/completions", timeout=30, json={
+        r = loopback.post(f"{agent.url}/v1/chat/completions", timeout=30, json={
             "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
         assert r.status_code == 200
         _wait(lambda: any(b["requests"] for _, b in sub.received), "a record counting the request")
@@ -318,11 +327,11 @@ def test_telemetry_is_spooled_while_the_broker_is_down_and_published_after(tmp_p
         broker.stop()
         down_at = time.time()
         # 6 = at least the 4 asserted below, made while it is away, plus what was unacked when it went
-        _wait(lambda: httpx.get(f"{agent.url}/healthz").json()["queue"]["pending"] >= 6,
+        _wait(lambda: loopback.get(f"{agent.url}/healthz").json()["queue"]["pending"] >= 6,
               "records spooled while the broker is away", 15)
         broker.start()
         up_at = time.time()
-        _wait(lambda: httpx.get(f"{agent.url}/healthz").json()["queue"]["pending"] <= 1, "the spool to drain", 30)
+        _wait(lambda: loopback.get(f"{agent.url}/healthz").json()["queue"]["pending"] <= 1, "the spool to drain", 30)
         _wait(lambda: max(b["ts"] for _, b in sub.received) > up_at, "records after the restart", 15)
         stamps = sorted({b["ts"] for _, b in sub.received})
         outage = [t for t in stamps if down_at <= t <= up_at]
@@ -339,7 +348,7 @@ def _wait_for_a_failed_try(agent: Agent, timeout_s: float = 15) -> None:
     """Until the agent's circuit to the cloud opens again (its retry-after goes up, not down): the
     delivery loop has tried the cloud since the call, and failed."""
     def retry_after() -> float:
-        return httpx.get(f"{agent.url}/healthz", timeout=10).json()["upstream"]["retry_after_s"]
+        return loopback.get(f"{agent.url}/healthz", timeout=10).json()["upstream"]["retry_after_s"]
 
     last = retry_after()
 

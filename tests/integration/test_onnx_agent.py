@@ -6,17 +6,18 @@ bad input exits 2 with one line before anything listens."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
 from cascade.processes import free_port
+from tests import loopback
 from tests.conftest import REPO, Agent
 
 pytest.importorskip("onnxruntime_genai")
@@ -53,6 +54,7 @@ def edge(tmp_path_factory, export, upstream):
     a.stop()
 
 
+@functools.cache  # one per server: each client builds its own TLS context (~60 ms of CPU)
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
@@ -62,7 +64,7 @@ def model_id(server) -> str:
 
 
 def test_the_onnx_agent_lists_its_model_as_onnx(edge, export):
-    card = httpx.get(f"{edge.url}/v1/models").json()["data"][0]
+    card = loopback.get(f"{edge.url}/v1/models").json()["data"][0]
     assert card["meta"]["format"] == "onnx" and card["meta"]["quantization"] == "int4"
     assert card["meta"]["n_ctx"] == 512 and card["meta"]["chat_template"] is True
     assert client(edge).models.retrieve(export.name).id == card["id"]  # the directory's name answers too
@@ -121,12 +123,12 @@ def test_a_forced_low_confidence_threshold_escalates_and_the_upstream_answers(tm
         assert body.model_extra["cascade"]["confidence"]["tokens"] == 4
         expected = client(upstream).chat.completions.create(model=model, messages=EASY, max_tokens=12, temperature=0)
         assert body.choices[0].message.content == expected.choices[0].message.content
-        with httpx.stream("POST", f"{a.url}/v1/chat/completions", timeout=120, json={
+        with loopback.stream("POST", f"{a.url}/v1/chat/completions", timeout=120, json={
                 "model": model, "messages": EASY, "max_tokens": 12, "temperature": 0, "stream": True}) as s:
             assert (s.headers["x-cascade-tier"], s.headers["x-cascade-reason"]) == ("cloud", "low_confidence")
             lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
         assert lines[-1] == "data: [DONE]" and not any('"error"' in ln for ln in lines)
-        metrics = httpx.get(f"{a.url}/metrics").text
+        metrics = loopback.get(f"{a.url}/metrics").text
         assert 'cascade_edge_decisions_total{reason="low_confidence",tier="cloud"} 2.0' in metrics
     finally:
         a.stop()

@@ -1,8 +1,9 @@
 """The edge agent through the official `openai` client, as an app would use it."""
 
-import httpx
 import openai
 import pytest
+
+from tests import loopback
 
 MODEL = "smollm2-135m"
 HELLO = [{"role": "user", "content": "Which city is the capital of France?"}]
@@ -11,9 +12,9 @@ HELLO = [{"role": "user", "content": "Which city is the capital of France?"}]
 def test_models_and_health(agent, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
-    health = httpx.get(f"{agent.url}/healthz").json()
+    health = loopback.get(f"{agent.url}/healthz").json()
     assert health["status"] == "ok" and health["slots"]["total"] == 2
-    assert httpx.get(f"{agent.url}/health").status_code == 200
+    assert loopback.get(f"{agent.url}/health").status_code == 200
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-17")
@@ -124,7 +125,7 @@ def test_max_tokens_gives_length(client):
 
 def test_metrics_count_requests_and_tokens(agent, client):
     client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, temperature=0)
-    text = httpx.get(f"{agent.url}/metrics").text
+    text = loopback.get(f"{agent.url}/metrics").text
     for name in ("cascade_edge_requests_total", "cascade_edge_generation_tokens_total",
                  "cascade_edge_queue_waiting", "cascade_edge_time_to_first_token_seconds_bucket",
                  "cascade_edge_inter_token_latency_seconds_bucket"):

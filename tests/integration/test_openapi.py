@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 
-import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
@@ -21,6 +20,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from tests import loopback
 from tests.conftest import create_key
 
 MODEL = "smollm2-135m"
@@ -65,7 +65,7 @@ def _schema(doc: dict, schema: dict) -> dict:
 
 def test_the_document_declares_the_bodies_and_the_errors(target):
     name, url, _ = target
-    doc = httpx.get(f"{url}/openapi.json", timeout=30).json()
+    doc = loopback.get(f"{url}/openapi.json", timeout=30).json()
     for path, field in (("/v1/chat/completions", "messages"), ("/v1/completions", "prompt")):
         op = doc["paths"][path]["post"]
         assert op["requestBody"]["required"]
