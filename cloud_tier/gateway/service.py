@@ -298,7 +298,7 @@ class GatewayService:
             self._count(f, outcome_of(f.error) if f.error is not None else "499")  # no error: the client left
             return
         stored = {"events": f.events, **({"openai": f.openai} if f.openai else {})}
-        if f.cache_key:
+        if f.cache_key and not fin.truncated:  # an answer cut at its deadline is not the answer to keep
             self.cache.put(f.cache_key, stored, sum(len(json.dumps(e)) for e in f.events))
         self._end_claim(f, stored)
         m, t = self.metrics, f.tenant
