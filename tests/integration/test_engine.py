@@ -357,20 +357,22 @@ def test_greedy_outputs_under_a_tiny_kv_budget_match_an_unconstrained_run(smollm
     assert small.kv.num_free_blocks == 8
 
 
+FLOAT_BLOCKS = 128  # the int8 engine's KV budget: what this many float32 blocks take
+
+
 @pytest.fixture(scope="module")
 def smollm2_int8_engine(smollm2_engine):
-    """SmolLM2 on an int8 KV cache, given the float32 fixture engine's KV budget in bytes."""
+    """SmolLM2 on an int8 KV cache, given the bytes of FLOAT_BLOCKS float32 blocks."""
     from cloud_tier.engine.model_runner import ModelRunner
 
-    budget = smollm2_engine.kv.num_blocks * ModelRunner.bytes_per_block(smollm2_engine.model, 16, torch.float32)
+    budget = FLOAT_BLOCKS * ModelRunner.bytes_per_block(smollm2_engine.model, 16, torch.float32)
     return LLMEngine.from_model("smollm2-135m", dtype="float32", kv_cache_dtype="int8", max_model_len=1024,
                                 max_num_batched_tokens=256, kv_cache_memory_bytes=budget, threads=1)
 
 
 def test_an_int8_kv_cache_holds_about_four_times_the_float32_blocks_in_the_same_bytes(smollm2_engine,
                                                                                         smollm2_int8_engine):
-    ratio = smollm2_int8_engine.kv.num_blocks / smollm2_engine.kv.num_blocks
-    assert 3.7 < ratio <= 4  # the scales take 4 of every head_dim + 4 bytes
+    assert 3.7 < smollm2_int8_engine.kv.num_blocks / FLOAT_BLOCKS <= 4  # the scales take 4 of every head_dim + 4
     assert "dtype=int8" in smollm2_int8_engine.model_identity and "float32" in smollm2_int8_engine.model_identity
     assert smollm2_int8_engine.model_identity != smollm2_engine.model_identity
 
