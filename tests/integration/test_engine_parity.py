@@ -113,8 +113,8 @@ def greedy_agreement(ours: dict, reference: dict) -> list[float]:
 def test_smollm2_on_an_int8_kv_cache_agrees_with_the_float_cache(engine_home):
     """Greedy decoding over the int8 cache stays on the float cache's path: the same first token on
     every prompt, and on average most of the 32 positions before any difference. Measured on an
-    AVX-512 EPYC: every prompt identical for all 32 tokens; the bounds leave room for any CPU, where a
-    near-tie flips a token and everything after it."""
+    AVX-512 EPYC: all 8 prompts identical for all 32 tokens, first-step logits within 0.13-0.51 of the
+    float cache's; the bounds leave room for a near-tie that flips a token (and all after it)."""
     runs = {}
     for kv_cache_dtype in ("auto", "int8"):
         engine = LLMEngine.from_model("smollm2-135m", dtype="float32", kv_cache_dtype=kv_cache_dtype,
@@ -128,4 +128,4 @@ def test_smollm2_on_an_int8_kv_cache_agrees_with_the_float_cache(engine_home):
     assert sum(agreement) / len(agreement) >= 0.6, agreement
     for i in floats:  # the first token's logits (prefill over the quantized cache) stay close
         diff = (int8[i][1][0] - floats[i][1][0]).abs().max().item()
-        assert diff < 1.0, f"prompt {i}: first-step logits differ by {diff}"
+        assert diff < 1.5, f"prompt {i}: first-step logits differ by {diff}"
