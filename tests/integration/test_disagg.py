@@ -173,19 +173,24 @@ def test_prefill_worker_releases_the_kv_when_the_decode_target_is_dead(smollm2_e
     smollm2_engine.check_integrity()
 
 
-@pytest.fixture(scope="module")
-def int8_engine(engine_home):
+def _int8_engine():
     return LLMEngine.from_model("smollm2-135m", dtype="float32", kv_cache_dtype="int8", max_model_len=1024,
                                 max_num_batched_tokens=256, num_kv_blocks=256, threads=1)
 
 
+@pytest.fixture(scope="module")
+def int8_engine(engine_home):
+    return _int8_engine()
+
+
 def test_int8_kv_crosses_the_transport_as_stored_and_continues_like_one_engine(int8_engine):
+    decode = _int8_engine()
     params = PARAMS[0]
     refs = int8_engine.generate(PROMPTS, params)
     for prompt, ref in zip(PROMPTS, refs, strict=True):
-        final = _run_to_end(int8_engine, _handoff(int8_engine, int8_engine, prompt, params, "tcp"))
+        final = _run_to_end(decode, _handoff(int8_engine, decode, prompt, params, "tcp"))
         assert final.token_ids == ref.token_ids
-    assert int8_engine.kv.num_free_blocks == int8_engine.kv.num_blocks
+    assert decode.kv.num_free_blocks == decode.kv.num_blocks
 
 
 def test_a_float_decode_worker_refuses_int8_kv_before_its_payload(int8_engine, decode_engine):
