@@ -58,6 +58,42 @@ def sequence_nll(engine, ids: list[int]) -> float:
     return F.cross_entropy(logits, tokens[1:], reduction="sum").item()
 
 
+def decode_kernel_us(engine, batch: int = 16, context: int = 1024, repeats: int = 20) -> float | None:
+    """Microseconds of one layer's decode attention (the compiled kernel) over this engine's cache
+    format: ``batch`` sequences of ``context`` tokens in shuffled blocks. None without the kernel."""
+    import torch
+
+    from cloud_tier.engine.kv_quant import Int8KV
+
+    runner, native = engine.runner, engine.runner.native_attention
+    if native is None:
+        return None
+    _, bs, n_kv, hd = runner.kv_block_shape()
+    heads = engine.model.layers[0].self_attn.n_heads
+    slots = batch * context
+    k, v = torch.randn(slots, n_kv, hd), torch.randn(slots, n_kv, hd)
+    tables = torch.randperm(slots // bs).view(batch, -1).contiguous()
+    lens = torch.full((batch,), context, dtype=torch.long)
+    q = torch.randn(batch, heads, hd)
+    if runner.kv_int8:
+        kq, vq = Int8KV.zeros(k.shape, "cpu"), Int8KV.zeros(v.shape, "cpu")
+        kq.write(torch.arange(slots), k)
+        vq.write(torch.arange(slots), v)
+
+        def step():
+            native.paged_decode_int8(q, kq.data, kq.scale, vq.data, vq.scale, tables, lens, hd ** -0.5, -1, bs)
+    else:
+        k, v = k.to(runner.dtype), v.to(runner.dtype)
+
+        def step():
+            native.paged_decode(q, k, v, tables, lens, hd ** -0.5, -1, bs)
+    step()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    return (time.perf_counter() - start) / repeats * 1e6
+
+
 def first_diff(a: list[int], b: list[int]) -> int:
     return next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
@@ -84,10 +120,11 @@ def main() -> int:
         nll = sum(sequence_nll(engine, ids) for ids in texts)
         n = sum(len(ids) - 1 for ids in texts)
         outs = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True))
-        results[kv] = (math.exp(nll / n), n, [o.token_ids for o in outs], time.perf_counter() - start)
+        results[kv] = (math.exp(nll / n), n, [o.token_ids for o in outs], time.perf_counter() - start,
+                       decode_kernel_us(engine))
         del engine
 
-    (ppl_f, n, toks_f, t_f), (ppl_q, _, toks_q, t_q) = results["auto"], results["int8"]
+    (ppl_f, n, toks_f, t_f, us_f), (ppl_q, _, toks_q, t_q, us_q) = results["auto"], results["int8"]
     agreement = [first_diff(q, f) / len(f) for q, f in zip(toks_q, toks_f, strict=True)]
     positions = sum(x == y for q, f in zip(toks_q, toks_f, strict=True) for x, y in zip(q, f, strict=True))
     print(f"{args.model} {args.dtype}: float KV vs int8 KV ({len(PROMPTS)} parity prompts x {args.new_tokens} "
@@ -101,6 +138,8 @@ def main() -> int:
     print(f"{'agreement before first diff':34}{'':>10}{sum(agreement) / len(agreement):>10.3f}   per prompt "
           + " ".join(f"{a:.2f}" for a in agreement))
     print(f"{'positions equal':34}{'':>10}{positions / sum(map(len, toks_f)):>10.3f}")
+    if us_f is not None and us_q is not None:
+        print(f"{'decode kernel, 16 x 1024 tok (us)':34}{us_f:>10.0f}{us_q:>10.0f}   one layer, x{us_f / us_q:.2f}")
     print(f"{'wall (s)':34}{t_f:>10.1f}{t_q:>10.1f}")
     return 0
 
