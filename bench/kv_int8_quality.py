@@ -1,7 +1,7 @@
 """What the INT8 KV cache costs in quality: the same model on a float cache and on an int8 one,
 compared by greedy agreement on the engine parity prompts and by perplexity on ShareGPT text.
 
-    PYTHONPATH=. .venv/bin/python bench/kv_int8_quality.py [--dtype float32] [--texts 32] [--new-tokens 64]
+    .venv/bin/python bench/kv_int8_quality.py [--dtype float32] [--texts 32] [--new-tokens 64]
 
 Greedy agreement: per prompt, the share of the generated positions before the first token that
 differs (a near-tie that flips one token changes everything after it). Perplexity: each text
@@ -19,6 +19,15 @@ import time
 
 # before torch loads (lazily, in main): its OpenMP threads read this once
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+
+# tests/integration/test_engine_parity.py's prompts (the ones held to HF transformers); the layers
+# contract keeps benchmarks from importing the tests
+PARAGRAPH = ("The river wound through the valley, past farms and mills, carrying boats of grain "
+             "towards the sea, where merchants waited on the docks for news of the harvest. ")
+PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):",
+           "Once upon a time, in a land far away,", "1, 2, 3, 4,", PARAGRAPH * 6 + "In summary,",
+           "What is 2+2? The answer is", "Water boils at"]
 
 
 def sharegpt_texts(tokenizer, n: int, max_tokens: int) -> list[list[int]]:
@@ -109,7 +118,6 @@ def main() -> int:
     args = ap.parse_args()
 
     from cloud_tier.engine import LLMEngine, SamplingParams
-    from tests.integration.test_engine_parity import PROMPTS  # the prompts the parity test holds to HF
 
     results = {}
     for kv in ("auto", "int8"):
