@@ -183,8 +183,9 @@ def cmd_cloud_worker(args) -> int:
 
     overrides = {
         "server": {"host": args.host, "port": args.port, "api_key": args.api_key},
-        "engine": {"model": args.model, "dtype": args.dtype, "device": args.device,
-                   "kv_cache_memory_bytes": args.kv_cache_bytes, "max_model_len": args.max_model_len,
+        "engine": {"model": args.model, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
+                   "device": args.device, "kv_cache_memory_bytes": args.kv_cache_bytes,
+                   "max_model_len": args.max_model_len,
                    "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "threads": args.threads, "ttft_slo_s": args.ttft_slo_s, "tpot_slo_s": args.tpot_slo_s,
                    "reservations": args.reservations},
@@ -233,7 +234,7 @@ def cmd_cloud_serve(args) -> int:
                     "prefill_workers": prefill_urls, "decode_workers": decode_urls,
                     "kv_connector": args.kv_connector},
         "server": {"api_key": args.worker_api_key},
-        "engine": {"model": args.model, "max_model_len": args.max_model_len,
+        "engine": {"model": args.model, "max_model_len": args.max_model_len, "kv_cache_dtype": args.kv_cache_dtype,
                    "kv_cache_memory_bytes": args.kv_cache_bytes},
     }
     overrides["gateway"].update(k8s_namespace=args.k8s_namespace, k8s_selector=args.k8s_selector,
@@ -381,6 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--port", type=int, help=f"port to listen on (default: {cloud_srv.port})")
     worker.add_argument("--model", help=f"catalogue name, .gguf path or HF directory (default: {eng.model})")
     worker.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help=f"(default: {eng.dtype})")
+    worker.add_argument("--kv-cache-dtype", help=f"KV cache storage: auto (the dtype) or int8 (default: "
+                                                 f"{eng.kv_cache_dtype})")
     worker.add_argument("--device", help=f"cpu, cuda, cuda:1 ... (default: {eng.device})")
     worker.add_argument("--api-key", help="require 'Authorization: Bearer KEY' of callers (default: none)")
     worker.add_argument("--kv-cache-bytes", type=int,
@@ -430,6 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-transport", choices=["tcp", "shm", "auto"],
                        help=f"prefill -> decode KV transport; auto: shm on one host (default: {gw.kv_transport})")
     serve.add_argument("--max-model-len", type=int, help=f"for the workers it starts (default: {eng.max_model_len})")
+    serve.add_argument("--kv-cache-dtype", help=f"for the workers it starts: auto (the dtype) or int8 "
+                                                f"(default: {eng.kv_cache_dtype})")
     serve.add_argument("--kv-cache-bytes", type=int, help=f"memory for KV blocks, per started worker "
                                                           f"(default: {eng.kv_cache_memory_bytes})")
     serve.add_argument("--worker-api-key", help="the bearer key between the gateway and its workers (default: none)")

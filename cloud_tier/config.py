@@ -23,6 +23,7 @@ class ServerConfig:
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class EngineConfig:
 
     model: str = "smollm2-135m"  # catalogue name, .gguf path or HF directory
     dtype: str = "float32"
+    kv_cache_dtype: str = "auto"  # auto: K/V in ``dtype``; int8: quantized, ~2x (bf16) / ~4x (fp32) the blocks
     device: str = "cpu"
     block_size: int = 16
     kv_cache_memory_bytes: int = 1 << 30  # budget for K/V blocks ...
@@ -59,6 +61,8 @@ class EngineConfig:
                 object.__setattr__(self, name, None)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a power of two")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -47,7 +47,7 @@ class DecodeService:
         self.client = client
         self.api_key = api_key
         e = engine.engine
-        self._block_bytes = ModelRunner.bytes_per_block(e.model, e.config.block_size, e.dtype)
+        self._block_bytes = ModelRunner.bytes_per_block(e.model, e.config.block_size, e.dtype, e.config.kv_cache_dtype)
         cache_bytes = e.kv.num_blocks * self._block_bytes  # more could never be adopted at once
         self.receiver = KVReceiver(self.on_transfer, model_identity=e.model_identity,
                                    limits=ReceiverLimits(max_nbytes=cache_bytes, max_inflight_bytes=cache_bytes))

@@ -24,8 +24,10 @@ _PREFIX = struct.Struct(">4sBI")  # magic, kind, body length
 PREFIX_SIZE = _PREFIX.size  # 9
 MAX_BODY = (1 << 32) - 1
 
-KVDtype = Literal["float32", "bfloat16", "float16"]
-DTYPE_SIZES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+# int8: an int8 KV cache as stored, each row followed by its float32 scale's 4 bytes (the shape's last
+# dimension is head_dim + 4; cloud_tier.engine.kv_quant.pack)
+KVDtype = Literal["float32", "bfloat16", "float16", "int8"]
+DTYPE_SIZES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 
 AckCode = Literal["", "truncated", "corrupt", "bad_header", "model_mismatch", "no_capacity",
                   "unknown_request", "error"]

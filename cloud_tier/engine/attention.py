@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from cloud_tier.engine.kv_quant import Int8KV
+
 
 @dataclass
 class PrefillChunk:
@@ -111,25 +113,28 @@ def _decode_group(rows, tables, lens, block_size, windows, device) -> DecodeGrou
                        block_size, masks)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+KVCache = torch.Tensor | Int8KV  # one layer's K (or V): [slots, KVH, D] in the model dtype, or int8 + scales
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: KVCache,
+                    v_cache: KVCache, meta: AttentionMetadata, scale: float,
                     window: int | None = None) -> torch.Tensor:
     """q [N, H, D], k/v [N, KVH, D] for the new tokens; caches [slots, KVH, D]. Returns [N, H, D]."""
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    _write(k_cache, meta.slot_mapping, k)
+    _write(v_cache, meta.slot_mapping, v)
     gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q)
     for group in meta.decodes:
         if meta.native is not None:
-            o = meta.native.paged_decode(q[group.rows].float().contiguous(), k_cache, v_cache, group.tables,
-                                         group.lens, scale, window or -1, group.block_size)
+            o = _native_decode(meta.native, q[group.rows].float().contiguous(), k_cache, v_cache, group, scale,
+                               window)
             out[group.rows] = o.to(q.dtype)
         else:
             out[group.rows] = _decode(q[group.rows], k_cache, v_cache, group, scale, window, gqa)
     for p in meta.prefills:
         qp = q[p.start:p.start + p.query_len].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-        kp = k_cache[p.slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
-        vp = v_cache[p.slots].transpose(0, 1).unsqueeze(0)
+        kp = _rows(k_cache, p.slots, q.dtype).transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
+        vp = _rows(v_cache, p.slots, q.dtype).transpose(0, 1).unsqueeze(0)
         mask = p.masks[window]
         o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None,
                                            scale=scale, enable_gqa=gqa)
@@ -139,15 +144,38 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 def _decode(q, k_cache, v_cache, group: DecodeGroup, scale, window, gqa) -> torch.Tensor:
     b = q.shape[0]
-    kd = _gather_blocks(k_cache, group).view(b, -1, *k_cache.shape[1:]).transpose(1, 2)  # [B, KVH, L, D]
-    vd = _gather_blocks(v_cache, group).view(b, -1, *v_cache.shape[1:]).transpose(1, 2)
+    kd = _gather_blocks(k_cache, group, q.dtype)
+    kd = kd.view(b, -1, *kd.shape[1:]).transpose(1, 2)  # [B, KVH, L, D]
+    vd = _gather_blocks(v_cache, group, q.dtype)
+    vd = vd.view(b, -1, *vd.shape[1:]).transpose(1, 2)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=group.masks[window],
                                        scale=scale, enable_gqa=gqa)  # [B, H, 1, D]
     return o.squeeze(2)
 
 
-def _gather_blocks(cache: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+def _write(cache: KVCache, slots: torch.Tensor, x: torch.Tensor) -> None:
+    if isinstance(cache, Int8KV):
+        cache.write(slots, x)
+    else:
+        cache.index_copy_(0, slots, x)
+
+
+def _rows(cache: KVCache, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return cache.rows(slots, dtype) if isinstance(cache, Int8KV) else cache[slots]
+
+
+def _native_decode(native, q, k_cache: KVCache, v_cache: KVCache, group: DecodeGroup, scale, window):
+    """The compiled kernel, reading int8 rows and their scales in place when the cache is int8."""
+    if isinstance(k_cache, Int8KV):
+        return native.paged_decode_int8(q, k_cache.data, k_cache.scale, v_cache.data, v_cache.scale, group.tables,
+                                        group.lens, scale, window or -1, group.block_size)
+    return native.paged_decode(q, k_cache, v_cache, group.tables, group.lens, scale, window or -1, group.block_size)
+
+
+def _gather_blocks(cache: KVCache, group: DecodeGroup, dtype: torch.dtype) -> torch.Tensor:
     """Whole blocks (block_size x KVH x D contiguous) copied at once: much cheaper than
     gathering token rows."""
+    if isinstance(cache, Int8KV):
+        return cache.gather_blocks(group.block_ids, group.block_size, dtype)
     per_block = group.block_size * cache.shape[1] * cache.shape[2]
     return cache.view(-1, per_block).index_select(0, group.block_ids)

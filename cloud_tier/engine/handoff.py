@@ -20,7 +20,7 @@ class KVLayout:
     """How an engine's KV cache lays out one block (``ModelRunner.read_blocks``' payload)."""
 
     block_size: int
-    dtype: str
+    dtype: str  # as stored: the model's dtype, or "int8" (EngineConfig.kv_cache_dtype)
     num_layers: int
     num_kv_heads: int
     head_dim: int

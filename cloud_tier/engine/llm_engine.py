@@ -69,14 +69,15 @@ class LLMEngine:
         self.model = load_model(self.model_dir, self.dtype, self.device, self.max_model_len)
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.eos_token_ids = _eos_ids(self.model_dir, self.tokenizer, hf_config)
-        per_block = ModelRunner.bytes_per_block(self.model, config.block_size, self.dtype)
+        per_block = ModelRunner.bytes_per_block(self.model, config.block_size, self.dtype, config.kv_cache_dtype)
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // per_block)
         if num_blocks * config.block_size < self.max_model_len:  # one such request could never run
             raise ValueError(f"the KV cache holds {num_blocks * config.block_size} tokens ({num_blocks} blocks of "
                              f"{config.block_size}), less than max_model_len {self.max_model_len}: raise the KV "
                              f"budget ({num_blocks * per_block} bytes) or lower max_model_len")
         num_layers, n_kv, head_dim = self.model.kv_shape
-        self.kv_layout = KVLayout(config.block_size, config.dtype, num_layers, n_kv, head_dim)
+        kv_dtype = config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+        self.kv_layout = KVLayout(config.block_size, kv_dtype, num_layers, n_kv, head_dim)
         self.model_identity = model_identity(self.model_dir.name, config.dtype, self.kv_layout)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  model_identity=self.model_identity)
@@ -87,12 +88,12 @@ class LLMEngine:
             default_tpot_s=config.tpot_slo_s, slo_reject=config.slo_reject, reservations=config.reservations,
             short_prompt_tokens=config.short_prompt_tokens, short_lane_share=config.short_lane_share), self.kv)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype,
-                                  self.device, config.seed)
+                                  self.device, config.seed, config.kv_cache_dtype)
         self._tracked: dict[str, _Tracked] = {}
         self._handoffs: dict[str, tuple[list[TokenLogprobs], bytes | None]] = {}
         self.stalled = False  # the last step ran nothing while requests wait (KV held for transfers)
-        log.info("engine ready: %s (%s, %s), %d KV blocks of %d tokens (%.0f MiB)", self.model_dir.name,
-                 config.dtype, config.device, num_blocks, config.block_size, num_blocks * per_block / 2**20)
+        log.info("engine ready: %s (%s, KV %s, %s), %d KV blocks of %d tokens (%.0f MiB)", self.model_dir.name,
+                 config.dtype, kv_dtype, config.device, num_blocks, config.block_size, num_blocks * per_block / 2**20)
 
     @classmethod
     def from_model(cls, model: str, **kwargs) -> LLMEngine:

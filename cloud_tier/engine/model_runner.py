@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cloud_tier.engine.attention import AttentionMetadata
+from cloud_tier.engine.kv_quant import Int8KV
 from cloud_tier.engine.sampler import Sampler, TokenLogprobs
 from cloud_tier.engine.scheduler import SchedulerOutput
 
@@ -21,16 +22,23 @@ class ModelOutput:
 
 
 class ModelRunner:
+    """``kv_cache_dtype``: "auto" stores K/V in the model's ``dtype``; "int8" stores them quantized
+    (``kv_quant.Int8KV``), which the attention reads directly."""
+
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, seed: int = 0):
+                 device: torch.device, seed: int = 0, kv_cache_dtype: str = "auto"):
         self.model = model
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
+        self.kv_int8 = kv_cache_dtype == "int8"
         num_layers, n_kv, head_dim = model.kv_shape
         shape = (num_blocks * block_size, n_kv, head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+
+        def cache():
+            return Int8KV.zeros(shape, device) if self.kv_int8 else torch.zeros(shape, dtype=dtype, device=device)
+
+        self.kv_caches = [(cache(), cache()) for _ in range(num_layers)]
         self.windows = model.sliding_windows()
         self.sampler = Sampler(seed, device)
         self.keep_logits = False
@@ -41,31 +49,43 @@ class ModelRunner:
             self.native_attention = paged_attention.load()
 
     @staticmethod
-    def bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype,
+                        kv_cache_dtype: str = "auto") -> int:
+        """One block's K and V across layers, scales included: the unit of the KV budget and of
+        a transfer's payload."""
         num_layers, n_kv, head_dim = model.kv_shape
-        return 2 * num_layers * block_size * n_kv * head_dim * torch.empty((), dtype=dtype).element_size()
+        row = (Int8KV.bytes_per_row(head_dim) if kv_cache_dtype == "int8"
+               else head_dim * torch.empty((), dtype=dtype).element_size())
+        return 2 * num_layers * block_size * n_kv * row
 
     def kv_block_shape(self) -> tuple[int, int, int, int]:
         """(num_layers, block_size, num_kv_heads, head_dim): one block's K (or V) across layers."""
         k = self.kv_caches[0][0]
+        k = k.data if self.kv_int8 else k
         return len(self.kv_caches), self.block_size, k.shape[1], k.shape[2]
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A copy of these blocks' K and V, shaped (layers, 2, blocks, block_size, kv_heads,
-        head_dim), on the CPU: the payload of a KV transfer."""
+        """A copy of these blocks' K and V as stored, shaped (layers, 2, blocks, block_size, kv_heads,
+        head_dim) in the model dtype, or for an int8 cache (..., head_dim + 4) int8 (each row with its
+        scale's bytes, ``kv_quant.pack``), on the CPU: the payload of a KV transfer."""
         idx = torch.tensor(block_ids, device=self.device)
         _, bs, n_kv, hd = self.kv_block_shape()
-        out = torch.stack([torch.stack([k.view(-1, bs, n_kv, hd)[idx], v.view(-1, bs, n_kv, hd)[idx]])
-                           for k, v in self.kv_caches])
+        if self.kv_int8:
+            out = torch.stack([torch.stack([k.read_blocks(idx, bs), v.read_blocks(idx, bs)])
+                               for k, v in self.kv_caches])
+        else:
+            out = torch.stack([torch.stack([k.view(-1, bs, n_kv, hd)[idx], v.view(-1, bs, n_kv, hd)[idx]])
+                               for k, v in self.kv_caches])
         return out.cpu()
 
     def check_payload(self, kv: torch.Tensor, num_blocks: int) -> None:
         """ValueError unless ``kv`` is ``num_blocks`` blocks in ``read_blocks``' layout here."""
         layers, bs, n_kv, hd = self.kv_block_shape()
-        expected = (layers, 2, num_blocks, bs, n_kv, hd)
-        if tuple(kv.shape) != expected or kv.dtype != self.dtype:
+        row, dtype = (Int8KV.bytes_per_row(hd), torch.int8) if self.kv_int8 else (hd, self.dtype)
+        expected = (layers, 2, num_blocks, bs, n_kv, row)
+        if tuple(kv.shape) != expected or kv.dtype != dtype:
             raise ValueError(f"KV payload {tuple(kv.shape)} {kv.dtype} does not match this cache's "
-                             f"{expected} {self.dtype}")
+                             f"{expected} {dtype}")
 
     def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
         """Write a transfer's payload (``read_blocks``' layout) into these blocks."""
@@ -74,8 +94,12 @@ class ModelRunner:
         idx = torch.tensor(block_ids, device=self.device)
         kv = kv.to(self.device)
         for layer, (k, v) in enumerate(self.kv_caches):
-            k.view(-1, bs, n_kv, hd)[idx] = kv[layer, 0]
-            v.view(-1, bs, n_kv, hd)[idx] = kv[layer, 1]
+            if self.kv_int8:
+                k.write_blocks(idx, bs, kv[layer, 0])
+                v.write_blocks(idx, bs, kv[layer, 1])
+            else:
+                k.view(-1, bs, n_kv, hd)[idx] = kv[layer, 0]
+                v.view(-1, bs, n_kv, hd)[idx] = kv[layer, 1]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:

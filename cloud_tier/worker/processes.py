@@ -39,7 +39,8 @@ class WorkerProcesses:
             port = free_port(host)
             cmd = cascade_command(
                 "cloud", "worker", "--role", role, "--host", host, "--port", str(port), "--model", e.model,
-                "--threads", str(threads), "--dtype", e.dtype, "--device", e.device,
+                "--threads", str(threads), "--dtype", e.dtype, "--kv-cache-dtype", e.kv_cache_dtype,
+                "--device", e.device,
                 "--max-model-len", str(e.max_model_len), "--kv-cache-bytes", str(e.kv_cache_memory_bytes),
                 "--max-num-seqs", str(e.max_num_seqs), "--max-num-batched-tokens", str(e.max_num_batched_tokens),
                 log_level=logging.getLevelName(log.getEffectiveLevel()))

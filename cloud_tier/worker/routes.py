@@ -58,8 +58,10 @@ async def metrics(request: Request):
 
 def _card(request: Request) -> ModelCard:
     svc = service(request)
+    engine = request.app.state.config.engine
     return ModelCard(id=svc.model_id, created=request.app.state.started,
-                     meta={"max_model_len": svc.max_model_len, "dtype": request.app.state.config.engine.dtype})
+                     meta={"max_model_len": svc.max_model_len, "dtype": engine.dtype,
+                           "kv_cache_dtype": engine.kv_cache_dtype})
 
 
 @v1.get("/models", responses=openapi.errors(401, 500))

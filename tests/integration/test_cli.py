@@ -147,3 +147,14 @@ def test_fleet_devices_and_assign(tmp_path, smollm2_path):
     assert table[0].split() == ["DEVICE", "GROUPS", "ONLINE", "DESIRED", "REPORTED", "STATE", "ROLLOUT", "LAST",
                                 "SEEN", "REQUESTS", "ESCALATED", "ERRORS", "BACKLOG"] and len(table) == 3
     assert table[1].split()[:5] == ["kiosk-7", "kiosks", "-", "smollm2-135m@1.1.0", "-"]  # never connected yet
+
+
+@pytest.mark.parametrize("args, env", [
+    (("cloud", "worker", "--kv-cache-dtype", "fp8"), {}),
+    (("cloud", "serve", "--kv-cache-dtype", "fp8"), {}),
+    (("cloud", "worker",), {"CASCADE_CLOUD_ENGINE_KV_CACHE_DTYPE": "fp8"}),
+])
+def test_a_bad_kv_cache_dtype_exits_2_with_one_line_naming_the_choices(tmp_path, args, env):
+    r = cascade(*args, home=tmp_path, env=env)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "kv_cache_dtype" in r.stderr and "auto, int8" in r.stderr and "'fp8'" in r.stderr

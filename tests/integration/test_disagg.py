@@ -54,10 +54,6 @@ def _run_to_end(engine: LLMEngine, first):
 def _handoff(prefill: LLMEngine, decode: LLMEngine, prompt: str, params: SamplingParams, transport: str):
     """Prefill ``prompt`` on one engine, move it over ``transport``, adopt it on the other."""
     req, handoff = _prefill(prefill, prompt, params)
-    record = RequestRecord(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                           output_token_ids=req.output_token_ids, sampling=params.to_dict(),
-                           sampler_state=handoff.sampler_state,
-                           logprobs=[logprob_record(lp) for lp in handoff.logprobs])
     adopted = {}
 
     async def handler(header: TransferHeader, payload: memoryview) -> TransferAck:
@@ -68,15 +64,29 @@ def _handoff(prefill: LLMEngine, decode: LLMEngine, prompt: str, params: Samplin
         adopted["first"] = decode.adopt(new, payload_to_tensor(header, payload).clone(), lp, rec.sampler_state)
         return TransferAck(request_id=rec.request_id, ok=True)
 
+    ack = _send(prefill, req, handoff, params, handler, prefill.model_identity, transport)
+    assert ack.ok, ack
+    return adopted["first"]
+
+
+def _send(prefill: LLMEngine, req, handoff, params: SamplingParams, handler, receiver_identity: str,
+          transport: str) -> TransferAck:
+    """Send a prefilled request's KV, as stored, to a receiver holding ``receiver_identity``; its ack.
+    The KV is released on the prefill engine after."""
+    record = RequestRecord(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                           output_token_ids=req.output_token_ids, sampling=params.to_dict(),
+                           sampler_state=handoff.sampler_state,
+                           logprobs=[logprob_record(lp) for lp in handoff.logprobs])
+
     async def move():
-        receiver = KVReceiver(handler, model_identity=prefill.model_identity)
+        receiver = KVReceiver(handler, model_identity=receiver_identity)
         await receiver.start()
         receiver.expect(req.request_id, "the-token", handoff.kv.nbytes)
         try:
             sender = TcpSender() if transport == "tcp" else ShmSender()
             header = TransferHeader(request_id=req.request_id, token="the-token", model_identity=prefill.model_identity,
-                                    dtype="float32", shape=list(handoff.kv.shape), nbytes=0, checksum="",
-                                    transport="tcp", record=record)
+                                    dtype=str(handoff.kv.dtype).removeprefix("torch."), shape=list(handoff.kv.shape),
+                                    nbytes=0, checksum="", transport="tcp", record=record)
             return await sender.send(receiver.address, header, tensor_payload(handoff.kv))
         finally:
             await receiver.close()
@@ -84,8 +94,7 @@ def _handoff(prefill: LLMEngine, decode: LLMEngine, prompt: str, params: Samplin
     ack = asyncio.run(move())
     prefill.release_kv(req.request_id)
     prefill.check_integrity()
-    assert ack.ok, ack
-    return adopted["first"]
+    return ack
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +171,33 @@ def test_prefill_worker_releases_the_kv_when_the_decode_target_is_dead(smollm2_e
     assert not resp.ok and resp.code == "transfer_failed"
     assert free == total and not held
     smollm2_engine.check_integrity()
+
+
+def _int8_engine():
+    return LLMEngine.from_model("smollm2-135m", dtype="float32", kv_cache_dtype="int8", max_model_len=1024,
+                                max_num_batched_tokens=256, num_kv_blocks=256, threads=1)
+
+
+@pytest.fixture(scope="module")
+def int8_engine(engine_home):
+    return _int8_engine()
+
+
+def test_int8_kv_crosses_the_transport_as_stored_and_continues_like_one_engine(int8_engine):
+    decode = _int8_engine()
+    params = PARAMS[0]
+    refs = int8_engine.generate(PROMPTS, params)
+    for prompt, ref in zip(PROMPTS, refs, strict=True):
+        final = _run_to_end(decode, _handoff(int8_engine, decode, prompt, params, "tcp"))
+        assert final.token_ids == ref.token_ids
+    assert decode.kv.num_free_blocks == decode.kv.num_blocks
+
+
+def test_a_float_decode_worker_refuses_int8_kv_before_its_payload(int8_engine, decode_engine):
+    async def never(header, payload):
+        raise AssertionError("a refused transfer reached the handler")
+
+    req, handoff = _prefill(int8_engine, PROMPTS[0], PARAMS[0])
+    ack = _send(int8_engine, req, handoff, PARAMS[0], never, decode_engine.model_identity, "tcp")
+    assert not ack.ok and ack.code == "model_mismatch" and "int8" in ack.message
+    assert int8_engine.kv.num_free_blocks == int8_engine.kv.num_blocks

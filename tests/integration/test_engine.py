@@ -5,6 +5,7 @@ import asyncio
 import random
 
 import pytest
+import torch
 
 from cloud_tier.engine import LLMEngine, SamplingParams
 from cloud_tier.engine.async_engine import AsyncLLMEngine, RequestFailedError
@@ -355,3 +356,46 @@ def test_greedy_outputs_under_a_tiny_kv_budget_match_an_unconstrained_run(smollm
     assert small.scheduler.num_preemptions > 0
     assert [done[ids[k]].token_ids for k in range(len(cases))] == [reference[i] for i in order]
     assert small.kv.num_free_blocks == 8
+
+
+FLOAT_BLOCKS = 128  # the int8 engine's KV budget: what this many float32 blocks take
+
+
+@pytest.fixture(scope="module")
+def smollm2_int8_engine(smollm2_engine):
+    """SmolLM2 on an int8 KV cache, given the bytes of FLOAT_BLOCKS float32 blocks."""
+    from cloud_tier.engine.model_runner import ModelRunner
+
+    budget = FLOAT_BLOCKS * ModelRunner.bytes_per_block(smollm2_engine.model, 16, torch.float32)
+    return LLMEngine.from_model("smollm2-135m", dtype="float32", kv_cache_dtype="int8", max_model_len=1024,
+                                max_num_batched_tokens=256, kv_cache_memory_bytes=budget, threads=1)
+
+
+def test_an_int8_kv_cache_holds_about_four_times_the_float32_blocks_in_the_same_bytes(smollm2_engine,
+                                                                                        smollm2_int8_engine):
+    assert 3.7 < smollm2_int8_engine.kv.num_blocks / FLOAT_BLOCKS <= 4  # the scales take 4 of every head_dim + 4
+    assert "dtype=int8" in smollm2_int8_engine.model_identity and "float32" in smollm2_int8_engine.model_identity
+    assert smollm2_int8_engine.model_identity != smollm2_engine.model_identity
+
+
+def test_int8_kv_handed_over_continues_like_a_local_run_and_a_float_engine_refuses_it(smollm2_engine,
+                                                                                       smollm2_int8_engine):
+    engine = smollm2_int8_engine
+    engine.kv.reset_prefix_cache()
+    prompt = shared_prefix_prompts(engine, 64)[0]
+    expected = run_to_end(engine, [prompt], GREEDY)[0]
+    engine.kv.reset_prefix_cache()
+    handoff = prefill_for_transfer(engine, prompt, GREEDY, "int8-src")
+    assert handoff.kv.dtype == torch.int8 and handoff.kv.shape[-1] == engine.runner.kv_block_shape()[-1] + 4
+    with pytest.raises(ValueError, match="KV payload"):
+        smollm2_engine.adopt(adoptable(smollm2_engine, handoff, "float-dst"), handoff.kv)
+    smollm2_engine.check_integrity()
+    assert not smollm2_engine.has_unfinished_requests()
+    engine.kv.reset_prefix_cache()
+    first = engine.adopt(adoptable(engine, handoff, "int8-dst"), handoff.kv, handoff.logprobs[0] if handoff.logprobs
+                         else None, handoff.sampler_state)
+    tokens = [first.new_token_ids[0]]
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    engine.check_integrity()
+    assert tokens == expected.token_ids

@@ -260,3 +260,25 @@ def _kill_decode_mid_stream(cloud, keys):
         c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0.5)
     assert e.value.status_code == 503
 
+
+
+def test_an_int8_pair_started_by_the_gateway_gives_the_int8_engines_greedy_output(engine_home, smollm2_engine):
+    """``--kv-cache-dtype int8`` reaches the workers the gateway starts, and their KV moves as stored."""
+    from cloud_tier.engine import LLMEngine
+
+    cloud = Server(engine_home, ["cloud", "serve"], "--prefill", "1", "--decode", "1", "--model", MODEL,
+                   "--max-model-len", SMALL_LEN, "--kv-cache-bytes", SMALL_KV, "--kv-cache-dtype", "int8",
+                   env={"CASCADE_CLOUD_GATEWAY_WORKER_THREADS": "1"}).wait_healthy(300)
+    try:
+        key = create_key(engine_home, "--tenant", "int8")
+        admin = {"authorization": f"Bearer {create_key(engine_home, '--tenant', 'int8', '--admin')}"}
+        for w in httpx.get(f"{cloud.url}/v1/admin/workers", headers=admin).json()["data"]:
+            card = httpx.get(f"{w['url']}/v1/models").json()["data"][0]
+            assert card["meta"]["kv_cache_dtype"] == "int8", (w["role"], card)
+        prompt = "The history of the printing press"
+        served = client(cloud, key).completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0)
+    finally:
+        cloud.stop()
+    int8 = LLMEngine.from_model(MODEL, dtype="float32", kv_cache_dtype="int8", max_model_len=352, num_kv_blocks=32,
+                                threads=1)
+    assert served.choices[0].text == int8.generate([prompt], SamplingParams(temperature=0, max_tokens=32))[0].text

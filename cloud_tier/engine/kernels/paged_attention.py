@@ -1,8 +1,9 @@
 """The CPU decode paged-attention kernel: compiled once per machine (``-O3 -march=native``, about a
 minute) into ``~/.cache/cascade/kernels/<cpu>`` (or $CASCADE_KERNEL_CACHE), a build cache like the
-llama.cpp wheel's, keyed by the CPU's flags so a native build never runs on another ISA; torch
-rebuilds it when the source changes. If there is no compiler, or CASCADE_ENGINE_NATIVE_KERNELS=0,
-``load()`` returns None and attention uses the pure-torch path."""
+llama.cpp wheel's, keyed by the CPU's flags so a native build never runs on another ISA, and by
+the source's hash so two checkouts of different versions (a worktree beside the main one, an
+upgrade) never build into one directory and load each other's module. If there is no compiler,
+or CASCADE_ENGINE_NATIVE_KERNELS=0, ``load()`` returns None and attention uses the pure-torch path."""
 
 from __future__ import annotations
 
@@ -33,9 +34,9 @@ def _build():
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        build_dir = _build_dir()
-        build_dir.mkdir(parents=True, exist_ok=True)
         src = Path(__file__).with_name("paged_attention_cpu.cpp")
+        build_dir = _build_dir(src.read_bytes())
+        build_dir.mkdir(parents=True, exist_ok=True)
         return load_extension(name="cascade_paged_attention_cpu", sources=[str(src)], build_directory=str(build_dir),
                               extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                               verbose=False)
@@ -44,7 +45,7 @@ def _build():
         return None
 
 
-def _build_dir() -> Path:
+def _build_dir(source: bytes) -> Path:
     root = Path(os.environ.get("CASCADE_KERNEL_CACHE") or Path.home() / ".cache" / "cascade" / "kernels")
     flags = ""
     try:
@@ -52,5 +53,5 @@ def _build_dir() -> Path:
             flags = next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
     except OSError:
         pass
-    key = hashlib.sha256(f"{platform.machine()}|{flags}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{platform.machine()}|{flags}".encode() + source).hexdigest()[:12]
     return root / f"{platform.machine()}-{key}"

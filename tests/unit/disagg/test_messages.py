@@ -102,7 +102,7 @@ def test_garbage_is_a_codec_error(data, match):
 @pytest.mark.parametrize("change, match", [
     (dict(shm_name="../../etc/passwd"), "shm_name"),
     (dict(shape=[2, -1, 3]), "shape"),
-    (dict(dtype="int8"), "dtype"),
+    (dict(dtype="float64"), "dtype"),
     (dict(nbytes=-1), "nbytes"),
 ])
 def test_header_rules_hold_on_the_wire(change, match):
