@@ -125,8 +125,8 @@ def main() -> int:
             time.sleep(0.5)
     finally:
         stop(proc, timeout_s=60)
-    print(f"\nBatch fill: bursts of {args.burst} streams ({args.burst_s:.0f} s) and troughs of 1 ({args.trough_s:.0f} s)"
-          f" x {args.cycles}, {args.max_tokens} tokens each, {os.cpu_count()} cores")
+    print(f"\nBatch fill: bursts of {args.burst} streams ({args.burst_s:.0f} s) and troughs of 1 "
+          f"({args.trough_s:.0f} s) x {args.cycles}, {args.max_tokens} tokens each, {os.cpu_count()} cores")
     print(f"{'online load':24s} {'requests':>8s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'TPOT p50':>9s} {'TPOT p99':>9s}")
     for name, r in (("alone", alone), (f"with a {args.batch_lines}-line batch", with_batch)):
         print(f"{name:24s} {r['requests']:8d} {r['ttft'][0]:7.0f}ms {r['ttft'][1]:7.0f}ms "

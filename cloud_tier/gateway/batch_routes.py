@@ -23,6 +23,14 @@ from cloud_tier.gateway.service import GatewayService
 
 batch_api = APIRouter(prefix="/v1")
 _ERRORS = openapi.errors(400, 401, 403, 404, 409, 413, 500)
+_UPLOAD = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["file", "purpose"],
+    "properties": {"file": {"type": "string", "format": "binary"},
+                   "purpose": {"type": "string", "enum": ["batch"]}}}}}}}
+
+
+class JSONLResponse(Response):
+    media_type = "application/jsonl"
 
 
 class NewBatch(BaseModel):
@@ -51,7 +59,7 @@ def _too_big(limit: int) -> errors.APIError:
                               "file_too_large")
 
 
-@batch_api.post("/files", responses=_ERRORS)
+@batch_api.post("/files", openapi_extra=_UPLOAD, responses=_ERRORS)
 async def upload_file(request: Request):
     svc, store, key = _parts(request)
     limit = svc.config.batch_max_file_bytes
@@ -95,13 +103,13 @@ async def get_file(request: Request, file_id: str):
     return found
 
 
-@batch_api.get("/files/{file_id}/content", responses=_ERRORS)
+@batch_api.get("/files/{file_id}/content", response_class=JSONLResponse, responses=_ERRORS)
 async def file_content(request: Request, file_id: str):
     _, store, key = _parts(request)
     content = await asyncio.to_thread(store.file_content, key.tenant, file_id)
     if content is None:
         raise _not_found("File", file_id)
-    return Response(content, media_type="application/jsonl")
+    return JSONLResponse(content)
 
 
 @batch_api.delete("/files/{file_id}", responses=_ERRORS)
