@@ -201,7 +201,7 @@ def test_cancel_runs_no_line_not_started_and_keeps_what_finished(gateway, keys):
 
 def test_an_expired_batch_reports_its_unfinished_lines(gateway, keys):
     c = client(gateway, keys["acme"])
-    lines = [chat_line(f"e{i}", f"Tell a story about {i}.", 48) for i in range(16)]
+    lines = [chat_line(f"e{i}", f"Tell a story about {i}.", 64) for i in range(32)]  # far more than 2 s of work
     batch = c.batches.create(input_file_id=upload(c, lines), endpoint=CHAT, completion_window="2s")
     done = wait_for(c, batch.id, {"expired", "completed"}, 60)
     assert done.status == "expired" and done.expired_at
