@@ -5,7 +5,7 @@ with a batch of ``--batch-lines`` requests submitted just before; same gateway (
 serve --both 1`), same run.
 
     .venv/bin/python bench/batch_fill.py [--cycles 3] [--burst 6] [--burst-s 8] [--trough-s 8]
-        [--batch-lines 400] [--max-tokens 32]
+        [--batch-lines 400] [--max-tokens 32] [--home DIR]
 
 Online TTFT and TPOT (p50/p99) are measured by the client, over the streams of each run; batch
 tokens are the batch tenant's completion tokens (the gateway's /metrics), counted per phase.
@@ -104,8 +104,9 @@ def main() -> int:
     p.add_argument("--trough-s", type=float, default=8.0)
     p.add_argument("--batch-lines", type=int, default=400)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--home", help="CASCADE_HOME (one that has the model converted saves minutes); default: a new one")
     args = p.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="batch-fill-"))
+    work = Path(args.home or tempfile.mkdtemp(prefix="batch-fill-"))
     env = {"CASCADE_HOME": str(work), "CASCADE_CLOUD_GATEWAY_TTFT_SLO_S": "600", "OMP_WAIT_POLICY": "passive"}
     keys = {t: subprocess.run(cascade_command("cloud", "keys", "create", "--tenant", t), env={**os.environ, **env},
                               capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]

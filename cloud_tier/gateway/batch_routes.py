@@ -29,8 +29,8 @@ _UPLOAD = {"requestBody": {"required": True, "content": {"multipart/form-data": 
                    "purpose": {"type": "string", "enum": ["batch"]}}}}}}}
 
 
-class JSONLResponse(Response):
-    media_type = "application/jsonl"
+_JSONL = {200: {"description": "The file's bytes (JSONL).",
+                "content": {"application/jsonl": {"schema": {"type": "string"}}}}}
 
 
 class NewBatch(BaseModel):
@@ -103,13 +103,13 @@ async def get_file(request: Request, file_id: str):
     return found
 
 
-@batch_api.get("/files/{file_id}/content", response_class=JSONLResponse, responses=_ERRORS)
+@batch_api.get("/files/{file_id}/content", responses={**_JSONL, **_ERRORS})
 async def file_content(request: Request, file_id: str):
     _, store, key = _parts(request)
     content = await asyncio.to_thread(store.file_content, key.tenant, file_id)
     if content is None:
         raise _not_found("File", file_id)
-    return JSONLResponse(content)
+    return Response(content, media_type="application/jsonl")
 
 
 @batch_api.delete("/files/{file_id}", responses=_ERRORS)

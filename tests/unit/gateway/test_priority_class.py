@@ -35,3 +35,14 @@ def test_vllm_priority_follows_the_class_unless_the_client_set_one():
     assert with_vllm_priority({"model": "m"}, "batch") == {"model": "m", "priority": 2}
     assert with_vllm_priority({"model": "m"}, "interactive")["priority"] == 0
     assert with_vllm_priority({"model": "m", "priority": 7}, "batch")["priority"] == 7
+
+
+def test_the_edge_agents_escalations_ask_for_the_escalation_class():
+    import asyncio
+
+    from edge_agent.config import UpstreamConfig
+    from edge_agent.upstream import Upstream
+
+    up = Upstream(UpstreamConfig(url="http://cloud.invalid"))
+    assert priority_class(up.client.headers.get("x-cascade-priority"), None) == "escalation"
+    asyncio.run(up.close())
