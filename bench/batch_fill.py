@@ -36,8 +36,8 @@ REPO = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m"
 
 
-async def stream(client: httpx.AsyncClient, url: str, key: str, i: int, max_tokens: int) -> tuple[float, list[float]]:
-    """(TTFT, gaps between tokens) of one greedy stream."""
+async def stream(client: httpx.AsyncClient, url: str, key: str, i: str, max_tokens: int) -> tuple[float, list[float]]:
+    """(TTFT, gaps between tokens) of one greedy stream (a prompt of its own: never a result cache hit)."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": f"Story {i}: tell me about a river."}],
             "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
     start = time.perf_counter()
@@ -61,7 +61,7 @@ async def phase(client, url, key, width: int, seconds: float, max_tokens: int, c
     async def lane():
         while time.monotonic() < end:
             counter[0] += 1
-            out.append(await stream(client, url, key, counter[0], max_tokens))
+            out.append(await stream(client, url, key, f"{counter[0]}-{end:.0f}", max_tokens))
 
     await asyncio.gather(*(lane() for _ in range(width)))
     return out
