@@ -5,7 +5,7 @@ with a batch of ``--batch-lines`` requests submitted just before; same gateway (
 serve --both 1`), same run.
 
     .venv/bin/python bench/batch_fill.py [--cycles 3] [--burst 6] [--burst-s 8] [--trough-s 8]
-        [--batch-lines 400] [--max-tokens 32] [--home DIR]
+        [--batch-lines 400] [--max-tokens 32] [--online-busy N] [--home DIR]
 
 Online TTFT and TPOT (p50/p99) are measured by the client, over the streams of each run; batch
 tokens are the batch tenant's completion tokens (the gateway's /metrics), counted per phase.
@@ -104,10 +104,13 @@ def main() -> int:
     p.add_argument("--trough-s", type=float, default=8.0)
     p.add_argument("--batch-lines", type=int, default=400)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--online-busy", type=int, default=0,
+                   help="[gateway] batch_online_busy: no batch line starts with this many online requests in flight")
     p.add_argument("--home", help="CASCADE_HOME (one that has the model converted saves minutes); default: a new one")
     args = p.parse_args()
     work = Path(args.home or tempfile.mkdtemp(prefix="batch-fill-"))
-    env = {"CASCADE_HOME": str(work), "CASCADE_CLOUD_GATEWAY_TTFT_SLO_S": "600", "OMP_WAIT_POLICY": "passive"}
+    env = {"CASCADE_HOME": str(work), "CASCADE_CLOUD_GATEWAY_TTFT_SLO_S": "600", "OMP_WAIT_POLICY": "passive",
+           "CASCADE_CLOUD_GATEWAY_BATCH_ONLINE_BUSY": str(args.online_busy)}
     keys = {t: subprocess.run(cascade_command("cloud", "keys", "create", "--tenant", t), env={**os.environ, **env},
                               capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
             for t in ("online", "batchjob")}
@@ -127,7 +130,8 @@ def main() -> int:
     finally:
         stop(proc, timeout_s=60)
     print(f"\nBatch fill: bursts of {args.burst} streams ({args.burst_s:.0f} s) and troughs of 1 "
-          f"({args.trough_s:.0f} s) x {args.cycles}, {args.max_tokens} tokens each, {os.cpu_count()} cores")
+          f"({args.trough_s:.0f} s) x {args.cycles}, {args.max_tokens} tokens each, batch_online_busy "
+          f"{args.online_busy}, {os.cpu_count()} cores")
     print(f"{'online load':24s} {'requests':>8s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'TPOT p50':>9s} {'TPOT p99':>9s}")
     for name, r in (("alone", alone), (f"with a {args.batch_lines}-line batch", with_batch)):
         print(f"{name:24s} {r['requests']:8d} {r['ttft'][0]:7.0f}ms {r['ttft'][1]:7.0f}ms "

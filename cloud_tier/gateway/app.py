@@ -132,7 +132,8 @@ def build_app(config: CloudConfig, worker_urls: list[str]) -> FastAPI:
         collector = asyncio.create_task(_collect(stores.idempotency))
         app.state.batches = BatchStore(batch_db_path(g))
         runner = asyncio.create_task(BatchRunner(app.state.service, app.state.batches, RunnerConfig(
-            concurrency=g.batch_concurrency, kv_share=g.batch_kv_share, max_lines=g.batch_max_lines)).run())
+            concurrency=g.batch_concurrency, kv_share=g.batch_kv_share, online_busy=g.batch_online_busy,
+            max_lines=g.batch_max_lines)).run())
         try:
             yield
         finally:

@@ -2,8 +2,9 @@
 (``batch_state``) and runs their lines through the gateway's own pipeline (``GatewayService.begin``:
 quotas, budgets, the result cache, KV admission, routing, as an online request of the batch's key,
 in the ``batch`` class), a few at a time and only into spare capacity: no line starts while an
-online request waits for KV room, while a worker's engine has requests waiting, or once the decode
-pool's KV use passes ``kv_share``. A line refused for a reason that passes (a quota, no capacity)
+online request waits for KV room, while a worker's engine has requests waiting, once the decode
+pool's KV use passes ``kv_share``, or (where compute is the limit, as on a CPU) while
+``online_busy`` online requests are in flight. A line refused for a reason that passes (a quota, no capacity)
 goes back to pending and the runner holds off a while; one refused for its content (a 4xx) is
 answered in the error file."""
 
@@ -41,17 +42,22 @@ _SERVER_ATTEMPTS = 3  # a line that fails on the cloud's side (5xx) is tried thi
 class RunnerConfig:
     concurrency: int = 4  # lines in flight at once
     kv_share: float = 0.5  # start lines only while some worker's KV use is under this share
+    online_busy: int = 0  # ... and while fewer online requests than this are in flight (0: no such limit)
     max_lines: int = 50_000
     interval_s: float = 0.2  # between looks at the batches
     backoff_s: float = 1.0  # after a passing refusal, no new line for this long
 
 
-def spare_slots(in_flight: int, concurrency: int, online_waiting: int, shares: list[float], kv_share: float) -> int:
-    """How many lines may start now: none while online requests wait or every worker is past
-    ``kv_share`` (a share of 1.0 stands for a worker whose engine queues requests)."""
-    if online_waiting or not shares or min(shares) >= kv_share:
+def spare_slots(config: RunnerConfig, in_flight: int, online_in_flight: int, online_waiting: int,
+                shares: list[float]) -> int:
+    """How many lines may start now: none while online requests wait, while ``online_busy`` of
+    them are in flight, or while every worker is past ``kv_share`` (a share of 1.0 stands for a
+    worker whose engine queues requests)."""
+    if online_waiting or not shares or min(shares) >= config.kv_share:
         return 0
-    return max(0, concurrency - in_flight)
+    if config.online_busy and online_in_flight >= config.online_busy:
+        return 0
+    return max(0, config.concurrency - in_flight)
 
 
 async def run_line(svc: GatewayService, key: ApiKey, endpoint: str, body: dict) -> tuple[int, dict, str]:
@@ -159,8 +165,9 @@ class BatchRunner:
     def _start_lines(self, row: dict) -> None:
         if time.monotonic() < self.hold_until:
             return
-        n = spare_slots(len(self.in_flight), self.config.concurrency, self.svc.admission.waiting, self._shares(),
-                        self.config.kv_share)
+        mine = len(self.in_flight)
+        online = max(0, sum(w.in_flight for w in self.svc.pool.workers.values()) - mine)
+        n = spare_slots(self.config, mine, online, self.svc.admission.waiting, self._shares())
         if n <= 0:
             return
         for index, custom_id, body in self.store.claim(row["id"], n):

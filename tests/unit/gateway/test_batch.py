@@ -8,7 +8,7 @@ import json
 import pytest
 
 from cloud_tier.gateway.batch_jsonl import validate
-from cloud_tier.gateway.batch_runner import spare_slots
+from cloud_tier.gateway.batch_runner import RunnerConfig, spare_slots
 from cloud_tier.gateway.batch_state import (
     TRANSITIONS,
     InvalidTransition,
@@ -204,13 +204,20 @@ def test_listings_are_newest_first_per_tenant_and_page_by_id(tmp_path):
 
 # -- the throttle -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("in_flight,waiting,shares,slots", [
-    (0, 0, [0.1], 4),
-    (3, 0, [0.1, 0.9], 1),
-    (4, 0, [0.1], 0),
-    (0, 1, [0.1], 0),  # an online request waits for KV room
-    (0, 0, [0.6, 1.0], 0),  # every worker past the share (1.0: its engine queues requests)
-    (0, 0, [], 0),  # no healthy worker
+@pytest.mark.parametrize("in_flight,online,waiting,shares,slots", [
+    (0, 0, 0, [0.1], 4),
+    (3, 0, 0, [0.1, 0.9], 1),
+    (4, 0, 0, [0.1], 0),
+    (0, 0, 1, [0.1], 0),  # an online request waits for KV room
+    (0, 0, 0, [0.6, 1.0], 0),  # every worker past the share (1.0: its engine queues requests)
+    (0, 0, 0, [], 0),  # no healthy worker
+    (1, 1, 0, [0.1], 3),
+    (0, 2, 0, [0.1], 0),  # online_busy online requests in flight
 ])
-def test_lines_start_only_into_spare_capacity(in_flight, waiting, shares, slots):
-    assert spare_slots(in_flight, 4, waiting, shares, kv_share=0.5) == slots
+def test_lines_start_only_into_spare_capacity(in_flight, online, waiting, shares, slots):
+    config = RunnerConfig(concurrency=4, kv_share=0.5, online_busy=2)
+    assert spare_slots(config, in_flight, online, waiting, shares) == slots
+
+
+def test_without_online_busy_online_requests_in_flight_do_not_hold_lines_back():
+    assert spare_slots(RunnerConfig(concurrency=4, kv_share=0.5), 1, 100, 0, [0.1]) == 3
