@@ -233,3 +233,42 @@ def test_a_gateway_restarted_mid_batch_resumes_without_redoing_or_losing_a_line(
         assert len(worker.generate_bodies) - sent < 12  # the lines finished before the crash did not run again
     finally:
         g.stop()
+
+
+# vLLM's scrape with nothing running: the gateway treats the proxied worker as a vLLM worker
+IDLE_VLLM = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="smollm2-135m"} 0.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="smollm2-135m"} 0.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="smollm2-135m"} 0.0
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="1000"} 1.0
+"""
+
+
+def test_a_vllm_worker_gets_the_class_as_its_priority_and_batch_lines_run_through_it(tmp_path, cloud_worker):
+    from tests.integration.faulty_openai import FaultyOpenAIWorker
+
+    vllm = FaultyOpenAIWorker(cloud_worker.url, metrics_text=IDLE_VLLM).start()
+    g = Server(tmp_path, ["cloud", "serve"], "--workers", vllm.url, "--worker-type", "vllm",
+               env={"CASCADE_CLOUD_GATEWAY_FOREIGN_PRIORITY": "true"}).wait_healthy(60)
+    try:
+        c = client(g, create_key(tmp_path, "--tenant", "acme"))
+        ask = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        c.chat.completions.create(**ask)
+        c.chat.completions.create(**ask, extra_headers={"X-Cascade-Priority": "escalation"})
+        c.chat.completions.create(**ask, extra_headers={"X-Cascade-Priority": "batch"}, extra_body={"priority": 3})
+        assert [b.get("priority") for b in vllm.bodies] == [0, 1, 3]  # the client's own priority stays
+        assert not any("priority_class" in b for b in vllm.bodies)
+        lines = [chat_line(f"v{i}", f"Name a colour {i}.", 6) for i in range(3)]
+        batch = c.batches.create(input_file_id=upload(c, lines), endpoint=CHAT, completion_window="24h")
+        done = wait_for(c, batch.id, {"completed"}, 120)
+        out = results(c, done.output_file_id)
+        assert sorted(o["custom_id"] for o in out) == ["v0", "v1", "v2"]
+        assert all(o["response"]["status_code"] == 200 and o["response"]["body"]["choices"][0]["finish_reason"] in
+                   ("stop", "length") for o in out)
+        assert [b.get("priority") for b in vllm.bodies[3:]] == [2, 2, 2]
+    finally:
+        g.stop()
+        vllm.stop()
