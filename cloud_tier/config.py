@@ -160,6 +160,17 @@ class GatewayConfig:
     k8s_prefill_selector: str = ""  # pods with the prefill role, whatever their label says
     k8s_decode_selector: str = ""  # ... the decode role
     k8s_port: int = 8000
+    # a request's priority class as vLLM's integer priority (interactive 0, escalation 1, batch 2), for vLLM
+    # workers started with --scheduling-policy priority (others reject the field)
+    foreign_priority: bool = False
+    # the Batch API (cloud_tier/gateway/batch_*.py): its files and batches in SQLite ("": batches.db beside
+    # the key store's file, or under $CASCADE_HOME/cloud with a PostgreSQL key store)
+    batch_db: str = ""
+    batch_max_file_bytes: int = 100 << 20  # an uploaded file over this is a 400
+    batch_max_lines: int = 50_000  # a batch over this many requests is a 400
+    batch_concurrency: int = 4  # lines in flight at once, per gateway
+    batch_kv_share: float = 0.5  # new lines start only while the decode pool's KV use is under this share ...
+    batch_online_busy: int = 0  # ... and while fewer online requests are in flight (0: no such limit; CPU hosts)
 
     @property
     def k8s_discovery(self) -> bool:
@@ -194,6 +205,12 @@ class GatewayConfig:
             raise ValueError(f"k8s_port must be in 1..65535, got {self.k8s_port}")
         if self.redis and not self.redis.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis must be a redis://, rediss:// or unix:// URL (or empty), not {self.redis!r}")
+        if self.batch_max_file_bytes < 1 or self.batch_max_lines < 1 or self.batch_concurrency < 1:
+            raise ValueError("batch_max_file_bytes, batch_max_lines and batch_concurrency must be >= 1")
+        if self.batch_online_busy < 0:
+            raise ValueError("batch_online_busy must be >= 0 (0: no limit)")
+        if not 0 < self.batch_kv_share <= 1:
+            raise ValueError("batch_kv_share must be in (0, 1]")
         parse_model_prices(self.model_prices)
 
 

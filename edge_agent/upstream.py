@@ -80,7 +80,9 @@ class Upstream:
         self.base_url = base if base.endswith("/v1") else f"{base}/v1"
         self.config = config
         self.device = device
-        headers = {"content-type": "application/json", "accept": "text/event-stream"}
+        # escalations run in the cloud's escalation class: after interactive traffic, ahead of batch jobs
+        headers = {"content-type": "application/json", "accept": "text/event-stream",
+                   "x-cascade-priority": "escalation"}
         if config.api_key:
             headers["authorization"] = f"Bearer {config.api_key}"
         if device:

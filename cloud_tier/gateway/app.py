@@ -17,9 +17,12 @@ from cascade.web import build_openai_app
 from cloud_tier import tokenizer_files
 from cloud_tier.config import CloudConfig
 from cloud_tier.disagg.protocol import ServedModel
+from cloud_tier.gateway.batch_routes import batch_api
+from cloud_tier.gateway.batch_runner import BatchRunner, RunnerConfig
+from cloud_tier.gateway.batch_store import BatchStore
 from cloud_tier.gateway.routes import admin, generation, ops, v1
 from cloud_tier.gateway.service import GatewayService
-from cloud_tier.gateway.stores import open_stores
+from cloud_tier.gateway.stores import batch_db_path, open_stores
 from cloud_tier.gateway.worker_pool import WorkerPool
 from cloud_tier.request_builder import RequestBuilder
 from sync.idempotency import IdempotencyRecords
@@ -127,9 +130,16 @@ def build_app(config: CloudConfig, worker_urls: list[str]) -> FastAPI:
                                            config.server.api_key)
         app.state.service.max_model_len = max_model_len
         collector = asyncio.create_task(_collect(stores.idempotency))
+        app.state.batches = BatchStore(batch_db_path(g))
+        runner = asyncio.create_task(BatchRunner(app.state.service, app.state.batches, RunnerConfig(
+            concurrency=g.batch_concurrency, kv_share=g.batch_kv_share, online_busy=g.batch_online_busy,
+            max_lines=g.batch_max_lines)).run())
         try:
             yield
         finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)  # its lines settle before the pool closes
+            app.state.batches.close()
             collector.cancel()
             if watcher is not None:
                 watcher.cancel()
@@ -137,7 +147,8 @@ def build_app(config: CloudConfig, worker_urls: list[str]) -> FastAPI:
             await client.aclose()
             stores.close()
 
-    return build_openai_app("cascade cloud gateway", lifespan, config, "cloud", generation, ops, v1, admin)
+    return build_openai_app("cascade cloud gateway", lifespan, config, "cloud", generation, ops, v1, admin,
+                            batch_api)
 
 
 async def _collect(idem: IdempotencyRecords, every_s: float = 600.0) -> None:

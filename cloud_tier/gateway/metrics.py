@@ -22,6 +22,9 @@ class GatewayMetrics:
                                 "Requests by tenant, endpoint and outcome (ok, cache_hit, replay, 4xx, "
                                 "429_<reason>, 5xx: failed by the cloud, 499: the client left)",
                                 [*t, "endpoint", "outcome"], registry=r)
+        self.class_requests = Counter("cascade_gateway_class_requests_total",
+                                      "Requests by priority class (interactive, escalation, batch) and outcome",
+                                      ["priority_class", "outcome"], registry=r)
         self.tokens_in = Counter("cascade_gateway_prompt_tokens_total", "Prompt tokens", t, registry=r)
         self.tokens_out = Counter("cascade_gateway_completion_tokens_total", "Generated tokens", t, registry=r)
         self.goodput = Counter("cascade_gateway_goodput_requests_total",
@@ -64,6 +67,14 @@ class GatewayMetrics:
         child = self._children.get((metric, values))
         if child is None:
             child = self._children[metric, values] = metric.labels(*values) if values else metric
+        return child
+
+    def of_class(self, priority_class: str, outcome: str):
+        """The class counter's child (cached like ``of``'s: class and outcome are few)."""
+        child = self._children.get((self.class_requests, priority_class, outcome))
+        if child is None:
+            child = self._children[self.class_requests, priority_class, outcome] = self.class_requests.labels(
+                priority_class, outcome)
         return child
 
     def cache_lookup(self, hit: bool) -> None:

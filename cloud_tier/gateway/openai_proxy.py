@@ -29,6 +29,7 @@ import httpx
 from cascade import errors
 from cascade.sse import BrokenStream, next_chunk
 from cloud_tier.gateway.admission import Ticket
+from cloud_tier.gateway.priority import with_vllm_priority
 from cloud_tier.gateway.worker_client import _error_of
 from cloud_tier.gateway.worker_pool import Worker, WorkerPool
 
@@ -47,6 +48,7 @@ class ProxyConfig:
     kv_connector: str = ""  # "nixl": prefill/decode pairs of vLLM workers
     pd_min_prompt_chars: int = 1024  # shorter prompts skip the prefill step
     pd_skip_hit_share: float = 0.8  # ... as do prompts the decode worker holds this much of
+    vllm_priority: bool = False  # a request's class as vLLM's priority (workers run --scheduling-policy priority)
 
 
 @dataclass
@@ -59,6 +61,7 @@ class Attempt:
     request_id: str
     prompt_chars: int
     hashes_total: int  # prompt blocks (for the share a hit covers)
+    priority_class: str = "interactive"
 
 
 class OpenAIProxy:
@@ -84,7 +87,10 @@ class OpenAIProxy:
         for attempt in range(self.config.retries + 1):
             worker = ticket.worker
             tried.add(worker.url)
-            sent = await self._with_prefill(a, body, worker, hit_blocks)
+            sent = body
+            if self.config.vllm_priority and worker.kind == "vllm":
+                sent = with_vllm_priority(body, a.priority_class)
+            sent = await self._with_prefill(a, sent, worker, hit_blocks)
             started = False
             try:
                 async for item in self._send(worker, a, sent):

@@ -18,6 +18,8 @@ from cascade.web.caller import CallerGone, while_connected
 from cascade.web.requests import bearer_matches
 from cloud_tier.gateway.keys import ApiKey
 from cloud_tier.gateway.openai_results import chunks_to_response, response_to_chunks
+from cloud_tier.gateway.priority import HEADER as PRIORITY_HEADER
+from cloud_tier.gateway.priority import priority_class
 from cloud_tier.gateway.service import GatewayService
 from cloud_tier.gateway.streams import first_of, pull_first, relay_sse, render_stored, replay, replay_chunks
 
@@ -86,13 +88,15 @@ async def _serve(request: Request, endpoint: str, schema, formatter):
         body = await read_json(request, svc.config.max_body_bytes)
         req = parse_body(schema, body)
         svc.check_model(req.model)
+        # the class is the gateway's, not the worker's: it leaves the body (a foreign worker gets none)
+        klass = priority_class(request.headers.get(PRIORITY_HEADER), body.pop("priority_class", None))
     except errors.APIError:
         svc.count(key.tenant, endpoint, "4xx")
         raise
     try:  # a client that leaves while its request waits (admission, a duplicate's result) is let go
         result, headers = await while_connected(
             request, svc.begin(key, endpoint, body, req, request.headers.get("idempotency-key"),
-                               request.headers.get("x-request-id")))
+                               request.headers.get("x-request-id"), klass))
     except CallerGone:
         return Response(status_code=499)
     if (isinstance(result, dict) and "openai" in result) or (not isinstance(result, dict) and svc.pool.foreign):

@@ -115,7 +115,8 @@ class GatewayService:
         self.proxy = OpenAIProxy(pool, client, ProxyConfig(
             retries=config.retries, retry_backoff_s=config.retry_backoff_s,
             first_token_timeout_s=config.first_token_timeout_s, kv_connector=config.kv_connector,
-            pd_min_prompt_chars=config.pd_min_prompt_chars, pd_skip_hit_share=config.pd_skip_hit_share),
+            pd_min_prompt_chars=config.pd_min_prompt_chars, pd_skip_hit_share=config.pd_skip_hit_share,
+            vllm_priority=config.foreign_priority),
             worker_api_key)
 
     # -- auth ----------------------------------------------------------------------------
@@ -137,11 +138,13 @@ class GatewayService:
     # -- the pipeline --------------------------------------------------------------------
 
     async def begin(self, key: ApiKey, endpoint: str, body: dict, req, idem_key: str | None,
-                    request_id: str | None = None) -> tuple[AsyncIterator | dict, dict[str, str]]:
+                    request_id: str | None = None, priority_class: str = "interactive"
+                    ) -> tuple[AsyncIterator | dict, dict[str, str]]:
         """The request's event stream, or the stored result of a cache hit or a replay, and the
         response headers to add. Raises APIError (with everything already settled) when it is
         not served."""
-        flight = Flight(key.tenant, key, endpoint, time.perf_counter(), idem_key=idem_key)
+        flight = Flight(key.tenant, key, endpoint, time.perf_counter(), idem_key=idem_key,
+                        priority_class=priority_class)
         if idem_key:
             stored = await self._claim(flight, body)
             if stored is not None:
@@ -230,7 +233,8 @@ class GatewayService:
             flight.ticket = ticket
 
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-        attempt = Attempt(path, body, bool(body.get("stream")), request_id, len(text), len(hashes))
+        attempt = Attempt(path, body, bool(body.get("stream")), request_id, len(text), len(hashes),
+                          flight.priority_class)
         events = Recorder(self.proxy.run(attempt, flight.ticket, hit_blocks, rechoose, on_ticket), flight,
                           self._settle, observe_chunk)
         return (RunToEnd(events) if flight.idem_key else events), headers
@@ -338,7 +342,8 @@ class GatewayService:
             self.idempotency.complete(f.tenant, f.idem_key, result, owner=owner)
 
     def _count(self, f: Flight, outcome: str) -> None:
-        self.count(f.tenant, f.endpoint, outcome)
+        self.count(f.tenant, f.endpoint, outcome, f.priority_class)
 
-    def count(self, tenant: str, endpoint: str, outcome: str) -> None:
+    def count(self, tenant: str, endpoint: str, outcome: str, priority_class: str = "interactive") -> None:
         self.metrics.of(self.metrics.requests, tenant, endpoint, outcome).inc()
+        self.metrics.of_class(priority_class, outcome).inc()

@@ -31,6 +31,14 @@ def sqlite_path(db: str) -> Path:
     return path
 
 
+def batch_db_path(g) -> Path:
+    """The Batch API's SQLite file: ``[gateway] batch_db``, else batches.db beside the key store's
+    file (under $CASCADE_HOME/cloud when the keys are in PostgreSQL)."""
+    if g.batch_db:
+        return sqlite_path(g.batch_db)
+    return sqlite_path("" if is_postgres(g.db) else g.db).with_name("batches.db")
+
+
 def open_key_store(db: str) -> KeyRecords:
     """The key store at ``db``: a PostgreSQL DSN, or a SQLite path ("": the default file). A
     database that cannot be reached is a ConnectionError naming why (never the DSN: it may hold

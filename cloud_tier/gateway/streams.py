@@ -45,6 +45,7 @@ class Flight:
     ended: bool = False  # its event stream ran to its end
     openai: str | None = None  # an OpenAI-compatible worker's answer: "chunks" (a stream) or "body"
     model: str = ""  # the model asked for, when the pool serves several
+    priority_class: str = "interactive"  # cloud_tier.gateway.priority.CLASSES
 
 
 def observe_event(f: Flight, ev) -> None:

@@ -67,7 +67,8 @@ class WorkerClient:
     async def generate(self, flight: Flight, plan: Plan, need: int) -> AsyncIterator[TokenEvent | Finish]:
         rid = uuid.uuid4().hex
         record = RequestRecord(request_id=rid, prompt_token_ids=plan.prompt_token_ids,
-                               sampling=plan.params.to_dict(), priority=plan.priority)
+                               sampling=plan.params.to_dict(), priority=plan.priority,
+                               priority_class=flight.priority_class, tenant=flight.tenant)
         for attempt in range(ATTEMPTS):
             worker = flight.ticket.worker
             prefill_url, prefill_worker, work = self.route(plan, worker)

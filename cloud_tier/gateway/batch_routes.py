@@ -1,0 +1,181 @@
+"""The OpenAI Files and Batch API on the gateway, as the official SDK calls it: ``/v1/files``
+(multipart upload of a JSONL with purpose "batch", its object, content, deletion, listing) and
+``/v1/batches`` (create, retrieve, list, cancel). Thin handlers: the store (``batch_store``) keeps
+the state, the runner (``batch_runner``) does the work. A file or batch of another tenant is not
+found."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, Field
+from starlette.datastructures import UploadFile
+
+from cascade import errors
+from cascade.web import openapi, parse_body, read_json
+from cloud_tier.gateway.batch_jsonl import ENDPOINTS, count_lines
+from cloud_tier.gateway.batch_state import CANCELLABLE, InvalidTransition, Status, window_seconds
+from cloud_tier.gateway.batch_store import BatchStore, batch_object
+from cloud_tier.gateway.keys import ApiKey
+from cloud_tier.gateway.service import GatewayService
+
+batch_api = APIRouter(prefix="/v1")
+_ERRORS = openapi.errors(400, 401, 403, 404, 409, 413, 500)
+_UPLOAD = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["file", "purpose"],
+    "properties": {"file": {"type": "string", "format": "binary"},
+                   "purpose": {"type": "string", "enum": ["batch"]}}}}}}}
+
+
+_JSONL = {200: {"description": "The file's bytes (JSONL).",
+                "content": {"application/jsonl": {"schema": {"type": "string"}}}}}
+
+
+class NewBatch(BaseModel):
+    input_file_id: str = Field(max_length=128)
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+
+
+def _parts(request: Request) -> tuple[GatewayService, BatchStore, ApiKey]:
+    svc: GatewayService = request.app.state.service
+    return svc, request.app.state.batches, svc.authenticate(request.headers.get("authorization", ""))
+
+
+def _not_found(what: str, ident: str) -> errors.APIError:
+    return errors.APIError(404, f"No such {what} object: {ident}", "invalid_request_error", "id", "not_found")
+
+
+def _page(data: list[dict], has_more: bool) -> dict:
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+
+
+def _too_big(limit: int) -> errors.APIError:
+    return errors.bad_request(f"The file is larger than this gateway's limit of {limit} bytes.", "file",
+                              "file_too_large")
+
+
+@batch_api.post("/files", openapi_extra=_UPLOAD, responses=_ERRORS)
+async def upload_file(request: Request):
+    svc, store, key = _parts(request)
+    limit = svc.config.batch_max_file_bytes
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit + (64 << 10):  # before reading it: the form's own parts aside
+        raise _too_big(limit)
+    try:
+        form = await request.form(max_files=1, max_fields=8)
+    except Exception as e:  # starlette's MultiPartException and friends: the body is not a form
+        raise errors.bad_request(f"The body is not a multipart form: {e}.", "file", "invalid_form") from e
+    try:
+        purpose, upload = form.get("purpose"), form.get("file")
+        if purpose != "batch":
+            raise errors.bad_request(f"Invalid value for 'purpose': {purpose!r}; this gateway takes 'batch' files.",
+                                     "purpose", "invalid_value")
+        if not isinstance(upload, UploadFile):
+            raise errors.bad_request("The form needs a 'file' part.", "file", "missing_file")
+        if upload.size is not None and upload.size > limit:
+            raise _too_big(limit)
+        content = await upload.read()
+        if len(content) > limit:
+            raise _too_big(limit)
+    finally:
+        await form.close()
+    return await asyncio.to_thread(store.add_file, key.tenant, purpose, upload.filename or "input.jsonl", content)
+
+
+@batch_api.get("/files", responses=_ERRORS)
+async def list_files(request: Request, purpose: str | None = None, after: str | None = None,
+                     limit: int = Query(10000, ge=1, le=10000)):
+    _, store, key = _parts(request)
+    return _page(*store.list_files(key.tenant, purpose, after, limit))
+
+
+@batch_api.get("/files/{file_id}", responses=_ERRORS)
+async def get_file(request: Request, file_id: str):
+    _, store, key = _parts(request)
+    found = store.get_file(key.tenant, file_id)
+    if found is None:
+        raise _not_found("File", file_id)
+    return found
+
+
+@batch_api.get("/files/{file_id}/content", responses={**_JSONL, **_ERRORS})
+async def file_content(request: Request, file_id: str):
+    _, store, key = _parts(request)
+    content = await asyncio.to_thread(store.file_content, key.tenant, file_id)
+    if content is None:
+        raise _not_found("File", file_id)
+    return Response(content, media_type="application/jsonl")
+
+
+@batch_api.delete("/files/{file_id}", responses=_ERRORS)
+async def delete_file(request: Request, file_id: str):
+    _, store, key = _parts(request)
+    if not store.delete_file(key.tenant, file_id):
+        raise _not_found("File", file_id)
+    return {"id": file_id, "object": "file", "deleted": True}
+
+
+@batch_api.post("/batches", openapi_extra=openapi.body(NewBatch), responses=_ERRORS)
+async def create_batch(request: Request):
+    svc, store, key = _parts(request)
+    new = parse_body(NewBatch, await read_json(request, svc.config.max_body_bytes))
+    if new.endpoint not in ENDPOINTS:
+        raise errors.bad_request(f"Invalid value for 'endpoint': {new.endpoint!r}; expected one of "
+                                 f"{', '.join(ENDPOINTS)}.", "endpoint", "invalid_value")
+    try:
+        window_s = window_seconds(new.completion_window)
+    except ValueError as e:
+        raise errors.bad_request(str(e), "completion_window", "invalid_value") from e
+    found = store.get_file(key.tenant, new.input_file_id)
+    if found is None:
+        raise _not_found("File", new.input_file_id)
+    if found["purpose"] != "batch":
+        raise errors.bad_request(f"The file {new.input_file_id} has purpose {found['purpose']!r}, not 'batch'.",
+                                 "input_file_id", "invalid_file")
+    content = await asyncio.to_thread(store.file_content, key.tenant, new.input_file_id)
+    lines = await asyncio.to_thread(count_lines, content or b"")
+    if lines > svc.config.batch_max_lines:
+        raise errors.bad_request(f"The input file has {lines} requests; a batch holds at most "
+                                 f"{svc.config.batch_max_lines}.", "input_file_id", "too_many_requests")
+    batch_id = store.create_batch(key.tenant, key.key_id, new.endpoint, new.input_file_id, new.completion_window,
+                                  window_s, new.metadata)
+    return batch_object(store.batch(batch_id), store.counts(batch_id))
+
+
+@batch_api.get("/batches", responses=_ERRORS)
+async def list_batches(request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100)):
+    _, store, key = _parts(request)
+    rows, more = store.list_batches(key.tenant, after, limit)
+    return _page([batch_object(r, store.counts(r["id"])) for r in rows], more)
+
+
+@batch_api.get("/batches/{batch_id}", responses=_ERRORS)
+async def get_batch(request: Request, batch_id: str):
+    _, store, key = _parts(request)
+    row = store.batch(batch_id, key.tenant)
+    if row is None:
+        raise _not_found("Batch", batch_id)
+    return batch_object(row, store.counts(batch_id))
+
+
+@batch_api.post("/batches/{batch_id}/cancel", responses=_ERRORS)
+async def cancel_batch(request: Request, batch_id: str):
+    _, store, key = _parts(request)
+    row = store.batch(batch_id, key.tenant)
+    if row is None:
+        raise _not_found("Batch", batch_id)
+    status = Status(row["status"])
+    if status in CANCELLABLE:
+        try:
+            store.cancel(batch_id)
+        except InvalidTransition:  # it ended meanwhile
+            status = Status(store.batch(batch_id)["status"])
+    if status not in (*CANCELLABLE, Status.CANCELLING, Status.CANCELLED):  # cancelling twice is no error
+        raise errors.APIError(409, f"A batch that is {status} cannot be cancelled.", "invalid_request_error",
+                              None, "batch_not_cancellable")
+    return batch_object(store.batch(batch_id), store.counts(batch_id))
