@@ -24,7 +24,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.gateway_vllm import MODEL, client_args, run_client, write_sharegpt
+# run as `.venv/bin/python bench/serve_vs_vllm.py`: sys.path[0] is bench/, so its sibling module
+# imports by its bare name
+from gateway_vllm import MODEL, client_args, run_client, write_sharegpt
+
 from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
 
 REPO = Path(__file__).resolve().parent.parent
