@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cascade.config import load_config
+from cascade.protocol import PRIORITY_CLASSES
 
 ROLES = ("both", "prefill", "decode")
 
@@ -131,6 +132,10 @@ class GatewayConfig:
     # service-level objectives: admission rejects early what would miss the TTFT one
     ttft_slo_s: float = 10.0
     tpot_slo_s: float = 0.25
+    # the TTFT:TPOT targets (seconds) our workers' schedulers get, by priority class, for requests that
+    # name none ("interactive=2:0.2,escalation=5:0.5"; a class not named: no target, as ""): the engine then
+    # refuses early (429, reason slo) what would miss its TTFT target and keeps decodes within the TPOT one
+    class_slos: str = ""
     # admission control on the decode pool's KV blocks
     kv_high_watermark: float = 0.9
     max_queue: int = 64  # requests waiting for KV room; beyond it, 429
@@ -212,6 +217,27 @@ class GatewayConfig:
         if not 0 < self.batch_kv_share <= 1:
             raise ValueError("batch_kv_share must be in (0, 1]")
         parse_model_prices(self.model_prices)
+        parse_class_slos(self.class_slos)
+
+
+def parse_class_slos(text: str) -> dict[str, tuple[float, float]]:
+    """``[gateway] class_slos`` ("interactive=2:0.2,escalation=5:0.5": TTFT and TPOT targets in
+    seconds by priority class) as {class: (ttft, tpot)}."""
+    targets = {}
+    for item in (i.strip() for i in text.split(",")):
+        if not item:
+            continue
+        name, _, pair = item.partition("=")
+        ttft, _, tpot = pair.partition(":")
+        try:
+            values = (float(ttft), float(tpot))
+        except ValueError:
+            values = (-1.0, -1.0)
+        if name.strip() not in PRIORITY_CLASSES or not all(0 < v < float("inf") for v in values):
+            raise ValueError(f"class_slos: {item!r} is not CLASS=TTFT:TPOT (a class of {', '.join(PRIORITY_CLASSES)}; "
+                             "seconds > 0)")
+        targets[name.strip()] = values
+    return targets
 
 
 def parse_reservations(text: str) -> dict[str, float]:

@@ -106,13 +106,10 @@ class RequestBuilder:
 
 
 def with_headers(plan: Plan, headers: Mapping[str, str], wall: float | None = None) -> Plan:
-    """``plan`` under the headers ``X-Cascade-Priority`` (a class, over the body's priority_class)
+    """``plan`` under the headers ``X-Cascade-Priority`` (a class: see ``priority_class_of``)
     and ``X-Cascade-Deadline`` (seconds from now, or an absolute time: a Unix timestamp or an HTTP
     date); the earlier of the body's ``timeout`` and the header's deadline wins. 400 on a bad one."""
-    priority_class = headers.get("x-cascade-priority") or plan.priority_class
-    if priority_class not in PRIORITY_CLASSES:
-        raise errors.bad_request(f"Invalid X-Cascade-Priority {priority_class[:40]!r}: it must be one of "
-                                 f"{', '.join(PRIORITY_CLASSES)}.", "X-Cascade-Priority", "invalid_value")
+    priority_class = priority_class_of(headers.get("x-cascade-priority"), plan.priority_class)
     timeout = plan.timeout_s
     if (raw := headers.get("x-cascade-deadline")) is not None:
         left = deadline_seconds(raw, wall)
@@ -120,6 +117,26 @@ def with_headers(plan: Plan, headers: Mapping[str, str], wall: float | None = No
     if (priority_class, timeout) == (plan.priority_class, plan.timeout_s):
         return plan
     return dataclasses.replace(plan, priority_class=priority_class, timeout_s=timeout)
+
+
+def priority_class_of(header: str | None, body_value: object) -> str:
+    """The class a request runs in: the lower standing of the header's and the body's (a request
+    can only lower its own standing, whoever labels it: the edge agent marks its escalations with
+    the header whatever the app's body says); interactive when neither names one. A value that is
+    not a class is a 400 naming where it came from."""
+    classes = ["interactive"]
+    if header is not None:
+        classes.append(_class(header.strip().lower(), "X-Cascade-Priority"))
+    if body_value is not None:
+        classes.append(_class(body_value, "priority_class"))
+    return max(classes, key=PRIORITY_CLASSES.index)
+
+
+def _class(value: object, param: str) -> str:
+    if value not in PRIORITY_CLASSES:
+        raise errors.bad_request(f"Invalid value for '{param}': {str(value)[:40]!r}; expected one of "
+                                 f"{', '.join(PRIORITY_CLASSES)}.", param, "invalid_value")
+    return value
 
 
 def deadline_seconds(raw: str, wall: float | None = None) -> float:

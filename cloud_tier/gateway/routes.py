@@ -22,6 +22,7 @@ from cloud_tier.gateway.priority import HEADER as PRIORITY_HEADER
 from cloud_tier.gateway.priority import priority_class
 from cloud_tier.gateway.service import GatewayService
 from cloud_tier.gateway.streams import first_of, pull_first, relay_sse, render_stored, replay, replay_chunks
+from cloud_tier.request_builder import deadline_seconds
 
 
 def service(request: Request) -> GatewayService:
@@ -90,13 +91,15 @@ async def _serve(request: Request, endpoint: str, schema, formatter):
         svc.check_model(req.model)
         # the class is the gateway's, not the worker's: it leaves the body (a foreign worker gets none)
         klass = priority_class(request.headers.get(PRIORITY_HEADER), body.pop("priority_class", None))
+        deadline = request.headers.get("x-cascade-deadline")
+        deadline_s = None if deadline is None else deadline_seconds(deadline)
     except errors.APIError:
         svc.count(key.tenant, endpoint, "4xx")
         raise
     try:  # a client that leaves while its request waits (admission, a duplicate's result) is let go
         result, headers = await while_connected(
             request, svc.begin(key, endpoint, body, req, request.headers.get("idempotency-key"),
-                               request.headers.get("x-request-id"), klass))
+                               request.headers.get("x-request-id"), klass, deadline_s))
     except CallerGone:
         return Response(status_code=499)
     if (isinstance(result, dict) and "openai" in result) or (not isinstance(result, dict) and svc.pool.foreign):

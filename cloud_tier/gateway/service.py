@@ -19,7 +19,7 @@ import httpx
 
 from cascade import errors
 from cascade.generation import Finish
-from cloud_tier.config import GatewayConfig
+from cloud_tier.config import GatewayConfig, parse_class_slos
 from cloud_tier.gateway import openai_results
 from cloud_tier.gateway.admission import Admission
 from cloud_tier.gateway.keys import ApiKey, check_priority
@@ -105,7 +105,7 @@ class GatewayService:
             block_size=pool.block_size)
         self.index = PrefixIndex(pool.block_size, self.router_config.index_blocks_per_worker)
         self.workers = WorkerClient(pool, client, self.admission, self.index, self.router_config, config.kv_transport,
-                                    config.ttft_slo_s, worker_api_key)
+                                    config.ttft_slo_s, worker_api_key, parse_class_slos(config.class_slos))
         # foreign workers (vLLM, SGLang, any OpenAI-compatible server): no tokenizer, their own load numbers
         self.routing = ForeignRouting(
             max_waiting=config.worker_max_waiting, kv_high_watermark=config.kv_high_watermark,
@@ -138,13 +138,13 @@ class GatewayService:
     # -- the pipeline --------------------------------------------------------------------
 
     async def begin(self, key: ApiKey, endpoint: str, body: dict, req, idem_key: str | None,
-                    request_id: str | None = None, priority_class: str = "interactive"
-                    ) -> tuple[AsyncIterator | dict, dict[str, str]]:
+                    request_id: str | None = None, priority_class: str = "interactive",
+                    deadline_s: float | None = None) -> tuple[AsyncIterator | dict, dict[str, str]]:
         """The request's event stream, or the stored result of a cache hit or a replay, and the
         response headers to add. Raises APIError (with everything already settled) when it is
         not served."""
         flight = Flight(key.tenant, key, endpoint, time.perf_counter(), idem_key=idem_key,
-                        priority_class=priority_class)
+                        priority_class=priority_class, deadline_s=deadline_s)
         if idem_key:
             stored = await self._claim(flight, body)
             if stored is not None:

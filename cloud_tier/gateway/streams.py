@@ -45,7 +45,8 @@ class Flight:
     ended: bool = False  # its event stream ran to its end
     openai: str | None = None  # an OpenAI-compatible worker's answer: "chunks" (a stream) or "body"
     model: str = ""  # the model asked for, when the pool serves several
-    priority_class: str = "interactive"  # cloud_tier.gateway.priority.CLASSES
+    priority_class: str = "interactive"  # cascade.protocol.PRIORITY_CLASSES
+    deadline_s: float | None = None  # X-Cascade-Deadline: seconds left at arrival
 
 
 def observe_event(f: Flight, ev) -> None:

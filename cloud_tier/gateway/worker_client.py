@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
@@ -32,7 +33,8 @@ ATTEMPTS = 3
 
 class WorkerClient:
     def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, admission: Admission, index: PrefixIndex,
-                 router_config: RouterConfig, kv_transport: str, ttft_slo_s: float, worker_api_key: str = ""):
+                 router_config: RouterConfig, kv_transport: str, ttft_slo_s: float, worker_api_key: str = "",
+                 class_slos: dict[str, tuple[float, float]] | None = None):
         self.pool = pool
         self.client = client
         self.admission = admission
@@ -40,6 +42,7 @@ class WorkerClient:
         self.router_config = router_config
         self.kv_transport = kv_transport
         self.ttft_slo_s = ttft_slo_s
+        self.class_slos = class_slos or {}
         self.worker_headers = {"content-type": "application/json"}
         if worker_api_key:
             self.worker_headers["authorization"] = f"Bearer {worker_api_key}"
@@ -66,9 +69,12 @@ class WorkerClient:
 
     async def generate(self, flight: Flight, plan: Plan, need: int) -> AsyncIterator[TokenEvent | Finish]:
         rid = uuid.uuid4().hex
+        ttft, tpot = self.class_slos.get(flight.priority_class, (None, None))
         record = RequestRecord(request_id=rid, prompt_token_ids=plan.prompt_token_ids,
                                sampling=plan.params.to_dict(), priority=plan.priority,
-                               priority_class=flight.priority_class, tenant=flight.tenant)
+                               priority_class=flight.priority_class, tenant=flight.tenant,
+                               ttft_slo_s=plan.ttft_slo_s or ttft, tpot_slo_s=plan.tpot_slo_s or tpot,
+                               timeout_s=time_left(flight, plan))
         for attempt in range(ATTEMPTS):
             worker = flight.ticket.worker
             prefill_url, prefill_worker, work = self.route(plan, worker)
@@ -145,3 +151,12 @@ def _retry_after(status: int, headers: httpx.Headers | dict) -> dict[str, str]:
         return {}
     given = headers.get("retry-after", "")
     return {"Retry-After": given if given.isdigit() and 0 < int(given) <= 3600 else "1"}
+
+
+def time_left(flight: Flight, plan: Plan) -> float | None:
+    """What is left of the request's deadline (the earlier of the body's ``timeout`` and the
+    X-Cascade-Deadline header), for the worker: a duration, since clocks differ between hosts."""
+    limits = [t for t in (plan.timeout_s, flight.deadline_s) if t is not None]
+    if not limits:
+        return None
+    return max(0.0, min(limits) - (time.perf_counter() - flight.arrived))

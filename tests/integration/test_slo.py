@@ -156,3 +156,28 @@ def test_overload_gets_fast_429s_and_the_admitted_meet_their_targets(worker):
     assert statistics.median(r["tpot"] for r in served) <= 1.5 * tpot_target, figures
     assert _metric(worker, "cascade_worker_slo_rejected_total") - rejected_before == len(refused)
     assert _metric(worker, "cascade_worker_goodput_requests_total") > 0
+
+
+def test_the_gateway_passes_deadlines_targets_and_classes_to_its_workers(engine_home, cloud_both):
+    """Through `cascade cloud serve`: the body's timeout and the X-Cascade-Deadline header end the
+    answer with what it has (and it is not cached), a TTFT target no one can meet is a 429 from the
+    worker's scheduler, the class is counted."""
+    from tests.conftest import create_key
+
+    key = create_key(engine_home, "--tenant", "slo-gateway")
+    gw = openai.OpenAI(base_url=f"{cloud_both.url}/v1", api_key=key, max_retries=0, timeout=120)
+    for kw in ({"extra_body": {"ignore_eos": True, "timeout": 1.0}},
+               {"extra_body": {"ignore_eos": True}, "extra_headers": {"X-Cascade-Deadline": "1"}}):
+        r = gw.chat.completions.create(model=MODEL, messages=ASK, max_tokens=900, temperature=0, **kw)
+        assert r.choices[0].finish_reason == "length" and r.model_extra["cascade"] == {"truncated": "deadline"}
+        assert r.usage.completion_tokens < 900
+    again = gw.chat.completions.with_raw_response.create(model=MODEL, messages=ASK, max_tokens=900, temperature=0,
+                                                         extra_body={"ignore_eos": True, "timeout": 1.0})
+    assert again.headers.get("x-cascade-cache") != "hit"  # a cut answer is not the one to keep
+    with pytest.raises(openai.RateLimitError) as e:
+        gw.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, extra_body={"ttft_slo_s": 1e-6},
+                                   extra_headers={"X-Cascade-Priority": "escalation"})
+    assert e.value.body["code"] == "slo" and e.value.response.headers["retry-after"]
+    r = loopback.post(f"{cloud_both.url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}",
+                      "X-Cascade-Deadline": "soon"}, json={"model": MODEL, "messages": ASK, "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Cascade-Deadline"

@@ -43,3 +43,23 @@ def test_headers_over_the_body_and_the_earlier_deadline_wins():
     with pytest.raises(errors.APIError) as e:
         with_headers(p, {"x-cascade-priority": "vip"})
     assert e.value.body()["error"]["param"] == "X-Cascade-Priority"
+
+
+def test_class_slos_parse_and_refuse():
+    from cloud_tier.config import parse_class_slos
+
+    assert parse_class_slos("interactive=2:0.2, escalation=5:0.5") == {"interactive": (2.0, 0.2),
+                                                                      "escalation": (5.0, 0.5)}
+    assert parse_class_slos("") == {}
+    for bad in ("vip=1:1", "interactive=2", "batch=0:1", "interactive=x:y"):
+        with pytest.raises(ValueError):
+            parse_class_slos(bad)
+
+
+@pytest.mark.parametrize("header, body, klass", [
+    (None, None, "interactive"), ("escalation", None, "escalation"), ("batch", "escalation", "batch"),
+    ("escalation", "interactive", "escalation"), (None, "batch", "batch")])
+def test_a_request_takes_the_lower_standing_of_its_header_and_its_body(header, body, klass):
+    from cloud_tier.request_builder import priority_class_of
+
+    assert priority_class_of(header, body) == klass

@@ -1,5 +1,5 @@
-"""A request's priority class at the gateway: interactive unless it asks for another, the body's
-field over the header; anything else a 400 naming where it came from; vLLM's integer priority
+"""A request's priority class at the gateway: interactive unless it asks for another, the lower
+standing of the body's field and the header; anything else a 400 naming where it came from; vLLM's integer priority
 only where the client gave none."""
 
 import pytest
@@ -12,7 +12,8 @@ from cloud_tier.gateway.priority import priority_class, with_vllm_priority
     (None, None, "interactive"),
     ("escalation", None, "escalation"),
     (" Batch ", None, "batch"),
-    ("batch", "escalation", "escalation"),
+    ("batch", "escalation", "batch"),  # the lower standing of the two
+    ("escalation", "interactive", "escalation"),
     (None, "interactive", "interactive"),
 ])
 def test_the_class_a_request_asks_for(header, body, klass):
