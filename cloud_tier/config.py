@@ -23,6 +23,7 @@ class ServerConfig:
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+PREEMPTION_MODES = ("auto", "swap", "recompute")
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     threads: int = 0  # torch intra-op threads on CPU; 0: torch's default
+    # a preempted request's KV: swapped to host memory or recomputed, "auto": whichever costs less
+    preemption_mode: str = "auto"
+    swap_space_bytes: int = 1 << 30  # host memory for swapped-out KV
+    # the prefix cache's second tier: evicted blocks kept in a memory-mapped file (0: off) ...
+    kv_tier_bytes: int = 0
+    kv_tier_path: str = ""  # ... in this directory ("": $CASCADE_HOME/engine)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -54,6 +61,11 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 1")
         if self.kv_cache_memory_bytes < 1:
             raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                             f"got {self.preemption_mode!r}")
+        if self.swap_space_bytes < 0 or self.kv_tier_bytes < 0:
+            raise ValueError("swap_space_bytes and kv_tier_bytes must be >= 0")
 
 
 @dataclass

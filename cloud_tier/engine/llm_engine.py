@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -21,12 +22,14 @@ from cloud_tier.config import EngineConfig
 from cloud_tier.engine.detokenizer import IncrementalDetokenizer
 from cloud_tier.engine.handoff import KVCapacityError, KVHandoff, KVLayout, model_identity
 from cloud_tier.engine.kv_cache_manager import KVCacheManager
+from cloud_tier.engine.kv_moves import KVMover, measure_copy_s_per_byte
 from cloud_tier.engine.model_runner import ModelRunner
 from cloud_tier.engine.models.loader import load_model, read_config
 from cloud_tier.engine.outputs import RequestOutput
 from cloud_tier.engine.request import Request, RequestStatus
 from cloud_tier.engine.sampler import TokenLogprobs
 from cloud_tier.engine.scheduler import Scheduler, SchedulerConfig
+from cloud_tier.engine.swap import SwapSpace
 from cloud_tier.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -79,13 +82,17 @@ class LLMEngine:
         self.kv_layout = KVLayout(config.block_size, config.dtype, num_layers, n_kv, head_dim)
         self.model_identity = model_identity(self.model_dir.name, config.dtype, self.kv_layout)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 model_identity=self.model_identity)
+                                 model_identity=self.model_identity, tier_blocks=config.kv_tier_bytes // per_block)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
             long_prefill_token_threshold=config.long_prefill_token_threshold), self.kv)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype,
                                   self.device, config.seed)
+        swap = self.scheduler.swap = SwapSpace(config.preemption_mode, config.swap_space_bytes, per_block)
+        if config.preemption_mode != "recompute":
+            swap.copy_s_per_byte = measure_copy_s_per_byte(self.runner, num_blocks)
+        self.kv_mover = KVMover(self.runner, self.kv, swap, _tier_dir(config) if self.kv.tier else None)
         self._tracked: dict[str, _Tracked] = {}
         self._handoffs: dict[str, tuple[list[TokenLogprobs], bytes | None]] = {}
         self.stalled = False  # the last step ran nothing while requests wait (KV held for transfers)
@@ -175,6 +182,7 @@ class LLMEngine:
         if not self.scheduler.adopt(req):
             raise KVCapacityError(f"{num_blocks} KV blocks needed, {self.kv.num_free_blocks} free")
         try:
+            self.kv_mover.save_evicted()  # what its blocks held goes to the tier before it is overwritten
             self.runner.write_blocks(self.kv.get_block_ids(req.request_id), kv)
         except Exception:  # the prompt's blocks are hashed already: keep them out of the prefix cache
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
@@ -201,9 +209,13 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         self.stalled = scheduled.is_empty and self.scheduler.has_unfinished()
         if scheduled.is_empty:
+            self.kv_mover.before_step(scheduled)  # swap-outs of a step that runs nothing else
             return []
         try:
+            self.kv_mover.before_step(scheduled)
+            start = time.perf_counter()
             result = self.runner.execute(scheduled)
+            self._observe_prefill(scheduled, time.perf_counter() - start)
         except Exception as e:  # which request broke the batch is unknown: it all fails, unwritten KV unused
             log.exception("a step of %d requests failed", len(scheduled.scheduled))
             failed = (self._fail(s.request, f"the engine step failed: {e!r}") for s in scheduled.scheduled)
@@ -286,6 +298,12 @@ class LLMEngine:
         self._tracked.pop(request_id, None)
         self.runner.sampler.forget(request_id)
 
+    def _observe_prefill(self, out, seconds: float) -> None:
+        """Feed the recompute cost estimate from steps that are mostly prefill."""
+        prefill = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
+        if prefill * 2 >= out.num_batched_tokens:
+            self.scheduler.swap.observe_prefill(seconds, out.num_batched_tokens)
+
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
@@ -308,7 +326,18 @@ class LLMEngine:
         return {"kv_blocks_total": self.kv.num_blocks, "kv_blocks_free": self.kv.num_free_blocks,
                 "kv_usage": self.kv.usage, "waiting": self.scheduler.num_waiting,
                 "running": self.scheduler.num_running, "preemptions": self.scheduler.num_preemptions,
-                "prefix_cache_queries": self.kv.stats.queries, "prefix_cache_hits": self.kv.stats.hits}
+                "prefix_cache_queries": self.kv.stats.queries, "prefix_cache_hits": self.kv.stats.hits,
+                **{"preemptions_" + k: v for k, v in dataclasses.asdict(self.scheduler.swap.stats).items()},
+                **({"kv_tier_" + k: v for k, v in dataclasses.asdict(self.kv.tier.stats).items()} if self.kv.tier
+                   else {})}
+
+
+def _tier_dir(config: EngineConfig) -> Path:
+    if config.kv_tier_path:
+        return Path(config.kv_tier_path).expanduser()
+    from cascade.config import cascade_home
+
+    return cascade_home() / "engine"
 
 
 def _load_tokenizer(model_dir: Path):
