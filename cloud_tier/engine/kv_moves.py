@@ -37,7 +37,7 @@ def measure_copy_s_per_byte(runner: ModelRunner, num_blocks: int, repeats: int =
 
 
 class KVMover:
-    def __init__(self, runner: ModelRunner, kv: KVCacheManager, swap: SwapSpace, tier_dir: Path | None = None):
+    def __init__(self, runner: ModelRunner, kv: KVCacheManager, swap: SwapSpace, tier_dir: Path):
         self.runner, self.kv, self.swap = runner, kv, swap
         self.tier_storage = None
         if kv.tier is not None:

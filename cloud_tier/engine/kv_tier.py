@@ -40,9 +40,6 @@ class TierIndex:
         self.entries: OrderedDict[int, TierEntry] = OrderedDict()
         self.stats = TierStats()
 
-    def __len__(self) -> int:
-        return len(self.entries)
-
     def lookup(self, block_hash: int, parent_hash: int, token_ids: tuple[int, ...]) -> int | None:
         """The slot holding this block, if its parent and tokens really match. A pure lookup."""
         entry = self.entries.get(block_hash)

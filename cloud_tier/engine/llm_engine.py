@@ -92,7 +92,7 @@ class LLMEngine:
         swap = self.scheduler.swap = SwapSpace(config.preemption_mode, config.swap_space_bytes, per_block)
         if config.preemption_mode != "recompute":
             swap.copy_s_per_byte = measure_copy_s_per_byte(self.runner, num_blocks)
-        self.kv_mover = KVMover(self.runner, self.kv, swap, _tier_dir(config) if self.kv.tier else None)
+        self.kv_mover = KVMover(self.runner, self.kv, swap, _tier_dir(config))
         self._tracked: dict[str, _Tracked] = {}
         self._handoffs: dict[str, tuple[list[TokenLogprobs], bytes | None]] = {}
         self.stalled = False  # the last step ran nothing while requests wait (KV held for transfers)
@@ -328,8 +328,8 @@ class LLMEngine:
                 "running": self.scheduler.num_running, "preemptions": self.scheduler.num_preemptions,
                 "prefix_cache_queries": self.kv.stats.queries, "prefix_cache_hits": self.kv.stats.hits,
                 **{"preemptions_" + k: v for k, v in dataclasses.asdict(self.scheduler.swap.stats).items()},
-                **({"kv_tier_" + k: v for k, v in dataclasses.asdict(self.kv.tier.stats).items()} if self.kv.tier
-                   else {})}
+                **({"kv_tier_" + k: v for k, v in dataclasses.asdict(self.kv.tier.stats).items()}
+                   if self.kv.tier is not None else {})}
 
 
 def _tier_dir(config: EngineConfig) -> Path:

@@ -112,4 +112,4 @@ def test_reset_prefix_cache_empties_the_tier():
     m = KVCacheManager(3, BS, True, "m@1", tier_blocks=4)
     m.tier.insert(1, 0, (1, 2, 3, 4))
     m.reset_prefix_cache()
-    assert len(m.tier) == 0
+    assert not m.tier.entries
