@@ -51,6 +51,9 @@ class EngineConfig:
     # the prefix cache's second tier: evicted blocks kept in a memory-mapped file (0: off) ...
     kv_tier_bytes: int = 0
     kv_tier_path: str = ""  # ... in this directory ("": $CASCADE_HOME/engine)
+    # Gemma 3: its sliding-window layers get their own pool of this many blocks, freed as they leave
+    # the window (0: one block table for all layers). Then no prefix caching, tier, swap or KV handoff.
+    kv_window_blocks: int = 0
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -64,8 +67,10 @@ class EngineConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
                              f"got {self.preemption_mode!r}")
-        if self.swap_space_bytes < 0 or self.kv_tier_bytes < 0:
-            raise ValueError("swap_space_bytes and kv_tier_bytes must be >= 0")
+        if self.swap_space_bytes < 0 or self.kv_tier_bytes < 0 or self.kv_window_blocks < 0:
+            raise ValueError("swap_space_bytes, kv_tier_bytes and kv_window_blocks must be >= 0")
+        if self.kv_window_blocks and (self.kv_tier_bytes or self.preemption_mode == "swap"):
+            raise ValueError("kv_window_blocks works with neither kv_tier_bytes nor preemption_mode 'swap'")
 
 
 @dataclass

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from cloud_tier.engine.block_pool import BlockPool, EvictedBlock, KVBlock
 from cloud_tier.engine.kv_tier import TierIndex
 from cloud_tier.engine.request import Request
+from cloud_tier.engine.window_kv import WindowBlocks
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class TierLoad:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 model_identity: str = "", tier_blocks: int = 0):
+                 model_identity: str = "", tier_blocks: int = 0, window: WindowBlocks | None = None):
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         self.block_size = block_size
@@ -67,6 +68,10 @@ class KVCacheManager:
         self.tier = TierIndex(tier_blocks) if tier_blocks and enable_prefix_caching else None
         self.pool.record_evictions = self.tier is not None
         self.tier_loads: list[TierLoad] = []
+        # the sliding-window layers' own blocks, freed as they leave the window (then no prefix caching)
+        self.window = window
+        if window is not None and enable_prefix_caching:
+            raise ValueError("a separate sliding-window KV group does not work with prefix caching")
 
     @property
     def num_blocks(self) -> int:
@@ -85,6 +90,10 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def get_window_block_ids(self, request_id: str) -> list[int]:
+        """The sliding-window layers' block table (freed blocks read as the null block)."""
+        return self.window.block_ids(request_id)
 
     # -- prefix cache --------------------------------------------------------------------
 
@@ -136,8 +145,14 @@ class KVCacheManager:
         num_new_blocks = max(0, self.blocks_for_tokens(total) - len(held) - len(computed))
         # hits that sit in the free queue stop being allocatable once we take them
         num_free_hits = sum(1 for b in computed if b.ref_cnt == 0)
+        if self.window is not None:
+            self.window.free_outside_window(request)  # whatever happens next, no query reads them again
+            if self.window.num_new_blocks(request, total) > self.window.num_free_blocks:
+                return None
         if num_new_blocks > self.pool.num_free - num_free_hits:
             return None
+        if self.window is not None:
+            self.window.allocate(request, total)
         blocks = self.req_blocks.setdefault(request.request_id, [])
         self.pool.touch(computed)
         blocks.extend(computed)
@@ -199,6 +214,8 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
+        if self.window is not None:
+            self.window.free(request)
 
     def discard(self, request: Request) -> None:
         """Free the blocks of a request whose KV may never have been written (its step or its
@@ -234,3 +251,5 @@ class KVCacheManager:
         assert cached_free <= len(pool.cached)
         if self.tier is not None:
             self.tier.check_integrity()
+        if self.window is not None:
+            self.window.check_integrity()

@@ -30,6 +30,7 @@ from cloud_tier.engine.request import Request, RequestStatus
 from cloud_tier.engine.sampler import TokenLogprobs
 from cloud_tier.engine.scheduler import Scheduler, SchedulerConfig
 from cloud_tier.engine.swap import SwapSpace
+from cloud_tier.engine.window_kv import WindowBlocks
 from cloud_tier.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,8 @@ class LLMEngine:
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.eos_token_ids = _eos_ids(self.model_dir, self.tokenizer, hf_config)
         per_block = ModelRunner.bytes_per_block(self.model, config.block_size, self.dtype)
-        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // per_block)
+        window, per_block, window_bytes = _window_group(config, self.model.layer_windows(), per_block)
+        num_blocks = config.num_kv_blocks or max(1, (config.kv_cache_memory_bytes - window_bytes) // per_block)
         if num_blocks * config.block_size < self.max_model_len:  # one such request could never run
             raise ValueError(f"the KV cache holds {num_blocks * config.block_size} tokens ({num_blocks} blocks of "
                              f"{config.block_size}), less than max_model_len {self.max_model_len}: raise the KV "
@@ -81,16 +83,19 @@ class LLMEngine:
         num_layers, n_kv, head_dim = self.model.kv_shape
         self.kv_layout = KVLayout(config.block_size, config.dtype, num_layers, n_kv, head_dim)
         self.model_identity = model_identity(self.model_dir.name, config.dtype, self.kv_layout)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 model_identity=self.model_identity, tier_blocks=config.kv_tier_bytes // per_block)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching and window is None,
+                                 model_identity=self.model_identity, tier_blocks=config.kv_tier_bytes // per_block,
+                                 window=window)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
             long_prefill_token_threshold=config.long_prefill_token_threshold), self.kv)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype,
-                                  self.device, config.seed)
-        swap = self.scheduler.swap = SwapSpace(config.preemption_mode, config.swap_space_bytes, per_block)
-        if config.preemption_mode != "recompute":
+                                  self.device, config.seed, config.kv_window_blocks if window else 0)
+        # read_blocks covers one group: with two, a preempted request is recomputed
+        mode = config.preemption_mode if window is None else "recompute"
+        swap = self.scheduler.swap = SwapSpace(mode, config.swap_space_bytes, per_block)
+        if mode != "recompute":
             swap.copy_s_per_byte = measure_copy_s_per_byte(self.runner, num_blocks)
         self.kv_mover = KVMover(self.runner, self.kv, swap, _tier_dir(config))
         self._tracked: dict[str, _Tracked] = {}
@@ -163,6 +168,7 @@ class LLMEngine:
         req = self.scheduler.held.get(request_id)
         if req is None:
             raise KeyError(f"request {request_id!r} holds no KV for a transfer")
+        self._check_one_kv_group()
         logprobs, state = self._handoffs.get(request_id, ([], None))
         return KVHandoff(req, logprobs, state, self.runner.read_blocks(self.kv.get_block_ids(request_id)))
 
@@ -177,6 +183,7 @@ class LLMEngine:
         ``kv`` its prompt's blocks. Returns the output for the first token; later steps go on
         from there. KVCapacityError (nothing changed) if the blocks do not fit now; ValueError
         (nothing changed) if ``kv`` is not in this cache's layout or the request is refused."""
+        self._check_one_kv_group()
         num_blocks = self.kv.blocks_for_tokens(req.num_prompt_tokens)
         self.runner.check_payload(kv, num_blocks)
         if not self.scheduler.adopt(req):
@@ -197,6 +204,10 @@ class LLMEngine:
         self._tracked[req.request_id] = tracked
         return self._process(tracked, req.output_token_ids[0], logprobs, time.monotonic())
 
+    def _check_one_kv_group(self) -> None:
+        if self.kv.window is not None:
+            raise ValueError("KV handoff needs one block table for all layers: this engine has kv_window_blocks")
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -214,7 +225,7 @@ class LLMEngine:
         try:
             self.kv_mover.before_step(scheduled)
             start = time.perf_counter()
-            result = self.runner.execute(scheduled)
+            result = self.runner.execute(scheduled, self._window_tables(scheduled))
             self._observe_prefill(scheduled, time.perf_counter() - start)
         except Exception as e:  # which request broke the batch is unknown: it all fails, unwritten KV unused
             log.exception("a step of %d requests failed", len(scheduled.scheduled))
@@ -298,6 +309,11 @@ class LLMEngine:
         self._tracked.pop(request_id, None)
         self.runner.sampler.forget(request_id)
 
+    def _window_tables(self, out) -> dict[str, list[int]] | None:
+        if self.kv.window is None:
+            return None
+        return {s.request.request_id: self.kv.get_window_block_ids(s.request.request_id) for s in out.scheduled}
+
     def _observe_prefill(self, out, seconds: float) -> None:
         """Feed the recompute cost estimate from steps that are mostly prefill."""
         prefill = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
@@ -330,6 +346,25 @@ class LLMEngine:
                 **{"preemptions_" + k: v for k, v in dataclasses.asdict(self.scheduler.swap.stats).items()},
                 **({"kv_tier_" + k: v for k, v in dataclasses.asdict(self.kv.tier.stats).items()}
                    if self.kv.tier is not None else {})}
+
+
+def _window_group(config: EngineConfig, layer_windows: list[int | None],
+                  per_block: int) -> tuple[WindowBlocks | None, int, int]:
+    """With ``kv_window_blocks``: the sliding-window layers' own group, the bytes of a block of the
+    other layers, and the window group's bytes; else (None, ``per_block``, 0)."""
+    windows = {w for w in layer_windows if w is not None}
+    if not config.kv_window_blocks or not windows:
+        return None, per_block, 0
+    if len(windows) > 1:
+        raise ValueError(f"kv_window_blocks needs one sliding window for all local layers, got {sorted(windows)}")
+    window = WindowBlocks(config.kv_window_blocks, config.block_size, windows.pop())
+    need = window.max_blocks_per_request(config.long_prefill_token_threshold or config.max_num_batched_tokens)
+    if config.kv_window_blocks < need:
+        raise ValueError(f"kv_window_blocks {config.kv_window_blocks} cannot hold one request's window and step "
+                         f"({need} blocks)")
+    per_layer = per_block // len(layer_windows)
+    num_local = len(layer_windows) - sum(w is None for w in layer_windows)
+    return window, per_layer * (len(layer_windows) - num_local), per_layer * num_local * config.kv_window_blocks
 
 
 def _tier_dir(config: EngineConfig) -> Path:

@@ -22,15 +22,20 @@ class ModelOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, seed: int = 0):
+                 device: torch.device, seed: int = 0, num_window_blocks: int = 0):
+        """``num_window_blocks``: the sliding-window layers' own blocks (0: they share the others')."""
         self.model = model
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
-        num_layers, n_kv, head_dim = model.kv_shape
-        shape = (num_blocks * block_size, n_kv, head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+        _, n_kv, head_dim = model.kv_shape
+        self.kv_caches = []
+        for window in model.layer_windows():
+            n = num_window_blocks if window is not None and num_window_blocks else num_blocks
+            shape = (n * block_size, n_kv, head_dim)
+            self.kv_caches.append((torch.zeros(shape, dtype=dtype, device=device),
+                                   torch.zeros(shape, dtype=dtype, device=device)))
+        self.separate_windows = bool(num_window_blocks) and any(w is not None for w in model.layer_windows())
         self.windows = model.sliding_windows()
         self.sampler = Sampler(seed, device)
         self.keep_logits = False
@@ -78,7 +83,8 @@ class ModelRunner:
             v.view(-1, bs, n_kv, hd)[idx] = kv[layer, 1]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelOutput:
+    def execute(self, out: SchedulerOutput, window_tables: dict[str, list[int]] | None = None) -> ModelOutput:
+        """``window_tables``: each request's sliding-window block table, when those layers have their own."""
         ids, positions, chunks, sample_rows, sample_reqs = [], [], [], [], []
         row = 0
         for s in out.scheduled:
@@ -92,6 +98,10 @@ class ModelRunner:
                 sample_reqs.append(req)
         dev = self.device
         meta = AttentionMetadata.build(chunks, self.block_size, self.windows, dev, self.native_attention)
+        if self.separate_windows:
+            local = [(s.start, s.num_new_tokens, window_tables[s.request.request_id]) for s in out.scheduled]
+            meta.windowed = AttentionMetadata.build(local, self.block_size, self.windows - {None}, dev,
+                                                    self.native_attention)
         hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
                             self.kv_caches, meta)
         if not sample_reqs:
