@@ -135,7 +135,8 @@ class KVCacheManager:
                        new_computed_blocks: KVCacheBlocks | None = None) -> KVCacheBlocks | None:
         """Make room for ``num_new_tokens`` more tokens of ``request`` (after the prefix-cache hits
         in ``new_computed_blocks``, when it is first scheduled). Returns the newly allocated
-        blocks, or None (and changes nothing) if they do not fit."""
+        blocks, or None (and changes nothing but freeing sliding-window blocks no query reads
+        again) if they do not fit."""
         held = self.req_blocks.get(request.request_id, [])
         computed = new_computed_blocks.blocks if new_computed_blocks else ()
         from_tier = new_computed_blocks.tier_hashes if new_computed_blocks is not None else ()

@@ -30,7 +30,7 @@ from cloud_tier.engine.request import Request, RequestStatus
 from cloud_tier.engine.sampler import TokenLogprobs
 from cloud_tier.engine.scheduler import Scheduler, SchedulerConfig
 from cloud_tier.engine.swap import SwapSpace
-from cloud_tier.engine.window_kv import WindowBlocks
+from cloud_tier.engine.window_kv import window_group
 from cloud_tier.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class LLMEngine:
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.eos_token_ids = _eos_ids(self.model_dir, self.tokenizer, hf_config)
         per_block = ModelRunner.bytes_per_block(self.model, config.block_size, self.dtype)
-        window, per_block, window_bytes = _window_group(config, self.model.layer_windows(), per_block)
+        window, per_block, window_bytes = window_group(config, self.model.layer_windows(), per_block)
         num_blocks = config.num_kv_blocks or max(1, (config.kv_cache_memory_bytes - window_bytes) // per_block)
         if num_blocks * config.block_size < self.max_model_len:  # one such request could never run
             raise ValueError(f"the KV cache holds {num_blocks * config.block_size} tokens ({num_blocks} blocks of "
@@ -91,7 +91,7 @@ class LLMEngine:
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
             long_prefill_token_threshold=config.long_prefill_token_threshold), self.kv)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype,
-                                  self.device, config.seed, config.kv_window_blocks if window else 0)
+                                  self.device, config.seed, config.kv_window_blocks if window is not None else 0)
         # read_blocks covers one group: with two, a preempted request is recomputed
         mode = config.preemption_mode if window is None else "recompute"
         swap = self.scheduler.swap = SwapSpace(mode, config.swap_space_bytes, per_block)
@@ -346,25 +346,6 @@ class LLMEngine:
                 **{"preemptions_" + k: v for k, v in dataclasses.asdict(self.scheduler.swap.stats).items()},
                 **({"kv_tier_" + k: v for k, v in dataclasses.asdict(self.kv.tier.stats).items()}
                    if self.kv.tier is not None else {})}
-
-
-def _window_group(config: EngineConfig, layer_windows: list[int | None],
-                  per_block: int) -> tuple[WindowBlocks | None, int, int]:
-    """With ``kv_window_blocks``: the sliding-window layers' own group, the bytes of a block of the
-    other layers, and the window group's bytes; else (None, ``per_block``, 0)."""
-    windows = {w for w in layer_windows if w is not None}
-    if not config.kv_window_blocks or not windows:
-        return None, per_block, 0
-    if len(windows) > 1:
-        raise ValueError(f"kv_window_blocks needs one sliding window for all local layers, got {sorted(windows)}")
-    window = WindowBlocks(config.kv_window_blocks, config.block_size, windows.pop())
-    need = window.max_blocks_per_request(config.long_prefill_token_threshold or config.max_num_batched_tokens)
-    if config.kv_window_blocks < need:
-        raise ValueError(f"kv_window_blocks {config.kv_window_blocks} cannot hold one request's window and step "
-                         f"({need} blocks)")
-    per_layer = per_block // len(layer_windows)
-    num_local = len(layer_windows) - sum(w is None for w in layer_windows)
-    return window, per_layer * (len(layer_windows) - num_local), per_layer * num_local * config.kv_window_blocks
 
 
 def _tier_dir(config: EngineConfig) -> Path:

@@ -9,6 +9,7 @@ No prefix caching here: a hit would need the window's KV before the hit, which i
 
 from __future__ import annotations
 
+from cloud_tier.config import EngineConfig
 from cloud_tier.engine.block_pool import BlockPool, KVBlock
 from cloud_tier.engine.request import Request
 
@@ -67,3 +68,22 @@ class WindowBlocks:
         for b in self.pool.blocks:
             assert b.ref_cnt == held.get(b.block_id, 0) <= 1, f"window {b}: held by {held.get(b.block_id, 0)}"
             assert (b.ref_cnt == 0) == (b.block_id in self.pool.free_queue), f"window {b}: free queue mismatch"
+
+
+def window_group(config: EngineConfig, layer_windows: list[int | None],
+                 per_block: int) -> tuple[WindowBlocks | None, int, int]:
+    """With ``kv_window_blocks``: the sliding-window layers' own group, the bytes of a block of the
+    other layers, and the window group's bytes; else (None, ``per_block``, 0)."""
+    windows = {w for w in layer_windows if w is not None}
+    if not config.kv_window_blocks or not windows:
+        return None, per_block, 0
+    if len(windows) > 1:
+        raise ValueError(f"kv_window_blocks needs one sliding window for all local layers, got {sorted(windows)}")
+    window = WindowBlocks(config.kv_window_blocks, config.block_size, windows.pop())
+    need = window.max_blocks_per_request(config.long_prefill_token_threshold or config.max_num_batched_tokens)
+    if config.kv_window_blocks < need:
+        raise ValueError(f"kv_window_blocks {config.kv_window_blocks} cannot hold one request's window and step "
+                         f"({need} blocks)")
+    per_layer = per_block // len(layer_windows)
+    num_local = len(layer_windows) - sum(w is None for w in layer_windows)
+    return window, per_layer * (len(layer_windows) - num_local), per_layer * num_local * config.kv_window_blocks
