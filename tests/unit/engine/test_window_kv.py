@@ -4,9 +4,10 @@ room in both groups; no model."""
 
 import pytest
 
+from cloud_tier.config import EngineConfig
 from cloud_tier.engine.kv_cache_manager import KVCacheManager
 from cloud_tier.engine.request import Request
-from cloud_tier.engine.window_kv import NULL_BLOCK, WindowBlocks
+from cloud_tier.engine.window_kv import NULL_BLOCK, WindowBlocks, window_group
 from cloud_tier.sampling import SamplingParams
 
 BS = 4
@@ -68,3 +69,17 @@ def test_max_blocks_per_request_covers_the_worst_alignment():
 def test_prefix_caching_is_refused_with_a_window_group():
     with pytest.raises(ValueError, match="prefix caching"):
         KVCacheManager(8, BS, True, "m@1", window=WindowBlocks(4, BS, 8))
+
+
+def test_window_group_splits_the_block_bytes_by_layer_kind_and_checks_one_request_fits():
+    layers = [8, 8, None, 8, 8, None]  # 4 local layers, 2 global; 600 bytes a block over all six
+    cfg = EngineConfig(block_size=BS, max_num_batched_tokens=5, enable_prefix_caching=False, kv_window_blocks=6)
+    window, per_block, window_bytes = window_group(cfg, layers, 600)  # one request: up to 4 window blocks
+    assert window.window == 8 and window.pool.num_blocks == 6
+    assert per_block == 200 and window_bytes == 6 * 400
+    assert window_group(EngineConfig(), layers, 600) == (None, 600, 0)  # off
+    assert window_group(cfg, [None, None], 600) == (None, 600, 0)  # no sliding layer: nothing to split
+    with pytest.raises(ValueError, match="cannot hold one request"):
+        window_group(EngineConfig(block_size=BS, max_num_batched_tokens=5, kv_window_blocks=3), layers, 600)
+    with pytest.raises(ValueError, match="one sliding window"):
+        window_group(cfg, [8, 16, None], 600)
