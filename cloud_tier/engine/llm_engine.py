@@ -91,7 +91,8 @@ class LLMEngine:
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
             long_prefill_token_threshold=config.long_prefill_token_threshold), self.kv)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype,
-                                  self.device, config.seed, config.kv_window_blocks if window is not None else 0)
+                                  self.device, config.seed, config.kv_window_blocks if window is not None else 0,
+                                  self.kv.get_window_block_ids)
         # read_blocks covers one group: with two, a preempted request is recomputed
         mode = config.preemption_mode if window is None else "recompute"
         swap = self.scheduler.swap = SwapSpace(mode, config.swap_space_bytes, per_block)
@@ -225,7 +226,7 @@ class LLMEngine:
         try:
             self.kv_mover.before_step(scheduled)
             start = time.perf_counter()
-            result = self.runner.execute(scheduled, self._window_tables(scheduled))
+            result = self.runner.execute(scheduled)
             self._observe_prefill(scheduled, time.perf_counter() - start)
         except Exception as e:  # which request broke the batch is unknown: it all fails, unwritten KV unused
             log.exception("a step of %d requests failed", len(scheduled.scheduled))
@@ -308,11 +309,6 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         self._tracked.pop(request_id, None)
         self.runner.sampler.forget(request_id)
-
-    def _window_tables(self, out) -> dict[str, list[int]] | None:
-        if self.kv.window is None:
-            return None
-        return {s.request.request_id: self.kv.get_window_block_ids(s.request.request_id) for s in out.scheduled}
 
     def _observe_prefill(self, out, seconds: float) -> None:
         """Feed the recompute cost estimate from steps that are mostly prefill."""

@@ -3,6 +3,7 @@ computes logits only where a token is sampled, and samples."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -22,8 +23,10 @@ class ModelOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, seed: int = 0, num_window_blocks: int = 0):
-        """``num_window_blocks``: the sliding-window layers' own blocks (0: they share the others')."""
+                 device: torch.device, seed: int = 0, num_window_blocks: int = 0,
+                 window_block_ids: Callable[[str], list[int]] | None = None):
+        """``num_window_blocks``: the sliding-window layers' own blocks (0: they share the others'),
+        and ``window_block_ids``: a request's block table for them (the KV cache manager's)."""
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -36,6 +39,7 @@ class ModelRunner:
             self.kv_caches.append((torch.zeros(shape, dtype=dtype, device=device),
                                    torch.zeros(shape, dtype=dtype, device=device)))
         self.separate_windows = bool(num_window_blocks) and any(w is not None for w in model.layer_windows())
+        self.window_block_ids = window_block_ids
         self.windows = model.sliding_windows()
         self.sampler = Sampler(seed, device)
         self.keep_logits = False
@@ -83,8 +87,7 @@ class ModelRunner:
             v.view(-1, bs, n_kv, hd)[idx] = kv[layer, 1]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, window_tables: dict[str, list[int]] | None = None) -> ModelOutput:
-        """``window_tables``: each request's sliding-window block table, when those layers have their own."""
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
         ids, positions, chunks, sample_rows, sample_reqs = [], [], [], [], []
         row = 0
         for s in out.scheduled:
@@ -99,7 +102,7 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata.build(chunks, self.block_size, self.windows, dev, self.native_attention)
         if self.separate_windows:
-            local = [(s.start, s.num_new_tokens, window_tables[s.request.request_id]) for s in out.scheduled]
+            local = [(s.start, s.num_new_tokens, self.window_block_ids(s.request.request_id)) for s in out.scheduled]
             meta.windowed = AttentionMetadata.build(local, self.block_size, self.windows - {None}, dev,
                                                     self.native_attention)
         hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
