@@ -25,6 +25,7 @@ class ServerConfig:
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
+PREEMPTION_MODES = ("auto", "swap", "recompute")
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,15 @@ class EngineConfig:
     short_prompt_tokens: int = 256
     short_lane_share: float = 0.25
     reservations: str = ""  # "tenant=share,...": KV blocks and running slots kept free for each tenant
+    # a preempted request's KV: swapped to host memory or recomputed, "auto": whichever costs less
+    preemption_mode: str = "auto"
+    swap_space_bytes: int = 1 << 30  # host memory for swapped-out KV
+    # the prefix cache's second tier: evicted blocks kept in a memory-mapped file (0: off) ...
+    kv_tier_bytes: int = 0
+    kv_tier_path: str = ""  # ... in this directory ("": $CASCADE_HOME/engine)
+    # Gemma 3: its sliding-window layers get their own pool of this many blocks, freed as they leave
+    # the window (0: one block table for all layers). Then no prefix caching, tier, swap or KV handoff.
+    kv_window_blocks: int = 0
 
     def __post_init__(self):
         for name in ("ttft_slo_s", "tpot_slo_s"):  # 0 in cloud.toml (which has no None) means no target
@@ -75,6 +85,13 @@ class EngineConfig:
         if not 0 <= self.short_lane_share < 1 or self.short_prompt_tokens < 1:
             raise ValueError("short_lane_share must be in [0, 1) and short_prompt_tokens >= 1")
         parse_reservations(self.reservations)
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                             f"got {self.preemption_mode!r}")
+        if self.swap_space_bytes < 0 or self.kv_tier_bytes < 0 or self.kv_window_blocks < 0:
+            raise ValueError("swap_space_bytes, kv_tier_bytes and kv_window_blocks must be >= 0")
+        if self.kv_window_blocks and (self.kv_tier_bytes or self.preemption_mode == "swap"):
+            raise ValueError("kv_window_blocks works with neither kv_tier_bytes nor preemption_mode 'swap'")
 
 
 @dataclass

@@ -43,6 +43,7 @@ class AttentionMetadata:
     decodes: list[DecodeGroup]  # decodes bucketed by context length, to pad less
     prefills: list[PrefillChunk]
     native: object | None = None  # the compiled CPU decode kernel, which reads blocks in place
+    windowed: AttentionMetadata | None = None  # the sliding-window layers', when they have their own blocks
 
     @classmethod
     def build(cls, chunks: list[tuple[int, int, list[int]]], block_size: int, windows: set[int | None],
@@ -120,6 +121,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     v_cache: KVCache, meta: AttentionMetadata, scale: float,
                     window: int | None = None) -> torch.Tensor:
     """q [N, H, D], k/v [N, KVH, D] for the new tokens; caches [slots, KVH, D]. Returns [N, H, D]."""
+    if window is not None and meta.windowed is not None:
+        meta = meta.windowed  # this layer's caches are the sliding-window group's
     _write(k_cache, meta.slot_mapping, k)
     _write(v_cache, meta.slot_mapping, v)
     gqa = q.shape[1] != k.shape[1]

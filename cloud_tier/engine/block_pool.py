@@ -21,6 +21,16 @@ class KVBlock:
         return f"KVBlock({self.block_id}, ref={self.ref_cnt}, hashed={self.block_hash is not None})"
 
 
+@dataclass(frozen=True)
+class EvictedBlock:
+    """A cached block taken for reuse: what its content was, to save it elsewhere first."""
+
+    block_id: int
+    block_hash: int
+    parent_hash: int
+    token_ids: tuple[int, ...]
+
+
 class BlockPool:
     """Owns every block. A block is in use (ref_cnt > 0) or in the free queue; a free block may
     still be cached (hashed) until it is evicted to serve a new allocation."""
@@ -33,6 +43,10 @@ class BlockPool:
         self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[int, KVBlock] = {}
         self.num_evictions = 0
+        # With a second KV tier: the cached blocks evicted to serve allocations, for the engine to
+        # copy out before the step that overwrites them runs.
+        self.record_evictions = False
+        self.evicted: list[EvictedBlock] = []
 
     @property
     def num_free(self) -> int:
@@ -45,6 +59,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             _, block = self.free_queue.popitem(last=False)
+            if self.record_evictions and block.block_hash is not None and self.cached.get(block.block_hash) is block:
+                self.evicted.append(EvictedBlock(block.block_id, block.block_hash, block.parent_hash, block.token_ids))
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from cloud_tier.engine.block_pool import BlockPool, KVBlock
+from cloud_tier.engine.block_pool import BlockPool, EvictedBlock, KVBlock
+from cloud_tier.engine.kv_tier import TierIndex
 from cloud_tier.engine.request import Request
+from cloud_tier.engine.window_kv import WindowBlocks
 
 
 @dataclass(frozen=True)
@@ -15,6 +17,7 @@ class KVCacheBlocks:
     """A value object handed between the scheduler and the KV cache manager."""
 
     blocks: tuple[KVBlock, ...] = ()
+    tier_hashes: tuple[int, ...] = ()  # the hit chain's continuation in the second tier, to load
 
     def get_block_ids(self) -> list[int]:
         return [b.block_id for b in self.blocks]
@@ -43,9 +46,15 @@ def model_salt(model_identity: str) -> int:
     return int.from_bytes(hashlib.sha256(model_identity.encode()).digest()[:8], "little")
 
 
+@dataclass(frozen=True)
+class TierLoad:
+    block_id: int  # a newly allocated block ...
+    slot: int  # ... that gets this tier slot's content before the step
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 model_identity: str = ""):
+                 model_identity: str = "", tier_blocks: int = 0, window: WindowBlocks | None = None):
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         self.block_size = block_size
@@ -55,6 +64,14 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
+        # the second tier (``tier_blocks`` > 0, with prefix caching): evicted cached blocks go there
+        self.tier = TierIndex(tier_blocks) if tier_blocks and enable_prefix_caching else None
+        self.pool.record_evictions = self.tier is not None
+        self.tier_loads: list[TierLoad] = []
+        # the sliding-window layers' own blocks, freed as they leave the window (then no prefix caching)
+        self.window = window
+        if window is not None and enable_prefix_caching:
+            raise ValueError("a separate sliding-window KV group does not work with prefix caching")
 
     @property
     def num_blocks(self) -> int:
@@ -73,6 +90,10 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def get_window_block_ids(self, request_id: str) -> list[int]:
+        """The sliding-window layers' block table (freed blocks read as the null block)."""
+        return self.window.block_ids(request_id)
 
     # -- prefix cache --------------------------------------------------------------------
 
@@ -94,14 +115,19 @@ class KVCacheManager:
         bs = self.block_size
         hashes = self._block_hashes(request)
         hits: list[KVBlock] = []
+        tier_hits: list[int] = []
         parent = self.salt
         for i in range((request.num_tokens - 1) // bs):
-            block = self.pool.lookup(hashes[i], parent, tuple(request.token_ids[i * bs:(i + 1) * bs]))
-            if block is None:
+            tokens = tuple(request.token_ids[i * bs:(i + 1) * bs])
+            block = None if tier_hits else self.pool.lookup(hashes[i], parent, tokens)
+            if block is not None:
+                hits.append(block)
+            elif self.tier is not None and self.tier.lookup(hashes[i], parent, tokens) is not None:
+                tier_hits.append(hashes[i])
+            else:
                 break
-            hits.append(block)
             parent = hashes[i]
-        return KVCacheBlocks(tuple(hits)), len(hits) * bs
+        return KVCacheBlocks(tuple(hits), tuple(tier_hits)), (len(hits) + len(tier_hits)) * bs
 
     # -- allocation ----------------------------------------------------------------------
 
@@ -109,22 +135,32 @@ class KVCacheManager:
                        new_computed_blocks: KVCacheBlocks | None = None, reserve: int = 0) -> KVCacheBlocks | None:
         """Make room for ``num_new_tokens`` more tokens of ``request`` (after the prefix-cache hits
         in ``new_computed_blocks``, when it is first scheduled), leaving ``reserve`` blocks free
-        (others' reservations). Returns the newly allocated blocks, or None (and changes nothing)
-        if they do not fit."""
+        (others' reservations). Returns the newly allocated blocks, or None (and changes nothing
+        but freeing sliding-window blocks no query reads again) if they do not fit."""
         held = self.req_blocks.get(request.request_id, [])
         computed = new_computed_blocks.blocks if new_computed_blocks else ()
-        num_computed = request.num_computed_tokens + len(computed) * self.block_size
+        from_tier = new_computed_blocks.tier_hashes if new_computed_blocks is not None else ()
+        num_computed = request.num_computed_tokens + (len(computed) + len(from_tier)) * self.block_size
         total = num_computed + num_new_tokens
+        # tier hits are new blocks too: the first ones allocated, loaded before the step
         num_new_blocks = max(0, self.blocks_for_tokens(total) - len(held) - len(computed))
         # hits that sit in the free queue stop being allocatable once we take them
         num_free_hits = sum(1 for b in computed if b.ref_cnt == 0)
+        if self.window is not None:
+            self.window.free_outside_window(request)  # whatever happens next, no query reads them again
+            if self.window.num_new_blocks(request, total) > self.window.num_free_blocks:
+                return None
         if num_new_blocks and num_new_blocks > self.pool.num_free - num_free_hits - reserve:
             return None
+        if self.window is not None:
+            self.window.allocate(request, total)
         blocks = self.req_blocks.setdefault(request.request_id, [])
         self.pool.touch(computed)
         blocks.extend(computed)
         new = self.pool.get_new_blocks(num_new_blocks)
         blocks.extend(new)
+        if new_computed_blocks is not None:
+            self._load_from_tier(request, len(computed), new[:len(from_tier)], from_tier)
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, blocks, min(total, request.num_tokens))
         return KVCacheBlocks(tuple(new))
@@ -143,12 +179,44 @@ class KVCacheManager:
             self.pool.cache(blocks[i], hashes[i], parent, tuple(request.token_ids[i * bs:(i + 1) * bs]))
         self._num_cached_blocks[request.request_id] = end
 
+    def _load_from_tier(self, request: Request, num_pool_hits: int, blocks: list[KVBlock],
+                        tier_hashes: tuple[int, ...]) -> None:
+        """Note the loads of a newly admitted request's tier hits and count its tier hits and misses."""
+        tier = self.tier
+        if tier is None:
+            return
+        for block, h in zip(blocks, tier_hashes, strict=True):
+            tier.touch(h)
+            self.tier_loads.append(TierLoad(block.block_id, tier.entries[h].slot))
+        tier.stats.hits += len(tier_hashes)
+        tier.stats.misses += max(0, (request.num_tokens - 1) // self.block_size - num_pool_hits
+                                 - len(tier_hashes))
+
+    def take_tier_moves(self) -> tuple[list[EvictedBlock], list[TierLoad]]:
+        """The blocks to copy into the tier and those to load from it, both before the next step
+        runs (copies out first: a block evicted and reused in one step is saved before it is
+        loaded or computed over)."""
+        evicted, loads = self.pool.evicted, self.tier_loads
+        self.pool.evicted, self.tier_loads = [], []
+        return evicted, loads
+
+    def free_preempted(self, request: Request) -> None:
+        """Free a preempted request's blocks: those past its computed tokens were allocated for a
+        step that will not run for it, so they leave the prefix cache unless another request
+        holds them (their KV is never written)."""
+        blocks = self.req_blocks.get(request.request_id, [])
+        unwritten = blocks[self.blocks_for_tokens(request.num_computed_tokens):]
+        self.free(request)
+        self.pool.uncache(b for b in unwritten if b.ref_cnt == 0)
+
     def free(self, request: Request) -> None:
         """Return a request's blocks; its tail goes first in the eviction order, since a prefix
         is more likely to be shared than a suffix."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
+        if self.window is not None:
+            self.window.free(request)
 
     def discard(self, request: Request) -> None:
         """Free the blocks of a request whose KV may never have been written (its step or its
@@ -160,6 +228,8 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
+        if self.tier is not None:
+            self.tier.clear()
 
     # -- invariants ----------------------------------------------------------------------
 
@@ -180,3 +250,7 @@ class KVCacheManager:
             assert b.block_hash == h, f"{b}: cached under a stale hash"
         cached_free = sum(1 for b in pool.free_queue.values() if b.block_hash is not None)
         assert cached_free <= len(pool.cached)
+        if self.tier is not None:
+            self.tier.check_integrity()
+        if self.window is not None:
+            self.window.check_integrity()

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -21,12 +22,15 @@ from cloud_tier.config import EngineConfig
 from cloud_tier.engine.detokenizer import IncrementalDetokenizer
 from cloud_tier.engine.handoff import KVCapacityError, KVHandoff, KVLayout, model_identity
 from cloud_tier.engine.kv_cache_manager import KVCacheManager
+from cloud_tier.engine.kv_moves import KVMover, measure_copy_s_per_byte
 from cloud_tier.engine.model_runner import ModelRunner
 from cloud_tier.engine.models.loader import load_model, read_config
 from cloud_tier.engine.outputs import RequestOutput
 from cloud_tier.engine.request import Request, RequestStatus, ServiceLevel
 from cloud_tier.engine.sampler import TokenLogprobs
 from cloud_tier.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from cloud_tier.engine.swap import SwapSpace
+from cloud_tier.engine.window_kv import window_group
 from cloud_tier.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -70,7 +74,8 @@ class LLMEngine:
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.eos_token_ids = _eos_ids(self.model_dir, self.tokenizer, hf_config)
         per_block = ModelRunner.bytes_per_block(self.model, config.block_size, self.dtype, config.kv_cache_dtype)
-        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // per_block)
+        window, per_block, window_bytes = window_group(config, self.model.layer_windows(), per_block)
+        num_blocks = config.num_kv_blocks or max(1, (config.kv_cache_memory_bytes - window_bytes) // per_block)
         if num_blocks * config.block_size < self.max_model_len:  # one such request could never run
             raise ValueError(f"the KV cache holds {num_blocks * config.block_size} tokens ({num_blocks} blocks of "
                              f"{config.block_size}), less than max_model_len {self.max_model_len}: raise the KV "
@@ -79,8 +84,9 @@ class LLMEngine:
         kv_dtype = config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
         self.kv_layout = KVLayout(config.block_size, kv_dtype, num_layers, n_kv, head_dim)
         self.model_identity = model_identity(self.model_dir.name, config.dtype, self.kv_layout)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 model_identity=self.model_identity)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching and window is None,
+                                 model_identity=self.model_identity, tier_blocks=config.kv_tier_bytes // per_block,
+                                 window=window)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
@@ -88,7 +94,15 @@ class LLMEngine:
             default_tpot_s=config.tpot_slo_s, slo_reject=config.slo_reject, reservations=config.reservations,
             short_prompt_tokens=config.short_prompt_tokens, short_lane_share=config.short_lane_share), self.kv)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype,
-                                  self.device, config.seed, config.kv_cache_dtype)
+                                  self.device, config.seed, config.kv_cache_dtype,
+                                  config.kv_window_blocks if window is not None else 0,
+                                  self.kv.get_window_block_ids)
+        # read_blocks covers one group: with two, a preempted request is recomputed
+        mode = config.preemption_mode if window is None else "recompute"
+        swap = self.scheduler.swap = SwapSpace(mode, config.swap_space_bytes, per_block)
+        if mode != "recompute":
+            swap.copy_s_per_byte = measure_copy_s_per_byte(self.runner, num_blocks)
+        self.kv_mover = KVMover(self.runner, self.kv, swap, _tier_dir(config))
         self._tracked: dict[str, _Tracked] = {}
         self._handoffs: dict[str, tuple[list[TokenLogprobs], bytes | None]] = {}
         self.stalled = False  # the last step ran nothing while requests wait (KV held for transfers)
@@ -162,6 +176,7 @@ class LLMEngine:
         req = self.scheduler.held.get(request_id)
         if req is None:
             raise KeyError(f"request {request_id!r} holds no KV for a transfer")
+        self._check_one_kv_group()
         logprobs, state = self._handoffs.get(request_id, ([], None))
         return KVHandoff(req, logprobs, state, self.runner.read_blocks(self.kv.get_block_ids(request_id)))
 
@@ -176,11 +191,13 @@ class LLMEngine:
         ``kv`` its prompt's blocks. Returns the output for the first token; later steps go on
         from there. KVCapacityError (nothing changed) if the blocks do not fit now; ValueError
         (nothing changed) if ``kv`` is not in this cache's layout or the request is refused."""
+        self._check_one_kv_group()
         num_blocks = self.kv.blocks_for_tokens(req.num_prompt_tokens)
         self.runner.check_payload(kv, num_blocks)
         if not self.scheduler.adopt(req):
             raise KVCapacityError(f"{num_blocks} KV blocks needed, {self.kv.num_free_blocks} free")
         try:
+            self.kv_mover.save_evicted()  # what its blocks held goes to the tier before it is overwritten
             self.runner.write_blocks(self.kv.get_block_ids(req.request_id), kv)
         except Exception:  # the prompt's blocks are hashed already: keep them out of the prefix cache
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
@@ -206,8 +223,9 @@ class LLMEngine:
         prefill_tokens = min(prefill_tokens, self.max_model_len - 1, self.kv.num_blocks * bs // 2)
         per_decode = self.kv.blocks_for_tokens(context)
         decodes = max(2, min(decodes, (self.kv.num_blocks - self.kv.blocks_for_tokens(prefill_tokens)) // per_decode))
-        if self.kv.num_free_blocks < self.kv.num_blocks or prefill_tokens < 2 or context >= self.max_model_len:
-            return  # the cache is in use (or too small to measure): learn from the steps instead
+        if (self.kv.num_free_blocks < self.kv.num_blocks or prefill_tokens < 2 or context >= self.max_model_len
+                or self.kv.window is not None):
+            return  # the cache is in use (or too small, or in two groups): learn from the steps instead
         blocks = iter(range(self.kv.num_blocks))
         prefill = Request("calibrate-prefill", [0] * prefill_tokens, SamplingParams(temperature=0.0))
         prefill_blocks = [next(blocks) for _ in range(self.kv.blocks_for_tokens(prefill_tokens))]
@@ -235,6 +253,10 @@ class LLMEngine:
         log.info("step cost: %.1f ms + %.3f ms per prefill token + %.2f ms per decode", 1e3 * c.base_s,
                  1e3 * c.per_prefill_token_s, 1e3 * c.per_decode_s)
 
+    def _check_one_kv_group(self) -> None:
+        if self.kv.window is not None:
+            raise ValueError("KV handoff needs one block table for all layers: this engine has kv_window_blocks")
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -248,15 +270,19 @@ class LLMEngine:
         outputs = self._ended_early(scheduled)
         self.stalled = scheduled.is_empty and self.scheduler.has_unfinished()
         if scheduled.is_empty:
+            self.kv_mover.before_step(scheduled)  # swap-outs of a step that runs nothing else
             return outputs
-        started = time.perf_counter()
         try:
+            self.kv_mover.before_step(scheduled)
+            started = time.perf_counter()
             result = self.runner.execute(scheduled)
+            elapsed = time.perf_counter() - started
+            self._observe_prefill(scheduled, elapsed)
         except Exception as e:  # which request broke the batch is unknown: it all fails, unwritten KV unused
             log.exception("a step of %d requests failed", len(scheduled.scheduled))
             failed = (self._fail(s.request, f"the engine step failed: {e!r}") for s in scheduled.scheduled)
             return outputs + [out for out in failed if out is not None]
-        self.scheduler.observe_step(scheduled, time.perf_counter() - started)
+        self.scheduler.observe_step(scheduled, elapsed)
         self.scheduler.update(scheduled, result.sampled)
         now = time.monotonic()
         for s in scheduled.scheduled:
@@ -359,6 +385,12 @@ class LLMEngine:
         self._tracked.pop(request_id, None)
         self.runner.sampler.forget(request_id)
 
+    def _observe_prefill(self, out, seconds: float) -> None:
+        """Feed the recompute cost estimate from steps that are mostly prefill."""
+        prefill = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
+        if prefill * 2 >= out.num_batched_tokens:
+            self.scheduler.swap.observe_prefill(seconds, out.num_batched_tokens)
+
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
@@ -385,7 +417,18 @@ class LLMEngine:
                 "prefix_cache_queries": self.kv.stats.queries, "prefix_cache_hits": self.kv.stats.hits,
                 "slo_rejected": sum(s.num_rejected.values()), "deadline_expired": s.num_expired,
                 "step_base_s": s.cost.base_s, "step_prefill_token_s": s.cost.per_prefill_token_s,
-                "step_decode_s": s.cost.per_decode_s}
+                "step_decode_s": s.cost.per_decode_s,
+                **{"preemptions_" + k: v for k, v in dataclasses.asdict(s.swap.stats).items()},
+                **({"kv_tier_" + k: v for k, v in dataclasses.asdict(self.kv.tier.stats).items()}
+                   if self.kv.tier is not None else {})}
+
+
+def _tier_dir(config: EngineConfig) -> Path:
+    if config.kv_tier_path:
+        return Path(config.kv_tier_path).expanduser()
+    from cascade.config import cascade_home
+
+    return cascade_home() / "engine"
 
 
 def _load_tokenizer(model_dir: Path):

@@ -3,6 +3,7 @@ computes logits only where a token is sampled, and samples."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -26,19 +27,28 @@ class ModelRunner:
     (``kv_quant.Int8KV``), which the attention reads directly."""
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, seed: int = 0, kv_cache_dtype: str = "auto"):
+                 device: torch.device, seed: int = 0, kv_cache_dtype: str = "auto", num_window_blocks: int = 0,
+                 window_block_ids: Callable[[str], list[int]] | None = None):
+        """``kv_cache_dtype``: "int8" stores K/V as int8 with per-token, per-head scales (else the
+        model's dtype); ``num_window_blocks``: the sliding-window layers' own blocks (0: they share
+        the others'), and ``window_block_ids``: a request's block table for them (the KV cache manager's)."""
         self.model = model
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
         self.kv_int8 = kv_cache_dtype == "int8"
-        num_layers, n_kv, head_dim = model.kv_shape
-        shape = (num_blocks * block_size, n_kv, head_dim)
+        _, n_kv, head_dim = model.kv_shape
 
-        def cache():
+        def cache(shape):
             return Int8KV.zeros(shape, device) if self.kv_int8 else torch.zeros(shape, dtype=dtype, device=device)
 
-        self.kv_caches = [(cache(), cache()) for _ in range(num_layers)]
+        self.kv_caches = []
+        for window in model.layer_windows():
+            n = num_window_blocks if window is not None and num_window_blocks else num_blocks
+            shape = (n * block_size, n_kv, head_dim)
+            self.kv_caches.append((cache(shape), cache(shape)))
+        self.separate_windows = bool(num_window_blocks) and any(w is not None for w in model.layer_windows())
+        self.window_block_ids = window_block_ids
         self.windows = model.sliding_windows()
         self.sampler = Sampler(seed, device)
         self.keep_logits = False
@@ -116,6 +126,10 @@ class ModelRunner:
                 sample_reqs.append(req)
         dev = self.device
         meta = AttentionMetadata.build(chunks, self.block_size, self.windows, dev, self.native_attention)
+        if self.separate_windows:
+            local = [(s.start, s.num_new_tokens, self.window_block_ids(s.request.request_id)) for s in out.scheduled]
+            meta.windowed = AttentionMetadata.build(local, self.block_size, self.windows - {None}, dev,
+                                                    self.native_attention)
         hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
                             self.kv_caches, meta)
         if not sample_reqs:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from cloud_tier.engine.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from cloud_tier.engine.request import Request, RequestStatus
 from cloud_tier.engine.slo import Reservations, StepCostModel, estimate_ttft
+from cloud_tier.engine.swap import SwapIn, SwapOut, SwapSpace
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,8 @@ class SchedulerOutput:
     @property
     def num_decodes(self) -> int:
         return sum(1 for s in self.scheduled if _is_decode(s))
+    swap_out: list[SwapOut] = field(default_factory=list)  # KV to copy out before the step ...
+    swap_in: list[SwapIn] = field(default_factory=list)  # ... and back in, after the copies out
 
     @property
     def num_batched_tokens(self) -> int:
@@ -140,6 +143,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_rejected: Counter[str] = Counter()  # by tenant: refused for their TTFT target
         self.num_expired = 0
+        self.swap = SwapSpace()  # the engine gives it a mode, a budget and its costs
 
     # -- requests in and out -------------------------------------------------------------
 
@@ -289,6 +293,7 @@ class Scheduler:
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        self._swap_in_pass(out)
         return out
 
     def _plan_prefill(self) -> None:
@@ -338,7 +343,7 @@ class Scheduler:
                 continue  # a prefill chunk with no allowance left this step: the decodes go on
             while not self._allocate(req, n):
                 victim = self._victim(req)
-                self._preempt(victim)
+                self._preempt(victim, out)
                 out.preempted.append(victim.request_id)
                 budget += self._unschedule(out, victim)  # on a sort-key tie it may have run
                 if victim is req:
@@ -518,21 +523,37 @@ class Scheduler:
         keys = [r.sort_key() for r in self.waiting]
         self.waiting.insert(bisect.bisect_right(keys, request.sort_key()), request)
 
-    def _preempt(self, request: Request) -> None:
-        """Recompute preemption: drop the KV, requeue (its arrival time keeps it at the front).
-        The one place that decides how a request gives its memory back, so swap-out can be
-        added here."""
+    def _preempt(self, request: Request, out: SchedulerOutput | None = None) -> None:
+        """Give a running request's memory back and requeue it (its arrival time keeps it at the
+        front), by swap or by recompute, whichever ``self.swap`` finds cheaper for it: a swap
+        keeps its computed tokens and lists its blocks in ``out`` to be copied out before the step
+        reuses them; a recompute drops them."""
+        rid = request.request_id
+        blocks = self.kv.get_block_ids(rid)[:self.kv.blocks_for_tokens(request.num_computed_tokens)]
+        swap = out is not None and self.swap.choose(rid, len(blocks), request.num_computed_tokens) == "swap"
         self.running.remove(request)
-        self.kv.free(request)
-        request.num_computed_tokens = 0
+        self.kv.free_preempted(request)
+        if swap:
+            out.swap_out.append(SwapOut(rid, tuple(blocks)))
+        else:
+            request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(request)
         log.debug("preempted %s", request.request_id)
 
+    def _swap_in_pass(self, out: SchedulerOutput) -> None:
+        """List the swapped-out requests that run again this step: their new blocks get their KV
+        back before the forward (after the step's copies out, which may include its own)."""
+        for s in out.scheduled:
+            rid = s.request.request_id
+            if self.swap.is_swapped(rid):
+                out.swap_in.append(SwapIn(rid, tuple(s.block_ids[:self.swap.num_blocks(rid)])))
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        self.swap.drop(request.request_id)  # it may end while swapped out (aborted)
         if status == RequestStatus.FINISHED_TRANSFERRED:
             self.held[request.request_id] = request
         elif status == RequestStatus.FINISHED_ERROR:  # its KV may never have been written

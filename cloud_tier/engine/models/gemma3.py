@@ -102,6 +102,10 @@ class Gemma3ForCausalLM(nn.Module):
     def sliding_windows(self) -> set[int | None]:
         return {layer.self_attn.window for layer in self.layers}
 
+    def layer_windows(self) -> list[int | None]:
+        """Per layer, its sliding window (None: global)."""
+        return [layer.self_attn.window for layer in self.layers]
+
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.config["hidden_size"] ** 0.5, dtype=x.dtype)

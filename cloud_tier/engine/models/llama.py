@@ -84,6 +84,9 @@ class LlamaForCausalLM(nn.Module):
     def sliding_windows(self) -> set[int | None]:
         return {None}
 
+    def layer_windows(self) -> list[int | None]:
+        return [None] * len(self.layers)
+
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         for layer, kv in zip(self.layers, kv_caches, strict=True):

@@ -1,8 +1,9 @@
 """Scheduler fuzz: random arrivals, priorities (with ties), prompt lengths, max_tokens, stop
 tokens, aborts, prefills held for a transfer, duplicate ids and tiny KV budgets, hand-driven
-step by step as in test_scheduler.py. After every step the KV cache is intact and the step is
-sound; at the end every request has finished, been aborted or been refused at the door, and
-every block is free. Fixed seeds: the same cases on every run."""
+step by step as in test_scheduler.py; the same cases again with preemption by swap (a random swap
+space) and a second KV tier, whose moves are played as the engine plays them. After every step the
+KV cache is intact and the step is sound; at the end every request has finished, been aborted or
+been refused at the door, and every block is free. Fixed seeds: the same cases on every run."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from cloud_tier.engine.kv_cache_manager import KVCacheManager
 from cloud_tier.engine.request import Request, RequestStatus
 from cloud_tier.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from cloud_tier.engine.swap import SwapSpace
 from cloud_tier.sampling import SamplingParams
 
 EOS = 2
@@ -29,15 +31,18 @@ class Tally:
     aborted: set[int] = field(default_factory=set)  # id() of the request records aborted
     refused: int = 0
     duplicates_refused: int = 0
+    swap: object = None  # SwapStats and TierStats at the end
+    tier: object = None
 
 
-def make_scheduler(rng: random.Random) -> Scheduler:
+def make_scheduler(rng: random.Random, tier_blocks: int = 0) -> Scheduler:
     max_len = rng.randint(4, 48)
     chunked = rng.random() < 0.8
     budget = rng.randint(1, 24) if chunked else rng.randint(max_len, max_len + 16)
     cfg = SchedulerConfig(max_num_seqs=rng.randint(1, 6), max_num_batched_tokens=budget, max_model_len=max_len,
                           enable_chunked_prefill=chunked, long_prefill_token_threshold=rng.choice((0, 0, 3)))
-    return Scheduler(cfg, KVCacheManager(rng.randint(1, 12), rng.choice((1, 2, 4, 8)), rng.random() < 0.8, "fuzz"))
+    return Scheduler(cfg, KVCacheManager(rng.randint(1, 12), rng.choice((1, 2, 4, 8)), rng.random() < 0.8, "fuzz",
+                                         tier_blocks=tier_blocks))
 
 
 def new_request(rng: random.Random, s: Scheduler, n: int, now: float) -> Request:
@@ -83,21 +88,42 @@ def check_step(s: Scheduler, out: SchedulerOutput) -> None:
         assert len(x.block_ids) * bs >= x.start + x.num_new_tokens, f"{r.request_id} has no room for its tokens"
         assert x.block_ids == s.kv.get_block_ids(r.request_id)
     for r in s.waiting:
-        assert r.num_computed_tokens == 0 and not s.kv.get_block_ids(r.request_id), f"waiting with KV: {r}"
+        swapped = s.swap.is_swapped(r.request_id)
+        assert (r.num_computed_tokens == 0 or swapped) and not s.kv.get_block_ids(r.request_id), f"waiting with KV: {r}"
+    for x in out.swap_out:  # the blocks of its computed tokens
+        r = s.requests[x.request_id]
+        assert len(x.block_ids) == s.kv.blocks_for_tokens(r.num_computed_tokens) == s.swap.num_blocks(r.request_id)
+    scheduled = {x.request.request_id: x for x in out.scheduled}
+    for x in out.swap_in:  # the first of its new blocks, as many as it swapped out
+        assert list(x.block_ids) == scheduled[x.request_id].block_ids[:s.swap.num_blocks(x.request_id)]
+
+
+def play_moves(s: Scheduler, out: SchedulerOutput) -> None:
+    """What the engine's KVMover does before the forward, with the request id as the payload."""
+    evicted, _ = s.kv.take_tier_moves()
+    for e in evicted:
+        s.kv.tier.insert(e.block_hash, e.parent_hash, e.token_ids)
+    for x in out.swap_out:
+        s.swap.put(x.request_id, x.request_id)
+    for x in out.swap_in:
+        assert s.swap.take(x.request_id) == x.request_id
 
 
 def step(rng: random.Random, s: Scheduler) -> None:
     out = s.schedule()
     check_step(s, out)
+    play_moves(s, out)
     sampled = {x.request.request_id: rng.choice(TOKENS) for x in out.scheduled if x.samples}
     s.update(out, sampled)
     s.kv.check_integrity()
 
 
 @functools.cache  # each seed runs once per session, however many tests look at it
-def run_case(seed: int) -> Tally:
+def run_case(seed: int, moves: bool = False) -> Tally:
     rng = random.Random(seed)
-    s = make_scheduler(rng)
+    s = make_scheduler(rng, tier_blocks=random.Random(-seed).randint(1, 16) if moves else 0)
+    if moves:  # a swap space of 0 to 12 blocks of one byte: some victims fit, some do not
+        s.swap = SwapSpace("swap", budget_bytes=random.Random(-seed).randint(0, 12), bytes_per_block=1)
     tally = Tally()
     n = 0
     for t in range(STEPS):
@@ -132,13 +158,17 @@ def run_case(seed: int) -> Tally:
     assert s.kv.stats.queries == sum(r.num_prompt_tokens for r in looked_up)  # once each, however long it waited
     assert s.kv.stats.hits == sum(r.num_cached_tokens for r in looked_up)
     assert not s.requests and not s.held and s.kv.num_free_blocks == s.kv.num_blocks
+    assert not s.swap.reserved and not s.swap.payloads
     s.kv.check_integrity()
+    tally.swap = s.swap.stats
+    tally.tier = s.kv.tier.stats if s.kv.tier is not None else None
     return tally
 
 
+@pytest.mark.parametrize("moves", [False, True], ids=["recompute", "swap+tier"])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_scheduler_fuzz(seed):
-    tally = run_case(seed)
+def test_scheduler_fuzz(seed, moves):
+    tally = run_case(seed, moves)
     assert tally.admitted  # every case runs something
 
 
@@ -149,3 +179,6 @@ def test_the_fuzz_reaches_what_it_is_for():
     assert sum(len(t.aborted) for t in tallies) > 0
     assert any(r.num_preemptions for t in tallies for r in t.admitted)
     assert any(r.status == RequestStatus.FINISHED_TRANSFERRED for t in tallies for r in t.admitted)
+    moved = [run_case(seed, True) for seed in SEEDS]
+    assert sum(t.swap.by_swap for t in moved) > 0 and sum(t.swap.by_recompute for t in moved) > 0
+    assert sum(t.tier.hits for t in moved if t.tier) > 0
