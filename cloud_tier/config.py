@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from cascade.config import load_config
@@ -237,23 +238,29 @@ class GatewayConfig:
         parse_class_slos(self.class_slos)
 
 
+def _items(text: str):
+    """``name=value,...`` as (item, name, the value's numbers split on ":"), each a float or NaN."""
+    for item in (i.strip() for i in text.split(",")):
+        if item:
+            name, _, value = item.partition("=")
+            numbers = []
+            for part in value.split(":"):
+                try:
+                    numbers.append(float(part))
+                except ValueError:
+                    numbers.append(math.nan)
+            yield item, name.strip(), numbers
+
+
 def parse_class_slos(text: str) -> dict[str, tuple[float, float]]:
     """``[gateway] class_slos`` ("interactive=2:0.2,escalation=5:0.5": TTFT and TPOT targets in
     seconds by priority class) as {class: (ttft, tpot)}."""
     targets = {}
-    for item in (i.strip() for i in text.split(",")):
-        if not item:
-            continue
-        name, _, pair = item.partition("=")
-        ttft, _, tpot = pair.partition(":")
-        try:
-            values = (float(ttft), float(tpot))
-        except ValueError:
-            values = (-1.0, -1.0)
-        if name.strip() not in PRIORITY_CLASSES or not all(0 < v < float("inf") for v in values):
+    for item, name, values in _items(text):
+        if name not in PRIORITY_CLASSES or len(values) != 2 or not all(0 < v < math.inf for v in values):
             raise ValueError(f"class_slos: {item!r} is not CLASS=TTFT:TPOT (a class of {', '.join(PRIORITY_CLASSES)}; "
                              "seconds > 0)")
-        targets[name.strip()] = values
+        targets[name] = (values[0], values[1])
     return targets
 
 
@@ -261,17 +268,10 @@ def parse_reservations(text: str) -> dict[str, float]:
     """``[engine] reservations`` ("gold=0.3,silver=0.1": the share of the KV blocks and of the running
     slots kept for each tenant) as {tenant: share}; the shares must add up to less than 1."""
     shares: dict[str, float] = {}
-    for item in (i.strip() for i in text.split(",")):
-        if not item:
-            continue
-        name, _, share = item.partition("=")
-        try:
-            value = float(share)
-        except ValueError:
-            value = -1.0
-        if not name.strip() or not 0 < value < 1:
+    for item, name, values in _items(text):
+        if not name or len(values) != 1 or not 0 < values[0] < 1:
             raise ValueError(f"reservations: {item!r} is not tenant=SHARE with 0 < SHARE < 1")
-        shares[name.strip()] = value
+        shares[name] = values[0]
     if sum(shares.values()) >= 1:
         raise ValueError(f"reservations: the shares add up to {sum(shares.values()):g}; they must stay under 1")
     return shares
@@ -281,19 +281,11 @@ def parse_model_prices(text: str) -> dict[str, tuple[float, float]]:
     """``[gateway] model_prices`` ("smollm2-135m=0.15:0.60,other=1:2": USD per million prompt and
     completion tokens, by model; "*" prices any model not named) as {model: (prompt, completion)}."""
     prices = {}
-    for item in (i.strip() for i in text.split(",")):
-        if not item:
-            continue
-        name, _, rates = item.partition("=")
-        prompt, _, completion = rates.partition(":")
-        try:
-            pair = (float(prompt), float(completion))
-        except ValueError:
-            pair = (-1.0, -1.0)
-        if not name.strip() or not all(0 <= x < float("inf") for x in pair):
+    for item, name, values in _items(text):
+        if not name or len(values) != 2 or not all(0 <= x < math.inf for x in values):
             raise ValueError(f"model_prices: {item!r} is not model=PROMPT:COMPLETION (USD per million tokens, "
                              "numbers >= 0)")
-        prices[name.strip()] = pair
+        prices[name] = (values[0], values[1])
     return prices
 
 

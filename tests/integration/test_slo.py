@@ -113,7 +113,7 @@ def test_overload_gets_fast_429s_and_the_admitted_meet_their_targets(worker):
     its start (/healthz), so the same share of the load fits on a fast machine and a slow one:
     about 6 prompts' prefill within the TTFT target, 8 decodes' step 2.5 times within the TPOT one."""
     cost = loopback.get(f"{worker.url}/healthz").json()["engine"]
-    prompt_tokens, n = 50, 48
+    prompt_tokens, n = 50, 32
     prefill_s = cost["step_base_s"] + prompt_tokens * cost["step_prefill_token_s"]
     ttft_target = max(1.0, 6 * prefill_s)
     tpot_target = max(0.1, 2.5 * (cost["step_base_s"] + 8 * cost["step_decode_s"]))
@@ -122,7 +122,7 @@ def test_overload_gets_fast_429s_and_the_admitted_meet_their_targets(worker):
 
     def one(i: int) -> None:
         body = {"model": MODEL, "messages": [{"role": "user", "content": f"Story number {i}: " + "once " * 40}],
-                "max_tokens": 32, "stream": True, "ignore_eos": True, "temperature": 0,
+                "max_tokens": 24, "stream": True, "ignore_eos": True, "temperature": 0,
                 "ttft_slo_s": ttft_target, "tpot_slo_s": tpot_target}
         sent = time.monotonic()
         with loopback.stream("POST", f"{worker.url}/v1/chat/completions", json=body, timeout=300) as r:
