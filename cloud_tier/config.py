@@ -22,7 +22,28 @@ class ServerConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
 
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def resolve_dtype(dtype: str, device: str = "cpu") -> str:
+    """The dtype ``"auto"`` stands for on ``device``: bfloat16 on CUDA and on CPUs that compute in
+    it natively (AVX512_BF16 or AMX), float32 on other CPUs, where bfloat16 GEMMs are emulated and
+    slower than float32. Any other name is returned as it is. Reads /proc/cpuinfo, not torch, so
+    the gateway can tell what its workers will run."""
+    if dtype != "auto":
+        return dtype
+    if not device.startswith("cpu"):
+        return "bfloat16"
+    return "bfloat16" if _cpu_flags() & {"avx512_bf16", "amx_bf16"} else "float32"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:  # not Linux: no flags known, the safe float32
+        return set()
+    return set(line.partition(":")[2].split())
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ async def metrics(request: Request):
 def _card(request: Request) -> ModelCard:
     svc = service(request)
     return ModelCard(id=svc.model_id, created=request.app.state.started,
-                     meta={"max_model_len": svc.max_model_len, "dtype": request.app.state.config.engine.dtype})
+                     meta={"max_model_len": svc.max_model_len, "dtype": svc.engine.engine.config.dtype})
 
 
 @v1.get("/models", responses=openapi.errors(401, 500))
