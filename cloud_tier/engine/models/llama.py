@@ -39,7 +39,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # in the projection's own output
 
 
 class LlamaLayer(nn.Module):
