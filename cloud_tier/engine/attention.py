@@ -40,10 +40,10 @@ class DecodeGroup:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [N] where each new token's K/V is written
+    positions: torch.Tensor  # [N] position of each row in its request
     decodes: list[DecodeGroup]  # decodes bucketed by context length, to pad less
     prefills: list[PrefillChunk]
     native: object | None = None  # the compiled CPU decode kernel, which reads blocks in place
-    positions: torch.Tensor | None = None  # [N] position of each row in its request
 
     @classmethod
     def build(cls, chunks: list[tuple[int, int, list[int]]], block_size: int, windows: set[int | None],
@@ -72,8 +72,8 @@ class AttentionMetadata:
             buckets = [np.sort(decodes[b]) for b in _buckets(ctx[decodes].tolist())]
         masked = windows if native is None else set()  # the kernel masks by itself
         groups = [_decode_group(first_rows[b], tables[b], ctx[b], block_size, masked, device) for b in buckets]
-        return cls(torch.from_numpy(slot_mapping).to(device), groups, prefills, native,
-                   torch.from_numpy(positions).to(device))
+        return cls(torch.from_numpy(slot_mapping).to(device), torch.from_numpy(positions).to(device), groups,
+                   prefills, native)
 
 
 def _padded_tables(tables: list[list[int]]) -> np.ndarray:
