@@ -1,7 +1,9 @@
 """Offline throughput: our engine vs HF transformers `generate` (static batches, left padding)
-vs vLLM's CPU build when one is installed, on ShareGPT prompts, same weights, same run.
+vs vLLM's CPU build when one is installed, on ShareGPT prompts, same weights, same run, in one
+dtype or both, with the GEMM floor: the time the model's own linear layers alone take on this
+machine for the run's tokens (the weights timed at a 256-row batch).
 
-    .venv/bin/python bench/engine_throughput.py [--dtype bfloat16] [--num-prompts 200]
+    .venv/bin/python bench/engine_throughput.py [--dtype both|auto|float32|bfloat16] [--num-prompts 200]
         [--output-len 128] [--hf-prompts 32] [--vllm-python ~/.cache/cascade/vllm-venv/bin/python]
 
 Every system generates exactly --output-len tokens per prompt (EOS ignored), greedy. HF is run
@@ -13,6 +15,7 @@ engine converted from the GGUF.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -101,10 +104,37 @@ def run_vllm(python: str, model_dir: Path, dtype: str, prompts: list[list[int]],
     return {**json.loads(line[len("RESULT "):]), "prompts": len(prompts)}
 
 
+def gemm_floor(model, prompts: list[list[int]], output_len: int, rows: int = 256) -> float:
+    """Seconds the run's GEMMs alone would take: every prompt token and fed-back output token
+    through each layer's linear weights, every output token through the LM head, each weight
+    timed (best of 5) on a ``rows``-row batch in the model's dtype."""
+    import torch
+    import torch.nn.functional as F
+
+    def per_row(weight: torch.Tensor) -> float:
+        x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+        F.linear(x, weight)
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            F.linear(x, weight)
+            best = min(best, time.perf_counter() - start)
+        return best / rows
+
+    with torch.inference_mode():
+        layer = sum(per_row(m.weight) for m in model.layers[0].modules() if isinstance(m, torch.nn.Linear))
+        head = per_row(model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight)
+    fed = sum(map(len, prompts)) + len(prompts) * (output_len - 1)
+    return fed * layer * len(model.layers) + len(prompts) * output_len * head
+
+
 def main() -> int:
+    from cloud_tier.config import resolve_dtype
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="both", choices=["both", "auto", "float32", "bfloat16"],
+                    help="both: float32 then bfloat16, each system in each; auto: what the engine picks here")
     ap.add_argument("--num-prompts", type=int, default=200)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--hf-prompts", type=int, default=32)
@@ -117,50 +147,63 @@ def main() -> int:
     ap.add_argument("--systems", default="ours,hf,vllm",
                     help="comma-separated subset of ours,hf,vllm")
     args = ap.parse_args()
+    dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [resolve_dtype(args.dtype)]
+    systems = set(args.systems.split(","))
+    results: dict[str, dict[str, dict]] = {}
+    for dtype in dtypes:
+        results[dtype] = run_dtype(args, dtype, systems)
+    print_table(results)
+    return 0
 
+
+def run_dtype(args, dtype: str, systems: set[str]) -> dict[str, dict]:
     from cloud_tier.engine import LLMEngine
 
-    engine = LLMEngine.from_model(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+    engine = LLMEngine.from_model(args.model, dtype=dtype, max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   kv_cache_memory_bytes=4 << 30)
     sampled = sample_requests(args.num_prompts, args.seed, engine.tokenizer,
                               max_prompt_tokens=1024)
     prompts = [engine.tokenizer.encode(r.prompt) for r in sampled]
     print(f"{len(prompts)} ShareGPT prompts, mean {sum(map(len, prompts)) / len(prompts):.0f} "
-          f"tokens; {args.output_len} output tokens each; {args.model} {args.dtype}; "
+          f"tokens; {args.output_len} output tokens each; {args.model} {dtype}; "
           f"{os.cpu_count()} cores", flush=True)
-
-    systems = set(args.systems.split(","))
     results = {}
     if "ours" in systems:
         results["cascade engine"] = run_ours(engine, prompts, args.output_len)
         print("cascade engine done", results["cascade engine"], flush=True)
+    floor = gemm_floor(engine.model, prompts, args.output_len)
+    model_dir = engine.model_dir
+    del engine  # its KV cache freed before the others run
+    gc.collect()
     if "hf" in systems and args.hf_prompts:
         results[f"HF generate (batch {args.hf_batch})"] = run_hf(
-            engine.model_dir, args.dtype, prompts[:args.hf_prompts], args.output_len, args.hf_batch)
+            model_dir, dtype, prompts[:args.hf_prompts], args.output_len, args.hf_batch)
     if "vllm" in systems:
         if Path(args.vllm_python).exists():
-            results["vLLM CPU"] = run_vllm(args.vllm_python, engine.model_dir, args.dtype, prompts,
-                                           args.output_len)
+            results["vLLM CPU"] = run_vllm(args.vllm_python, model_dir, dtype, prompts, args.output_len)
         else:
             results["vLLM CPU"] = {"error": f"not installed ({args.vllm_python} missing)"}
-    print_table(results)
-    return 0
+        print("vLLM done", results["vLLM CPU"], flush=True)
+    results["GEMM floor (estimate)"] = {"seconds": floor, "tokens": len(prompts) * args.output_len,
+                                        "prompts": len(prompts)}
+    return results
 
 
-def print_table(results: dict) -> None:
-    base = results.get("cascade engine")
-    ours = base["tokens"] / base["seconds"] if base else None
-    print(f"\n{'system':<24} {'prompts':>7} {'out tokens':>10} {'seconds':>8} {'out tok/s':>10} "
+def print_table(results: dict[str, dict[str, dict]]) -> None:
+    print(f"\n{'dtype':<9} {'system':<24} {'prompts':>7} {'out tokens':>10} {'seconds':>8} {'out tok/s':>10} "
           f"{'ours / it':>9}")
-    for name, r in results.items():
-        if "error" in r:
-            print(f"{name:<24} {'-':>7} {'-':>10} {'-':>8} {'-':>10} {'-':>9}   {r['error']}")
-            continue
-        rate = r["tokens"] / r["seconds"]
-        ratio = f"{ours / rate:>8.2f}x" if ours else f"{'-':>9}"
-        print(f"{name:<24} {r['prompts']:>7} {r['tokens']:>10} {r['seconds']:>8.1f} {rate:>10.1f} "
-              f"{ratio}")
+    for dtype, rows in results.items():
+        base = rows.get("cascade engine")
+        ours = base["tokens"] / base["seconds"] if base else None
+        for name, r in rows.items():
+            if "error" in r:
+                print(f"{dtype:<9} {name:<24} {'-':>7} {'-':>10} {'-':>8} {'-':>10} {'-':>9}   {r['error']}")
+                continue
+            rate = r["tokens"] / r["seconds"]
+            ratio = f"{ours / rate:>8.2f}x" if ours else f"{'-':>9}"
+            print(f"{dtype:<9} {name:<24} {r['prompts']:>7} {r['tokens']:>10} {r['seconds']:>8.1f} {rate:>10.1f} "
+                  f"{ratio}")
 
 
 if __name__ == "__main__":

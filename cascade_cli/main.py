@@ -271,7 +271,7 @@ def _parser(sub, name: str, help_: str, **kw) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cloud_tier.config import EngineConfig, GatewayConfig, WorkerConfig
+    from cloud_tier.config import DTYPES, EngineConfig, GatewayConfig, WorkerConfig
     from cloud_tier.config import ServerConfig as CloudServer
     from edge_agent.config import ModelConfig, QueueConfig
     from edge_agent.config import ServerConfig as EdgeServer
@@ -381,7 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--host", help=f"address to listen on (default: {cloud_srv.host})")
     worker.add_argument("--port", type=int, help=f"port to listen on (default: {cloud_srv.port})")
     worker.add_argument("--model", help=f"catalogue name, .gguf path or HF directory (default: {eng.model})")
-    worker.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help=f"(default: {eng.dtype})")
+    worker.add_argument("--dtype", choices=DTYPES, help=f"auto: bfloat16 on a CPU with native bfloat16 (AVX512_BF16, "
+                        f"AMX) or CUDA, else float32 (default: {eng.dtype})")
     worker.add_argument("--kv-cache-dtype", help=f"KV cache storage: auto (the dtype) or int8 (default: "
                                                  f"{eng.kv_cache_dtype})")
     worker.add_argument("--device", help=f"cpu, cuda, cuda:1 ... (default: {eng.device})")

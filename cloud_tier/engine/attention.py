@@ -11,7 +11,9 @@ tokens already computed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -29,17 +31,18 @@ class PrefillChunk:
 
 @dataclass
 class DecodeGroup:
-    rows: torch.Tensor  # [B] rows of the flat batch
+    rows: slice | torch.Tensor  # [B] rows of the flat batch (a slice when they are consecutive)
     tables: torch.Tensor  # [B, max_blocks] block tables, padded with block 0
     lens: torch.Tensor  # [B] context lengths (the new token included)
     block_ids: torch.Tensor  # tables, flattened
     block_size: int
-    masks: dict[int | None, torch.Tensor]  # sliding window -> [B, 1, 1, L] bool
+    masks: dict[int | None, torch.Tensor]  # sliding window -> [B, 1, 1, L] bool (none for the native kernel)
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [N] where each new token's K/V is written
+    positions: torch.Tensor  # [N] position of each row in its request
     decodes: list[DecodeGroup]  # decodes bucketed by context length, to pad less
     prefills: list[PrefillChunk]
     native: object | None = None  # the compiled CPU decode kernel, which reads blocks in place
@@ -48,30 +51,40 @@ class AttentionMetadata:
     @classmethod
     def build(cls, chunks: list[tuple[int, int, list[int]]], block_size: int, windows: set[int | None],
               device: torch.device, native: object | None = None) -> AttentionMetadata:
-        """``chunks``: per request in batch order (num_computed_before, num_new, block_ids)."""
-        slot_mapping, prefills, decode_rows, decode_tables, decode_lens = [], [], [], [], []
-        row = 0
-        for start, n, block_ids in chunks:
-            table = torch.tensor(block_ids, dtype=torch.long)
-            pos = torch.arange(start, start + n)
-            slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
-            ctx = start + n
-            if n == 1:
-                decode_rows.append(row)
-                decode_tables.append(block_ids)
-                decode_lens.append(ctx)
-            else:
-                all_pos = torch.arange(ctx)
-                slots = (table[all_pos // block_size] * block_size + all_pos % block_size).to(device)
-                masks = {w: _prefill_mask(n, ctx, w, device) for w in windows}
-                prefills.append(PrefillChunk(row, n, ctx, slots, masks))
-            row += n
-        groups = []
-        buckets = [list(range(len(decode_lens)))] if native and decode_lens else _buckets(decode_lens)
-        for bucket in buckets:
-            groups.append(_decode_group([decode_rows[i] for i in bucket], [decode_tables[i] for i in bucket],
-                                        [decode_lens[i] for i in bucket], block_size, windows, device))
-        return cls(torch.cat(slot_mapping).to(device), groups, prefills, native)
+        """``chunks``: per request in batch order (num_computed_before, num_new, block_ids).
+        Computed with numpy over the whole batch: a step of 200 decodes builds in well under a
+        millisecond, where a few small torch ops per request took several."""
+        starts = np.fromiter((c[0] for c in chunks), np.int64, len(chunks))
+        counts = np.fromiter((c[1] for c in chunks), np.int64, len(chunks))
+        tables = _padded_tables([c[2] for c in chunks])
+        first_rows = np.cumsum(counts) - counts
+        rows_req = np.repeat(np.arange(len(chunks)), counts)  # the request of each row
+        positions = np.arange(int(counts.sum())) - np.repeat(first_rows - starts, counts)
+        slot_mapping = tables[rows_req, positions // block_size] * block_size + positions % block_size
+        ctx = starts + counts
+        prefills = []
+        for i in np.flatnonzero(counts > 1).tolist():
+            all_pos = np.arange(ctx[i])
+            slots = torch.from_numpy(tables[i, all_pos // block_size] * block_size + all_pos % block_size)
+            masks = {w: _prefill_mask(int(counts[i]), int(ctx[i]), w, device) for w in windows}
+            prefills.append(PrefillChunk(int(first_rows[i]), int(counts[i]), int(ctx[i]), slots.to(device), masks))
+        decodes = np.flatnonzero(counts == 1)
+        if native and len(decodes):
+            buckets = [decodes]
+        else:
+            buckets = [np.sort(decodes[b]) for b in _buckets(ctx[decodes].tolist())]
+        masked = windows if native is None else set()  # the kernel masks by itself
+        groups = [_decode_group(first_rows[b], tables[b], ctx[b], block_size, masked, device) for b in buckets]
+        return cls(torch.from_numpy(slot_mapping).to(device), torch.from_numpy(positions).to(device), groups,
+                   prefills, native)
+
+
+def _padded_tables(tables: list[list[int]]) -> np.ndarray:
+    """[R, max blocks] int64, padded with block 0."""
+    lens = np.fromiter(map(len, tables), np.int64, len(tables))
+    out = np.zeros((len(tables), int(lens.max(initial=1))), dtype=np.int64)
+    out[np.arange(out.shape[1]) < lens[:, None]] = np.fromiter(chain.from_iterable(tables), np.int64, int(lens.sum()))
+    return out
 
 
 def _prefill_mask(q_len: int, ctx: int, window: int | None, device) -> torch.Tensor | None:
@@ -96,22 +109,21 @@ def _buckets(lens: list[int], per_bucket: int = 16, max_buckets: int = 4) -> lis
     return [order[i:i + size] for i in range(0, len(order), size)]
 
 
-def _decode_group(rows, tables, lens, block_size, windows, device) -> DecodeGroup:
-    max_blocks = max(len(t) for t in tables)
-    padded = torch.zeros(len(tables), max_blocks, dtype=torch.long)
-    for i, t in enumerate(tables):
-        padded[i, :len(t)] = torch.tensor(t, dtype=torch.long)
-    lens_t = torch.tensor(lens)[:, None]
-    k_pos = torch.arange(max_blocks * block_size)[None, :]
+def _decode_group(rows: np.ndarray, tables: np.ndarray, lens: np.ndarray, block_size: int,
+                  windows: set[int | None], device) -> DecodeGroup:
+    max_blocks = int(-(-lens.max() // block_size))
+    padded = torch.from_numpy(np.ascontiguousarray(tables[:, :max_blocks])).to(device)
+    lens_t = torch.from_numpy(lens).to(device)[:, None]
+    k_pos = torch.arange(max_blocks * block_size, device=device)[None, :]
     masks = {}
     for w in windows:
         m = k_pos < lens_t
         if w is not None:
             m &= (lens_t - 1) - k_pos < w
-        masks[w] = m[:, None, None, :].to(device)
-    padded = padded.to(device)
-    return DecodeGroup(torch.tensor(rows, device=device), padded, lens_t[:, 0].to(device), padded.flatten(),
-                       block_size, masks)
+        masks[w] = m[:, None, None, :]
+    consecutive = rows[-1] - rows[0] == len(rows) - 1  # rows ascend
+    row_index = slice(int(rows[0]), int(rows[-1]) + 1) if consecutive else torch.from_numpy(rows).to(device)
+    return DecodeGroup(row_index, padded, lens_t[:, 0], padded.flatten(), block_size, masks)
 
 
 KVCache = torch.Tensor | Int8KV  # one layer's K (or V): [slots, KVH, D] in the model dtype, or int8 + scales
@@ -164,7 +176,9 @@ def _write(cache: KVCache, slots: torch.Tensor, x: torch.Tensor) -> None:
 
 
 def _rows(cache: KVCache, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return cache.rows(slots, dtype) if isinstance(cache, Int8KV) else cache[slots]
+    """The cache rows of ``slots`` in ``dtype``. index_select, not cache[slots]: the same rows, ~5x
+    faster than advanced indexing on CPU."""
+    return cache.rows(slots, dtype) if isinstance(cache, Int8KV) else cache.index_select(0, slots)
 
 
 def _native_decode(native, q, k_cache: KVCache, v_cache: KVCache, group: DecodeGroup, scale, window):

@@ -13,12 +13,12 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from cloud_tier.config import EngineConfig
+from cloud_tier.config import EngineConfig, resolve_dtype
 from cloud_tier.engine.detokenizer import IncrementalDetokenizer
 from cloud_tier.engine.handoff import KVCapacityError, KVHandoff, KVLayout, model_identity
 from cloud_tier.engine.kv_cache_manager import KVCacheManager
@@ -62,7 +62,8 @@ class _Tracked:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        self.config = config
+        # "auto" resolved here, once: the KV layout and model identity name the dtype that runs
+        config = self.config = replace(config, dtype=resolve_dtype(config.dtype, config.device))
         self.model_dir = resolve_model_dir(config.model)
         if config.threads:
             torch.set_num_threads(config.threads)

@@ -113,12 +113,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
-        ids, positions, chunks, sample_rows, sample_reqs = [], [], [], [], []
+        ids, chunks, sample_rows, sample_reqs = [], [], [], []
         row = 0
         for s in out.scheduled:
             req, start, n = s.request, s.start, s.num_new_tokens
             ids.extend(req.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
             chunks.append((start, n, s.block_ids))
             row += n
             if s.samples:
@@ -130,15 +129,19 @@ class ModelRunner:
             local = [(s.start, s.num_new_tokens, self.window_block_ids(s.request.request_id)) for s in out.scheduled]
             meta.windowed = AttentionMetadata.build(local, self.block_size, self.windows - {None}, dev,
                                                     self.native_attention)
-        hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
-                            self.kv_caches, meta)
+        hidden = self.model(torch.tensor(ids, device=dev), meta.positions, self.kv_caches, meta)
         if not sample_reqs:
             return ModelOutput({}, {})
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)]).float()
+        if len(sample_rows) < row:
+            hidden = hidden[torch.tensor(sample_rows, device=dev)]
+        # in the model's dtype: the sampler widens to float32 only where it computes more than an argmax
+        logits = self.model.compute_logits(hidden)
         result = self.sampler(logits, sample_reqs)
         failed = {sample_reqs[i].request_id: why for i, why in result.errors.items()}
         sampled = {r.request_id: t for r, t in zip(sample_reqs, result.token_ids, strict=True)
                    if r.request_id not in failed}
         logprobs = {r.request_id: lp for r, lp in zip(sample_reqs, result.logprobs, strict=True) if lp is not None}
-        kept = {r.request_id: logits[i].cpu() for i, r in enumerate(sample_reqs)} if self.keep_logits else None
+        kept = None
+        if self.keep_logits:
+            kept = {r.request_id: row.float() for r, row in zip(sample_reqs, logits.cpu(), strict=True)}
         return ModelOutput(sampled, logprobs, kept, failed)

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from cloud_tier.engine.request import Request
+
+_NOT_FINITE = "the logits are not finite (NaN or infinity): no token can be sampled"
 
 
 @dataclass(frozen=True)
@@ -43,9 +46,13 @@ class Sampler:
         g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
-        """``logits`` [B, V] float32, one row per request in ``requests``. A row that cannot be
-        sampled (non-finite logits) is reported in ``errors``; the other rows are unaffected."""
+        """``logits`` [B, V] (any float dtype; computed in float32 beyond an argmax), one row per
+        request in ``requests``. A row that cannot be sampled (non-finite logits) is reported in
+        ``errors``; the other rows are unaffected."""
         params = [r.sampling_params for r in requests]
+        if all(p.greedy and p.logprobs is None and not p.needs_penalties for p in params):
+            return _greedy(logits)
+        logits = logits.float()
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -71,8 +78,7 @@ class Sampler:
             probs[unusable, 0] = 1.0
             tokens[idx] = self._draw(probs, [requests[i] for i in rand])
         token_list = tokens.tolist()
-        errors = {i: "the logits are not finite (NaN or infinity): no token can be sampled"
-                  for i in bad.nonzero().flatten().tolist()}
+        errors = {i: _NOT_FINITE for i in bad.nonzero().flatten().tolist()}
         out_logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         if raw_logprobs is not None:
             for i, p in enumerate(params):
@@ -96,6 +102,24 @@ class Sampler:
             idx = torch.tensor(shared, device=probs.device)
             out[idx] = torch.multinomial(probs[idx], 1, generator=self.generator)[:, 0]
         return out
+
+
+def _greedy(logits: torch.Tensor) -> SampleResult:
+    """The common case in one pass over the batch. On the CPU through numpy: torch's argmax
+    there took 8-25 ms for 64 rows of a 49k vocabulary, numpy's 0.5 ms (same first-maximum rule,
+    NaN counted as the maximum). bfloat16 is widened first; that changes no argmax."""
+    if logits.device.type == "cpu":
+        rows = logits.float().numpy()
+        tokens = rows.argmax(axis=-1)
+        chosen = torch.from_numpy(rows[np.arange(len(tokens)), tokens])
+        tokens = torch.from_numpy(tokens)
+    else:
+        tokens = logits.argmax(dim=-1)
+        chosen = logits.gather(1, tokens[:, None])[:, 0]
+    # argmax picks NaN if there is one; +inf is the maximum wherever it is; a row with no finite
+    # logit has a non-finite maximum: so the bad rows are exactly those whose chosen logit is not finite
+    errors = {i: _NOT_FINITE for i in (~chosen.isfinite()).nonzero().flatten().tolist()}
+    return SampleResult(tokens.tolist(), [None] * len(tokens), errors)
 
 
 def _apply_penalties(row: torch.Tensor, r: Request, device) -> None:

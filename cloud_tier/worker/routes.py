@@ -60,7 +60,7 @@ def _card(request: Request) -> ModelCard:
     svc = service(request)
     engine = request.app.state.config.engine
     return ModelCard(id=svc.model_id, created=request.app.state.started,
-                     meta={"max_model_len": svc.max_model_len, "dtype": engine.dtype,
+                     meta={"max_model_len": svc.max_model_len, "dtype": svc.engine.engine.config.dtype,
                            "kv_cache_dtype": engine.kv_cache_dtype})
 
 

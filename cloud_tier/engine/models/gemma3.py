@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cloud_tier.engine.attention import AttentionMetadata, paged_attention
-from cloud_tier.engine.models.layers import GemmaRMSNorm, Rotary, rope_theta
+from cloud_tier.engine.models.layers import GemmaRMSNorm, Rotary, apply_rotary, rope_theta
 
 
 def layer_types(c: dict) -> list[str]:
@@ -36,13 +36,13 @@ class Gemma3Attention(nn.Module):
         if c.get("attn_logit_softcapping"):
             raise NotImplementedError("attention logit soft-capping is not supported")
 
-    def forward(self, x, positions, rotary, kv, meta):
+    def forward(self, x, rope, kv, meta):
         q, k, v = self.qkv_proj(x).split([self.n_heads * self.head_dim, self.n_kv * self.head_dim,
                                           self.n_kv * self.head_dim], dim=-1)
         q = self.q_norm(q.view(-1, self.n_heads, self.head_dim))
         k = self.k_norm(k.view(-1, self.n_kv, self.head_dim))
         v = v.view(-1, self.n_kv, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(rope, q), apply_rotary(rope, k)
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.window)
         return self.o_proj(o.reshape(-1, self.n_heads * self.head_dim))
 
@@ -72,8 +72,8 @@ class Gemma3Layer(nn.Module):
         self.mlp = Gemma3MLP(c)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
 
-    def forward(self, x, positions, rotary, kv, meta):
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, rotary, kv, meta))
+    def forward(self, x, rope, kv, meta):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, kv, meta))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
@@ -109,9 +109,9 @@ class Gemma3ForCausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.config["hidden_size"] ** 0.5, dtype=x.dtype)
+        local, full = self.rotary_local.at(positions, x.dtype), self.rotary_global.at(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            rotary = self.rotary_local if layer.self_attn.is_sliding else self.rotary_global
-            x = layer(x, positions, rotary, kv, meta)
+            x = layer(x, local if layer.self_attn.is_sliding else full, kv, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -15,10 +16,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * _normalized(x, self.eps).to(x.dtype)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -30,9 +28,14 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.float()
-        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).to(x.dtype)
+        return (_normalized(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) in float32, as HF computes it, in one fused op (the composite
+    was five ops of thread start-up each, twice per layer); the weight stays a separate multiply
+    so its rounding is HF's."""
+    return F.rms_norm(x.float(), x.shape[-1:], eps=eps)
 
 
 class Rotary(nn.Module):
@@ -47,16 +50,21 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [N, H, D], k [N, KVH, D] -> rotated, in their own dtype."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) [N, 1, D] of ``positions`` in ``dtype``: looked up once per step,
+        shared by every layer. The sin's first half is negated, so that ``apply_rotary`` needs no
+        negation of x (-(a) * b == a * (-b) exactly)."""
+        cos, sin = self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        half = sin.shape[-1] // 2
+        return cos.unsqueeze(1), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).unsqueeze(1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rotary(rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, D] rotated by ``Rotary.at``'s (cos, signed sin), in HF's rotate-half layout:
+    x * cos + cat(-x2, x1) * sin."""
+    cos, signed_sin = rope
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
 
 def rope_theta(config: dict, layer_type: str | None = None) -> tuple[float, float]:

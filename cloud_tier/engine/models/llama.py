@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cloud_tier.engine.attention import AttentionMetadata, paged_attention
-from cloud_tier.engine.models.layers import RMSNorm, Rotary, rope_theta
+from cloud_tier.engine.models.layers import RMSNorm, Rotary, apply_rotary, rope_theta
 
 
 class LlamaAttention(nn.Module):
@@ -22,14 +22,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, c["hidden_size"], bias=False)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x, positions, rotary, kv, meta):
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.n_heads * self.head_dim, self.n_kv * self.head_dim,
-                             self.n_kv * self.head_dim], dim=-1)
-        q = q.view(-1, self.n_heads, self.head_dim)
-        k = k.view(-1, self.n_kv, self.head_dim)
-        v = v.view(-1, self.n_kv, self.head_dim)
-        q, k = rotary(positions, q, k)
+    def forward(self, x, rope, kv, meta):
+        qkv = self.qkv_proj(x).view(-1, self.n_heads + 2 * self.n_kv, self.head_dim)
+        qk = apply_rotary(rope, qkv[:, :self.n_heads + self.n_kv])  # q and k rotated in one pass
+        q, k, v = qk[:, :self.n_heads], qk[:, self.n_heads:], qkv[:, self.n_heads + self.n_kv:]
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
         return self.o_proj(o.reshape(-1, self.n_heads * self.head_dim))
 
@@ -43,7 +39,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # in the projection's own output
 
 
 class LlamaLayer(nn.Module):
@@ -54,8 +50,8 @@ class LlamaLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
         self.mlp = LlamaMLP(c)
 
-    def forward(self, x, positions, rotary, kv, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv, meta)
+    def forward(self, x, rope, kv, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -89,8 +85,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.at(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, kv, meta)
+            x = layer(x, rope, kv, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

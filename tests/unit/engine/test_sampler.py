@@ -94,3 +94,19 @@ def test_a_row_of_non_finite_logits_fails_only_its_request():
     assert set(out.errors) == {1, 3} and "finite" in out.errors[1]
     alone = Sampler()(logits[2:3].clone(), [req("s", temperature=1.0, seed=9)])
     assert out.token_ids[0] == 0 and out.token_ids[2] == alone.token_ids[0]
+
+
+def test_an_all_greedy_batch_fails_exactly_its_non_finite_rows_in_either_dtype():
+    logits = torch.randn(6, 50)
+    logits[1, 7] = math.nan
+    logits[2, 3] = math.inf
+    logits[3, :] = -math.inf
+    logits[4, :10] = -math.inf  # some -inf is fine
+    logits[5, [4, 9]] = 30.0  # a tie: the first maximum, as torch's argmax
+    reqs = [req(f"g{i}", temperature=0.0) for i in range(6)]
+    for dtype in (torch.float32, torch.bfloat16):
+        out = Sampler()(logits.to(dtype), reqs)
+        assert set(out.errors) == {1, 2, 3}
+        expected = logits.to(dtype).float().argmax(dim=-1).tolist()
+        assert [out.token_ids[i] for i in (0, 4, 5)] == [expected[i] for i in (0, 4, 5)]
+        assert out.token_ids[5] == 4 and out.logprobs == [None] * 6
