@@ -144,6 +144,7 @@ def main() -> int:
     ap.add_argument("--vllm-python",
                     default=str(Path.home() / ".cache/cascade/vllm-venv/bin/python"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="our engine's device: cpu, cuda, cuda:1 ... (scripts/gpu-check.sh)")
     ap.add_argument("--systems", default="ours,hf,vllm",
                     help="comma-separated subset of ours,hf,vllm")
     args = ap.parse_args()
@@ -159,7 +160,7 @@ def main() -> int:
 def run_dtype(args, dtype: str, systems: set[str]) -> dict[str, dict]:
     from cloud_tier.engine import LLMEngine
 
-    engine = LLMEngine.from_model(args.model, dtype=dtype, max_num_seqs=args.max_num_seqs,
+    engine = LLMEngine.from_model(args.model, dtype=dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   kv_cache_memory_bytes=4 << 30)
     sampled = sample_requests(args.num_prompts, args.seed, engine.tokenizer,
