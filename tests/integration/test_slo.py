@@ -146,6 +146,7 @@ def test_overload_gets_fast_429s_and_the_admitted_meet_their_targets(worker):
     figures = (f"targets TTFT {ttft_target:.2f} s, TPOT {tpot_target:.3f} s; {len(refused)} refused "
                f"{sorted(round(r['answered'], 2) for r in refused)}; served TTFT "
                f"{sorted(round(r['ttft'], 2) for r in served)} TPOT {sorted(round(r['tpot'], 3) for r in served)}")
+    print(figures)  # for the record (pytest -s)
     assert len(refused) + len(served) == n, [r for r in results if r.get("status") not in (200, 429)]
     assert refused and served, figures
     for r in refused:
