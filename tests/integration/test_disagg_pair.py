@@ -150,8 +150,9 @@ def test_client_gone_before_the_first_byte_while_queued_never_runs(ready):
         async with httpx.AsyncClient(timeout=120) as c:
             first = asyncio.create_task(ask(c, gateway, ahead, completion(prompt(LONG, 5), 4, True)))
             await until(c, cloud.prefill.url, "the first prefill", lambda s: s["engine"]["running"] == 1)
+            # a long prompt too (> 256 tokens): a short one would run beside the first in the short lane
             second = asyncio.create_task(c.post(f"{gateway.url}/v1/completions", headers=queued,
-                                                json=completion(prompt(100, 6), 4, False)))
+                                                json=completion(prompt(300, 6), 4, False)))
             await until(c, cloud.prefill.url, "the second to queue", lambda s: s["engine"]["waiting"] == 1)
             await leave(second)
             await until(c, cloud.prefill.url, "the queued request to go", lambda s: s["engine"]["waiting"] == 0,
