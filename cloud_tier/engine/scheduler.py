@@ -29,6 +29,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -143,6 +144,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_rejected: Counter[str] = Counter()  # by tenant: refused for their TTFT target
         self.num_expired = 0
+        # this step's allowances (_plan_prefill): prefill tokens, the long lane's part, the tightest TPOT
+        self._prefill_room = self._long_room = config.max_num_batched_tokens
+        self._floor = math.inf
         self.swap = SwapSpace()  # the engine gives it a mode, a budget and its costs
 
     # -- requests in and out -------------------------------------------------------------
@@ -191,14 +195,18 @@ class Scheduler:
         return estimate_ttft(self.cost, tokens_ahead, request.num_tokens - request.num_computed_tokens,
                              self.config.max_num_batched_tokens, min(len(running), capacity), free_at[0])
 
-    def _slot_capacity(self, request: Request | None = None) -> int:
+    def _tpot_floor(self) -> float:
+        """The tightest TPOT target among the running requests (inf: none has one)."""
+        return min((t for r in self.running if (t := self.tpot_target(r)) is not None), default=math.inf)
+
+    def _slot_capacity(self, request: Request | None = None, floor: float | None = None) -> int:
         """Running requests at once: max_num_seqs, fewer when one step of them all would exceed
-        the tightest TPOT target among them (and ``request``'s)."""
-        targets = [t for r in self.running if (t := self.tpot_target(r)) is not None]
+        the tightest TPOT target among them (``floor``, when the caller has it) and ``request``'s."""
+        tightest = self._tpot_floor() if floor is None else floor
         if request is not None and (t := self.tpot_target(request)) is not None:
-            targets.append(t)
+            tightest = min(tightest, t)
         cap = self.config.max_num_seqs
-        return min(cap, self.cost.decodes_within(min(targets))) if targets else cap
+        return cap if tightest == math.inf else min(cap, self.cost.decodes_within(tightest))
 
     def _check_ttft(self, request: Request, ttft: float) -> None:
         waited = self.clock() - request.arrival_time
@@ -300,10 +308,10 @@ class Scheduler:
         """This step's prefill allowance: what the TPOT targets of the running decodes leave (at
         least ``min_prefill_chunk``), and the long prompts' part of it while a short one waits."""
         room = self.config.max_num_batched_tokens
-        targets = [t for r in self.running if (t := self.tpot_target(r)) is not None]
-        if targets:
+        self._floor = self._tpot_floor()  # kept up to date as this step admits requests
+        if self._floor < math.inf:
             decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
-            room = min(room, max(self.config.min_prefill_chunk, self.cost.prefill_tokens_within(min(targets), decodes)))
+            room = min(room, max(self.config.min_prefill_chunk, self.cost.prefill_tokens_within(self._floor, decodes)))
         self._prefill_room = room
         short_waiting = any(self._is_short(r) for r in self.waiting)
         self._long_room = int(room * (1 - self.config.short_lane_share)) if short_waiting else room
@@ -442,6 +450,8 @@ class Scheduler:
             req.num_computed_tokens += num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if (t := self.tpot_target(req)) is not None:
+                self._floor = min(self._floor, t)
             out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_ids(req.request_id)))
             self._took_prefill(req, n)
             budget -= n
@@ -449,7 +459,7 @@ class Scheduler:
     def _has_slot(self, request: Request) -> bool:
         """Whether ``request`` may join the running set: within max_num_seqs less the other
         tenants' unused slot reservations, and within the TPOT targets' slot capacity."""
-        limit = self._slot_capacity(request)
+        limit = self._slot_capacity(request, self._floor)
         if self.reservations:
             _, slots = self._usage()
             limit = min(limit, self.config.max_num_seqs - self.reservations.held_back(
