@@ -236,7 +236,12 @@ class LLMEngine:
             r.num_computed_tokens = context - 1
             decoding.append(ScheduledRequest(r, 1, [next(blocks) for _ in range(per_decode)]))
         half = ScheduledRequest(prefill, prefill_tokens // 2, prefill_blocks)
-        steps = [decoding[:1], decoding, [ScheduledRequest(prefill, prefill_tokens, prefill_blocks)], [half, *decoding]]
+        # four short prompts in one step: what each prefill chunk costs beyond its tokens
+        quarter = min(context, max(2, prefill_tokens // 4))
+        chunks = [ScheduledRequest(Request(f"calibrate-chunk-{i}", [0] * quarter, SamplingParams(temperature=0.0)),
+                                   quarter, d.block_ids) for i, d in enumerate(decoding[:4])]
+        steps = [decoding[:1], decoding, [ScheduledRequest(prefill, prefill_tokens, prefill_blocks)], [half, *decoding],
+                 chunks]
         try:
             for scheduled in steps:
                 out = SchedulerOutput(scheduled=scheduled)
@@ -248,11 +253,11 @@ class LLMEngine:
                 for _ in range(4):  # worth a few steps: the first requests' estimates lean on it
                     self.scheduler.observe_step(out, min(times[1:]))
         finally:
-            for r in (prefill, *(d.request for d in decoding)):
+            for r in (prefill, *(d.request for d in (*decoding, *chunks))):
                 self.runner.sampler.forget(r.request_id)
         c = self.scheduler.cost
-        log.info("step cost: %.1f ms + %.3f ms per prefill token + %.2f ms per decode", 1e3 * c.base_s,
-                 1e3 * c.per_prefill_token_s, 1e3 * c.per_decode_s)
+        log.info("step cost: %.1f ms + %.3f ms per prefill token + %.2f ms per prefill chunk + %.2f ms per decode",
+                 1e3 * c.base_s, 1e3 * c.per_prefill_token_s, 1e3 * c.per_prefill_seq_s, 1e3 * c.per_decode_s)
 
     def _check_one_kv_group(self) -> None:
         if self.kv.window is not None:
@@ -418,7 +423,7 @@ class LLMEngine:
                 "prefix_cache_queries": self.kv.stats.queries, "prefix_cache_hits": self.kv.stats.hits,
                 "slo_rejected": sum(s.num_rejected.values()), "deadline_expired": s.num_expired,
                 "step_base_s": s.cost.base_s, "step_prefill_token_s": s.cost.per_prefill_token_s,
-                "step_decode_s": s.cost.per_decode_s,
+                "step_decode_s": s.cost.per_decode_s, "step_prefill_seq_s": s.cost.per_prefill_seq_s,
                 **{"preemptions_" + k: v for k, v in dataclasses.asdict(s.swap.stats).items()},
                 **({"kv_tier_" + k: v for k, v in dataclasses.asdict(self.kv.tier.stats).items()}
                    if self.kv.tier is not None else {})}

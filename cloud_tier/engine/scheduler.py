@@ -111,6 +111,10 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled if not _is_decode(s))
 
     @property
+    def num_prefill_seqs(self) -> int:
+        return sum(1 for s in self.scheduled if not _is_decode(s))
+
+    @property
     def num_decodes(self) -> int:
         return sum(1 for s in self.scheduled if _is_decode(s))
     swap_out: list[SwapOut] = field(default_factory=list)  # KV to copy out before the step ...
@@ -192,8 +196,10 @@ class Scheduler:
         heapq.heapify(free_at)
         for r in ahead:
             heapq.heapreplace(free_at, free_at[0] + r.sampling_params.max_tokens)
+        prompts_ahead = len(ahead) + sum(1 for r in running if r.num_tokens - r.num_computed_tokens > 1)
         return estimate_ttft(self.cost, tokens_ahead, request.num_tokens - request.num_computed_tokens,
-                             self.config.max_num_batched_tokens, min(len(running), capacity), free_at[0])
+                             self.config.max_num_batched_tokens, min(len(running), capacity), free_at[0],
+                             prompts_ahead)
 
     def _tpot_floor(self) -> float:
         """The tightest TPOT target among the running requests (inf: none has one)."""
@@ -494,7 +500,7 @@ class Scheduler:
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """The engine's measured time of a step it ran: the cost model learns from it."""
-        self.cost.observe(out.num_prefill_tokens, out.num_decodes, seconds)
+        self.cost.observe(out.num_prefill_tokens, out.num_decodes, seconds, out.num_prefill_seqs)
 
     # -- after the step ------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """What the scheduler knows about time: a step-cost model learned from the engine's own steps,
 the TTFT a new request can expect, and the tenants' reservations. No torch: tested as tables.
 
-A step costs ``base + per_prefill_token * prefill_tokens + per_decode * decodes`` seconds; the
-engine reports each step's (prefill tokens, decodes, seconds) and the three coefficients follow
+A step costs ``base + per_prefill_token * prefill_tokens + per_prefill_seq * prefill_chunks +
+per_decode * decodes`` seconds (each prefill chunk runs its own attention in every layer); the
+engine reports each step's (prefill tokens, decodes, seconds, chunks) and the coefficients follow
 by exponentially weighted least squares, starting from a prior worth a few steps, so the first
 estimates are sane and the model tracks a machine that gets busier.
 """
@@ -18,14 +19,15 @@ from cloud_tier.config import parse_reservations
 
 
 class StepCostModel:
-    """Seconds per engine step as a linear function of (1, prefill tokens, decode sequences)."""
+    """Seconds per engine step as a linear function of (1, prefill tokens, decode sequences,
+    prefill chunks)."""
 
     def __init__(self, base_s: float = 0.02, per_prefill_token_s: float = 0.0005, per_decode_s: float = 0.002,
-                 decay: float = 0.97, prior_weight: float = 4.0):
+                 decay: float = 0.97, prior_weight: float = 4.0, per_prefill_seq_s: float = 0.0):
         self.decay = decay
-        prior = np.array([base_s, per_prefill_token_s, per_decode_s])
-        # the prior as pseudo-observations: three typical steps whose times it predicts exactly
-        xs = np.array([[1.0, 0.0, 1.0], [1.0, 256.0, 0.0], [1.0, 0.0, 32.0]])
+        prior = np.array([base_s, per_prefill_token_s, per_decode_s, per_prefill_seq_s])
+        # the prior as pseudo-observations: four typical steps whose times it predicts exactly
+        xs = np.array([[1.0, 0.0, 1.0, 0.0], [1.0, 256.0, 0.0, 1.0], [1.0, 0.0, 32.0, 0.0], [1.0, 128.0, 0.0, 4.0]])
         self._xtx = prior_weight * xs.T @ xs
         self._xty = prior_weight * xs.T @ (xs @ prior)
         self.coef = prior
@@ -43,19 +45,26 @@ class StepCostModel:
     def per_decode_s(self) -> float:
         return float(self.coef[2])
 
-    def observe(self, prefill_tokens: int, decodes: int, seconds: float) -> None:
+    @property
+    def per_prefill_seq_s(self) -> float:
+        return float(self.coef[3])
+
+    def observe(self, prefill_tokens: int, decodes: int, seconds: float, prefill_seqs: int | None = None) -> None:
         if not math.isfinite(seconds) or seconds <= 0:
             return
-        x = np.array([1.0, float(prefill_tokens), float(decodes)])
+        seqs = (1 if prefill_tokens else 0) if prefill_seqs is None else prefill_seqs
+        x = np.array([1.0, float(prefill_tokens), float(decodes), float(seqs)])
         self._xtx = self.decay * self._xtx + np.outer(x, x)
         self._xty = self.decay * self._xty + x * seconds
-        coef = _nonnegative_solve(self._xtx + 1e-9 * np.eye(3), self._xty)
+        coef = _nonnegative_solve(self._xtx + 1e-9 * np.eye(4), self._xty)
         if coef is not None:
             self.coef = coef
         self.num_observed += 1
 
-    def step_s(self, prefill_tokens: int, decodes: int) -> float:
-        return self.base_s + self.per_prefill_token_s * prefill_tokens + self.per_decode_s * decodes
+    def step_s(self, prefill_tokens: int, decodes: int, prefill_seqs: int | None = None) -> float:
+        seqs = (1 if prefill_tokens else 0) if prefill_seqs is None else prefill_seqs
+        return (self.base_s + self.per_prefill_token_s * prefill_tokens + self.per_decode_s * decodes
+                + self.per_prefill_seq_s * seqs)
 
     def prefill_tokens_within(self, seconds: float, decodes: int) -> int:
         """The most prefill tokens a step with ``decodes`` decodes can take and still last at most
@@ -88,13 +97,14 @@ def _nonnegative_solve(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
 
 
 def estimate_ttft(cost: StepCostModel, prefill_tokens_ahead: int, own_prefill_tokens: int, token_budget: int,
-                  decodes: int, slot_wait_steps: int = 0) -> float:
+                  decodes: int, slot_wait_steps: int = 0, prompts_ahead: int = 0) -> float:
     """Seconds until a new request's first token: its slot's wait (steps until enough running
     requests finish), then the steps that prefill what is ahead of it and itself, each carrying
     the running decodes."""
     tokens = prefill_tokens_ahead + own_prefill_tokens
     steps = max(1, math.ceil(tokens / max(token_budget, 1)))
-    prefill = steps * (cost.base_s + cost.per_decode_s * decodes) + cost.per_prefill_token_s * tokens
+    prefill = (steps * (cost.base_s + cost.per_decode_s * decodes) + cost.per_prefill_token_s * tokens
+               + cost.per_prefill_seq_s * (prompts_ahead + 1))
     return slot_wait_steps * cost.step_s(0, decodes) + prefill
 
 
