@@ -190,9 +190,10 @@ def _native_decode(native, q, k_cache: KVCache, v_cache: KVCache, group: DecodeG
 
 
 def _gather_blocks(cache: KVCache, group: DecodeGroup, dtype: torch.dtype) -> torch.Tensor:
-    """Whole blocks (block_size x KVH x D contiguous) copied at once: much cheaper than
-    gathering token rows."""
+    """Whole blocks (block_size x KVH x D contiguous) copied at once, much cheaper than gathering
+    token rows: [blocks * block_size, KVH, D]."""
     if isinstance(cache, Int8KV):
         return cache.gather_blocks(group.block_ids, group.block_size, dtype)
-    per_block = group.block_size * cache.shape[1] * cache.shape[2]
-    return cache.view(-1, per_block).index_select(0, group.block_ids)
+    _, n_kv, hd = cache.shape
+    per_block = group.block_size * n_kv * hd
+    return cache.view(-1, per_block).index_select(0, group.block_ids).view(-1, n_kv, hd)

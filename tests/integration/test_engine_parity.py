@@ -80,10 +80,16 @@ def hf_reference(name: str):
     # > 512 tokens: Gemma's sliding-window layers must mask what their window excludes
     ("gemma3-270m", PARAGRAPH * 24 + "The merchants said"),
 ])
-def test_greedy_tokens_and_logits_match_transformers(engine_home, name, extra_prompt):
+# "torch": the pure-torch decode attention (what CUDA, and a CPU without a compiler, run)
+@pytest.mark.parametrize("attention", ["native", "torch"])
+def test_greedy_tokens_and_logits_match_transformers(engine_home, name, extra_prompt, attention):
     prompts = PROMPTS + ([extra_prompt] if extra_prompt else [])
     engine = LLMEngine.from_model(name, dtype="float32", max_model_len=1024, max_num_batched_tokens=64,
                                   num_kv_blocks=400, device=DEVICE)
+    if attention == "torch":
+        engine.runner.native_attention = None
+    elif engine.runner.native_attention is None and DEVICE == "cpu":
+        pytest.skip("the native kernel could not be built here (no compiler)")
     ours = run_engine_mixed(engine, prompts)
     ref = hf_reference(name)
     compared = 0
