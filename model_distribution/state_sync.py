@@ -208,5 +208,9 @@ class DeviceStateClient:
         rev = payload.get("rev")
         if not isinstance(rev, int) or rev <= self.applied_rev:
             return  # an older (or the same) assignment: nothing to do
+        try:
+            self.on_desired(payload)
+        except Exception:  # raised on paho's thread it would end this device's MQTT loop for good
+            log.exception("applying desired rev %d failed; it is tried again when the broker resends it", rev)
+            return
         self.applied_rev = rev
-        self.on_desired(payload)

@@ -127,6 +127,27 @@ def test_a_forged_or_misaddressed_document_is_refused(plane):
     attacker.loop_stop()
 
 
+def test_an_apply_that_raises_keeps_the_devices_mqtt_loop_and_the_next_assignment_applies(plane):
+    d = plane["devices"][0]
+    real, failed = d.apply, []
+
+    def apply(payload):  # the first assignment fails on paho's thread
+        if not failed:
+            failed.append(payload["rev"])
+            raise RuntimeError("disk full")
+        real(payload)
+
+    d.client.on_desired = apply
+    d.client.start()
+    wait_until(d.client.connected.is_set, "device connected")
+    plane["store"].assign(plane["v1"], device_id="k0")
+    wait_until(lambda: failed, "the first assignment tried")
+    assert d.client.applied_rev == 0  # not counted as applied
+    plane["store"].assign(plane["v2"], device_id="k0")  # the loop still runs: this one arrives and applies
+    wait_until(lambda: converged(plane, plane["v2"], [d]), "k0 active on 1.1.0")
+    assert d.client.client.is_connected()
+
+
 def test_cascade_fleet_serve_sends_what_the_fleet_commands_assign(tmp_path):
     import json
     import subprocess

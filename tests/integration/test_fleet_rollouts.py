@@ -358,13 +358,16 @@ def test_a_control_plane_killed_mid_rollout_resumes_it_on_restart_with_nothing_h
     plane = make_plane(20)
     r = plane.start_rollout("--waves", "10,50,100", "--bake", "0")
     second = plane.waves(r)[1]
-    killed = threading.Event()
+    killed, once = threading.Event(), threading.Lock()
 
     def kill(device, ref):  # as wave 2 is told: its devices find no control plane to fetch from
-        if device in second and ref == plane.v2.ref and not killed.is_set():
-            os.killpg(plane.server.proc.pid, signal.SIGKILL)
-            plane.server.proc.wait()
-            killed.set()
+        # each device's MQTT thread calls this; the lock keeps a second one from killing a
+        # process that is gone (the error would end that device's MQTT loop)
+        with once:
+            if device in second and ref == plane.v2.ref and not killed.is_set():
+                os.killpg(plane.server.proc.pid, signal.SIGKILL)
+                plane.server.proc.wait()
+                killed.set()
 
     plane.on_told = kill
     assert killed.wait(60), "wave 2 was never told"
