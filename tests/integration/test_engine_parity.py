@@ -74,6 +74,24 @@ def hf_reference(name: str):
     return gguf_reference(gguf, resolve_model_dir(name)).model
 
 
+_GENERATIONS: dict = {}
+
+
+def reference_generations(name: str, prompts: tuple[str, ...], tokenizer) -> list:
+    """transformers' greedy tokens and per-step logits for each prompt, computed once per model
+    (both attention paths compare against the same run)."""
+    if (name, prompts) not in _GENERATIONS:
+        ref, out = hf_reference(name), []
+        for prompt in prompts:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            with torch.inference_mode():
+                gen = ref.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+                                   return_dict_in_generate=True)
+            out.append((gen.sequences[0, ids.shape[1]:].tolist(), gen.logits))
+        _GENERATIONS[(name, prompts)] = out
+    return _GENERATIONS[(name, prompts)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, extra_prompt", [
     ("smollm2-135m", None),
@@ -91,17 +109,12 @@ def test_greedy_tokens_and_logits_match_transformers(engine_home, name, extra_pr
     elif engine.runner.native_attention is None and DEVICE == "cpu":
         pytest.skip("the native kernel could not be built here (no compiler)")
     ours = run_engine_mixed(engine, prompts)
-    ref = hf_reference(name)
+    reference = reference_generations(name, tuple(prompts), engine.tokenizer)
     compared = 0
-    for i, prompt in enumerate(prompts):
-        ids = engine.tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.inference_mode():
-            gen = ref.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                               return_dict_in_generate=True)
-        expected = gen.sequences[0, ids.shape[1]:].tolist()
+    for i, (expected, expected_logits) in enumerate(reference):
         tokens, logits = ours[i]
         assert tokens == expected, f"prompt {i} ({name}): first difference at {_first_diff(tokens, expected)}"
-        for step, (mine, theirs) in enumerate(zip(logits, gen.logits, strict=False)):
+        for step, (mine, theirs) in enumerate(zip(logits, expected_logits, strict=False)):
             diff = (mine - theirs[0].float()).abs().max().item()
             assert diff < 2e-3, f"prompt {i} step {step}: logits differ by {diff}"
             compared += 1
