@@ -140,10 +140,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q)
     for group in meta.decodes:
-        if meta.native is not None:
-            o = _native_decode(meta.native, q[group.rows].float().contiguous(), k_cache, v_cache, group, scale,
-                               window)
-            out[group.rows] = o.to(q.dtype)
+        if meta.native is not None:  # reads q's rows in place and writes the output's
+            if isinstance(group.rows, slice):
+                _native_decode(meta.native, q[group.rows], k_cache, v_cache, group, scale, window, out[group.rows])
+            else:
+                out[group.rows] = _native_decode(meta.native, q[group.rows], k_cache, v_cache, group, scale, window)
         else:
             out[group.rows] = _decode(q[group.rows], k_cache, v_cache, group, scale, window, gqa)
     for p in meta.prefills:
@@ -181,12 +182,14 @@ def _rows(cache: KVCache, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     return cache.rows(slots, dtype) if isinstance(cache, Int8KV) else cache.index_select(0, slots)
 
 
-def _native_decode(native, q, k_cache: KVCache, v_cache: KVCache, group: DecodeGroup, scale, window):
-    """The compiled kernel, reading int8 rows and their scales in place when the cache is int8."""
+def _native_decode(native, q, k_cache: KVCache, v_cache: KVCache, group: DecodeGroup, scale, window, out=None):
+    """The compiled kernel (q in the model dtype, each row's heads contiguous; the result in it, into
+    ``out`` when given), reading int8 rows and their scales in place when the cache is int8."""
     if isinstance(k_cache, Int8KV):
         return native.paged_decode_int8(q, k_cache.data, k_cache.scale, v_cache.data, v_cache.scale, group.tables,
-                                        group.lens, scale, window or -1, group.block_size)
-    return native.paged_decode(q, k_cache, v_cache, group.tables, group.lens, scale, window or -1, group.block_size)
+                                        group.lens, scale, window or -1, group.block_size, out)
+    return native.paged_decode(q, k_cache, v_cache, group.tables, group.lens, scale, window or -1, group.block_size,
+                               out)
 
 
 def _gather_blocks(cache: KVCache, group: DecodeGroup, dtype: torch.dtype) -> torch.Tensor:

@@ -54,9 +54,11 @@ class ModelRunner:
         self.keep_logits = False
         self.native_attention = None
         if device.type == "cpu":
-            from cloud_tier.engine.kernels import paged_attention
+            from cloud_tier.engine import kernels
+            from cloud_tier.engine.models import layers
 
-            self.native_attention = paged_attention.load()
+            self.native_attention = kernels.load()
+            layers.use_native(self.native_attention)  # the element-wise ops from the same extension
 
     @staticmethod
     def bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype,

@@ -16,67 +16,28 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_common.h"
+
 namespace {
 
-// exp(x) for x <= 0 (softmax after max subtraction), vectorizable: 2^(x log2 e) split into an
-// integer power (the float's exponent bits) and a degree-6 polynomial of the fraction; relative
-// error ~2e-7, and exactly 0 below -87 (where expf underflows anyway)
-#pragma omp declare simd notinbranch
-inline float exp_neg(float x) {
-  x = std::max(x, -87.0f);
-  const float y = x * 1.44269504088896341f;
-  const float n = std::floor(y + 0.5f);
-  const float f = y - n;  // [-0.5, 0.5]
-  float p = 1.5353362e-4f;
-  p = p * f + 1.3398874e-3f;
-  p = p * f + 9.6180390e-3f;
-  p = p * f + 5.5504109e-2f;
-  p = p * f + 2.4022650e-1f;
-  p = p * f + 6.9314718e-1f;
-  p = p * f + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &p, 4);
-  bits += static_cast<int32_t>(n) << 23;
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return x <= -87.0f ? 0.0f : out;
-}
-
-template <typename T> struct Row;
-template <> struct Row<float> {
-  using raw = float;
-  static inline float get(const float* p, int64_t d) { return p[d]; }
-};
-template <> struct Row<c10::BFloat16> {
-  using raw = uint16_t;
-  static inline float get(const uint16_t* p, int64_t d) {
-    const uint32_t u = static_cast<uint32_t>(p[d]) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
-};
-template <> struct Row<c10::Half> {
-  using raw = c10::Half;
-  static inline float get(const c10::Half* p, int64_t d) { return static_cast<float>(p[d]); }
-};
-template <> struct Row<int8_t> {
-  using raw = int8_t;
-  static inline float get(const int8_t* p, int64_t d) { return static_cast<float>(p[d]); }
-};
+using cascade::exp_neg;
+using cascade::Val;
 
 // Two passes per sequence (or per kv head, when there are too few sequences to keep every
 // thread busy): every score of its heads, one pass over K in cache order (a block's rows of all kv
 // heads are contiguous, so it streams), each K row converted once for the G query heads sharing
 // it; the softmax (vectorized exp); then one pass over V the same way.
-template <typename scalar_t, int64_t FIXED_D>
-void decode_d(const float* q, const void* kc_, const void* vc_, const float* ks, const float* vs,
-              const int64_t* tables, const int64_t* lens, float* out, int64_t B, int64_t H, int64_t KVH,
+template <typename scalar_t, typename QT, int64_t FIXED_D>
+void decode_d(const void* q_, int64_t q_stride, const void* kc_, const void* vc_, const float* ks, const float* vs,
+              const int64_t* tables, const int64_t* lens, void* out_, int64_t B, int64_t H, int64_t KVH,
               int64_t D_, int64_t bs, int64_t max_blocks, float scale, int64_t window) {
   const int64_t D = FIXED_D ? FIXED_D : D_;  // a constant lets the compiler keep a row in registers
-  using raw = typename Row<scalar_t>::raw;
+  using raw = typename Val<scalar_t>::raw;
   const raw* kc = static_cast<const raw*>(kc_);
   const raw* vc = static_cast<const raw*>(vc_);
+  using qraw = typename Val<QT>::raw;
+  const qraw* q = static_cast<const qraw*>(q_);
+  qraw* out = static_cast<qraw*>(out_);
   const int64_t G = H / KVH;
   int64_t max_len = 0;
   for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, lens[b]);
@@ -89,8 +50,8 @@ void decode_d(const float* q, const void* kc_, const void* vc_, const float* ks,
       const int64_t L = lens[b];
       const int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
       const int64_t n = L - start;
-      const float* qb = q + (b * H + k0 * G) * D;
-      for (int64_t i = 0; i < per * G * D; ++i) qs[i] = qb[i] * scale;
+      const qraw* qb = q + b * q_stride + k0 * G * D;
+      for (int64_t i = 0; i < per * G * D; ++i) qs[i] = Val<QT>::ld(qb[i]) * scale;
       const int64_t* table = tables + b * max_blocks;
       float* rw = row.data();
       for (int64_t p = start; p < L; ++p) {
@@ -100,7 +61,7 @@ void decode_d(const float* q, const void* kc_, const void* vc_, const float* ks,
           const raw* kp = kc + r * D;
           const float k_scale = ks ? ks[r] : 1.f;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) rw[d] = Row<scalar_t>::get(kp, d) * k_scale;
+          for (int64_t d = 0; d < D; ++d) rw[d] = Val<scalar_t>::ld(kp[d]) * k_scale;
           for (int64_t g = 0; g < G; ++g) {
             const float* qg = qs.data() + (kh * G + g) * D;
             float dot = 0.f;
@@ -132,7 +93,7 @@ void decode_d(const float* q, const void* kc_, const void* vc_, const float* ks,
           const raw* vp = vc + r * D;
           const float v_scale = vs ? vs[r] : 1.f;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) rw[d] = Row<scalar_t>::get(vp, d) * v_scale;
+          for (int64_t d = 0; d < D; ++d) rw[d] = Val<scalar_t>::ld(vp[d]) * v_scale;
           for (int64_t g = 0; g < G; ++g) {
             const float w = s[(kh * G + g) * n + (p - start)];
             float* a = acc.data() + (kh * G + g) * D;
@@ -141,18 +102,21 @@ void decode_d(const float* q, const void* kc_, const void* vc_, const float* ks,
           }
         }
       }
-      std::copy(acc.begin(), acc.end(), out + (b * H + k0 * G) * D);
+      qraw* ob = out + (b * H + k0 * G) * D;
+      for (int64_t i = 0; i < per * G * D; ++i) ob[i] = Val<QT>::st(acc[i]);
     }
   });
 }
 
-template <typename scalar_t>
-void decode(const float* q, const void* kc, const void* vc, const float* ks, const float* vs, const int64_t* tables,
-            const int64_t* lens, float* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t bs,
-            int64_t max_blocks, float scale, int64_t window) {
+template <typename scalar_t, typename QT>
+void decode(const torch::Tensor& q, const void* kc, const void* vc, const float* ks, const float* vs,
+            const torch::Tensor& tables, const torch::Tensor& lens, torch::Tensor& out, int64_t KVH, int64_t bs,
+            float scale, int64_t window) {
+  const int64_t D = q.size(2);
   auto run = [&](auto fixed) {
-    decode_d<scalar_t, decltype(fixed)::value>(q, kc, vc, ks, vs, tables, lens, out, B, H, KVH, D, bs, max_blocks,
-                                               scale, window);
+    decode_d<scalar_t, QT, decltype(fixed)::value>(q.data_ptr(), q.stride(0), kc, vc, ks, vs, tables.data_ptr<int64_t>(),
+                                                   lens.data_ptr<int64_t>(), out.data_ptr(), q.size(0), q.size(1), KVH,
+                                                   D, bs, tables.size(1), scale, window);
   };
   if (D == 64) run(std::integral_constant<int64_t, 64>{});
   else if (D == 128) run(std::integral_constant<int64_t, 128>{});
@@ -160,9 +124,18 @@ void decode(const float* q, const void* kc, const void* vc, const float* ks, con
   else run(std::integral_constant<int64_t, 0>{});
 }
 
+// q [B, H, D]: each sequence's heads contiguous (rows may be strided, e.g. a view of the qkv
+// projection); out, when given, contiguous [B, H, D] of q's dtype (the rows of the layer's output)
+torch::Tensor output_for(const torch::Tensor& q, const c10::optional<torch::Tensor>& out) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [B, H, D], each row's heads contiguous");
+  if (!out.has_value()) return torch::empty(q.sizes(), q.options());
+  TORCH_CHECK(out->is_contiguous() && out->sizes() == q.sizes() && out->scalar_type() == q.scalar_type(),
+              "out: contiguous, q's shape and dtype");
+  return *out;
+}
+
 void check_args(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                 const torch::Tensor& tables, const torch::Tensor& lens) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3, "q: contiguous float32 [B, H, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3, "caches: contiguous [slots, KVH, D]");
   TORCH_CHECK(tables.dtype() == torch::kInt64 && tables.is_contiguous() && lens.dtype() == torch::kInt64 && lens.is_contiguous(),
               "int64 tables/lens");
@@ -172,43 +145,66 @@ void check_args(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
 
 }  // namespace
 
-// q [B, H, D] float32; caches [slots, KVH, D] (slots = blocks * bs); tables [B, max_blocks] int64;
-// lens [B] int64 (tokens in the cache, the new one included). Returns [B, H, D] float32.
+void register_layer_ops(pybind11::module& m);  // layers_cpu.cpp
+
+// q [B, H, D] (float32, or the cache's dtype); caches [slots, KVH, D] (slots = blocks * bs); tables
+// [B, max_blocks] int64; lens [B] int64 (tokens in the cache, the new one included). Returns (or
+// fills ``out`` with) [B, H, D] in q's dtype.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
-                           torch::Tensor lens, double scale, int64_t window, int64_t block_size) {
+                           torch::Tensor lens, double scale, int64_t window, int64_t block_size,
+                           c10::optional<torch::Tensor> out_) {
+  auto out = output_for(q, out_);
   check_args(q, k_cache, v_cache, tables, lens);
-  auto out = torch::empty_like(q);
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() || q.scalar_type() == torch::kFloat32,
+              "q: float32 or the cache's dtype");
+  const float sc = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_CHECK(false, "float64 caches are not supported");
+    } else if (q.scalar_type() == torch::kFloat32) {
+      decode<scalar_t, float>(q, k_cache.data_ptr(), v_cache.data_ptr(), nullptr, nullptr, tables, lens, out,
+                              k_cache.size(1), block_size, sc, window);
     } else {
-      decode<scalar_t>(q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), nullptr, nullptr,
-                       tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), q.size(0), q.size(1),
-                       k_cache.size(1), q.size(2), block_size, tables.size(1), static_cast<float>(scale), window);
+      decode<scalar_t, scalar_t>(q, k_cache.data_ptr(), v_cache.data_ptr(), nullptr, nullptr, tables, lens, out,
+                                 k_cache.size(1), block_size, sc, window);
     }
   });
   return out;
 }
 
-// The same over an int8 cache: caches [slots, KVH, D] int8, scales [slots, KVH] float32.
+// The same over an int8 cache: caches [slots, KVH, D] int8, scales [slots, KVH] float32; q in
+// float32, bfloat16 or float16.
 torch::Tensor paged_decode_int8(torch::Tensor q, torch::Tensor k_cache, torch::Tensor k_scale, torch::Tensor v_cache,
                                 torch::Tensor v_scale, torch::Tensor tables, torch::Tensor lens, double scale,
-                                int64_t window, int64_t block_size) {
+                                int64_t window, int64_t block_size, c10::optional<torch::Tensor> out_) {
+  auto out = output_for(q, out_);
   check_args(q, k_cache, v_cache, tables, lens);
   TORCH_CHECK(k_cache.dtype() == torch::kInt8 && v_cache.dtype() == torch::kInt8, "int8 caches");
   TORCH_CHECK(k_scale.dtype() == torch::kFloat32 && v_scale.dtype() == torch::kFloat32 && k_scale.is_contiguous() &&
                   v_scale.is_contiguous() && k_scale.numel() == k_cache.size(0) * k_cache.size(1) &&
                   v_scale.numel() == k_scale.numel(),
               "scales: contiguous float32 [slots, KVH]");
-  auto out = torch::empty_like(q);
-  decode<int8_t>(q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(),
-                 k_scale.data_ptr<float>(), v_scale.data_ptr<float>(), tables.data_ptr<int64_t>(),
-                 lens.data_ptr<int64_t>(), out.data_ptr<float>(), q.size(0), q.size(1), k_cache.size(1), q.size(2),
-                 block_size, tables.size(1), static_cast<float>(scale), window);
+  const float sc = static_cast<float>(scale);
+  const float *ks = k_scale.data_ptr<float>(), *vs = v_scale.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_int8", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "float64 queries are not supported");
+    } else {
+      decode<int8_t, scalar_t>(q, k_cache.data_ptr(), v_cache.data_ptr(), ks, vs, tables, lens, out, k_cache.size(1),
+                               block_size, sc, window);
+    }
+  });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "decode-time paged attention reading K/V blocks in place");
-  m.def("paged_decode_int8", &paged_decode_int8, "the same over an int8 cache with per-row float32 scales");
+  m.def("paged_decode", &paged_decode, "decode-time paged attention reading K/V blocks in place",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("tables"),
+        pybind11::arg("lens"), pybind11::arg("scale"), pybind11::arg("window"), pybind11::arg("block_size"),
+        pybind11::arg("out") = pybind11::none());
+  m.def("paged_decode_int8", &paged_decode_int8, "the same over an int8 cache with per-row float32 scales",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("k_scale"), pybind11::arg("v_cache"),
+        pybind11::arg("v_scale"), pybind11::arg("tables"), pybind11::arg("lens"), pybind11::arg("scale"),
+        pybind11::arg("window"), pybind11::arg("block_size"), pybind11::arg("out") = pybind11::none());
+  register_layer_ops(m);
 }

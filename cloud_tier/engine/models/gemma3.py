@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cloud_tier.engine.attention import AttentionMetadata, paged_attention
-from cloud_tier.engine.models.layers import GemmaRMSNorm, Rotary, apply_rotary, rope_theta
+from cloud_tier.engine.models.layers import GemmaRMSNorm, Rotary, apply_rotary, gelu_tanh_and_mul, rope_theta
 
 
 def layer_types(c: dict) -> list[str]:
@@ -57,8 +57,7 @@ class Gemma3MLP(nn.Module):
         self.down_proj = nn.Linear(self.inter, c["hidden_size"], bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
 
 
 class Gemma3Layer(nn.Module):

@@ -1,10 +1,31 @@
-"""Building blocks shared by the model definitions (HF parameter layout and numerics)."""
+"""Building blocks shared by the model definitions (HF parameter layout and numerics).
+
+On a CPU the element-wise ones run as the compiled kernels (``cloud_tier.engine.kernels``) once
+the model runner has loaded them (``use_native``): one pass over the rows each, where torch runs
+several ops; the torch code beside them is what CUDA, and a CPU without a compiler, run, and the
+reference the kernels are tested against."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+_native: dict[str, object] = {}  # "ext": the loaded CPU kernels, once use_native gave them
+
+
+def use_native(ext) -> None:
+    """Run the element-wise ops on CPU tensors through ``ext`` (None: the torch code)."""
+    if ext is None:
+        _native.pop("ext", None)
+    else:
+        _native["ext"] = ext
+
+
+def _ext(x: torch.Tensor):
+    return _native.get("ext") if x.device.type == "cpu" and x.dtype != torch.float64 else None
 
 
 class RMSNorm(nn.Module):
@@ -16,7 +37,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ext = _ext(x)
+        if ext is not None and self.weight.dtype == x.dtype and x.dim() in (2, 3) and x.stride(-1) == 1:
+            return ext.rms_norm(x, self.weight, self.eps, False)
         return self.weight * _normalized(x, self.eps).to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual += x`` (in place, in its dtype), then this norm of it: a layer's residual add
+        fused with the next norm."""
+        ext = _ext(x)
+        if (ext is not None and self.weight.dtype == x.dtype == residual.dtype and x.dim() == 2
+                and x.is_contiguous() and residual.is_contiguous()):
+            return ext.add_rms_norm(x, residual, self.weight, self.eps)
+        residual.add_(x)
+        return self(residual)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -28,7 +62,28 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ext = _ext(x)
+        if ext is not None and self.weight.dtype == x.dtype and x.dim() in (2, 3) and x.stride(-1) == 1:
+            return ext.rms_norm(x, self.weight, self.eps, True)
         return (_normalized(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up over [N, 2I] (gate | up), the activation stored in the dtype first (HF's order)."""
+    ext = _ext(gate_up)
+    if ext is not None and gate_up.is_contiguous() and gate_up.dim() == 2:
+        return ext.act_and_mul(gate_up, 0)
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    return F.silu(gate, inplace=True).mul_(up)  # in the projection's own output
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GELU(gate, tanh approximation) * up over [N, 2I] (gate | up)."""
+    ext = _ext(gate_up)
+    if ext is not None and gate_up.is_contiguous() and gate_up.dim() == 2:
+        return ext.act_and_mul(gate_up, 1)
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -50,19 +105,40 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, signed sin) [N, 1, D] of ``positions`` in ``dtype``: looked up once per step,
-        shared by every layer. The sin's first half is negated, so that ``apply_rotary`` needs no
-        negation of x (-(a) * b == a * (-b) exactly)."""
-        cos, sin = self.cos[positions].to(dtype), self.sin[positions].to(dtype)
-        half = sin.shape[-1] // 2
-        return cos.unsqueeze(1), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).unsqueeze(1)
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeAt:
+        """The rotation of one step's rows: shared by every layer."""
+        return RopeAt(self, positions, dtype)
 
 
-def apply_rotary(rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, D] rotated by ``Rotary.at``'s (cos, signed sin), in HF's rotate-half layout:
-    x * cos + cat(-x2, x1) * sin."""
-    cos, signed_sin = rope
+@dataclass
+class RopeAt:
+    """``Rotary`` at one step's ``positions``. The torch path's (cos, signed sin) [N, 1, D] in the
+    model dtype are looked up once, on first use; the sin's first half is negated, so that
+    ``apply_rotary`` needs no negation of x (-(a) * b == a * (-b) exactly). The CPU kernel reads
+    the float32 tables at the positions itself."""
+
+    rotary: Rotary
+    positions: torch.Tensor
+    dtype: torch.dtype
+    _pair: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._pair is None:
+            cos = self.rotary.cos[self.positions].to(self.dtype)
+            sin = self.rotary.sin[self.positions].to(self.dtype)
+            half = sin.shape[-1] // 2
+            self._pair = cos.unsqueeze(1), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).unsqueeze(1)
+        return self._pair
+
+
+def apply_rotary(rope: RopeAt, x: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, D] rotated in HF's rotate-half layout: x * cos + cat(-x2, x1) * sin. On a CPU
+    with the kernels, and x's heads contiguous, x is rotated in place (and returned)."""
+    ext = _ext(x)
+    if ext is not None and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        ext.rotary_(x, rope.positions, rope.rotary.cos, rope.rotary.sin)
+        return x
+    cos, signed_sin = rope.pair()
     half = x.shape[-1] // 2
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cloud_tier.engine.attention import AttentionMetadata, paged_attention
-from cloud_tier.engine.models.layers import RMSNorm, Rotary, apply_rotary, rope_theta
+from cloud_tier.engine.models.layers import RMSNorm, Rotary, apply_rotary, rope_theta, silu_and_mul
 
 
 class LlamaAttention(nn.Module):
@@ -38,8 +38,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(self.inter, c["hidden_size"], bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # in the projection's own output
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaLayer(nn.Module):
@@ -50,9 +49,12 @@ class LlamaLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
         self.mlp = LlamaMLP(c)
 
-    def forward(self, x, rope, kv, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h, residual, rope, kv, meta, next_norm: RMSNorm) -> torch.Tensor:
+        """``h``: this layer's input, already normalized (``input_layernorm`` of ``residual``);
+        adds both branches into ``residual`` in place and returns ``next_norm`` of it (the next
+        layer's input norm, or the final one): each residual add fused with the norm after it."""
+        h = self.post_attention_layernorm.add_forward(self.self_attn(h, rope, kv, meta), residual)
+        return next_norm.add_forward(self.mlp(h), residual)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -84,11 +86,13 @@ class LlamaForCausalLM(nn.Module):
         return [None] * len(self.layers)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary.at(positions, x.dtype)
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv, meta)
-        return self.norm(x)
+        residual = self.embed_tokens(input_ids)  # a fresh tensor: the layers add into it in place
+        rope = self.rotary.at(positions, residual.dtype)
+        h = self.layers[0].input_layernorm(residual)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, kv, next_norm in zip(self.layers, kv_caches, norms, strict=True):
+            h = layer(h, residual, rope, kv, meta, next_norm)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -1,0 +1,200 @@
+// The element-wise parts of a decoder layer on CPU, each one pass over its rows (torch runs each as
+// several ops, every one a pass over memory and a wake-up of its threads): RMSNorm (Llama's and
+// Gemma's), the residual add fused with the next RMSNorm, SiLU/GELU(tanh) times up, and RoPE in
+// place. Numerics follow the torch path they replace: float32 math, rounded to the storage type
+// wherever torch (and HF) store an intermediate in it.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "cpu_common.h"
+
+namespace {
+
+using cascade::Val;
+using cascade::round_to;
+
+// rows per task so a task touches at least ~32K elements (one row at a time runs inline)
+inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems)); }
+
+template <typename T>
+inline void norm_row(const typename Val<T>::raw* x, const typename Val<T>::raw* w, typename Val<T>::raw* out,
+                     int64_t D, float eps, bool offset) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t d = 0; d < D; ++d) {
+    const float v = Val<T>::ld(x[d]);
+    ss += v * v;
+  }
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+  if (offset) {  // Gemma: (x * r * (1 + w)) in float32, then stored
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) out[d] = Val<T>::st(Val<T>::ld(x[d]) * r * (1.f + Val<T>::ld(w[d])));
+  } else {  // Llama: w * (x * r stored in T), the product stored in T
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) out[d] = Val<T>::st(Val<T>::ld(w[d]) * round_to<T>(Val<T>::ld(x[d]) * r));
+  }
+}
+
+void check_rows(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 || x.dim() == 3, "x: [N, D] or [N, heads, D]");
+  TORCH_CHECK(x.stride(-1) == 1, "x: the last dim contiguous");
+  TORCH_CHECK(weight.is_contiguous() && weight.dim() == 1 && weight.size(0) == x.size(-1), "weight: [D]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and x of one dtype");
+}
+
+// f(T{}) for the storage type of x: float32, bfloat16 or float16
+template <typename F> void dispatch(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, "float32, bfloat16 or float16 only, not ", t);
+  }
+}
+
+}  // namespace
+
+// RMSNorm over the last dim of x [N, D] or [N, heads, D] (the leading dims strided); returns a
+// contiguous tensor. ``offset``: Gemma's weight, stored as an offset from 1.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool offset) {
+  check_rows(x, weight);
+  auto out = torch::empty(x.sizes(), x.options());
+  const int64_t D = x.size(-1), inner = x.dim() == 3 ? x.size(1) : 1, rows = x.size(0) * inner;
+  const int64_t s0 = x.stride(0), s1 = x.dim() == 3 ? x.stride(1) : 0;
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    using raw = typename Val<scalar_t>::raw;
+    const raw* xp = static_cast<const raw*>(x.data_ptr());
+    const raw* wp = static_cast<const raw*>(weight.data_ptr());
+    raw* op = static_cast<raw*>(out.data_ptr());
+    at::parallel_for(0, rows, grain(D), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        norm_row<scalar_t>(xp + (i / inner) * s0 + (i % inner) * s1, wp, op + i * D, D, static_cast<float>(eps),
+                           offset);
+    });
+  });
+  return out;
+}
+
+// residual += x (stored in its dtype, as torch's add), then Llama's RMSNorm of the sum: returns
+// the normalized rows. x and residual: contiguous [N, D].
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  check_rows(residual, weight);
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes() &&
+                  x.scalar_type() == residual.scalar_type() && x.dim() == 2,
+              "x and residual: contiguous [N, D] of one dtype");
+  auto out = torch::empty_like(x);
+  const int64_t D = x.size(1), rows = x.size(0);
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    using raw = typename Val<scalar_t>::raw;
+    const raw* xp = static_cast<const raw*>(x.data_ptr());
+    raw* rp = static_cast<raw*>(residual.data_ptr());
+    const raw* wp = static_cast<const raw*>(weight.data_ptr());
+    raw* op = static_cast<raw*>(out.data_ptr());
+    at::parallel_for(0, rows, grain(D), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        raw* r = rp + i * D;
+        const raw* xr = xp + i * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) r[d] = Val<scalar_t>::st(Val<scalar_t>::ld(r[d]) + Val<scalar_t>::ld(xr[d]));
+        norm_row<scalar_t>(r, wp, op + i * D, D, static_cast<float>(eps), false);
+      }
+    });
+  });
+  return out;
+}
+
+// act(gate) * up over [N, 2I] (gate | up): [N, I]. act 0: SiLU, 1: GELU with the tanh
+// approximation. The activation is stored in the dtype before the product, as torch's two ops do.
+torch::Tensor act_and_mul(torch::Tensor gate_up, int64_t act) {
+  TORCH_CHECK(gate_up.is_contiguous() && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up: contiguous [N, 2I]");
+  TORCH_CHECK(act == 0 || act == 1, "act: 0 (silu) or 1 (gelu tanh)");
+  const int64_t I = gate_up.size(1) / 2, rows = gate_up.size(0);
+  auto out = torch::empty({rows, I}, gate_up.options());
+  dispatch(gate_up.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    using raw = typename Val<scalar_t>::raw;
+    const raw* gp = static_cast<const raw*>(gate_up.data_ptr());
+    raw* op = static_cast<raw*>(out.data_ptr());
+    at::parallel_for(0, rows, grain(2 * I), [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(I);
+      float* a = buf.data();
+      for (int64_t i = begin; i < end; ++i) {
+        const raw* g = gp + i * 2 * I;
+        const raw* u = g + I;
+        raw* o = op + i * I;
+        for (int64_t d = 0; d < I; ++d) a[d] = Val<scalar_t>::ld(g[d]);
+        if (act == 0) {
+#pragma omp simd
+          for (int64_t d = 0; d < I; ++d) a[d] = a[d] / (1.f + cascade::exp_any(-a[d]));
+        } else {
+#pragma omp simd
+          for (int64_t d = 0; d < I; ++d) {
+            const float x = a[d];
+            const float y = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+            a[d] = 0.5f * x * (2.f - 2.f / (cascade::exp_any(2.f * y) + 1.f));  // 0.5 x (1 + tanh(y))
+          }
+        }
+        for (int64_t d = 0; d < I; ++d) o[d] = Val<scalar_t>::st(round_to<scalar_t>(a[d]) * Val<scalar_t>::ld(u[d]));
+      }
+    });
+  });
+  return out;
+}
+
+// RoPE in place on x [N, heads, D] (rows strided, each head's D contiguous), HF's rotate-half
+// layout: x * cos + cat(-x2, x1) * sin at each row's position, cos/sin [max_pos, D] in float32 or
+// x's dtype (a model moved to bfloat16 moves its tables with it). As the
+// torch path: cos and sin stored in x's dtype, each product stored, then their sum.
+void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "x: [N, heads, D], heads contiguous");
+  TORCH_CHECK(positions.dtype() == torch::kInt64 && positions.is_contiguous() && positions.size(0) == x.size(0),
+              "positions: int64 [N]");
+  TORCH_CHECK((cos.dtype() == torch::kFloat32 || cos.dtype() == x.dtype()) && sin.dtype() == cos.dtype() &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == x.size(2) &&
+                  sin.sizes() == cos.sizes(),
+              "cos/sin: [max_pos, D] in float32 or x's dtype");
+  const bool f32_tables = cos.dtype() == torch::kFloat32;
+  const int64_t N = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2, s0 = x.stride(0);
+  const int64_t max_pos = cos.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i) TORCH_CHECK(pos[i] >= 0 && pos[i] < max_pos, "a position past the RoPE table");
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    using raw = typename Val<scalar_t>::raw;
+    raw* xp = static_cast<raw*>(x.data_ptr());
+    const void* cp = cos.data_ptr();
+    const void* sp = sin.data_ptr();
+    auto table = [&](const void* t, int64_t p, int64_t d) {
+      return f32_tables ? static_cast<const float*>(t)[p * D + d] : Val<scalar_t>::ld(static_cast<const raw*>(t)[p * D + d]);
+    };
+    at::parallel_for(0, N, grain(heads * D), [&](int64_t begin, int64_t end) {
+      std::vector<float> c(D), s(D), a(D);
+      for (int64_t i = begin; i < end; ++i) {
+        for (int64_t d = 0; d < D; ++d) {
+          c[d] = round_to<scalar_t>(table(cp, pos[i], d));
+          const float sv = table(sp, pos[i], d);
+          s[d] = round_to<scalar_t>(d < half ? -sv : sv);  // the rotated first half is negated
+        }
+        for (int64_t h = 0; h < heads; ++h) {
+          raw* v = xp + i * s0 + h * D;
+          for (int64_t d = 0; d < D; ++d) a[d] = Val<scalar_t>::ld(v[d]);
+#pragma omp simd
+          for (int64_t d = 0; d < half; ++d)
+            v[d] = Val<scalar_t>::st(round_to<scalar_t>(a[d] * c[d]) + round_to<scalar_t>(a[d + half] * s[d]));
+#pragma omp simd
+          for (int64_t d = half; d < D; ++d)
+            v[d] = Val<scalar_t>::st(round_to<scalar_t>(a[d] * c[d]) + round_to<scalar_t>(a[d - half] * s[d]));
+        }
+      }
+    });
+  });
+}
+
+void register_layer_ops(pybind11::module& m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (Llama's, or Gemma's with offset)");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x, then Llama's RMSNorm of it");
+  m.def("act_and_mul", &act_and_mul, "silu (0) or gelu-tanh (1) of the gate times up");
+  m.def("rotary_", &rotary_, "RoPE in place, rotate-half layout");
+}

@@ -1,0 +1,114 @@
+"""The compiled CPU element-wise ops (RMSNorm, residual add + RMSNorm, SiLU/GELU times up, RoPE)
+against the torch code they replace, in float32 and bfloat16, on contiguous and strided inputs
+(the views the models hand them), and the torch path taken where the kernels do not apply."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cloud_tier.engine import kernels
+from cloud_tier.engine.models import layers
+
+
+@pytest.fixture(scope="module")
+def native():
+    ext = kernels.load()
+    if ext is None:
+        pytest.skip("the native kernels could not be built here (no compiler)")
+    return ext
+
+
+def _tol(dtype):  # bfloat16: one unit in the last place (reductions sum in another order)
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1.6e-2}
+
+
+def _with(ext, fn):
+    saved = layers._native.get("ext")
+    layers.use_native(ext)
+    try:
+        return fn()
+    finally:
+        layers.use_native(saved)
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm_cls", [layers.RMSNorm, layers.GemmaRMSNorm])
+def test_rms_norm_matches_the_torch_code_on_rows_and_on_strided_heads(native, dtype, norm_cls):
+    g = torch.Generator().manual_seed(1)
+    norm = norm_cls(64, 1e-6)
+    norm.weight.data = torch.randn(64, generator=g) * 0.3 + (0 if norm_cls is layers.GemmaRMSNorm else 1)
+    norm = norm.to(dtype)
+    rows = torch.randn(37, 64, generator=g).to(dtype) * 3
+    heads = torch.randn(5, 6 * 64 + 32, generator=g).to(dtype)[:, :6 * 64].view(5, 6, 64)  # a split's view
+    for x in (rows, heads):
+        ours = _with(native, lambda x=x: norm(x))
+        ref = _with(None, lambda x=x: norm(x))
+        assert ours.shape == ref.shape and ours.dtype == dtype
+        torch.testing.assert_close(ours, ref, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_adds_into_the_residual_and_normalizes_the_sum(native, dtype):
+    g = torch.Generator().manual_seed(2)
+    norm = layers.RMSNorm(576, 1e-5)
+    norm.weight.data = torch.randn(576, generator=g) * 0.2 + 1
+    norm = norm.to(dtype)
+    x, residual = torch.randn(200, 576, generator=g).to(dtype), torch.randn(200, 576, generator=g).to(dtype)
+    r1, r2 = residual.clone(), residual.clone()
+    ours = _with(native, lambda: norm.add_forward(x, r1))
+    ref = _with(None, lambda: norm.add_forward(x, r2))
+    assert torch.equal(r1, r2)  # the add is torch's, rounded the same
+    assert torch.equal(r1, residual + x)
+    torch.testing.assert_close(ours, ref, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_activation_times_up_matches_the_torch_code(native, dtype, act):
+    g = torch.Generator().manual_seed(3)
+    fn = layers.silu_and_mul if act == "silu" else layers.gelu_tanh_and_mul
+    gate_up = (torch.randn(33, 2 * 1536, generator=g) * 4).to(dtype)
+    gate_up[0, :8] = torch.tensor([-100.0, -88.0, -20.0, 0.0, 1e-8, 20.0, 88.0, 100.0]).to(dtype)  # the clamps
+    ours = _with(native, lambda: fn(gate_up.clone()))
+    ref = _with(None, lambda: fn(gate_up.clone()))
+    assert ours.shape == (33, 1536) and ours.dtype == dtype
+    torch.testing.assert_close(ours, ref, **_tol(dtype))
+    gate, up = gate_up.float().split(1536, dim=-1)
+    exact = (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
+    torch.testing.assert_close(ours.float(), exact, atol=1e-4 if dtype == torch.float32 else 5e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype, tables", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                           (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("dim", [64, 128, 48])
+def test_rotary_in_place_matches_the_torch_code_on_the_qkv_view(native, dtype, tables, dim):
+    g = torch.Generator().manual_seed(4)
+    rotary = layers.Rotary(dim, 10000.0, 512).to(tables)  # a model moved to bfloat16 moves its tables too
+    heads, n_kv = 6, 2
+    positions = torch.randint(0, 512, (40,), generator=g)
+    qkv = torch.randn(40, heads + 2 * n_kv, dim, generator=g).to(dtype)
+    ref = _with(None, lambda: layers.apply_rotary(rotary.at(positions, dtype), qkv[:, :heads + n_kv].clone()))
+    view = qkv.clone()[:, :heads + n_kv]
+    ours = _with(native, lambda: layers.apply_rotary(rotary.at(positions, dtype), view))
+    assert ours.data_ptr() == view.data_ptr()  # rotated where it lies
+    torch.testing.assert_close(ours, ref, **_tol(dtype))
+
+
+def test_a_position_past_the_table_is_refused(native):
+    rotary = layers.Rotary(64, 10000.0, 16)
+    x = torch.randn(2, 3, 64)
+    with pytest.raises(RuntimeError, match="position"):
+        _with(native, lambda: layers.apply_rotary(rotary.at(torch.tensor([3, 16]), torch.float32), x))
+
+
+def test_the_torch_path_runs_where_the_kernels_do_not_apply(native):
+    norm = layers.RMSNorm(8, 1e-6)
+    x64 = torch.randn(4, 8, dtype=torch.float64)
+    out = _with(native, lambda: norm.to(torch.float64)(x64))  # float64: no kernel, the torch code
+    assert out.dtype == torch.float64
+    odd = torch.randn(4, 16)[:, ::2]  # last dim strided
+    torch.testing.assert_close(_with(native, lambda: layers.RMSNorm(8, 1e-6)(odd)),
+                               _with(None, lambda: layers.RMSNorm(8, 1e-6)(odd)))
