@@ -192,9 +192,52 @@ void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch:
   });
 }
 
+// Greedy choice per row of logits [N, V] (float32, bfloat16 or float16): (token int64 [N], its
+// logit float32 [N]) by numpy's argmax rule: the first maximum, NaN counted as the maximum (the
+// first NaN wins). One pass reading the row as stored (no float32 copy of the whole batch).
+std::vector<torch::Tensor> argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "logits: [N, V], rows contiguous");
+  const int64_t N = logits.size(0), V = logits.size(1), s0 = logits.stride(0);
+  TORCH_CHECK(V > 0, "an empty vocabulary");
+  auto tokens = torch::empty({N}, torch::kInt64);
+  auto chosen = torch::empty({N}, torch::kFloat32);
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  float* cp = chosen.data_ptr<float>();
+  dispatch(logits.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    using raw = typename Val<scalar_t>::raw;
+    const raw* lp = static_cast<const raw*>(logits.data_ptr());
+    at::parallel_for(0, N, grain(V), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const raw* row = lp + i * s0;
+        float mx = -INFINITY;
+        bool nan = false;
+#pragma omp simd reduction(max : mx) reduction(| : nan)
+        for (int64_t v = 0; v < V; ++v) {
+          const float x = Val<scalar_t>::ld(row[v]);
+          nan |= x != x;
+          mx = std::max(mx, x);
+        }
+        int64_t at = 0;  // all -inf: the first, as numpy
+        for (int64_t v = 0; v < V; ++v) {
+          const float x = Val<scalar_t>::ld(row[v]);
+          if (nan ? x != x : x == mx) {
+            at = v;
+            break;
+          }
+        }
+        tp[i] = at;
+        cp[i] = Val<scalar_t>::ld(row[at]);
+      }
+    });
+  });
+  return {tokens, chosen};
+}
+
 void register_layer_ops(pybind11::module& m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (Llama's, or Gemma's with offset)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x, then Llama's RMSNorm of it");
   m.def("act_and_mul", &act_and_mul, "silu (0) or gelu-tanh (1) of the gate times up");
   m.def("rotary_", &rotary_, "RoPE in place, rotate-half layout");
+  m.def("argmax_rows", &argmax_rows, "greedy token and its logit per row (numpy's argmax rule)");
 }

@@ -23,6 +23,29 @@ namespace {
 using cascade::exp_neg;
 using cascade::Val;
 
+// eight floats: GCC's generic vectors (AVX/AVX-512 registers on x86-64, two SSE halves at worst)
+typedef float v8 __attribute__((vector_size(32)));
+typedef int v8i __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// pairwise sums of a and b, interleaved as AVX's hadd: [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, ...]
+inline v8 hadd(v8 a, v8 b) {
+  return __builtin_shuffle(a, b, v8i{0, 2, 8, 10, 4, 6, 12, 14}) + __builtin_shuffle(a, b, v8i{1, 3, 9, 11, 5, 7, 13, 15});
+}
+
+// r[j] = the sum of a[j]'s lanes: eight dot products finished with seven vector adds, not eight
+// horizontal reductions
+inline v8 sum8(const v8* a) {
+  const v8 lo = hadd(hadd(a[0], a[1]), hadd(a[2], a[3]));
+  const v8 hi = hadd(hadd(a[4], a[5]), hadd(a[6], a[7]));
+  return __builtin_shuffle(lo, hi, v8i{0, 1, 2, 3, 8, 9, 10, 11}) + __builtin_shuffle(lo, hi, v8i{4, 5, 6, 7, 12, 13, 14, 15});
+}
+
 // Two passes per sequence (or per kv head, when there are too few sequences to keep every
 // thread busy): every score of its heads, one pass over K in cache order (a block's rows of all kv
 // heads are contiguous, so it streams), each K row converted once for the G query heads sharing
@@ -44,7 +67,8 @@ void decode_d(const void* q_, int64_t q_stride, const void* kc_, const void* vc_
   const int64_t split = B >= 2 * at::get_num_threads() ? 1 : KVH;  // kv-head groups per sequence
   const int64_t per = KVH / split;
   at::parallel_for(0, B * split, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(per * G * max_len), qs(per * G * D), row(D), acc(per * G * D);
+    std::vector<float> s(per * G * max_len), qs(per * G * D), row(D), acc(per * G * D), kbuf(8 * D);
+    std::vector<int64_t> slots(max_len);
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / split, k0 = (idx % split) * per;
       const int64_t L = lens[b];
@@ -54,8 +78,45 @@ void decode_d(const void* q_, int64_t q_stride, const void* kc_, const void* vc_
       for (int64_t i = 0; i < per * G * D; ++i) qs[i] = Val<QT>::ld(qb[i]) * scale;
       const int64_t* table = tables + b * max_blocks;
       float* rw = row.data();
-      for (int64_t p = start; p < L; ++p) {
-        const int64_t slot = table[p / bs] * bs + p % bs;
+      int64_t* sl = slots.data();  // each token's cache slot, walked block by block (no division per token)
+      for (int64_t p = start, blk = start / bs, off = start % bs; p < L; ++p) {
+        sl[p - start] = table[blk] * bs + off;
+        if (++off == bs) off = 0, ++blk;
+      }
+      int64_t p = start;
+      if (D % 8 == 0) {  // eight tokens at a time: their K rows as float32, then 8 dot products per head at once
+        for (; p < L; p += 8) {
+          const int64_t m = std::min<int64_t>(8, L - p);
+          for (int64_t kh = 0; kh < per; ++kh) {
+            for (int64_t j = 0; j < 8; ++j) {
+              float* kr = kbuf.data() + j * D;
+              if (j >= m) {
+                std::fill(kr, kr + D, 0.f);
+                continue;
+              }
+              const int64_t slot = sl[p + j - start];
+              const int64_t r = slot * KVH + k0 + kh;
+              const raw* kp = kc + r * D;
+              const float k_scale = ks ? ks[r] : 1.f;
+#pragma omp simd
+              for (int64_t d = 0; d < D; ++d) kr[d] = Val<scalar_t>::ld(kp[d]) * k_scale;
+            }
+            for (int64_t g = 0; g < G; ++g) {
+              const float* qg = qs.data() + (kh * G + g) * D;
+              v8 dots[8] = {};
+              for (int64_t c = 0; c < D; c += 8) {
+                const v8 qv = load8(qg + c);
+                for (int64_t j = 0; j < 8; ++j) dots[j] += qv * load8(kbuf.data() + j * D + c);
+              }
+              const v8 sums = sum8(dots);
+              float* sg = s.data() + (kh * G + g) * n + (p - start);
+              for (int64_t j = 0; j < m; ++j) sg[j] = sums[j];
+            }
+          }
+        }
+      }
+      for (; p < L; ++p) {  // a head dim that is not a multiple of 8: one token at a time
+        const int64_t slot = sl[p - start];
         for (int64_t kh = 0; kh < per; ++kh) {
           const int64_t r = slot * KVH + k0 + kh;
           const raw* kp = kc + r * D;
@@ -87,7 +148,7 @@ void decode_d(const void* q_, int64_t q_stride, const void* kc_, const void* vc_
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t p = start; p < L; ++p) {
-        const int64_t slot = table[p / bs] * bs + p % bs;
+        const int64_t slot = sl[p - start];
         for (int64_t kh = 0; kh < per; ++kh) {
           const int64_t r = slot * KVH + k0 + kh;
           const raw* vp = vc + r * D;

@@ -112,3 +112,24 @@ def test_the_torch_path_runs_where_the_kernels_do_not_apply(native):
     odd = torch.randn(4, 16)[:, ::2]  # last dim strided
     torch.testing.assert_close(_with(native, lambda: layers.RMSNorm(8, 1e-6)(odd)),
                                _with(None, lambda: layers.RMSNorm(8, 1e-6)(odd)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_greedy_argmax_follows_numpys_rule_on_ties_nan_and_infinities(native, dtype):
+    from cloud_tier.engine.sampler import _greedy
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(9, 49152, generator=g).to(dtype)
+    logits[1, [7, 300]] = 50.0  # a tie: the first
+    logits[2, [10, 20]] = float("nan")  # NaN wins, the first one
+    logits[2, 5] = float("inf")
+    logits[3, 4000] = float("inf")
+    logits[4] = float("-inf")  # nothing finite
+    logits[5, 0] = 99.0  # at the edges
+    logits[6, -1] = 99.0
+    ours, reference = _greedy(logits, native), _greedy(logits, None)
+    assert ours.token_ids == reference.token_ids
+    assert ours.token_ids[1] == 7 and ours.token_ids[2] == 10 and ours.token_ids[5] == 0
+    assert ours.token_ids[6] == 49151
+    assert ours.errors == reference.errors and set(ours.errors) == {2, 3, 4}
+    assert _greedy(logits[3:5], native).token_ids == [4000, 0]  # a row view of the batch
