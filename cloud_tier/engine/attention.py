@@ -135,8 +135,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """q [N, H, D], k/v [N, KVH, D] for the new tokens; caches [slots, KVH, D]. Returns [N, H, D]."""
     if window is not None and meta.windowed is not None:
         meta = meta.windowed  # this layer's caches are the sliding-window group's
-    _write(k_cache, meta.slot_mapping, k)
-    _write(v_cache, meta.slot_mapping, v)
+    if (meta.native is not None and not isinstance(k_cache, Int8KV) and k.dtype == k_cache.dtype
+            and _heads_contiguous(k) and _heads_contiguous(v)):
+        meta.native.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)  # both in one pass
+    else:
+        _write(k_cache, meta.slot_mapping, k)
+        _write(v_cache, meta.slot_mapping, v)
     gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q)
     for group in meta.decodes:
@@ -167,6 +171,10 @@ def _decode(q, k_cache, v_cache, group: DecodeGroup, scale, window, gqa) -> torc
     o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=group.masks[window],
                                        scale=scale, enable_gqa=gqa)  # [B, H, 1, D]
     return o.squeeze(2)
+
+
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 def _write(cache: KVCache, slots: torch.Tensor, x: torch.Tensor) -> None:

@@ -60,6 +60,7 @@ class ModelRunner:
             self.native_attention = kernels.load()
             layers.use_native(self.native_attention)  # the element-wise ops from the same extension
             self.sampler.native = self.native_attention
+            layers.pack_linears(model)  # bfloat16: the weights packed once for oneDNN
 
     @staticmethod
     def bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype,

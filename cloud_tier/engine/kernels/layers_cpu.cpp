@@ -234,10 +234,41 @@ std::vector<torch::Tensor> argmax_rows(torch::Tensor logits) {
   return {tokens, chosen};
 }
 
+// The step's new K and V rows into their cache slots: k/v [N, KVH, D] (rows strided, e.g. views
+// of the qkv projection; each row's heads contiguous), caches [slots, KVH, D] of their dtype.
+void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && k.stride(1) == k.size(2) &&
+                  v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "k, v: [N, KVH, D], each row's heads contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.dim() == 3 && k_cache.size(1) == k.size(1) && k_cache.size(2) == k.size(2),
+              "caches: contiguous [slots, KVH, D]");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "k, v and the caches of one dtype");
+  TORCH_CHECK(slots.dtype() == torch::kInt64 && slots.is_contiguous() && slots.size(0) == k.size(0), "slots: int64 [N]");
+  const int64_t N = k.size(0), row = k.size(1) * k.size(2), num_slots = k_cache.size(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "a slot outside the cache");
+  const int64_t bytes = row * k.element_size();
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
+  at::parallel_for(0, N, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, 2 * bytes)), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      std::memcpy(kc + sp[i] * bytes, kp + i * ks, bytes);
+      std::memcpy(vc + sp[i] * bytes, vp + i * vs, bytes);
+    }
+  });
+}
+
 void register_layer_ops(pybind11::module& m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (Llama's, or Gemma's with offset)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x, then Llama's RMSNorm of it");
   m.def("act_and_mul", &act_and_mul, "silu (0) or gelu-tanh (1) of the gate times up");
   m.def("rotary_", &rotary_, "RoPE in place, rotate-half layout");
+  m.def("store_kv", &store_kv, "the new K/V rows into their cache slots");
   m.def("argmax_rows", &argmax_rows, "greedy token and its logit per row (numpy's argmax rule)");
 }

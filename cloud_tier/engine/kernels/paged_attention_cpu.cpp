@@ -46,6 +46,22 @@ inline v8 sum8(const v8* a) {
   return __builtin_shuffle(lo, hi, v8i{0, 1, 2, 3, 8, 9, 10, 11}) + __builtin_shuffle(lo, hi, v8i{4, 5, 6, 7, 12, 13, 14, 15});
 }
 
+// the largest of x[0..n) (-inf for none), eight lanes at a time (a scalar max chain waits on
+// each compare; GCC vectorizes no float max reduction without -ffinite-math-only)
+inline float max_of(const float* x, int64_t n) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  v8 m = {neg_inf, neg_inf, neg_inf, neg_inf, neg_inf, neg_inf, neg_inf, neg_inf};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const v8 v = load8(x + i);
+    m = v > m ? v : m;
+  }
+  float mx = neg_inf;
+  for (int64_t j = 0; j < 8; ++j) mx = std::max(mx, m[j]);
+  for (; i < n; ++i) mx = std::max(mx, x[i]);
+  return mx;
+}
+
 // Two passes per sequence (or per kv head, when there are too few sequences to keep every
 // thread busy): every score of its heads, one pass over K in cache order (a block's rows of all kv
 // heads are contiguous, so it streams), each K row converted once for the G query heads sharing
@@ -134,8 +150,7 @@ void decode_d(const void* q_, int64_t q_stride, const void* kc_, const void* vc_
       }
       for (int64_t h = 0; h < per * G; ++h) {
         float* sh = s.data() + h * n;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sh[i]);
+        float mx = max_of(sh, n);
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < n; ++i) {
@@ -147,7 +162,35 @@ void decode_d(const void* q_, int64_t q_stride, const void* kc_, const void* vc_
         for (int64_t i = 0; i < n; ++i) sh[i] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p = start; p < L; ++p) {
+      p = start;
+      if constexpr (FIXED_D > 0) {  // eight tokens at a time: their V rows as float32, each head's output in registers
+        constexpr int64_t C = FIXED_D / 8;
+        for (; p < L; p += 8) {
+          const int64_t m = std::min<int64_t>(8, L - p);
+          for (int64_t kh = 0; kh < per; ++kh) {
+            for (int64_t j = 0; j < m; ++j) {
+              const int64_t r = sl[p + j - start] * KVH + k0 + kh;
+              const raw* vp = vc + r * D;
+              const float v_scale = vs ? vs[r] : 1.f;
+              float* vr = kbuf.data() + j * D;
+#pragma omp simd
+              for (int64_t d = 0; d < D; ++d) vr[d] = Val<scalar_t>::ld(vp[d]) * v_scale;
+            }
+            for (int64_t g = 0; g < G; ++g) {
+              const float* w = s.data() + (kh * G + g) * n + (p - start);
+              float* a = acc.data() + (kh * G + g) * D;
+              v8 o[C];
+              for (int64_t c = 0; c < C; ++c) o[c] = load8(a + 8 * c);
+              for (int64_t j = 0; j < m; ++j) {
+                const float wj = w[j];
+                for (int64_t c = 0; c < C; ++c) o[c] += wj * load8(kbuf.data() + j * D + 8 * c);
+              }
+              std::memcpy(a, o, sizeof o);
+            }
+          }
+        }
+      }
+      for (; p < L; ++p) {
         const int64_t slot = sl[p - start];
         for (int64_t kh = 0; kh < per; ++kh) {
           const int64_t r = slot * KVH + k0 + kh;

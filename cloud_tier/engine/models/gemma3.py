@@ -4,11 +4,18 @@ bases, q/k RMSNorm, GeGLU, sandwich norms, scaled embeddings."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cloud_tier.engine.attention import AttentionMetadata, paged_attention
-from cloud_tier.engine.models.layers import GemmaRMSNorm, Rotary, apply_rotary, gelu_tanh_and_mul, rope_theta
+from cloud_tier.engine.models.layers import (
+    GemmaRMSNorm,
+    Linear,
+    Rotary,
+    apply_rotary,
+    gelu_tanh_and_mul,
+    head_linear,
+    rope_theta,
+)
 
 
 def layer_types(c: dict) -> list[str]:
@@ -26,8 +33,8 @@ class Gemma3Attention(nn.Module):
         self.n_kv = c["num_key_value_heads"]
         self.head_dim = c["head_dim"]
         bias = c.get("attention_bias", False)
-        self.qkv_proj = nn.Linear(c["hidden_size"], (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, c["hidden_size"], bias=bias)
+        self.qkv_proj = Linear(c["hidden_size"], (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, c["hidden_size"], bias=bias)
         self.q_norm = GemmaRMSNorm(self.head_dim, c["rms_norm_eps"])
         self.k_norm = GemmaRMSNorm(self.head_dim, c["rms_norm_eps"])
         self.scale = c["query_pre_attn_scalar"] ** -0.5
@@ -53,8 +60,8 @@ class Gemma3MLP(nn.Module):
         if c.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
             raise NotImplementedError(f"activation {c['hidden_activation']!r}")
         self.inter = c["intermediate_size"]
-        self.gate_up_proj = nn.Linear(c["hidden_size"], 2 * self.inter, bias=False)
-        self.down_proj = nn.Linear(self.inter, c["hidden_size"], bias=False)
+        self.gate_up_proj = Linear(c["hidden_size"], 2 * self.inter, bias=False)
+        self.down_proj = Linear(self.inter, c["hidden_size"], bias=False)
 
     def forward(self, x):
         return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
@@ -88,7 +95,7 @@ class Gemma3ForCausalLM(nn.Module):
         self.layers = nn.ModuleList(Gemma3Layer(c, t) for t in types)
         self.norm = GemmaRMSNorm(c["hidden_size"], c["rms_norm_eps"])
         tied = c.get("tie_word_embeddings", True)
-        self.lm_head = None if tied else nn.Linear(c["hidden_size"], c["vocab_size"], bias=False)
+        self.lm_head = None if tied else Linear(c["hidden_size"], c["vocab_size"], bias=False)
         self.rotary_local = _rotary(c, "sliding_attention", max_pos)
         self.rotary_global = _rotary(c, "full_attention", max_pos)
         self.softcap = c.get("final_logit_softcapping")
@@ -115,7 +122,7 @@ class Gemma3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        logits = head_linear(self, hidden, weight)
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cloud_tier.engine.attention import AttentionMetadata, paged_attention
-from cloud_tier.engine.models.layers import RMSNorm, Rotary, apply_rotary, rope_theta, silu_and_mul
+from cloud_tier.engine.models.layers import Linear, RMSNorm, Rotary, apply_rotary, head_linear, rope_theta, silu_and_mul
 
 
 class LlamaAttention(nn.Module):
@@ -18,8 +17,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = c.get("head_dim") or c["hidden_size"] // self.n_heads
         bias = c.get("attention_bias", False)
         # q, k and v in one matmul (filled from q_proj/k_proj/v_proj at load time)
-        self.qkv_proj = nn.Linear(c["hidden_size"], (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, c["hidden_size"], bias=False)
+        self.qkv_proj = Linear(c["hidden_size"], (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, c["hidden_size"], bias=False)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, rope, kv, meta):
@@ -34,8 +33,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, c: dict):
         super().__init__()
         self.inter = c["intermediate_size"]
-        self.gate_up_proj = nn.Linear(c["hidden_size"], 2 * self.inter, bias=False)
-        self.down_proj = nn.Linear(self.inter, c["hidden_size"], bias=False)
+        self.gate_up_proj = Linear(c["hidden_size"], 2 * self.inter, bias=False)
+        self.down_proj = Linear(self.inter, c["hidden_size"], bias=False)
 
     def forward(self, x):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -68,7 +67,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaLayer(c) for _ in range(c["num_hidden_layers"]))
         self.norm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
         self.tie_word_embeddings = c.get("tie_word_embeddings", False)
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(c["hidden_size"], c["vocab_size"], bias=False)
+        self.lm_head = None if self.tie_word_embeddings else Linear(c["hidden_size"], c["vocab_size"], bias=False)
         head_dim = self.layers[0].self_attn.head_dim
         theta, scaling = rope_theta(c)
         self.rotary = Rotary(head_dim, theta, max_pos, scaling)
@@ -96,4 +95,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return head_linear(self, hidden, weight)
