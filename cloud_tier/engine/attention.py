@@ -19,6 +19,12 @@ import torch.nn.functional as F
 
 from cloud_tier.engine.kv_quant import Int8KV
 
+# with the native kernel, prefill chunks of contexts up to this many tokens run in it too (its cost
+# grows with query x context, SDPA's is GEMM-shaped but ~0.23 ms a call for a 50-token prompt on 2
+# cores). The prefill of the 200 ShareGPT prompts of bench/engine_throughput.py (bf16, AMX Xeon):
+# SDPA for all 6.16 s; up to 40 tokens 5.73, 96: 5.55, 256: 5.25, 1024: 6.97
+NATIVE_PREFILL_MAX = 256
+
 
 @dataclass
 class PrefillChunk:
@@ -50,10 +56,14 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, chunks: list[tuple[int, int, list[int]]], block_size: int, windows: set[int | None],
-              device: torch.device, native: object | None = None) -> AttentionMetadata:
+              device: torch.device, native: object | None = None,
+              native_prefill_max: int = NATIVE_PREFILL_MAX) -> AttentionMetadata:
         """``chunks``: per request in batch order (num_computed_before, num_new, block_ids).
         Computed with numpy over the whole batch: a step of 200 decodes builds in well under a
-        millisecond, where a few small torch ops per request took several."""
+        millisecond, where a few small torch ops per request took several. With the native
+        kernel, a prefill chunk whose context is at most ``native_prefill_max`` tokens goes to it
+        as well, each of its rows a query over the positions up to its own (one kernel call for
+        the step instead of an SDPA per prompt)."""
         starts = np.fromiter((c[0] for c in chunks), np.int64, len(chunks))
         counts = np.fromiter((c[1] for c in chunks), np.int64, len(chunks))
         tables = _padded_tables([c[2] for c in chunks])
@@ -62,19 +72,21 @@ class AttentionMetadata:
         positions = np.arange(int(counts.sum())) - np.repeat(first_rows - starts, counts)
         slot_mapping = tables[rows_req, positions // block_size] * block_size + positions % block_size
         ctx = starts + counts
+        by_kernel = (counts == 1) | (ctx <= native_prefill_max) if native else counts == 1  # per request
         prefills = []
-        for i in np.flatnonzero(counts > 1).tolist():
+        for i in np.flatnonzero(~by_kernel).tolist():
             all_pos = np.arange(ctx[i])
             slots = torch.from_numpy(tables[i, all_pos // block_size] * block_size + all_pos % block_size)
             masks = {w: _prefill_mask(int(counts[i]), int(ctx[i]), w, device) for w in windows}
             prefills.append(PrefillChunk(int(first_rows[i]), int(counts[i]), int(ctx[i]), slots.to(device), masks))
-        decodes = np.flatnonzero(counts == 1)
-        if native and len(decodes):
-            buckets = [decodes]
+        if native:  # one group of rows in batch order: each row attends up to its own position
+            rows = np.flatnonzero(by_kernel[rows_req])
+            groups = [_decode_group(rows, tables[rows_req[rows]], positions[rows] + 1, block_size, set(), device)
+                      ] if len(rows) else []
         else:
+            decodes = np.flatnonzero(counts == 1)
             buckets = [np.sort(decodes[b]) for b in _buckets(ctx[decodes].tolist())]
-        masked = windows if native is None else set()  # the kernel masks by itself
-        groups = [_decode_group(first_rows[b], tables[b], ctx[b], block_size, masked, device) for b in buckets]
+            groups = [_decode_group(first_rows[b], tables[b], ctx[b], block_size, windows, device) for b in buckets]
         return cls(torch.from_numpy(slot_mapping).to(device), torch.from_numpy(positions).to(device), groups,
                    prefills, native)
 
@@ -152,9 +164,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         else:
             out[group.rows] = _decode(q[group.rows], k_cache, v_cache, group, scale, window, gqa)
     for p in meta.prefills:
-        qp = q[p.start:p.start + p.query_len].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-        kp = _rows(k_cache, p.slots, q.dtype).transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
-        vp = _rows(v_cache, p.slots, q.dtype).transpose(0, 1).unsqueeze(0)
+        rows = slice(p.start, p.start + p.query_len)
+        qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        if p.context_len == p.query_len and not isinstance(k_cache, Int8KV):  # nothing before it: the rows just stored
+            kp, vp = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
+        else:
+            kp = _rows(k_cache, p.slots, q.dtype).transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
+            vp = _rows(v_cache, p.slots, q.dtype).transpose(0, 1).unsqueeze(0)
         mask = p.masks[window]
         o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None,
                                            scale=scale, enable_gqa=gqa)
