@@ -29,6 +29,7 @@ from pathlib import Path
 from gateway_vllm import MODEL, client_args, run_client, write_sharegpt
 
 from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
+from cloud_tier.worker.processes import worker_omp_env
 
 REPO = Path(__file__).resolve().parent.parent
 FIGURES = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms")
@@ -39,8 +40,9 @@ def start_vllm(args, model_dir: Path, work: Path) -> tuple[subprocess.Popen, str
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
            "--max-model-len", "2048", "--max-num-seqs", str(args.max_num_seqs)]
+    # the OpenMP wait policy our worker gets (cloud_tier.worker.processes.worker_omp_env)
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
-           "VLLM_NO_USAGE_STATS": "1"}
+           "VLLM_NO_USAGE_STATS": "1", **worker_omp_env(os.cpu_count() or 1)}
     return spawn(cmd, env=env, log=work / "vllm.log", cwd=work), f"http://127.0.0.1:{port}", "unused"
 
 

@@ -36,11 +36,12 @@ def cascade_command(*args: str, log_level: str | None = "WARNING") -> list[str]:
     return [*CASCADE, *(("--log-level", log_level) if log_level else ()), *args]
 
 
-def spawn(cmd: list[str], env: dict[str, str] | None = None, log: Path | None = None,
+def spawn(cmd: list[str], env: dict[str, str | None] | None = None, log: Path | None = None,
           cwd: str | os.PathLike | None = None, die_with_parent: bool = False) -> subprocess.Popen:
     """Start ``cmd`` in a process group of its own (so ``stop`` ends its children too), with
-    OpenMP threads that do not spin-wait, its output to ``log`` (else inherited)."""
-    full_env = {**os.environ, "OMP_WAIT_POLICY": "passive", **(env or {})}
+    OpenMP threads that do not spin-wait (unless ``env`` says otherwise; a None value removes a
+    variable), its output to ``log`` (else inherited)."""
+    full_env = {k: v for k, v in {**os.environ, "OMP_WAIT_POLICY": "passive", **(env or {})}.items() if v is not None}
     out = open(log, "ab") if log is not None else None  # noqa: SIM115 (the child keeps it)
     try:
         return subprocess.Popen(cmd, env=full_env, cwd=cwd, stdout=out,

@@ -13,8 +13,10 @@ import cascade
 from cascade.cli_help import DefaultsHelp
 from cascade.units import format_size
 
-# Every process we start: OpenMP threads (llama.cpp, torch) must not spin-wait on 2 cores.
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+# Every process we start: OpenMP threads (llama.cpp, torch) must not spin-wait on 2 cores, unless
+# given a bounded spin (GOMP_SPINCOUNT: what `cascade cloud serve` gives a worker of 2+ threads).
+if "GOMP_SPINCOUNT" not in os.environ:
+    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 
 def _edge_overrides(args) -> dict:
