@@ -265,10 +265,10 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 }
 
 void register_layer_ops(pybind11::module& m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (Llama's, or Gemma's with offset)");
-  m.def("add_rms_norm", &add_rms_norm, "residual += x, then Llama's RMSNorm of it");
-  m.def("act_and_mul", &act_and_mul, "silu (0) or gelu-tanh (1) of the gate times up");
-  m.def("rotary_", &rotary_, "RoPE in place, rotate-half layout");
-  m.def("store_kv", &store_kv, "the new K/V rows into their cache slots");
-  m.def("argmax_rows", &argmax_rows, "greedy token and its logit per row (numpy's argmax rule)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (Llama's, or Gemma's with offset)", pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("add_rms_norm", &add_rms_norm, "residual += x, then Llama's RMSNorm of it", pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("act_and_mul", &act_and_mul, "silu (0) or gelu-tanh (1) of the gate times up", pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("rotary_", &rotary_, "RoPE in place, rotate-half layout", pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("store_kv", &store_kv, "the new K/V rows into their cache slots", pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("argmax_rows", &argmax_rows, "greedy token and its logit per row (numpy's argmax rule)", pybind11::call_guard<pybind11::gil_scoped_release>());
 }

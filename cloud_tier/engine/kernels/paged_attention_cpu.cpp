@@ -305,10 +305,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode-time paged attention reading K/V blocks in place",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("tables"),
         pybind11::arg("lens"), pybind11::arg("scale"), pybind11::arg("window"), pybind11::arg("block_size"),
-        pybind11::arg("out") = pybind11::none());
+        pybind11::arg("out") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("paged_decode_int8", &paged_decode_int8, "the same over an int8 cache with per-row float32 scales",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("k_scale"), pybind11::arg("v_cache"),
         pybind11::arg("v_scale"), pybind11::arg("tables"), pybind11::arg("lens"), pybind11::arg("scale"),
-        pybind11::arg("window"), pybind11::arg("block_size"), pybind11::arg("out") = pybind11::none());
+        pybind11::arg("window"), pybind11::arg("block_size"), pybind11::arg("out") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
   register_layer_ops(m);
 }
