@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from cloud_tier.engine.attention import AttentionMetadata, paged_attention
-from cloud_tier.engine.kernels import paged_attention as kernels
 from cloud_tier.engine.kv_quant import Int8KV, dequantize, pack, quantize, unpack
 from cloud_tier.engine.model_runner import ModelRunner
 from cloud_tier.engine.models.llama import LlamaForCausalLM
@@ -115,13 +114,6 @@ def _decode_batch(n_kv: int, window: int | None, native):
     q, k, v = torch.randn(3, heads, dim), torch.randn(3, n_kv, dim), torch.randn(3, n_kv, dim)
     return q, k, v, k_cache, v_cache, meta
 
-
-@pytest.fixture(scope="module")
-def native():
-    ext = kernels.load()
-    if ext is None:
-        pytest.skip("the native kernel could not be built here (no compiler)")
-    return ext
 
 
 @pytest.mark.parametrize("n_kv, window", [(4, None), (2, None), (1, 5)])
