@@ -148,7 +148,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if window is not None and meta.windowed is not None:
         meta = meta.windowed  # this layer's caches are the sliding-window group's
     if (meta.native is not None and not isinstance(k_cache, Int8KV) and k.dtype == k_cache.dtype
-            and _heads_contiguous(k) and _heads_contiguous(v)):
+            and heads_contiguous(k) and heads_contiguous(v)):
         meta.native.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)  # both in one pass
     else:
         _write(k_cache, meta.slot_mapping, k)
@@ -189,7 +189,9 @@ def _decode(q, k_cache, v_cache, group: DecodeGroup, scale, window, gqa) -> torc
     return o.squeeze(2)
 
 
-def _heads_contiguous(x: torch.Tensor) -> bool:
+def heads_contiguous(x: torch.Tensor) -> bool:
+    """x [N, heads, D] with each row's heads contiguous (rows may be strided): the layout the CPU
+    kernels read and write in place."""
     return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 

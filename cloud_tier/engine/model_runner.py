@@ -50,7 +50,6 @@ class ModelRunner:
         self.separate_windows = bool(num_window_blocks) and any(w is not None for w in model.layer_windows())
         self.window_block_ids = window_block_ids
         self.windows = model.sliding_windows()
-        self.sampler = Sampler(seed, device)
         self.keep_logits = False
         self.native_attention = None
         if device.type == "cpu":
@@ -59,8 +58,8 @@ class ModelRunner:
 
             self.native_attention = kernels.load()
             layers.use_native(self.native_attention)  # the element-wise ops from the same extension
-            self.sampler.native = self.native_attention
             layers.pack_linears(model)  # bfloat16: the weights packed once for oneDNN
+        self.sampler = Sampler(seed, device, self.native_attention)
 
     @staticmethod
     def bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype,

@@ -7,11 +7,14 @@ reference the kernels are tested against."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from cloud_tier.engine.attention import heads_contiguous
 
 _native: dict[str, object] = {}  # "ext": the loaded CPU kernels, once use_native gave them
 
@@ -28,6 +31,12 @@ def _ext(x: torch.Tensor):
     return _native.get("ext") if x.device.type == "cpu" and x.dtype != torch.float64 else None
 
 
+def _norm_ext(x: torch.Tensor, weight: torch.Tensor):
+    """The kernels, where an RMSNorm of ``x`` (rows, or heads of strided rows) can run in them."""
+    ext = _ext(x)
+    return ext if ext is not None and weight.dtype == x.dtype and x.dim() in (2, 3) and x.stride(-1) == 1 else None
+
+
 PACKED_MAX_ROWS = 512  # above it (prefill chunks) F.linear was as fast or faster here
 
 
@@ -40,19 +49,21 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS and x.dtype == self.weight.dtype
-                and x.device.type == "cpu"):
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return _linear(x, self.weight, self.bias, self.packed)
 
 
 def head_linear(model: nn.Module, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The LM head's product (``weight``: the head's, or the tied embedding's), packed as the layers'."""
-    packed = getattr(model, "packed_head", None)
-    if (packed is not None and hidden.dim() == 2 and hidden.shape[0] <= PACKED_MAX_ROWS and hidden.dtype == weight.dtype
-            and hidden.device.type == "cpu"):
-        return torch.ops.mkldnn._linear_pointwise(hidden, packed, None, "none", [], "")
-    return F.linear(hidden, weight)
+    return _linear(hidden, weight, None, getattr(model, "packed_head", None))
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            packed: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias): through the packed copy where it applies, else F.linear."""
+    if (packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS and x.dtype == weight.dtype
+            and x.device.type == "cpu"):
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 def pack_linears(model: nn.Module, rows_hint: int = 256) -> int:
@@ -60,20 +71,19 @@ def pack_linears(model: nn.Module, rows_hint: int = 256) -> int:
     how many were packed (0 where it does not apply: another dtype or device, no oneDNN, or
     CASCADE_ENGINE_PACKED_LINEAR=0). float32 stays on F.linear: the packed product differs there
     in the last bits and was not faster at every batch."""
-    import os
-
     if os.environ.get("CASCADE_ENGINE_PACKED_LINEAR", "1") in ("0", "false", "no"):
         return 0
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
     if reorder is None or not torch.backends.mkldnn.is_available():
         return 0
-    head = model.embed_tokens.weight if getattr(model, "lm_head", None) is None else model.lm_head.weight
+    lm_head = getattr(model, "lm_head", None)
+    head = model.embed_tokens.weight if lm_head is None else lm_head.weight
     if head.device.type != "cpu" or head.dtype != torch.bfloat16:
         return 0
     count = 0
     with torch.inference_mode():
         for m in model.modules():
-            if isinstance(m, Linear) and m is not getattr(model, "lm_head", None):  # the head: packed_head
+            if isinstance(m, Linear) and m is not lm_head:  # the head: packed_head
                 m.packed = reorder(m.weight.detach(), rows_hint)
                 count += 1
         model.packed_head = reorder(head.detach(), rows_hint)
@@ -89,8 +99,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ext = _ext(x)
-        if ext is not None and self.weight.dtype == x.dtype and x.dim() in (2, 3) and x.stride(-1) == 1:
+        ext = _norm_ext(x, self.weight)
+        if ext is not None:
             return ext.rms_norm(x, self.weight, self.eps, False)
         return self.weight * _normalized(x, self.eps).to(x.dtype)
 
@@ -114,8 +124,8 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ext = _ext(x)
-        if ext is not None and self.weight.dtype == x.dtype and x.dim() in (2, 3) and x.stride(-1) == 1:
+        ext = _norm_ext(x, self.weight)
+        if ext is not None:
             return ext.rms_norm(x, self.weight, self.eps, True)
         return (_normalized(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
@@ -187,7 +197,7 @@ def apply_rotary(rope: RopeAt, x: torch.Tensor) -> torch.Tensor:
     """x [N, heads, D] rotated in HF's rotate-half layout: x * cos + cat(-x2, x1) * sin. On a CPU
     with the kernels, and x's heads contiguous, x is rotated in place (and returned)."""
     ext = _ext(x)
-    if ext is not None and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+    if ext is not None and heads_contiguous(x):
         ext.rotary_(x, rope.positions, rope.rotary.cos, rope.rotary.sin)
         return x
     cos, signed_sin = rope.pair()
