@@ -110,8 +110,9 @@ def client_args(args, model_dir: Path, dataset: Path) -> list[str]:
             "--save-detailed"]  # keeps the per-request TTFTs (and errors) in the result
 
 
-def run_client(args, common: list[str], runs: list[dict], work: Path) -> list[dict]:
-    """All runs in one client process (vLLM's import takes ~40 s here); its output to client.log."""
+def run_client(args, common: list[str], runs: list[dict], work: Path, on_result=None) -> list[dict]:
+    """All runs in one client process (vLLM's import takes ~40 s here); its output to client.log.
+    ``on_result(r)``, when given, is called as each run's result arrives."""
     (work / "client.py").write_text(CLIENT)
     (work / "runs.json").write_text(json.dumps({"common": common, "runs": runs}))
     results = []
@@ -123,6 +124,8 @@ def run_client(args, common: list[str], runs: list[dict], work: Path) -> list[di
             log.write(line)
             if line.startswith("RESULT "):
                 r = json.loads(line[len("RESULT "):])
+                if on_result is not None:
+                    on_result(r)
                 results.append(r)
                 print(f"  rate {r['rate']:>4} {r['path']:<8} {r['completed']} ok, {r['failed']} failed, "
                       f"TTFT p50 {r['p50_ttft_ms']:.1f} ms", flush=True)

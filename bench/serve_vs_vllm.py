@@ -3,14 +3,18 @@ client neither of us wrote: vLLM's own `vllm bench serve` (ShareGPT, Poisson arr
 streamed chat, greedy with ignore_eos so every request generates --output-len tokens).
 
     .venv/bin/python bench/serve_vs_vllm.py [--num-prompts 100] [--output-len 128] [--rates 1,4,inf]
-        [--dtype bfloat16] [--goodput-ttft-ms 2000 --goodput-tpot-ms 200] [--plot serve.png]
+        [--repeat 1] [--dtype bfloat16] [--goodput-ttft-ms 2000 --goodput-tpot-ms 200] [--plot serve.png]
         [--vllm-python ~/.cache/cascade/vllm-venv/bin/python] [--out results.json]
 
-Both servers get the whole machine in turn (one runs while the other is stopped), the same
-max_num_seqs and the same model dtype; prefix caching on in both (the ShareGPT prompts share little).
-Prints TTFT and TPOT p50/p99, throughput and goodput (requests meeting both targets per second,
-vLLM's --goodput) per rate and system, and the ratios; the goal of issue 17 is ours at or below
-vLLM's TTFT/TPOT p50/p99 at every rate. --plot writes a PNG of the four latency figures by rate.
+With --repeat 1 each server gets the machine alone (one runs while the other is stopped). With
+--repeat N > 1 both stay up and the runs interleave (rate 1: vLLM, ours; rate 4: vLLM, ours; ...;
+then again, the order of the two swapped each round), so a slow spell of a shared VM falls on both;
+the tables give each figure's median over the rounds, each round's ratios, and the CPU seconds the
+idle server used while the other ran. The same max_num_seqs and model dtype for both; prefix
+caching on in both (the ShareGPT prompts share little). Prints TTFT and TPOT p50/p99, throughput and
+goodput (requests meeting both targets per second, vLLM's --goodput) per rate and system, and the
+ratios; the goal of issue 17 is ours at or below vLLM's TTFT/TPOT p50/p99 at every rate. --plot
+writes a PNG of the four latency figures by rate.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,7 +31,7 @@ from pathlib import Path
 
 # run as `.venv/bin/python bench/serve_vs_vllm.py`: sys.path[0] is bench/, so its sibling module
 # imports by its bare name
-from gateway_vllm import MODEL, client_args, run_client, write_sharegpt
+from gateway_vllm import MODEL, client_args, cpu_seconds, run_client, write_sharegpt
 
 from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
 from cloud_tier.worker.processes import worker_omp_env
@@ -60,6 +65,117 @@ def start_cascade(args, work: Path) -> tuple[subprocess.Popen, str, str]:
     proc = spawn(cascade_command("cloud", "serve", "--port", str(port), "--both", "1", "--max-model-len", "2048"),
                  env=env, log=work / "cascade.log", cwd=REPO)
     return proc, f"http://127.0.0.1:{port}", key
+
+
+def start(args, system: str, model_dir: Path, work: Path) -> tuple[subprocess.Popen, str, str]:
+    print(f"== {system}: starting (work directory {work})", flush=True)
+    proc, url, key = start_vllm(args, model_dir, work) if system == "vllm" else start_cascade(args, work)
+    try:
+        wait_healthy(url, proc, 900, system, path="/health" if system == "vllm" else "/healthz",
+                     log=work / f"{system}.log")
+    except BaseException:
+        stop(proc, timeout_s=30)
+        raise
+    return proc, url, key
+
+
+def run_apart(args, systems: list[str], rates: list[str], common: list[str], model_dir: Path,
+              work: Path) -> list[dict]:
+    """One server at a time: each gets the whole machine."""
+    results = []
+    for system in systems:
+        proc, url, key = start(args, system, model_dir, work)
+        try:
+            results += [{**r, "round": 0} for r in run_client(
+                args, common, [{"path": system, "url": url, "rate": r, "key": key} for r in rates], work)]
+        finally:
+            stop(proc, timeout_s=30)
+    return results
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and every live descendant (a server's workers and
+    engine processes), from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += cpu_seconds(p)
+        except (OSError, ValueError, IndexError):
+            continue
+        todo += children.get(p, [])
+    return total
+
+
+def run_interleaved(args, systems: list[str], rates: list[str], common: list[str], model_dir: Path,
+                    work: Path) -> list[dict]:
+    """Both servers up; per round and rate each system in turn (the order swapped every round), in
+    one client process. Each result records the CPU seconds the idle servers used since the result
+    before it (what they took from the one measured)."""
+    up: dict[str, tuple[subprocess.Popen, str, str]] = {}
+    try:
+        for system in systems:
+            up[system] = start(args, system, model_dir, work)
+        runs = [{"path": system, "url": up[system][1], "rate": rate, "key": up[system][2], "round": rnd}
+                for rnd in range(args.repeat) for rate in rates
+                for system in (systems if rnd % 2 == 0 else systems[::-1])]
+        last = {s: tree_cpu_seconds(p.pid) for s, (p, _, _) in up.items()}
+
+        def on_result(r: dict) -> None:
+            now = {s: tree_cpu_seconds(p.pid) for s, (p, _, _) in up.items()}
+            r["idle_cpu_s"] = sum(now[s] - last[s] for s in up if s != r["path"])
+            last.update(now)
+
+        results = run_client(args, common, runs, work, on_result)
+        for run, r in zip(runs, results, strict=True):
+            r["round"] = run["round"]
+        return results
+    finally:
+        for proc, _, _ in up.values():
+            stop(proc, timeout_s=30)
+
+
+def medians(rounds: list[dict]) -> list[dict]:
+    """Per (rate, system): each figure's median over the rounds (the round itself with one)."""
+    by: dict[tuple[str, str], list[dict]] = {}
+    for r in rounds:
+        by.setdefault((r["rate"], r["path"]), []).append(r)
+    out = []
+    for (rate, path), rs in by.items():
+        if len(rs) == 1:
+            out.append(rs[0])
+            continue
+        m = {"rate": rate, "path": path, "errors": sorted({e for r in rs for e in r.get("errors", [])})[:3]}
+        for k in (*FIGURES, "output_throughput", "request_goodput", "completed", "failed"):
+            vals = [r[k] for r in rs if isinstance(r.get(k), int | float)]
+            if vals:
+                m[k] = statistics.median(vals)
+        out.append(m)
+    return out
+
+
+def print_rounds(rounds: list[dict], rates: list[str]) -> None:
+    """Each round's ours/vLLM ratios: how much of a difference the noise between rounds makes."""
+    by = {(r["round"], r["rate"], r["path"]): r for r in rounds}
+    n = 1 + max(r["round"] for r in rounds)
+    print(f"\n{'round':>5} {'rate':>5} " + " ".join(f"{k.replace('_ms', ''):>10}" for k in FIGURES)
+          + f" {'idle CPU s':>11}")
+    for rnd in range(n):
+        for rate in rates:
+            v, c = by.get((rnd, rate, "vllm")), by.get((rnd, rate, "cascade"))
+            if v is None or c is None:
+                continue
+            ratios = [c[k] / v[k] if v.get(k) else math.nan for k in FIGURES]
+            idle = f"{v.get('idle_cpu_s', math.nan):.1f}/{c.get('idle_cpu_s', math.nan):.1f}"
+            print(f"{rnd:>5} {rate:>5} " + " ".join(f"{x:>9.2f}x" for x in ratios) + f" {idle:>11}")
+    print("(idle CPU s: seconds the idle server used during vLLM's run / during ours)")
 
 
 def print_table(results: list[dict], rates: list[str]) -> None:
@@ -118,6 +234,8 @@ def main() -> int:
     p.add_argument("--goodput-ttft-ms", type=float, default=2000.0)
     p.add_argument("--goodput-tpot-ms", type=float, default=200.0)
     p.add_argument("--systems", default="vllm,cascade")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds; above 1 both servers stay up and the runs interleave (medians reported)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-python", default=str(Path.home() / ".cache/cascade/vllm-venv/bin/python"))
     p.add_argument("--plot", help="write a PNG of TTFT/TPOT p50/p99 by rate here")
@@ -136,25 +254,19 @@ def main() -> int:
     write_sharegpt(dataset, max(2000, 20 * args.num_prompts))
     common = client_args(args, model_dir, dataset) + [
         "--goodput", f"ttft:{args.goodput_ttft_ms:g}", f"tpot:{args.goodput_tpot_ms:g}"]
-    results = []
-    for system in systems:  # one server at a time: each gets the whole machine
-        print(f"== {system}: starting (work directory {work})", flush=True)
-        proc, url, key = start_vllm(args, model_dir, work) if system == "vllm" else start_cascade(args, work)
-        try:
-            wait_healthy(url, proc, 900, system, path="/health" if system == "vllm" else "/healthz",
-                         log=work / f"{system}.log")
-            results += run_client(args, common, [{"path": system, "url": url, "rate": r, "key": key} for r in rates],
-                                  work)
-        finally:
-            stop(proc, timeout_s=30)
+    run = run_apart if args.repeat <= 1 else run_interleaved
+    rounds = run(args, systems, rates, common, model_dir, work)
     print(f"\n{args.num_prompts} ShareGPT prompts, {args.output_len} output tokens each (greedy, ignore_eos), "
           f"{MODEL} {args.dtype}, {os.cpu_count()} cores; client: vllm bench serve (openai-chat, streamed); "
           f"goodput: TTFT <= {args.goodput_ttft_ms:g} ms and TPOT <= {args.goodput_tpot_ms:g} ms")
+    results = medians(rounds)
     print_table(results, rates)
+    if args.repeat > 1:
+        print_rounds(rounds, rates)
     if args.plot:
         plot(results, rates, args.plot)
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results, "rounds": rounds}, indent=1))
     return 0
 
 
