@@ -32,6 +32,8 @@ def engine_switch_interval_s() -> float:
     raw = os.environ.get("CASCADE_ENGINE_SWITCH_INTERVAL_US", "")
     try:
         us = float(raw) if raw.strip() else SWITCH_INTERVAL_US
+        if us != us:  # NaN
+            raise ValueError(raw)
     except ValueError:
         log.warning("CASCADE_ENGINE_SWITCH_INTERVAL_US=%r is not a number; using %d", raw, SWITCH_INTERVAL_US)
         us = SWITCH_INTERVAL_US
