@@ -176,27 +176,24 @@ def run_dtype(args, dtype: str, systems: set[str]) -> dict[str, dict]:
           f"{os.cpu_count()} cores", flush=True)
     results = {}
     rounds: dict[str, list[dict]] = {"cascade engine": [], "vLLM CPU": []}
-    vllm_ok = Path(args.vllm_python).exists()
+    if "vllm" in systems and not Path(args.vllm_python).exists():
+        rounds["vLLM CPU"] = [{"error": f"not installed ({args.vllm_python} missing)"}]
+        systems = systems - {"vllm"}
     for rnd in range(max(1, args.repeat)):
-        order = ["ours", "vllm"] if rnd % 2 == 0 else ["vllm", "ours"]
-        for system in order:
-            if system not in systems:
-                continue
-            if system == "ours":
+        for system in (["ours", "vllm"] if rnd % 2 == 0 else ["vllm", "ours"]):
+            if system == "ours" and "ours" in systems:
                 rounds["cascade engine"].append(run_ours(engine, prompts, args.output_len))
                 print(f"cascade engine round {rnd}", rounds["cascade engine"][-1], flush=True)
-            elif vllm_ok:
+            elif system == "vllm" and "vllm" in systems:
                 rounds["vLLM CPU"].append(run_vllm(args.vllm_python, engine.model_dir, dtype, prompts,
                                                    args.output_len))
                 print(f"vLLM round {rnd}", rounds["vLLM CPU"][-1], flush=True)
-            else:
-                rounds["vLLM CPU"] = [{"error": f"not installed ({args.vllm_python} missing)"}]
     for name, rs in rounds.items():
         if rs:
             results[name] = median_run(rs)
     floor = gemm_floor(engine.model, prompts, args.output_len)
     model_dir = engine.model_dir
-    del engine  # its KV cache freed before the others run
+    del engine  # its KV cache freed before HF runs
     gc.collect()
     if "hf" in systems and args.hf_prompts:
         results[f"HF generate (batch {args.hf_batch})"] = run_hf(
