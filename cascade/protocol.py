@@ -7,6 +7,7 @@ and we do not use are accepted and ignored, as OpenAI does for unknown-but-harml
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -66,6 +67,35 @@ class CascadeOptions(BaseModel):
     ttl_s: Annotated[float, Field(gt=0, le=MAX_TTL_S)] | None = None  # queued: expires if not delivered by then
 
 
+MAX_PASSTHROUGH_DEPTH = 32
+
+
+def _check_passthrough(value: Any, path: str, depth: int = 0) -> None:
+    """Raise ValueError unless ``value`` holds only 64-bit integers, finite floats and UTF-8 strings."""
+    if depth > MAX_PASSTHROUGH_DEPTH:
+        raise ValueError(f"{path}: nested deeper than {MAX_PASSTHROUGH_DEPTH} levels")
+    if isinstance(value, bool) or value is None:
+        return
+    if isinstance(value, int):
+        if not INT64[0] <= value <= INT64[1]:
+            raise ValueError(f"{path}: the integer {value} does not fit in 64 bits")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{path}: numbers must be finite")
+    elif isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{path}: the string is not valid UTF-8 (a lone surrogate)") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_passthrough(k, f"{path}.<key>", depth + 1)
+            _check_passthrough(v, f"{path}.{k}", depth + 1)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_passthrough(v, f"{path}[{i}]", depth + 1)
+
+
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
@@ -97,6 +127,14 @@ class _SamplingFields(BaseModel):
         if any(s == "" for s in stops):
             raise ValueError("stop sequences must not be empty")
         return stops
+
+    @model_validator(mode="after")
+    def _extras_are_safe(self) -> _SamplingFields:
+        # fields we do not use pass through (to the cloud, into the offline queue): they must still be
+        # what JSON and SQLite can carry, so one absurd value is a 400 here, not a failure downstream
+        for name, value in (self.model_extra or {}).items():
+            _check_passthrough(value, name)
+        return self
 
     def stop_list(self) -> list[str]:
         return list(self.stop or [])

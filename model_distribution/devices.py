@@ -419,7 +419,7 @@ def verify_desired(message: bytes, public_key: bytes, device_id: str) -> dict:
         body, signature = base64.b64decode(doc["payload"]), base64.b64decode(doc["signature"])
         Ed25519PublicKey.from_public_bytes(public_key).verify(signature, body)
         payload = json.loads(body)
-    except (ValueError, KeyError, TypeError, InvalidSignature) as e:
+    except (ValueError, KeyError, TypeError, RecursionError, InvalidSignature) as e:
         raise BadDocument(f"desired state refused: not signed by the control plane ({e.__class__.__name__})") from e
     if payload.get("device") != device_id:
         raise BadDocument(f"desired state refused: it is for {payload.get('device')!r}, not {device_id!r}")

@@ -151,8 +151,9 @@ class DesiredPublisher:
                 event = json.loads(message.payload)
                 self.devices.event(device, event)
                 log.warning("device %s: %s", device, event)
-        except (ValueError, UnicodeDecodeError) as e:
-            log.warning("unreadable %s from %s: %s", kind, device, e)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:  # a device's message, whatever it holds
+            log.warning("unreadable %s from %s: %s", kind, device, e.__class__.__name__ if isinstance(
+                e, RecursionError) else e)
 
 
 class DeviceStateClient:

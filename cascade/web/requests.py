@@ -52,6 +52,8 @@ async def read_json(request: Request, limit: int) -> dict:
         raise errors.bad_request(f"The request body is not valid JSON: {e}.", None, "invalid_json") from e
     except ValueError as e:  # NaN, Infinity, or a number too large for a float
         raise errors.bad_request(f"The request body is not valid JSON: {e}.", None, "invalid_json") from e
+    except RecursionError as e:  # arrays or objects nested deeper than Python's stack
+        raise errors.bad_request("The request body is nested too deeply.", None, "invalid_json") from e
     if not isinstance(data, dict):
         raise errors.bad_request("The request body must be a JSON object.", None, "invalid_json")
     # a \ud800 escape decodes to a lone surrogate, which no encoder downstream will take (strict

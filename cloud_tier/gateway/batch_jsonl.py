@@ -76,6 +76,8 @@ def _parse_line(index: int, raw: str, url: str) -> InputLine:
         obj = json.loads(raw)
     except ValueError as e:
         return InputLine(index, None, error=_error("invalid_json_line", f"This line is not valid JSON: {e}."))
+    except RecursionError:
+        return InputLine(index, None, error=_error("invalid_json_line", "This line is nested too deeply."))
     if not isinstance(obj, dict):
         return InputLine(index, None, error=_error("invalid_json_line", "This line is not a JSON object."))
     cid = obj.get("custom_id") if isinstance(obj.get("custom_id"), str) else None

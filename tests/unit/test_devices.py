@@ -142,3 +142,19 @@ def test_secrets_are_kept_as_a_keyed_hash_and_old_scrypt_hashes_still_check(flee
     old = _hash_secret(secret, kind="scrypt")  # what stores made before this kept
     assert check_secret(secret, old) and not check_secret(secret + "x", old)
     assert not check_secret(secret, "md5$AAAA$BBBB") and not check_secret(secret, "garbage")
+
+
+def test_a_device_message_nested_past_the_parser_is_logged_not_raised(tmp_path, caplog):
+    """A hostile device's payload must not raise out of the MQTT callback (it would stop the loop)."""
+    from types import SimpleNamespace
+
+    from model_distribution.state_sync import DesiredPublisher
+    devices = DeviceStore(tmp_path)
+    publisher = DesiredPublisher(None, devices, Ed25519PrivateKey.generate(), "mqtt://127.0.0.1:1")
+    deep = b"[" * 50_000 + b"]" * 50_000
+    for kind in ("reported", "telemetry", "events"):
+        publisher._on_message(None, None, SimpleNamespace(topic=f"cascade/v1/default/devices/d1/{kind}", payload=deep))
+    assert caplog.text.count("unreadable") == 3
+    with pytest.raises(BadDocument):
+        key = Ed25519PrivateKey.generate().public_key().public_bytes_raw()
+        verify_desired(b'{"payload": ' + deep + b"}", key, "d1")

@@ -141,3 +141,24 @@ def test_bodies_are_answered_2xx_or_4xx_and_what_passes_is_safe(endpoint):
 def test_any_bytes_are_a_4xx(raw):
     r = client.post("/chat", content=raw, headers={"content-type": "application/json"})
     assert 400 <= r.status_code < 500 and r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("endpoint,base", [("chat", '"messages":[{"role":"user","content":"hi"}]'),
+                                           ("completions", '"prompt":"hi"')])
+@pytest.mark.parametrize("extra", ['"max_completion_tokens":9223372036854775808',  # an unused field: out of 64 bits
+                                   '"metadata":{"k":[1,-9223372036854775809]}', '"tag":"a\\ud800"',
+                                   '"metadata":{"\\udfff":1}'])
+def test_a_passed_through_field_must_still_be_safe(endpoint, base, extra):
+    r = client.post(f"/{endpoint}", content=("{" + f'"model":"m",{base},{extra}' + "}").encode(),
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("endpoint,base", [("chat", '"messages":[{"role":"user","content":"hi"}]'),
+                                           ("completions", '"prompt":"hi"')])
+@pytest.mark.parametrize("depth", [50_000, 900, 40])
+def test_a_deeply_nested_extra_field_is_a_4xx(endpoint, base, depth):
+    deep = "[" * depth + "]" * depth
+    r = client.post(f"/{endpoint}", content=("{" + f'"model":"m",{base},"x":{deep}' + "}").encode(),
+                    headers={"content-type": "application/json"})
+    assert 400 <= r.status_code < 500 and r.json()["error"]["message"], r.text

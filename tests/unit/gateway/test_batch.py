@@ -43,6 +43,13 @@ def test_good_lines_run_and_bad_ones_go_to_the_error_file():
         (4, "d", "invalid_body"), (5, "e", None)]
 
 
+def test_a_line_nested_past_the_parser_is_that_lines_error():
+    deep = '{"custom_id": "x", "body": ' + "[" * 50_000 + "]" * 50_000 + "}"
+    v = validate(jsonl(line("a"), deep, line("b")), CHAT, 100)
+    assert [(ln.custom_id, ln.error and ln.error["code"]) for ln in v.lines] == [
+        ("a", None), (None, "invalid_json_line"), ("b", None)]
+
+
 def test_a_line_is_answered_whole_in_the_batch_class():
     v = validate(jsonl(line("a", body={"model": "m", "messages": [], "stream": True, "priority_class": "interactive",
                                        "stream_options": {"include_usage": True}, "max_tokens": 3})), CHAT, 10)
