@@ -3,6 +3,8 @@ computes logits only where a token is sampled, and samples."""
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -12,6 +14,29 @@ from cloud_tier.engine.attention import AttentionMetadata
 from cloud_tier.engine.kv_quant import Int8KV
 from cloud_tier.engine.sampler import Sampler, TokenLogprobs
 from cloud_tier.engine.scheduler import SchedulerOutput
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def _kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV cache tensor. On Linux CPUs its pages are advised huge (MADV_HUGEPAGE) before
+    they are first touched: decode attention reads a block here and a block there across gigabytes,
+    and with 2 MiB pages far fewer of those reads miss the TLB (about 5% of the attention's time
+    at serving shapes here, where transparent huge pages are "madvise"). Where the advice is not
+    taken (another OS, THP off) the tensor is the same, on 4 KiB pages."""
+    if device.type != "cpu" or not sys.platform.startswith("linux"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    t = torch.empty(shape, dtype=dtype)
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    lo, hi = -(-start // _HUGE_PAGE) * _HUGE_PAGE, end // _HUGE_PAGE * _HUGE_PAGE
+    if hi > lo:
+        try:
+            ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo),
+                                                      _MADV_HUGEPAGE)
+        except (OSError, AttributeError):  # no libc symbol: the advice is an optimization only
+            pass
+    return t.zero_()
 
 
 @dataclass
@@ -40,7 +65,7 @@ class ModelRunner:
         _, n_kv, head_dim = model.kv_shape
 
         def cache(shape):
-            return Int8KV.zeros(shape, device) if self.kv_int8 else torch.zeros(shape, dtype=dtype, device=device)
+            return Int8KV.zeros(shape, device) if self.kv_int8 else _kv_zeros(shape, dtype, device)
 
         self.kv_caches = []
         for window in model.layer_windows():

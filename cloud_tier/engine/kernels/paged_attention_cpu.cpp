@@ -1,5 +1,7 @@
 // Decode-time paged attention on CPU: one query token per sequence, K/V read in place from the
 // block-paged cache (no gather, no padding), grouped-query heads sharing one pass over their K/V.
+// On a CPU with AVX512_BF16 a bfloat16 cache with bfloat16 queries (head dim 64 or 128) takes its
+// own path (decode_bf16_avx512); everything else the generic one below.
 // Parallel over sequences (over (sequence, kv head) when there are fewer sequences than twice the
 // threads). Per sequence, two passes: all scores (each K row converted to float once for the G
 // query heads sharing it, in cache order so a block's rows stream), a softmax with a vectorized
@@ -12,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -21,6 +24,15 @@
 namespace {
 
 using cascade::exp_neg;
+
+// CASCADE_ENGINE_FAST_DECODE=0 keeps the generic path where a faster one exists (to compare them)
+inline bool fast_decode_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("CASCADE_ENGINE_FAST_DECODE");
+    return !(v && (v[0] == '0' || v[0] == 'n' || v[0] == 'f'));
+  }();
+  return on;
+}
 using cascade::Val;
 
 // eight floats: GCC's generic vectors (AVX/AVX-512 registers on x86-64, two SSE halves at worst)
@@ -212,11 +224,162 @@ void decode_d(const void* q_, int64_t q_stride, const void* kc_, const void* vc_
   });
 }
 
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define CASCADE_DECODE_BF16_AVX512 1
+
+// r[j] = the sum of v[j]'s sixteen lanes: a transpose-and-add in 45 shuffles and adds, not sixteen
+// horizontal reductions
+inline __m512 sum16(const __m512* v) {
+  __m512 x[8], z[4], w[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: four tokens' sums of that lane's four floats
+    z[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44), _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)  // across 128-bit lanes: pairs of lanes added
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], 0x88), _mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+// sixteen bfloat16 as float32 (their bits shifted into the high half)
+inline __m512 bf16x16(const uint16_t* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// The bfloat16 cache with bfloat16 queries on a CPU with AVX512_BF16: the same two passes, sixteen
+// tokens at a time. Scores by VDPBF16PS straight from the cache's bits (each product exact, summed in
+// float32; the scale applied to the score, not rounded into q), sixteen tokens' dot products reduced
+// at once; V rows widened to float32 once per tile, each head's output accumulated in float32.
+// The next tile's K rows are prefetched. At serving shapes (100 sequences of ~340 tokens on
+// scattered blocks, 30 layers, GQA 9/3, D 64, 2 threads) it takes ~90 ms a step where the generic
+// path takes ~115-120 ms: both wait mostly on memory (the loads of K and V from DRAM are the hot
+// instructions), the generic one more, converting every K row to float32 through memory first.
+template <int64_t D>
+void decode_bf16_avx512(const uint16_t* q, int64_t q_stride, const uint16_t* kc, const uint16_t* vc,
+                        const int64_t* tables, const int64_t* lens, uint16_t* out, int64_t B, int64_t H,
+                        int64_t KVH, int64_t bs, int64_t max_blocks, float scale, int64_t window) {
+  static_assert(D % 32 == 0, "whole 32-element bfloat16 pairs");
+  constexpr int64_t QC = D / 32, VC = D / 16;
+  const int64_t G = H / KVH;
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, lens[b]);
+  const int64_t padded = (max_len + 15) / 16 * 16;
+  const int64_t split = B >= 2 * at::get_num_threads() ? 1 : KVH;
+  const int64_t per = KVH / split;
+  at::parallel_for(0, B * split, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(per * G * padded);
+    std::vector<int64_t> slots(padded);
+    alignas(64) float vb[16 * D];
+    std::vector<__m512> acc(per * G * VC);
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t b = idx / split, k0 = (idx % split) * per;
+      const int64_t L = lens[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+      const int64_t n = L - start;
+      const uint16_t* qb = q + b * q_stride + k0 * G * D;
+      const int64_t* table = tables + b * max_blocks;
+      int64_t* sl = slots.data();
+      for (int64_t p = start, blk = start / bs, off = start % bs; p < L; ++p) {
+        sl[p - start] = table[blk] * bs + off;
+        if (++off == bs) off = 0, ++blk;
+      }
+      const int64_t span = per * D * 2;  // this task's rows of one slot (bytes), contiguous
+      auto prefetch = [&](const uint16_t* cache, int64_t t) {  // the rows of tokens [t, t + 16)
+        for (int64_t j = t; j < std::min<int64_t>(t + 16, n); ++j) {
+          const char* r = reinterpret_cast<const char*>(cache + (sl[j] * KVH + k0) * D);
+          for (int64_t o = 0; o < span; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
+        }
+      };
+      prefetch(kc, 0);
+      for (int64_t t0 = 0; t0 < n; t0 += 16) {
+        const int64_t m = std::min<int64_t>(16, n - t0);
+        const __mmask16 live = static_cast<__mmask16>((1u << m) - 1u);
+        prefetch(kc, t0 + 16);  // the next tile's K rows while this one's are read
+        for (int64_t kh = 0; kh < per; ++kh) {
+          for (int64_t g = 0; g < G; ++g) {
+            const uint16_t* qg = qb + (kh * G + g) * D;
+            __m512bh qv[QC];
+            for (int64_t c = 0; c < QC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qg + 32 * c);
+            __m512 dots[16];
+            for (int64_t j = 0; j < 16; ++j) {
+              __m512 a = _mm512_setzero_ps();
+              if (j < m) {
+                const uint16_t* kp = kc + (sl[t0 + j] * KVH + k0 + kh) * D;
+                for (int64_t c = 0; c < QC; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(kp + 32 * c));
+              }
+              dots[j] = a;
+            }
+            _mm512_mask_storeu_ps(s.data() + (kh * G + g) * padded + t0, live,
+                                  _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale)));
+          }
+        }
+      }
+      for (int64_t h = 0; h < per * G; ++h) {
+        float* sh = s.data() + h * padded;
+        const float mx = max_of(sh, n);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; ++i) {
+          sh[i] = exp_neg(sh[i] - mx);
+          sum += sh[i];
+        }
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) sh[i] *= inv;
+      }
+      for (auto& a : acc) a = _mm512_setzero_ps();
+      for (int64_t t0 = 0; t0 < n; t0 += 16) {
+        const int64_t m = std::min<int64_t>(16, n - t0);
+        for (int64_t kh = 0; kh < per; ++kh) {
+          for (int64_t j = 0; j < m; ++j) {
+            const uint16_t* vp = vc + (sl[t0 + j] * KVH + k0 + kh) * D;
+            for (int64_t c = 0; c < VC; ++c) _mm512_store_ps(vb + j * D + 16 * c, bf16x16(vp + 16 * c));
+          }
+          for (int64_t g = 0; g < G; ++g) {
+            const float* w = s.data() + (kh * G + g) * padded + t0;
+            __m512* a = acc.data() + (kh * G + g) * VC;
+            __m512 o[VC];
+            for (int64_t c = 0; c < VC; ++c) o[c] = a[c];
+            for (int64_t j = 0; j < m; ++j) {
+              const __m512 wj = _mm512_set1_ps(w[j]);
+              for (int64_t c = 0; c < VC; ++c) o[c] = _mm512_fmadd_ps(wj, _mm512_load_ps(vb + j * D + 16 * c), o[c]);
+            }
+            for (int64_t c = 0; c < VC; ++c) a[c] = o[c];
+          }
+        }
+      }
+      uint16_t* ob = out + (b * H + k0 * G) * D;
+      for (int64_t h = 0; h < per * G; ++h) {
+        alignas(64) float row[D];
+        for (int64_t c = 0; c < VC; ++c) _mm512_store_ps(row + 16 * c, acc[h * VC + c]);
+        for (int64_t d = 0; d < D; ++d) ob[h * D + d] = Val<c10::BFloat16>::st(row[d]);
+      }
+    }
+  });
+}
+#endif
+
 template <typename scalar_t, typename QT>
 void decode(const torch::Tensor& q, const void* kc, const void* vc, const float* ks, const float* vs,
             const torch::Tensor& tables, const torch::Tensor& lens, torch::Tensor& out, int64_t KVH, int64_t bs,
             float scale, int64_t window) {
   const int64_t D = q.size(2);
+#ifdef CASCADE_DECODE_BF16_AVX512
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<QT, c10::BFloat16>) {
+    auto fast = [&](auto fixed) {
+      decode_bf16_avx512<decltype(fixed)::value>(
+          static_cast<const uint16_t*>(q.data_ptr()), q.stride(0), static_cast<const uint16_t*>(kc),
+          static_cast<const uint16_t*>(vc), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+          static_cast<uint16_t*>(out.data_ptr()), q.size(0), q.size(1), KVH, bs, tables.size(1), scale, window);
+    };
+    if (fast_decode_enabled()) {
+      if (D == 64) return fast(std::integral_constant<int64_t, 64>{});
+      if (D == 128) return fast(std::integral_constant<int64_t, 128>{});
+    }
+  }
+#endif
   auto run = [&](auto fixed) {
     decode_d<scalar_t, QT, decltype(fixed)::value>(q.data_ptr(), q.stride(0), kc, vc, ks, vs, tables.data_ptr<int64_t>(),
                                                    lens.data_ptr<int64_t>(), out.data_ptr(), q.size(0), q.size(1), KVH,
