@@ -74,6 +74,20 @@ inline float max_of(const float* x, int64_t n) {
   return mx;
 }
 
+// x[0..n) replaced by its softmax (max subtracted, vectorized exp)
+inline void softmax_in_place(float* x, int64_t n) {
+  const float mx = max_of(x, n);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] = exp_neg(x[i] - mx);
+    sum += x[i];
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+}
+
 // Two passes per sequence (or per kv head, when there are too few sequences to keep every
 // thread busy): every score of its heads, one pass over K in cache order (a block's rows of all kv
 // heads are contiguous, so it streams), each K row converted once for the G query heads sharing
@@ -160,19 +174,7 @@ void decode_d(const void* q_, int64_t q_stride, const void* kc_, const void* vc_
           }
         }
       }
-      for (int64_t h = 0; h < per * G; ++h) {
-        float* sh = s.data() + h * n;
-        float mx = max_of(sh, n);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < n; ++i) {
-          sh[i] = exp_neg(sh[i] - mx);
-          sum += sh[i];
-        }
-        const float inv = 1.f / sum;
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) sh[i] *= inv;
-      }
+      for (int64_t h = 0; h < per * G; ++h) softmax_in_place(s.data() + h * n, n);
       std::fill(acc.begin(), acc.end(), 0.f);
       p = start;
       if constexpr (FIXED_D > 0) {  // eight tokens at a time: their V rows as float32, each head's output in registers
@@ -316,19 +318,7 @@ void decode_bf16_avx512(const uint16_t* q, int64_t q_stride, const uint16_t* kc,
           }
         }
       }
-      for (int64_t h = 0; h < per * G; ++h) {
-        float* sh = s.data() + h * padded;
-        const float mx = max_of(sh, n);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < n; ++i) {
-          sh[i] = exp_neg(sh[i] - mx);
-          sum += sh[i];
-        }
-        const float inv = 1.f / sum;
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) sh[i] *= inv;
-      }
+      for (int64_t h = 0; h < per * G; ++h) softmax_in_place(s.data() + h * padded, n);
       for (auto& a : acc) a = _mm512_setzero_ps();
       for (int64_t t0 = 0; t0 < n; t0 += 16) {
         const int64_t m = std::min<int64_t>(16, n - t0);
