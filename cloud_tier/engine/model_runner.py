@@ -32,8 +32,7 @@ def _kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) 
     lo, hi = -(-start // _HUGE_PAGE) * _HUGE_PAGE, end // _HUGE_PAGE * _HUGE_PAGE
     if hi > lo:
         try:
-            ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo),
-                                                      _MADV_HUGEPAGE)
+            ctypes.CDLL(None).madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_HUGEPAGE)
         except (OSError, AttributeError):  # no libc symbol: the advice is an optimization only
             pass
     return t.zero_()

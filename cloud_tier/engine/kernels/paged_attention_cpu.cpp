@@ -24,6 +24,7 @@
 namespace {
 
 using cascade::exp_neg;
+using cascade::Val;
 
 // CASCADE_ENGINE_FAST_DECODE=0 keeps the generic path where a faster one exists (to compare them)
 inline bool fast_decode_enabled() {
@@ -33,7 +34,6 @@ inline bool fast_decode_enabled() {
   }();
   return on;
 }
-using cascade::Val;
 
 // eight floats: GCC's generic vectors (AVX/AVX-512 registers on x86-64, two SSE halves at worst)
 typedef float v8 __attribute__((vector_size(32)));
@@ -72,6 +72,15 @@ inline float max_of(const float* x, int64_t n) {
   for (int64_t j = 0; j < 8; ++j) mx = std::max(mx, m[j]);
   for (; i < n; ++i) mx = std::max(mx, x[i]);
   return mx;
+}
+
+// sl[i] = the cache slot of token start + i, for tokens [start, L) of a sequence with block table
+// ``table``: walked block by block (no division per token)
+inline void cache_slots(const int64_t* table, int64_t start, int64_t L, int64_t bs, int64_t* sl) {
+  for (int64_t p = start, blk = start / bs, off = start % bs; p < L; ++p) {
+    sl[p - start] = table[blk] * bs + off;
+    if (++off == bs) off = 0, ++blk;
+  }
 }
 
 // x[0..n) replaced by its softmax (max subtracted, vectorized exp)
@@ -120,11 +129,8 @@ void decode_d(const void* q_, int64_t q_stride, const void* kc_, const void* vc_
       for (int64_t i = 0; i < per * G * D; ++i) qs[i] = Val<QT>::ld(qb[i]) * scale;
       const int64_t* table = tables + b * max_blocks;
       float* rw = row.data();
-      int64_t* sl = slots.data();  // each token's cache slot, walked block by block (no division per token)
-      for (int64_t p = start, blk = start / bs, off = start % bs; p < L; ++p) {
-        sl[p - start] = table[blk] * bs + off;
-        if (++off == bs) off = 0, ++blk;
-      }
+      int64_t* sl = slots.data();
+      cache_slots(table, start, L, bs, sl);
       int64_t p = start;
       if (D % 8 == 0) {  // eight tokens at a time: their K rows as float32, then 8 dot products per head at once
         for (; p < L; p += 8) {
@@ -226,7 +232,6 @@ void decode_d(const void* q_, int64_t q_stride, const void* kc_, const void* vc_
   });
 }
 
-
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define CASCADE_DECODE_BF16_AVX512 1
@@ -283,10 +288,7 @@ void decode_bf16_avx512(const uint16_t* q, int64_t q_stride, const uint16_t* kc,
       const uint16_t* qb = q + b * q_stride + k0 * G * D;
       const int64_t* table = tables + b * max_blocks;
       int64_t* sl = slots.data();
-      for (int64_t p = start, blk = start / bs, off = start % bs; p < L; ++p) {
-        sl[p - start] = table[blk] * bs + off;
-        if (++off == bs) off = 0, ++blk;
-      }
+      cache_slots(table, start, L, bs, sl);
       const int64_t span = per * D * 2;  // this task's rows of one slot (bytes), contiguous
       auto prefetch = [&](const uint16_t* cache, int64_t t) {  // the rows of tokens [t, t + 16)
         for (int64_t j = t; j < std::min<int64_t>(t + 16, n); ++j) {
@@ -463,5 +465,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("k_scale"), pybind11::arg("v_cache"),
         pybind11::arg("v_scale"), pybind11::arg("tables"), pybind11::arg("lens"), pybind11::arg("scale"),
         pybind11::arg("window"), pybind11::arg("block_size"), pybind11::arg("out") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
+#ifdef CASCADE_DECODE_BF16_AVX512
+  m.attr("has_bf16_decode_path") = true;  // decode_bf16_avx512 compiled in (this CPU has AVX512_BF16)
+#else
+  m.attr("has_bf16_decode_path") = false;
+#endif
   register_layer_ops(m);
 }

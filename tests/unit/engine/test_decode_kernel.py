@@ -58,11 +58,21 @@ def test_a_sliding_window_sees_only_its_last_tokens(native, window, dtype):
     torch.testing.assert_close(kernel.float(), reference.float(), **tol)
 
 
+def test_a_single_token_context_returns_its_value_row(native):
+    """Softmax over one score is 1 whatever the score: the output is that token's V, exactly."""
+    q, k, v, kc, vc, meta = _step(1, 3, 1, 64, torch.float32, None, native)
+    assert int(meta.decodes[0].lens[0]) == 1
+    out = paged_attention(q * 1e3, k, v, kc, vc, meta, 1.0)
+    torch.testing.assert_close(out[0], v[0].expand(3, -1), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("dim", [64, 128])
 def test_both_bfloat16_paths_agree(native, dim, tmp_path):
     """Where the CPU has AVX512_BF16, bfloat16 takes its own path; CASCADE_ENGINE_FAST_DECODE=0
     keeps the generic one. Run in children (the switch is read once per process), the two agree to
     bfloat16's rounding of the output, on GQA heads with contexts that end mid-tile."""
+    if not native.has_bf16_decode_path:
+        pytest.skip("no AVX512_BF16 here: bfloat16 has only the generic path")
     g = torch.Generator().manual_seed(dim)
     lens = torch.tensor([1 + (13 * i * i + 5 * i) % 90 for i in range(40)], dtype=torch.int64)
     order = torch.randperm(40 * 6, generator=g)
