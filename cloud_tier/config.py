@@ -41,6 +41,11 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> str:
     return "bfloat16" if _cpu_flags() & {"avx512_bf16", "amx_bf16"} else "float32"
 
 
+def has_amx() -> bool:
+    """Whether this CPU has AMX's bfloat16 tiles (where oneDNN multiplies in 16-row tiles)."""
+    return "amx_bf16" in _cpu_flags()
+
+
 def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:

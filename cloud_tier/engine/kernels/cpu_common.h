@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace cascade {
 
@@ -79,5 +80,84 @@ inline float exp_any(float x) {
   const float e = exp_core(std::min(std::max(x, -87.0f), 88.0f));
   return x <= -87.0f ? 0.0f : (x >= 88.0f ? INFINITY : e);
 }
+
+// Sixteen floats at a time in GCC's generic vectors (one AVX-512 register, two AVX2 ones): the
+// element-wise kernels' loads, stores and math written once for both ISAs, in the same rounding as
+// Val (stores round to nearest even, NaN to 0x7fc0) and exp_core (the same polynomial), where GCC's
+// auto-vectorizer leaves the scalar loops (the bfloat16 stores, the argmax) one element at a time.
+namespace vec {
+constexpr int64_t W = 16;
+typedef float fv __attribute__((vector_size(64)));
+typedef int32_t iv __attribute__((vector_size(64)));
+typedef uint32_t uv __attribute__((vector_size(64)));
+typedef uint16_t hv __attribute__((vector_size(32)));
+
+// the storage types with a vector path: float32 and bfloat16
+template <typename T> constexpr bool has = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+
+inline fv splat(float x) { return fv{} + x; }
+inline fv load(const float* p) {
+  fv v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline fv load(const uint16_t* p) {  // bfloat16: the bits into the high half
+  hv h;
+  std::memcpy(&h, p, sizeof h);
+  const uv u = __builtin_convertvector(h, uv) << 16;
+  fv v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+inline void store(float* p, fv v) { std::memcpy(p, &v, sizeof v); }
+inline uv bf16_bits(fv v) {  // the rounded bfloat16 in the low half of each lane (Val's rule)
+  uv u;
+  std::memcpy(&u, &v, sizeof u);
+  const uv r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return (v != v) ? uv{} + 0x7fc0u : r;
+}
+inline void store(uint16_t* p, fv v) {
+  const hv h = __builtin_convertvector(bf16_bits(v), hv);
+  std::memcpy(p, &h, sizeof h);
+}
+// v rounded to T's precision and back (round_to, sixteen at a time)
+template <typename T> inline fv round(fv v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    const uv u = bf16_bits(v) << 16;
+    fv r;
+    std::memcpy(&r, &u, sizeof r);
+    return r;
+  }
+}
+inline float sum(fv v) {
+  float s = 0.f;
+  for (int64_t j = 0; j < W; ++j) s += v[j];
+  return s;
+}
+inline fv min(fv a, fv b) { return a < b ? a : b; }
+inline fv max(fv a, fv b) { return a > b ? a : b; }
+inline fv exp_any(fv x) {  // exp_any's rule and polynomial
+  const fv c = max(min(x, splat(88.0f)), splat(-87.0f));
+  const fv y = c * 1.44269504088896341f;
+  const fv n = (y + 12582912.0f) - 12582912.0f;
+  const fv f = y - n;
+  fv p = splat(1.5353362e-4f);
+  p = p * f + 1.3398874e-3f;
+  p = p * f + 9.6180390e-3f;
+  p = p * f + 5.5504109e-2f;
+  p = p * f + 2.4022650e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.0f;
+  iv bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += __builtin_convertvector(n, iv) << 23;
+  fv e;
+  std::memcpy(&e, &bits, sizeof e);
+  e = (x <= -87.0f) ? fv{} : e;
+  return (x >= 88.0f) ? splat(INFINITY) : e;
+}
+}  // namespace vec
 
 }  // namespace cascade

@@ -2,7 +2,9 @@
 // several ops, every one a pass over memory and a wake-up of its threads): RMSNorm (Llama's and
 // Gemma's), the residual add fused with the next RMSNorm, SiLU/GELU(tanh) times up, and RoPE in
 // place. Numerics follow the torch path they replace: float32 math, rounded to the storage type
-// wherever torch (and HF) store an intermediate in it.
+// wherever torch (and HF) store an intermediate in it. float32 and bfloat16 run sixteen lanes at a
+// time (cascade::vec; GCC left the bfloat16 stores and the argmax scalar: 3-15x slower at a decode
+// batch of 200), float16 and the rows' tails one element at a time.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -16,23 +18,46 @@ using cascade::round_to;
 // rows per task so a task touches at least ~32K elements (one row at a time runs inline)
 inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems)); }
 
-template <typename T>
-inline void norm_row(const typename Val<T>::raw* x, const typename Val<T>::raw* w, typename Val<T>::raw* out,
-                     int64_t D, float eps, bool offset) {
+template <typename T> using raw_t = typename Val<T>::raw;
+using cascade::vec::W;
+namespace vec = cascade::vec;
+
+// the sum of squares of x[0..D), sixteen lanes at a time where T has a vector path
+template <typename T> inline float sum_sq(const raw_t<T>* x, int64_t D) {
+  int64_t d = 0;
   float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t d = 0; d < D; ++d) {
-    const float v = Val<T>::ld(x[d]);
-    ss += v * v;
+  if constexpr (vec::has<T>) {
+    vec::fv acc{};
+    for (; d + W <= D; d += W) {
+      const vec::fv v = vec::load(x + d);
+      acc += v * v;
+    }
+    ss = vec::sum(acc);
   }
-  const float r = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
-  if (offset) {  // Gemma: (x * r * (1 + w)) in float32, then stored
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) out[d] = Val<T>::st(Val<T>::ld(x[d]) * r * (1.f + Val<T>::ld(w[d])));
-  } else {  // Llama: w * (x * r stored in T), the product stored in T
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) out[d] = Val<T>::st(Val<T>::ld(w[d]) * round_to<T>(Val<T>::ld(x[d]) * r));
+  for (; d < D; ++d) ss += Val<T>::ld(x[d]) * Val<T>::ld(x[d]);
+  return ss;
+}
+
+// out = x normalized by r (1 / its RMS) and weighted: Gemma's (x * r * (1 + w)) in float32, then
+// stored; Llama's w * (x * r stored in T), the product stored in T
+template <typename T> inline void scale_row(const raw_t<T>* x, const raw_t<T>* w, raw_t<T>* out, int64_t D, float r,
+                                            bool offset) {
+  int64_t d = 0;
+  if constexpr (vec::has<T>) {
+    for (; d + W <= D; d += W) {
+      const vec::fv v = vec::load(x + d), wv = vec::load(w + d);
+      vec::store(out + d, offset ? v * r * (1.f + wv) : wv * vec::round<T>(v * r));
+    }
   }
+  for (; d < D; ++d) {
+    const float v = Val<T>::ld(x[d]), wv = Val<T>::ld(w[d]);
+    out[d] = Val<T>::st(offset ? v * r * (1.f + wv) : wv * round_to<T>(v * r));
+  }
+}
+
+template <typename T>
+inline void norm_row(const raw_t<T>* x, const raw_t<T>* w, raw_t<T>* out, int64_t D, float eps, bool offset) {
+  scale_row<T>(x, w, out, D, 1.f / std::sqrt(sum_sq<T>(x, D) / static_cast<float>(D) + eps), offset);
 }
 
 void check_rows(const torch::Tensor& x, const torch::Tensor& weight) {
@@ -96,13 +121,25 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
       for (int64_t i = begin; i < end; ++i) {
         raw* r = rp + i * D;
         const raw* xr = xp + i * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) r[d] = Val<scalar_t>::st(Val<scalar_t>::ld(r[d]) + Val<scalar_t>::ld(xr[d]));
+        int64_t d = 0;
+        if constexpr (vec::has<scalar_t>) {
+          for (; d + W <= D; d += W) vec::store(r + d, vec::load(r + d) + vec::load(xr + d));
+        }
+        for (; d < D; ++d) r[d] = Val<scalar_t>::st(Val<scalar_t>::ld(r[d]) + Val<scalar_t>::ld(xr[d]));
         norm_row<scalar_t>(r, wp, op + i * D, D, static_cast<float>(eps), false);
       }
     });
   });
   return out;
+}
+
+// SiLU and GELU(tanh) of a float or sixteen (one formula, so both paths round alike)
+inline float exp_of(float x) { return cascade::exp_any(x); }
+inline vec::fv exp_of(vec::fv x) { return vec::exp_any(x); }
+template <typename F> inline F silu(F x) { return x / (1.f + exp_of(-x)); }
+template <typename F> inline F gelu_tanh(F x) {
+  const F y = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+  return 0.5f * x * (2.f - 2.f / (exp_of(2.f * y) + 1.f));  // 0.5 x (1 + tanh(y))
 }
 
 // act(gate) * up over [N, 2I] (gate | up): [N, I]. act 0: SiLU, 1: GELU with the tanh
@@ -118,25 +155,21 @@ torch::Tensor act_and_mul(torch::Tensor gate_up, int64_t act) {
     const raw* gp = static_cast<const raw*>(gate_up.data_ptr());
     raw* op = static_cast<raw*>(out.data_ptr());
     at::parallel_for(0, rows, grain(2 * I), [&](int64_t begin, int64_t end) {
-      std::vector<float> buf(I);
-      float* a = buf.data();
       for (int64_t i = begin; i < end; ++i) {
         const raw* g = gp + i * 2 * I;
         const raw* u = g + I;
         raw* o = op + i * I;
-        for (int64_t d = 0; d < I; ++d) a[d] = Val<scalar_t>::ld(g[d]);
-        if (act == 0) {
-#pragma omp simd
-          for (int64_t d = 0; d < I; ++d) a[d] = a[d] / (1.f + cascade::exp_any(-a[d]));
-        } else {
-#pragma omp simd
-          for (int64_t d = 0; d < I; ++d) {
-            const float x = a[d];
-            const float y = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-            a[d] = 0.5f * x * (2.f - 2.f / (cascade::exp_any(2.f * y) + 1.f));  // 0.5 x (1 + tanh(y))
+        int64_t d = 0;
+        if constexpr (vec::has<scalar_t>) {
+          for (; d + W <= I; d += W) {
+            const vec::fv x = vec::load(g + d);
+            vec::store(o + d, vec::round<scalar_t>(act == 0 ? silu(x) : gelu_tanh(x)) * vec::load(u + d));
           }
         }
-        for (int64_t d = 0; d < I; ++d) o[d] = Val<scalar_t>::st(round_to<scalar_t>(a[d]) * Val<scalar_t>::ld(u[d]));
+        for (; d < I; ++d) {
+          const float x = Val<scalar_t>::ld(g[d]);
+          o[d] = Val<scalar_t>::st(round_to<scalar_t>(act == 0 ? silu(x) : gelu_tanh(x)) * Val<scalar_t>::ld(u[d]));
+        }
       }
     });
   });
@@ -179,6 +212,17 @@ void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch:
         }
         for (int64_t h = 0; h < heads; ++h) {
           raw* v = xp + i * s0 + h * D;
+          if constexpr (vec::has<scalar_t>) {
+            if (half % W == 0) {  // both halves in whole vectors, each read before either is written
+              for (int64_t d = 0; d < half; d += W) {
+                const vec::fv lo = vec::load(v + d), hi = vec::load(v + d + half);
+                vec::store(v + d, vec::round<scalar_t>(lo * vec::load(&c[d])) + vec::round<scalar_t>(hi * vec::load(&s[d])));
+                vec::store(v + d + half, vec::round<scalar_t>(hi * vec::load(&c[d + half])) +
+                                             vec::round<scalar_t>(lo * vec::load(&s[d + half])));
+              }
+              continue;
+            }
+          }
           for (int64_t d = 0; d < D; ++d) a[d] = Val<scalar_t>::ld(v[d]);
 #pragma omp simd
           for (int64_t d = 0; d < half; ++d)
@@ -194,7 +238,8 @@ void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch:
 
 // Greedy choice per row of logits [N, V] (float32, bfloat16 or float16): (token int64 [N], its
 // logit float32 [N]) by numpy's argmax rule: the first maximum, NaN counted as the maximum (the
-// first NaN wins). One pass reading the row as stored (no float32 copy of the whole batch).
+// first NaN wins). One pass reading the row as stored (no float32 copy of the whole batch); a second
+// only in a row with a NaN.
 std::vector<torch::Tensor> argmax_rows(torch::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "logits: [N, V], rows contiguous");
   const int64_t N = logits.size(0), V = logits.size(1), s0 = logits.stride(0);
@@ -211,19 +256,46 @@ std::vector<torch::Tensor> argmax_rows(torch::Tensor logits) {
       for (int64_t i = begin; i < end; ++i) {
         const raw* row = lp + i * s0;
         float mx = -INFINITY;
+        int64_t at = 0;  // all -inf: the first, as numpy
         bool nan = false;
-#pragma omp simd reduction(max : mx) reduction(| : nan)
-        for (int64_t v = 0; v < V; ++v) {
+        int64_t v = 0;
+        if constexpr (vec::has<scalar_t>) {
+          // two sets of lanes, each holding its largest value so far and where it first was (a
+          // strict > keeps the first); NaN noted apart. Lanes that saw only -inf keep their first
+          // index, which only matters (as 0) when the whole row is -inf.
+          vec::fv m0 = vec::splat(-INFINITY), m1 = m0;
+          vec::iv lane{};
+          for (int64_t j = 0; j < W; ++j) lane[j] = static_cast<int32_t>(j);
+          vec::iv i0 = lane, i1 = lane + static_cast<int32_t>(W), at0 = i0, at1 = i1, nans{};
+          for (; v + 2 * W <= V; v += 2 * W) {
+            const vec::fv x0 = vec::load(row + v), x1 = vec::load(row + v + W);
+            const vec::iv g0 = x0 > m0, g1 = x1 > m1;
+            m0 = g0 ? x0 : m0;
+            m1 = g1 ? x1 : m1;
+            at0 = g0 ? i0 : at0;
+            at1 = g1 ? i1 : at1;
+            nans |= (x0 != x0) | (x1 != x1);
+            i0 += static_cast<int32_t>(2 * W);
+            i1 += static_cast<int32_t>(2 * W);
+          }
+          for (int64_t j = 0; j < W; ++j) {
+            nan |= nans[j] != 0;
+            for (const auto& [m, a] : {std::pair<float, int64_t>{m0[j], at0[j]}, std::pair<float, int64_t>{m1[j], at1[j]}})
+              if (m > mx || (m == mx && a < at)) mx = m, at = a;
+          }
+        }
+        for (; v < V; ++v) {
           const float x = Val<scalar_t>::ld(row[v]);
           nan |= x != x;
-          mx = std::max(mx, x);
+          if (x > mx) mx = x, at = v;
         }
-        int64_t at = 0;  // all -inf: the first, as numpy
-        for (int64_t v = 0; v < V; ++v) {
-          const float x = Val<scalar_t>::ld(row[v]);
-          if (nan ? x != x : x == mx) {
-            at = v;
-            break;
+        if (nan) {
+          for (v = 0; v < V; ++v) {
+            const float x = Val<scalar_t>::ld(row[v]);
+            if (x != x) {
+              at = v;
+              break;
+            }
           }
         }
         tp[i] = at;

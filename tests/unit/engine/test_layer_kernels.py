@@ -124,3 +124,66 @@ def test_the_greedy_argmax_follows_numpys_rule_on_ties_nan_and_infinities(native
     assert ours.token_ids[6] == 49151
     assert ours.errors == reference.errors and set(ours.errors) == {2, 3, 4}
     assert _greedy(logits[3:5], native).token_ids == [4000, 0]  # a row view of the batch
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [40, 1000 + 7])  # sixteen-lane bodies with a scalar tail, and a short row
+def test_the_vector_bodies_and_their_tails_agree_with_the_torch_code(native, dtype, width):
+    g = torch.Generator().manual_seed(6)
+    norm = layers.RMSNorm(width, 1e-5)
+    norm.weight.data = torch.randn(width, generator=g) * 0.2 + 1
+    norm = norm.to(dtype)
+    x, residual = (torch.randn(7, width, generator=g).to(dtype) for _ in range(2))
+    r1, r2 = residual.clone(), residual.clone()
+    ours = _with(native, lambda: norm.add_forward(x, r1))
+    torch.testing.assert_close(ours, _with(None, lambda: norm.add_forward(x, r2)), **_tol(dtype))
+    assert torch.equal(r1, r2)
+    gate_up = (torch.randn(5, 2 * width, generator=g) * 4).to(dtype)
+    gate_up[:, width - 1] = float("nan")  # NaN in the tail stays NaN
+    ours, ref = (_with(e, lambda: layers.silu_and_mul(gate_up.clone())) for e in (native, None))
+    torch.testing.assert_close(ours, ref, equal_nan=True, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_argmax_finds_the_first_maximum_in_any_lane_and_in_the_tail(native, dtype):
+    from cloud_tier.engine.sampler import _greedy
+
+    g = torch.Generator().manual_seed(7)
+    V = 32 * 40 + 13
+    logits = torch.randn(8, V, generator=g).to(dtype)
+    logits[0, [17, 33]] = 9.0  # a tie across two lanes of one chunk: the first
+    logits[1, [40, 69]] = 9.0  # a tie where the lower lane holds the later index
+    logits[2, V - 1] = 9.0  # in the tail
+    logits[3, [5, V - 2]] = 9.0  # a tie between the vector body and the tail
+    logits[4, V - 3] = float("nan")  # NaN only in the tail
+    logits[5, :] = float("-inf")
+    logits[5, V - 5] = -1e30  # the only finite value, in the tail
+    logits[6, :] = float("-inf")
+    logits[7, 1000] = float("nan")
+    logits[7, 3] = float("inf")
+    ours, reference = _greedy(logits, native), _greedy(logits, None)
+    assert ours.token_ids == reference.token_ids
+    assert ours.token_ids[:7] == [17, 40, V - 1, 5, V - 3, V - 5, 0]
+    assert ours.errors == reference.errors
+
+
+def test_a_batch_padded_to_whole_tiles_gives_the_same_products(monkeypatch):
+    from cloud_tier.config import has_amx
+
+    reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+    if reorder is None or not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN packed linear in this torch")
+    g = torch.Generator().manual_seed(8)
+    weight = (torch.randn(96, 64, generator=g) * 0.1).to(torch.bfloat16)
+    packed = reorder(weight, 256)
+    for rows in (layers.PAD_FROM_ROWS + 1, 200, 208):
+        x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+        monkeypatch.setattr(layers, "_pad_rows", False)
+        plain = layers._linear(x, weight, None, packed)
+        monkeypatch.setattr(layers, "_pad_rows", True)
+        padded = layers._linear(x, weight, None, packed)
+        assert padded.shape == (rows, 96) and padded.is_contiguous()
+        if has_amx():  # one tile kernel for every row: bit for bit (measured on AMX)
+            assert torch.equal(padded, plain)
+        else:
+            torch.testing.assert_close(padded, plain, atol=1e-2, rtol=1.6e-2)
