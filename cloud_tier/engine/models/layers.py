@@ -8,6 +8,7 @@ reference the kernels are tested against."""
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -71,11 +72,28 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             and x.device.type == "cpu"):
         rows = x.shape[0]
         if _pad_rows and rows > PAD_FROM_ROWS and rows % PAD_TILE_ROWS:
-            padded = x.new_zeros(rows + (-rows % PAD_TILE_ROWS), x.shape[1])
+            padded = _pad_buffer(rows + (-rows % PAD_TILE_ROWS), x.shape[1], x.dtype)
             padded[:rows] = x
             return torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")[:rows]
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+_pad_buffers = threading.local()  # per thread (two engines of one process step at once)
+
+
+def _pad_buffer(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """A reused [rows, cols] input of a padded product (a fresh zeroed one cost 4-5x the copy into
+    it): the caller overwrites the real rows; rows past any real ones stay what an earlier,
+    larger batch left there, harmless (each product row depends on its own input row only)."""
+    cache = getattr(_pad_buffers, "by_shape", None)
+    if cache is None:
+        cache = _pad_buffers.by_shape = {}
+    buf = cache.get((rows, cols, dtype))
+    if buf is None:
+        with torch.inference_mode(False):  # writable in and out of inference mode
+            buf = cache[rows, cols, dtype] = torch.zeros(rows, cols, dtype=dtype)
+    return buf
 
 
 def pack_linears(model: nn.Module, rows_hint: int = 256) -> int:
