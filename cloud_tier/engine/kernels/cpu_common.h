@@ -46,6 +46,17 @@ template <> struct Val<int8_t> {
 // float32 rounded to T's precision and back: where torch stores an intermediate in T
 template <typename T> inline float round_to(float v) { return Val<T>::ld(Val<T>::st(v)); }
 
+// 2^f for f in [-0.5, 0.5], a degree-6 polynomial, on one float or a vector of them
+template <typename F> inline F exp2_fraction(F f) {
+  F p = F{} + 1.5353362e-4f;
+  p = p * f + 1.3398874e-3f;
+  p = p * f + 9.6180390e-3f;
+  p = p * f + 5.5504109e-2f;
+  p = p * f + 2.4022650e-1f;
+  p = p * f + 6.9314718e-1f;
+  return p * f + 1.0f;
+}
+
 // 2^(x log2 e) split into an integer power (the float's exponent bits) and a degree-6 polynomial
 // of the fraction; relative error ~2e-7. Valid for x in [-87, 88] (the caller clamps).
 inline float exp_core(float x) {
@@ -53,14 +64,7 @@ inline float exp_core(float x) {
   // y rounded to an integer by the 1.5 * 2^23 trick (std::floor does not vectorize without
   // -fno-trapping-math); exact for |y| < 2^22, and |y| <= 127 here
   const float n = (y + 12582912.0f) - 12582912.0f;
-  const float f = y - n;  // [-0.5, 0.5]
-  float p = 1.5353362e-4f;
-  p = p * f + 1.3398874e-3f;
-  p = p * f + 9.6180390e-3f;
-  p = p * f + 5.5504109e-2f;
-  p = p * f + 2.4022650e-1f;
-  p = p * f + 6.9314718e-1f;
-  p = p * f + 1.0f;
+  const float p = exp2_fraction(y - n);  // the fraction in [-0.5, 0.5]
   int32_t bits;
   std::memcpy(&bits, &p, 4);
   bits += static_cast<int32_t>(n) << 23;
@@ -142,14 +146,7 @@ inline fv exp_any(fv x) {  // exp_any's rule and polynomial
   const fv c = max(min(x, splat(88.0f)), splat(-87.0f));
   const fv y = c * 1.44269504088896341f;
   const fv n = (y + 12582912.0f) - 12582912.0f;
-  const fv f = y - n;
-  fv p = splat(1.5353362e-4f);
-  p = p * f + 1.3398874e-3f;
-  p = p * f + 9.6180390e-3f;
-  p = p * f + 5.5504109e-2f;
-  p = p * f + 2.4022650e-1f;
-  p = p * f + 6.9314718e-1f;
-  p = p * f + 1.0f;
+  const fv p = exp2_fraction(y - n);
   iv bits;
   std::memcpy(&bits, &p, sizeof bits);
   bits += __builtin_convertvector(n, iv) << 23;
