@@ -3,16 +3,18 @@
 // On a CPU with AVX512_BF16 a bfloat16 cache with bfloat16 queries (head dim 64 or 128) takes its
 // own path (decode_bf16_avx512); everything else the generic one below.
 // Parallel over sequences (over (sequence, kv head) when there are fewer sequences than twice the
-// threads). Per sequence, two passes: all scores (each K row converted to float once for the G
-// query heads sharing it, in cache order so a block's rows stream), a softmax with a vectorized
-// exp, then one pass over V. The head dim is a compile-time constant for 64/128/256 so a row stays
-// in registers. An int8 cache is read as stored, each row scaled by its float32 scale (per slot and
-// kv head) as it is loaded: a quarter of float32's bytes.
+// threads), handed out longest first. Per sequence, two passes: all scores (each K row converted
+// to float once for the G query heads sharing it, in cache order so a block's rows stream), a
+// softmax with a vectorized exp, then one pass over V. The head dim is a compile-time constant for
+// 64/128/256 so a row stays in registers. An int8 cache is read as stored, each row scaled by its
+// float32 scale (per slot and kv head) as it is loaded: a quarter of float32's bytes.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <numeric>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -97,6 +99,35 @@ inline void softmax_in_place(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] *= inv;
 }
 
+// Work items handed to the threads longest first, each thread taking the next one when it is done:
+// at::parallel_for's even split of the index range gives one thread whichever long sequences
+// happen to sit in its half, and the other waits for it. The same items, so the same results.
+class LongestFirst {
+ public:
+  template <typename Cost> LongestFirst(int64_t n, Cost cost) : order_(n) {
+    std::iota(order_.begin(), order_.end(), int64_t{0});
+    std::vector<int64_t> c(n);
+    for (int64_t i = 0; i < n; ++i) c[i] = cost(i);
+    std::stable_sort(order_.begin(), order_.end(), [&](int64_t a, int64_t b) { return c[a] > c[b]; });
+  }
+  int64_t threads() const { return std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(order_.size())); }
+  bool next(int64_t& item) {  // the next item to compute into ``item``; false when none is left
+    const int64_t i = at_.fetch_add(1, std::memory_order_relaxed);
+    if (i >= static_cast<int64_t>(order_.size())) return false;
+    item = order_[i];
+    return true;
+  }
+
+ private:
+  std::vector<int64_t> order_;
+  std::atomic<int64_t> at_{0};
+};
+
+// the tokens sequence b reads: its length, or the window's when it is shorter
+inline int64_t attended(const int64_t* lens, int64_t b, int64_t window) {
+  return window > 0 ? std::min(lens[b], window) : lens[b];
+}
+
 // Two passes per sequence (or per kv head, when there are too few sequences to keep every
 // thread busy): every score of its heads, one pass over K in cache order (a block's rows of all kv
 // heads are contiguous, so it streams), each K row converted once for the G query heads sharing
@@ -117,10 +148,11 @@ void decode_d(const void* q_, int64_t q_stride, const void* kc_, const void* vc_
   for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, lens[b]);
   const int64_t split = B >= 2 * at::get_num_threads() ? 1 : KVH;  // kv-head groups per sequence
   const int64_t per = KVH / split;
-  at::parallel_for(0, B * split, 1, [&](int64_t begin, int64_t end) {
+  LongestFirst work(B * split, [&](int64_t i) { return attended(lens, i / split, window); });
+  at::parallel_for(0, work.threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> s(per * G * max_len), qs(per * G * D), row(D), acc(per * G * D), kbuf(8 * D);
     std::vector<int64_t> slots(max_len);
-    for (int64_t idx = begin; idx < end; ++idx) {
+    for (int64_t idx; work.next(idx);) {
       const int64_t b = idx / split, k0 = (idx % split) * per;
       const int64_t L = lens[b];
       const int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
@@ -275,12 +307,13 @@ void decode_bf16_avx512(const uint16_t* q, int64_t q_stride, const uint16_t* kc,
   const int64_t padded = (max_len + 15) / 16 * 16;
   const int64_t split = B >= 2 * at::get_num_threads() ? 1 : KVH;
   const int64_t per = KVH / split;
-  at::parallel_for(0, B * split, 1, [&](int64_t begin, int64_t end) {
+  LongestFirst work(B * split, [&](int64_t i) { return attended(lens, i / split, window); });
+  at::parallel_for(0, work.threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> s(per * G * padded);
     std::vector<int64_t> slots(padded);
     alignas(64) float vb[16 * D];
     std::vector<__m512> acc(per * G * VC);
-    for (int64_t idx = begin; idx < end; ++idx) {
+    for (int64_t idx; work.next(idx);) {
       const int64_t b = idx / split, k0 = (idx % split) * per;
       const int64_t L = lens[b];
       const int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;

@@ -94,3 +94,28 @@ def test_both_bfloat16_paths_agree(native, dim, tmp_path):
                        env={**os.environ, "CASCADE_ENGINE_FAST_DECODE": flag}, timeout=600)
         outs.append(torch.load(out))
     torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_sequence_gets_the_same_result_however_the_threads_share_the_work(native, dtype):
+    """Sequences go to the threads longest first, whichever is free: one thread, two, and a batch in
+    reverse order give every sequence the same bits."""
+    heads, n_kv, dim = 9, 3, 64
+    q, k, v, kc, vc, meta = _step(40, heads, n_kv, dim, dtype, None, native)
+    paged_attention(q, k, v, kc, vc, meta, dim ** -0.5)  # stores the new rows
+    group = meta.decodes[0]
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, max(2, threads)):
+            torch.set_num_threads(n)
+            out = torch.empty_like(q)
+            native.paged_decode(q, kc, vc, group.tables, group.lens, dim ** -0.5, 0, BLOCK, out)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    flipped = torch.empty_like(q)
+    native.paged_decode(q.flip(0), kc, vc, group.tables.flip(0).contiguous(), group.lens.flip(0).contiguous(),
+                        dim ** -0.5, 0, BLOCK, flipped)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], flipped.flip(0))
