@@ -14,11 +14,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <numeric>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #include "cpu_common.h"
@@ -123,7 +123,7 @@ class LongestFirst {
   std::atomic<int64_t> at_{0};
 };
 
-// the tokens sequence b reads: its length, or the window's when it is shorter
+// the tokens sequence b reads (its last ones): its length, or the window's when that is shorter
 inline int64_t attended(const int64_t* lens, int64_t b, int64_t window) {
   return window > 0 ? std::min(lens[b], window) : lens[b];
 }
@@ -154,9 +154,7 @@ void decode_d(const void* q_, int64_t q_stride, const void* kc_, const void* vc_
     std::vector<int64_t> slots(max_len);
     for (int64_t idx; work.next(idx);) {
       const int64_t b = idx / split, k0 = (idx % split) * per;
-      const int64_t L = lens[b];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
-      const int64_t n = L - start;
+      const int64_t L = lens[b], n = attended(lens, b, window), start = L - n;
       const qraw* qb = q + b * q_stride + k0 * G * D;
       for (int64_t i = 0; i < per * G * D; ++i) qs[i] = Val<QT>::ld(qb[i]) * scale;
       const int64_t* table = tables + b * max_blocks;
@@ -315,9 +313,7 @@ void decode_bf16_avx512(const uint16_t* q, int64_t q_stride, const uint16_t* kc,
     std::vector<__m512> acc(per * G * VC);
     for (int64_t idx; work.next(idx);) {
       const int64_t b = idx / split, k0 = (idx % split) * per;
-      const int64_t L = lens[b];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
-      const int64_t n = L - start;
+      const int64_t L = lens[b], n = attended(lens, b, window), start = L - n;
       const uint16_t* qb = q + b * q_stride + k0 * G * D;
       const int64_t* table = tables + b * max_blocks;
       int64_t* sl = slots.data();
