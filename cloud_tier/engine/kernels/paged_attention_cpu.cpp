@@ -137,18 +137,22 @@ inline int64_t attended(const int64_t* lens, int64_t b, int64_t window) {
 // fetched into L1 a whole sequence's rows evict the current one's.
 class Ahead {
  public:
-  Ahead(const void* kc, const void* vc, int64_t KVH, int64_t row_bytes, int64_t max_len)
+  // the work items of a kernel call: item i is kv heads [(i % split) * per, + per) of sequence i / split
+  Ahead(const void* kc, const void* vc, int64_t KVH, int64_t row_bytes, const int64_t* tables, int64_t max_blocks,
+        const int64_t* lens, int64_t window, int64_t bs, int64_t split, int64_t per, int64_t max_len)
       : k_(static_cast<const char*>(kc)), v_(static_cast<const char*>(vc)), slot_bytes_(KVH * row_bytes),
-        row_bytes_(row_bytes), slots_(max_len) {}
-  // fetch the rows of kv heads [k0, k0 + per) of the last ``n`` tokens of the ``L`` in the sequence
-  // with block table ``table``, spread over ``steps`` calls of step(); item -1: nothing to fetch
-  void aim(int64_t item, const int64_t* table, int64_t L, int64_t n, int64_t bs, int64_t k0, int64_t per,
-           int64_t steps) {
+        row_bytes_(row_bytes), tables_(tables), lens_(lens), max_blocks_(max_blocks), window_(window), bs_(bs),
+        split_(split), per_(per), slots_(max_len) {}
+  // fetch ``item``'s K and V rows spread over ``steps`` calls of step(); item -1: nothing to fetch
+  void aim(int64_t item, int64_t steps) {
     pass_ = 2, t_ = 0, line_ = 0;
-    if (item < 0 || n <= 0) return;
-    cache_slots(table, L - n, L, bs, slots_.data());
-    n_ = n, off_ = k0 * row_bytes_, lines_ = (per * row_bytes_ + 63) / 64, pass_ = 0;
-    quota_ = (2 * n * lines_ + steps - 1) / std::max<int64_t>(steps, 1);
+    if (item < 0) return;
+    const int64_t b = item / split_, L = lens_[b];
+    n_ = attended(lens_, b, window_);
+    if (n_ <= 0) return;
+    cache_slots(tables_ + b * max_blocks_, L - n_, L, bs_, slots_.data());
+    off_ = (item % split_) * per_ * row_bytes_, lines_ = (per_ * row_bytes_ + 63) / 64, pass_ = 0;
+    quota_ = (2 * n_ * lines_ + steps - 1) / std::max<int64_t>(steps, 1);
   }
   void step() {
     for (int64_t i = 0; i < quota_ && pass_ < 2; ++i) {
@@ -163,6 +167,9 @@ class Ahead {
  private:
   const char *k_, *v_;
   int64_t slot_bytes_, row_bytes_;
+  const int64_t *tables_, *lens_;
+  int64_t max_blocks_;
+  int64_t window_, bs_, split_, per_;
   std::vector<int64_t> slots_;
   int64_t n_ = 0, off_ = 0, lines_ = 0, quota_ = 0, pass_ = 2, t_ = 0, line_ = 0;
 };
@@ -191,15 +198,13 @@ void decode_d(const void* q_, int64_t q_stride, const void* kc_, const void* vc_
   at::parallel_for(0, work.threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> s(per * G * max_len), qs(per * G * D), row(D), acc(per * G * D), kbuf(8 * D);
     std::vector<int64_t> slots(max_len);
-    Ahead ahead(kc, vc, KVH, D * sizeof(raw), max_len);
+    Ahead ahead(kc, vc, KVH, D * sizeof(raw), tables, max_blocks, lens, window, bs, split, per, max_len);
     for (int64_t idx, after = work.take(); (idx = after) >= 0;) {
       const int64_t b = idx / split, k0 = (idx % split) * per;
       const int64_t L = lens[b], n = attended(lens, b, window), start = L - n;
-      after = work.take();
-      const int64_t nb = after < 0 ? b : after / split;  // (any valid row when there is no next item)
       const int64_t groups = (n + 7) / 8;  // the passes' steps: groups of 8 tokens, or single tokens
-      ahead.aim(after, tables + nb * max_blocks, lens[nb], attended(lens, nb, window), bs, (after % split) * per, per,
-                (D % 8 == 0 ? groups : n) + (FIXED_D > 0 ? groups : n));
+      after = work.take();
+      ahead.aim(after, (D % 8 == 0 ? groups : n) + (FIXED_D > 0 ? groups : n));
       const qraw* qb = q + b * q_stride + k0 * G * D;
       for (int64_t i = 0; i < per * G * D; ++i) qs[i] = Val<QT>::ld(qb[i]) * scale;
       const int64_t* table = tables + b * max_blocks;
@@ -362,14 +367,12 @@ void decode_bf16_avx512(const uint16_t* q, int64_t q_stride, const uint16_t* kc,
     std::vector<float> s(per * G * padded);
     std::vector<int64_t> slots(padded);
     std::vector<__m512> acc(per * G * VC);
-    Ahead ahead(kc, vc, KVH, D * 2, max_len);
+    Ahead ahead(kc, vc, KVH, D * 2, tables, max_blocks, lens, window, bs, split, per, max_len);
     for (int64_t idx, after = work.take(); (idx = after) >= 0;) {
       const int64_t b = idx / split, k0 = (idx % split) * per;
       const int64_t L = lens[b], n = attended(lens, b, window), start = L - n;
       after = work.take();
-      const int64_t nb = after < 0 ? b : after / split;  // (any valid row when there is no next item)
-      ahead.aim(after, tables + nb * max_blocks, lens[nb], attended(lens, nb, window), bs, (after % split) * per, per,
-                2 * ((n + 15) / 16));
+      ahead.aim(after, 2 * ((n + 15) / 16));  // the passes' steps: tiles of 16 tokens
       const uint16_t* qb = q + b * q_stride + k0 * G * D;
       const int64_t* table = tables + b * max_blocks;
       int64_t* sl = slots.data();
