@@ -1,7 +1,8 @@
 """Offline throughput: our engine vs HF transformers `generate` (static batches, left padding)
 vs vLLM's CPU build when one is installed, on ShareGPT prompts, same weights, same run, in one
 dtype or both, with the GEMM floor: the time the model's own linear layers alone take on this
-machine for the run's tokens (the weights timed at a 256-row batch).
+machine for the run's tokens (the weights timed at a 256-row batch, the faster of F.linear and
+oneDNN on packed weights).
 
     .venv/bin/python bench/engine_throughput.py [--dtype both|auto|float32|bfloat16] [--num-prompts 200]
         [--output-len 128] [--hf-prompts 32] [--repeat 1] [--vllm-python ~/.cache/cascade/vllm-venv/bin/python]
@@ -110,18 +111,27 @@ def run_vllm(python: str, model_dir: Path, dtype: str, prompts: list[list[int]],
 def gemm_floor(model, prompts: list[list[int]], output_len: int, rows: int = 256) -> float:
     """Seconds the run's GEMMs alone would take: every prompt token and fed-back output token
     through each layer's linear weights, every output token through the LM head, each weight
-    timed (best of 5) on a ``rows``-row batch in the model's dtype."""
+    timed (best of 5) on a ``rows``-row batch in the model's dtype, the faster of F.linear and
+    oneDNN on a packed copy (the two products the engine picks between) where this torch has it."""
     import torch
     import torch.nn.functional as F
 
+    reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+    on_cpu = model.embed_tokens.weight.device.type == "cpu"
+    packs = reorder is not None and torch.backends.mkldnn.is_available() and on_cpu
+
     def per_row(weight: torch.Tensor) -> float:
         x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-        F.linear(x, weight)
+        ways = [(F.linear, (x, weight))]
+        if packs:
+            ways.append((torch.ops.mkldnn._linear_pointwise, (x, reorder(weight, rows), None, "none", [], "")))
         best = float("inf")
-        for _ in range(5):
-            start = time.perf_counter()
-            F.linear(x, weight)
-            best = min(best, time.perf_counter() - start)
+        for product, args in ways:
+            product(*args)
+            for _ in range(5):
+                start = time.perf_counter()
+                product(*args)
+                best = min(best, time.perf_counter() - start)
         return best / rows
 
     with torch.inference_mode():

@@ -7,8 +7,10 @@ reference the kernels are tested against."""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +19,8 @@ from torch import nn
 
 from cloud_tier.config import has_amx
 from cloud_tier.engine.attention import heads_contiguous
+
+log = logging.getLogger(__name__)
 
 _native: dict[str, object] = {}  # "ext": the loaded CPU kernels, once use_native gave them
 
@@ -39,7 +43,12 @@ def _norm_ext(x: torch.Tensor, weight: torch.Tensor):
     return ext if ext is not None and weight.dtype == x.dtype and x.dim() in (2, 3) and x.stride(-1) == 1 else None
 
 
-PACKED_MAX_ROWS = 512  # above it (prefill chunks) F.linear was as fast or faster here
+PACKED_MAX_ROWS = 512  # bfloat16: above it (prefill chunks) F.linear was as fast or faster here
+# float32 goes through the packed copy (where pack_linears measured it faster) from 2 rows up, at
+# any count: one row is a matrix-vector product, where MKL's (F.linear) beat oneDNN's call
+# overhead on the layers (39 vs 94 us on a 960x576 weight, measured on an EPYC); the LM head, 85
+# times larger, is packed from one row (5.5 vs 11 ms there).
+FP32_PACKED_MIN_ROWS = 2
 # On AMX, oneDNN's bfloat16 product of more than ~160 rows runs 20-40% slower when the rows are
 # not a whole number of its 16-row tiles (measured here at 175-250 rows: 200 rows took longer than
 # 208); below that, padding cost more than it saved. Such batches are padded with zero rows (the
@@ -49,10 +58,12 @@ _pad_rows = has_amx() and os.environ.get("CASCADE_ENGINE_PAD_ROWS", "1") not in 
 
 
 class Linear(nn.Linear):
-    """nn.Linear that, once ``pack_linears`` has run on a CPU model in bfloat16, multiplies through
-    oneDNN with its weight packed once (the same products bit for bit as F.linear in bfloat16,
-    measured here; 1.2-2x faster below a few hundred rows, the decode batches). The packed copy
-    is made from the weight at that time: load weights before packing."""
+    """nn.Linear that, once ``pack_linears`` has run on a CPU model, multiplies through oneDNN with
+    its weight packed once: in bfloat16 the same products bit for bit as F.linear (1.2-2x faster
+    below a few hundred rows, the decode batches); in float32, where it measured faster on this
+    CPU, products that differ from MKL's in the last bits (1.3-1.6x faster on an EPYC, where MKL
+    runs these shapes at ~110-180 GFLOPS). The packed copy is made from the weight at that time:
+    load weights before packing."""
 
     packed: torch.Tensor | None = None
 
@@ -62,20 +73,23 @@ class Linear(nn.Linear):
 
 def head_linear(model: nn.Module, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The LM head's product (``weight``: the head's, or the tied embedding's), packed as the layers'."""
-    return _linear(hidden, weight, None, getattr(model, "packed_head", None))
+    return _linear(hidden, weight, None, getattr(model, "packed_head", None), min_rows=1)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            packed: torch.Tensor | None) -> torch.Tensor:
+            packed: torch.Tensor | None, min_rows: int = FP32_PACKED_MIN_ROWS) -> torch.Tensor:
     """x @ weight.T (+ bias): through the packed copy where it applies, else F.linear."""
-    if (packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS and x.dtype == weight.dtype
-            and x.device.type == "cpu"):
+    if packed is not None and x.dim() == 2 and x.dtype == weight.dtype and x.device.type == "cpu":
         rows = x.shape[0]
-        if _pad_rows and rows > PAD_FROM_ROWS and rows % PAD_TILE_ROWS:
-            padded = _pad_buffer(rows + (-rows % PAD_TILE_ROWS), x.shape[1], x.dtype)
-            padded[:rows] = x
-            return torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")[:rows]
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        if x.dtype == torch.float32:
+            if rows >= min_rows:
+                return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        elif rows <= PACKED_MAX_ROWS:
+            if _pad_rows and rows > PAD_FROM_ROWS and rows % PAD_TILE_ROWS:
+                padded = _pad_buffer(rows + (-rows % PAD_TILE_ROWS), x.shape[1], x.dtype)
+                padded[:rows] = x
+                return torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")[:rows]
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
@@ -96,28 +110,67 @@ def _pad_buffer(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
     return buf
 
 
+FP32_PACKED_GAIN = 1.15  # float32 is packed only where that many times faster: noise cannot flip it
+_fp32_choice: dict[tuple, bool] = {}  # per process: every engine of it multiplies the same way
+
+
 def pack_linears(model: nn.Module, rows_hint: int = 256) -> int:
-    """Pack every ``Linear`` weight of a CPU bfloat16 model (and its LM head) for oneDNN; returns
-    how many were packed (0 where it does not apply: another dtype or device, no oneDNN, or
-    CASCADE_ENGINE_PACKED_LINEAR=0). float32 stays on F.linear: the packed product differs there
-    in the last bits and was not faster at every batch."""
-    if os.environ.get("CASCADE_ENGINE_PACKED_LINEAR", "1") in ("0", "false", "no"):
+    """Pack every ``Linear`` weight of a CPU model (and its LM head) for oneDNN; returns how many
+    were packed. bfloat16 is always packed; float32 where one decoder layer's weights and the head
+    multiply at least FP32_PACKED_GAIN times faster packed than through F.linear, timed here on
+    ``rows_hint`` rows once per process and weight shapes (CASCADE_ENGINE_PACKED_LINEAR=float32:
+    without timing). 0 where it does not apply: another dtype or device, no oneDNN, float32 not
+    faster, or CASCADE_ENGINE_PACKED_LINEAR=0."""
+    mode = os.environ.get("CASCADE_ENGINE_PACKED_LINEAR", "1")
+    if mode in ("0", "false", "no"):
         return 0
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
     if reorder is None or not torch.backends.mkldnn.is_available():
         return 0
     lm_head = getattr(model, "lm_head", None)
     head = model.embed_tokens.weight if lm_head is None else lm_head.weight
-    if head.device.type != "cpu" or head.dtype != torch.bfloat16:
+    if head.device.type != "cpu" or head.dtype not in (torch.bfloat16, torch.float32):
         return 0
-    count = 0
     with torch.inference_mode():
+        if head.dtype == torch.float32 and mode != "float32" and not _fp32_packed_faster(model, head, rows_hint):
+            return 0
+        count = 0
         for m in model.modules():
             if isinstance(m, Linear) and m is not lm_head:  # the head: packed_head
                 m.packed = reorder(m.weight.detach(), rows_hint)
                 count += 1
         model.packed_head = reorder(head.detach(), rows_hint)
     return count + 1
+
+
+def _fp32_packed_faster(model: nn.Module, head: torch.Tensor, rows: int) -> bool:
+    """Whether float32 products on packed weights beat F.linear here by FP32_PACKED_GAIN: the
+    first decoder layer's weights and the head, each way best of 3 after a warm-up, interleaved."""
+    blocks = getattr(model, "layers", None)
+    layer = [m.weight.detach() for m in blocks[0].modules() if isinstance(m, Linear)] if blocks else []
+    weights = [*layer, head.detach()]
+    key = tuple(tuple(w.shape) for w in weights)
+    if key not in _fp32_choice:
+        spent = {"F.linear": 0.0, "packed": 0.0}
+        for w in weights:
+            x = torch.randn(rows, w.shape[1])
+            p = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+            ways = {"F.linear": (F.linear, (x, w)),
+                    "packed": (torch.ops.mkldnn._linear_pointwise, (x, p, None, "none", [], ""))}
+            best = dict.fromkeys(ways, float("inf"))
+            for round_ in range(4):
+                for way, (product, args) in ways.items():
+                    start = time.perf_counter()
+                    product(*args)
+                    if round_:  # round 0 warms both up
+                        best[way] = min(best[way], time.perf_counter() - start)
+            for way in ways:
+                spent[way] += best[way]
+        _fp32_choice[key] = spent["F.linear"] >= FP32_PACKED_GAIN * spent["packed"]
+        log.info("float32 linears on %s: F.linear %.1f ms, packed %.1f ms (%d rows)",
+                 "the packed weights" if _fp32_choice[key] else "F.linear",
+                 spent["F.linear"] * 1e3, spent["packed"] * 1e3, rows)
+    return _fp32_choice[key]
 
 
 class RMSNorm(nn.Module):

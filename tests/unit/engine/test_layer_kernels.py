@@ -187,3 +187,70 @@ def test_a_batch_padded_to_whole_tiles_gives_the_same_products(monkeypatch):
             assert torch.equal(padded, plain)
         else:
             torch.testing.assert_close(padded, plain, atol=1e-2, rtol=1.6e-2)
+
+
+def _packs_here():
+    reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+    if reorder is None or not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN packed linear in this torch")
+    return reorder
+
+
+def test_float32_on_packed_weights_matches_f_linear_from_two_rows_and_the_head_from_one():
+    reorder = _packs_here()
+    g = torch.Generator().manual_seed(9)
+    weight = torch.randn(96, 64, generator=g) * 0.1
+    bias = torch.randn(96, generator=g)
+    packed = reorder(weight, 256)
+    for rows in (1, 2, 7, 200, layers.PACKED_MAX_ROWS + 3):
+        x = torch.randn(rows, 64, generator=g)
+        ours = layers._linear(x, weight, bias, packed)
+        torch.testing.assert_close(ours, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+        if rows == 1:  # a layer's matrix-vector product stays on F.linear, bit for bit
+            assert torch.equal(ours, F.linear(x, weight, bias))
+        head = layers._linear(x, weight, None, packed, min_rows=1)
+        assert torch.equal(head, torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+
+
+class _Tiny(torch.nn.Module):
+    """The parts pack_linears looks at: decoder layers of Linears, an LM head."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        block = torch.nn.Module()
+        block.up, block.down = layers.Linear(32, 48, bias=False), layers.Linear(48, 32, bias=False)
+        self.layers = torch.nn.ModuleList([block])
+        self.embed_tokens = torch.nn.Embedding(100, 32)
+        self.lm_head = layers.Linear(32, 100, bias=False)
+        self.to(dtype)
+
+
+@pytest.mark.parametrize("mode, dtype, packed", [
+    ("0", torch.bfloat16, False), ("0", torch.float32, False),
+    ("1", torch.bfloat16, True), ("float32", torch.float32, True), ("1", torch.float64, False)])
+def test_pack_linears_packs_what_the_mode_and_dtype_say(monkeypatch, mode, dtype, packed):
+    _packs_here()
+    monkeypatch.setenv("CASCADE_ENGINE_PACKED_LINEAR", mode)
+    model = _Tiny(dtype)
+    count = layers.pack_linears(model)
+    assert count == (3 if packed else 0)
+    assert (model.layers[0].up.packed is not None) == packed
+    assert (getattr(model, "packed_head", None) is not None) == packed
+    if packed:
+        x = torch.randn(5, 32, dtype=dtype)
+        tol = _tol(dtype)
+        torch.testing.assert_close(model.layers[0].up(x), F.linear(x, model.layers[0].up.weight), **tol)
+        torch.testing.assert_close(layers.head_linear(model, x, model.lm_head.weight),
+                                   F.linear(x, model.lm_head.weight), **tol)
+
+
+def test_the_float32_choice_is_timed_once_per_process_and_shapes(monkeypatch):
+    _packs_here()
+    monkeypatch.setenv("CASCADE_ENGINE_PACKED_LINEAR", "1")
+    monkeypatch.setattr(layers, "_fp32_choice", {})
+    first = layers.pack_linears(_Tiny(torch.float32))
+    assert first in (0, 3) and len(layers._fp32_choice) == 1
+    choice = next(iter(layers._fp32_choice.values()))
+    layers._fp32_choice[next(iter(layers._fp32_choice))] = not choice  # the kept choice is what decides
+    assert layers.pack_linears(_Tiny(torch.float32)) == (0 if choice else 3)
+    assert len(layers._fp32_choice) == 1
