@@ -55,12 +55,21 @@ def _build():
 
 
 def _build_dir(source: bytes) -> Path:
-    root = Path(os.environ.get("CASCADE_KERNEL_CACHE") or Path.home() / ".cache" / "cascade" / "kernels")
+    key = hashlib.sha256(machine_key().encode() + source).hexdigest()[:12]
+    return cache_root() / f"{platform.machine()}-{key}"
+
+
+def cache_root() -> Path:
+    """Where this machine's builds (and measured choices) are kept."""
+    return Path(os.environ.get("CASCADE_KERNEL_CACHE") or Path.home() / ".cache" / "cascade" / "kernels")
+
+
+def machine_key() -> str:
+    """The architecture and CPU flags: what a native build, or a timing, holds for."""
     flags = ""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
     except OSError:
         pass
-    key = hashlib.sha256(f"{platform.machine()}|{flags}".encode() + source).hexdigest()[:12]
-    return root / f"{platform.machine()}-{key}"
+    return f"{platform.machine()}|{flags}"

@@ -7,6 +7,8 @@ reference the kernels are tested against."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import threading
@@ -111,7 +113,9 @@ def _pad_buffer(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 FP32_PACKED_GAIN = 1.15  # float32 is packed only where that many times faster: noise cannot flip it
-_fp32_choice: dict[tuple, bool] = {}  # per process: every engine of it multiplies the same way
+# The choice, per process (every engine of it multiplies the same way) and kept on disk beside the
+# kernel builds (every process of this machine, a prefill and a decode worker alike, too).
+_fp32_choice: dict[str, bool] = {}
 
 
 def pack_linears(model: nn.Module, rows_hint: int = 256) -> int:
@@ -145,32 +149,65 @@ def pack_linears(model: nn.Module, rows_hint: int = 256) -> int:
 
 def _fp32_packed_faster(model: nn.Module, head: torch.Tensor, rows: int) -> bool:
     """Whether float32 products on packed weights beat F.linear here by FP32_PACKED_GAIN: the
-    first decoder layer's weights and the head, each way best of 3 after a warm-up, interleaved."""
+    first decoder layer's weights and the head, each way best of 3 after a warm-up, interleaved;
+    timed once per machine, torch, thread count and shapes, then read back."""
+    from cloud_tier.engine import kernels
+
     blocks = getattr(model, "layers", None)
     layer = [m.weight.detach() for m in blocks[0].modules() if isinstance(m, Linear)] if blocks else []
     weights = [*layer, head.detach()]
-    key = tuple(tuple(w.shape) for w in weights)
+    shapes = " ".join("x".join(map(str, w.shape)) for w in weights)
+    key = f"{torch.__version__} threads={torch.get_num_threads()} rows={rows} {shapes}"
+    machine = hashlib.sha256(kernels.machine_key().encode()).hexdigest()[:12]
+    path = kernels.cache_root() / f"linear-choice-{machine}.json"
     if key not in _fp32_choice:
-        spent = {"F.linear": 0.0, "packed": 0.0}
-        for w in weights:
-            x = torch.randn(rows, w.shape[1])
-            p = torch.ops.mkldnn._reorder_linear_weight(w, rows)
-            ways = {"F.linear": (F.linear, (x, w)),
-                    "packed": (torch.ops.mkldnn._linear_pointwise, (x, p, None, "none", [], ""))}
-            best = dict.fromkeys(ways, float("inf"))
-            for round_ in range(4):
-                for way, (product, args) in ways.items():
-                    start = time.perf_counter()
-                    product(*args)
-                    if round_:  # round 0 warms both up
-                        best[way] = min(best[way], time.perf_counter() - start)
-            for way in ways:
-                spent[way] += best[way]
-        _fp32_choice[key] = spent["F.linear"] >= FP32_PACKED_GAIN * spent["packed"]
-        log.info("float32 linears on %s: F.linear %.1f ms, packed %.1f ms (%d rows)",
-                 "the packed weights" if _fp32_choice[key] else "F.linear",
-                 spent["F.linear"] * 1e3, spent["packed"] * 1e3, rows)
+        kept = _read_choices(path)
+        if key in kept:
+            _fp32_choice[key] = kept[key]
+        else:
+            _fp32_choice[key] = _time_fp32(weights, rows)
+            _write_choices(path, {**kept, key: _fp32_choice[key]})
     return _fp32_choice[key]
+
+
+def _time_fp32(weights: list[torch.Tensor], rows: int) -> bool:
+    spent = {"F.linear": 0.0, "packed": 0.0}
+    for w in weights:
+        x = torch.randn(rows, w.shape[1])
+        p = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+        ways = {"F.linear": (F.linear, (x, w)),
+                "packed": (torch.ops.mkldnn._linear_pointwise, (x, p, None, "none", [], ""))}
+        best = dict.fromkeys(ways, float("inf"))
+        for round_ in range(4):
+            for way, (product, args) in ways.items():
+                start = time.perf_counter()
+                product(*args)
+                if round_:  # round 0 warms both up
+                    best[way] = min(best[way], time.perf_counter() - start)
+        for way in ways:
+            spent[way] += best[way]
+    faster = spent["F.linear"] >= FP32_PACKED_GAIN * spent["packed"]
+    log.info("float32 linears on %s: F.linear %.1f ms, packed %.1f ms (%d rows)",
+             "the packed weights" if faster else "F.linear", spent["F.linear"] * 1e3, spent["packed"] * 1e3, rows)
+    return faster
+
+
+def _read_choices(path) -> dict[str, bool]:
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: timed again
+        return {}
+    return {k: v for k, v in kept.items() if isinstance(v, bool)} if isinstance(kept, dict) else {}
+
+
+def _write_choices(path, choices: dict[str, bool]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(choices, indent=1))
+        os.replace(tmp, path)  # whole or not at all, for a process reading beside this one
+    except OSError as e:  # a read-only home: the choice holds for this process only
+        log.warning("could not keep the float32 linear choice in %s (%s)", path, e)
 
 
 class RMSNorm(nn.Module):

@@ -2,6 +2,8 @@
 against the torch code they replace, in float32 and bfloat16, on contiguous and strided inputs
 (the views the models hand them), and the torch path taken where the kernels do not apply."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -244,13 +246,25 @@ def test_pack_linears_packs_what_the_mode_and_dtype_say(monkeypatch, mode, dtype
                                    F.linear(x, model.lm_head.weight), **tol)
 
 
-def test_the_float32_choice_is_timed_once_per_process_and_shapes(monkeypatch):
+def test_the_float32_choice_is_timed_once_per_machine_and_read_back(monkeypatch, tmp_path):
     _packs_here()
     monkeypatch.setenv("CASCADE_ENGINE_PACKED_LINEAR", "1")
+    monkeypatch.setenv("CASCADE_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setattr(layers, "_fp32_choice", {})
     first = layers.pack_linears(_Tiny(torch.float32))
     assert first in (0, 3) and len(layers._fp32_choice) == 1
+    (kept,) = tmp_path.glob("linear-choice-*.json")
     choice = next(iter(layers._fp32_choice.values()))
-    layers._fp32_choice[next(iter(layers._fp32_choice))] = not choice  # the kept choice is what decides
+    assert list(json.loads(kept.read_text()).values()) == [choice]
+
+    monkeypatch.setattr(layers, "_time_fp32", lambda *a: pytest.fail("timed again"))
+    assert layers.pack_linears(_Tiny(torch.float32)) == first  # this process's choice
+    monkeypatch.setattr(layers, "_fp32_choice", {})  # another process: the choice read from disk
+    kept.write_text(json.dumps({k: not v for k, v in json.loads(kept.read_text()).items()}))
     assert layers.pack_linears(_Tiny(torch.float32)) == (0 if choice else 3)
-    assert len(layers._fp32_choice) == 1
+
+    kept.write_text("<html>not json")  # a damaged file: timed again, and rewritten whole
+    monkeypatch.setattr(layers, "_fp32_choice", {})
+    monkeypatch.setattr(layers, "_time_fp32", lambda *a: True)
+    assert layers.pack_linears(_Tiny(torch.float32)) == 3
+    assert list(json.loads(kept.read_text()).values()) == [True]
