@@ -116,6 +116,7 @@ FP32_PACKED_GAIN = 1.15  # float32 is packed only where that many times faster: 
 # The choice, per process (every engine of it multiplies the same way) and kept on disk beside the
 # kernel builds (every process of this machine, a prefill and a decode worker alike, too).
 _fp32_choice: dict[str, bool] = {}
+_fp32_lock = threading.Lock()
 
 
 def pack_linears(model: nn.Module, rows_hint: int = 256) -> int:
@@ -160,14 +161,15 @@ def _fp32_packed_faster(model: nn.Module, head: torch.Tensor, rows: int) -> bool
     key = f"{torch.__version__} threads={torch.get_num_threads()} rows={rows} {shapes}"
     machine = hashlib.sha256(kernels.machine_key().encode()).hexdigest()[:12]
     path = kernels.cache_root() / f"linear-choice-{machine}.json"
-    if key not in _fp32_choice:
-        kept = _read_choices(path)
-        if key in kept:
-            _fp32_choice[key] = kept[key]
-        else:
-            _fp32_choice[key] = _time_fp32(weights, rows)
-            _write_choices(path, {**kept, key: _fp32_choice[key]})
-    return _fp32_choice[key]
+    with _fp32_lock:  # two engines loading at once: one times, the other takes its choice
+        if key not in _fp32_choice:
+            kept = _read_choices(path)
+            if key in kept:
+                _fp32_choice[key] = kept[key]
+            else:
+                _fp32_choice[key] = _time_fp32(weights, rows)
+                _write_choices(path, {**kept, key: _fp32_choice[key]})
+        return _fp32_choice[key]
 
 
 def _time_fp32(weights: list[torch.Tensor], rows: int) -> bool:
