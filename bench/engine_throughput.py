@@ -116,6 +116,8 @@ def gemm_floor(model, prompts: list[list[int]], output_len: int, rows: int = 256
     import torch
     import torch.nn.functional as F
 
+    from cloud_tier.engine.models.layers import packed_product
+
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
     on_cpu = model.embed_tokens.weight.device.type == "cpu"
     packs = reorder is not None and torch.backends.mkldnn.is_available() and on_cpu
@@ -124,7 +126,7 @@ def gemm_floor(model, prompts: list[list[int]], output_len: int, rows: int = 256
         x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
         ways = [(F.linear, (x, weight))]
         if packs:
-            ways.append((torch.ops.mkldnn._linear_pointwise, (x, reorder(weight, rows), None, "none", [], "")))
+            ways.append((packed_product, (x, reorder(weight, rows))))
         best = float("inf")
         for product, args in ways:
             product(*args)

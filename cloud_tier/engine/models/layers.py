@@ -85,14 +85,19 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         rows = x.shape[0]
         if x.dtype == torch.float32:
             if rows >= min_rows:
-                return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+                return packed_product(x, packed, bias)
         elif rows <= PACKED_MAX_ROWS:
             if _pad_rows and rows > PAD_FROM_ROWS and rows % PAD_TILE_ROWS:
                 padded = _pad_buffer(rows + (-rows % PAD_TILE_ROWS), x.shape[1], x.dtype)
                 padded[:rows] = x
-                return torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")[:rows]
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+                return packed_product(padded, packed, bias)[:rows]
+            return packed_product(x, packed, bias)
     return F.linear(x, weight, bias)
+
+
+def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) through oneDNN on ``packed``, the weight's reordered copy."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 _pad_buffers = threading.local()  # per thread (two engines of one process step at once)
@@ -123,9 +128,9 @@ def pack_linears(model: nn.Module, rows_hint: int = 256) -> int:
     """Pack every ``Linear`` weight of a CPU model (and its LM head) for oneDNN; returns how many
     were packed. bfloat16 is always packed; float32 where one decoder layer's weights and the head
     multiply at least FP32_PACKED_GAIN times faster packed than through F.linear, timed here on
-    ``rows_hint`` rows once per process and weight shapes (CASCADE_ENGINE_PACKED_LINEAR=float32:
-    without timing). 0 where it does not apply: another dtype or device, no oneDNN, float32 not
-    faster, or CASCADE_ENGINE_PACKED_LINEAR=0."""
+    ``rows_hint`` rows once per machine, torch, thread count and weight shapes
+    (CASCADE_ENGINE_PACKED_LINEAR=float32: without timing). 0 where it does not apply: another
+    dtype or device, no oneDNN, float32 not faster, or CASCADE_ENGINE_PACKED_LINEAR=0."""
     mode = os.environ.get("CASCADE_ENGINE_PACKED_LINEAR", "1")
     if mode in ("0", "false", "no"):
         return 0
@@ -159,10 +164,10 @@ def _fp32_packed_faster(model: nn.Module, head: torch.Tensor, rows: int) -> bool
     weights = [*layer, head.detach()]
     shapes = " ".join("x".join(map(str, w.shape)) for w in weights)
     key = f"{torch.__version__} threads={torch.get_num_threads()} rows={rows} {shapes}"
-    machine = hashlib.sha256(kernels.machine_key().encode()).hexdigest()[:12]
-    path = kernels.cache_root() / f"linear-choice-{machine}.json"
     with _fp32_lock:  # two engines loading at once: one times, the other takes its choice
         if key not in _fp32_choice:
+            machine = hashlib.sha256(kernels.machine_key().encode()).hexdigest()[:12]
+            path = kernels.cache_root() / f"linear-choice-{machine}.json"
             kept = _read_choices(path)
             if key in kept:
                 _fp32_choice[key] = kept[key]
@@ -178,7 +183,7 @@ def _time_fp32(weights: list[torch.Tensor], rows: int) -> bool:
         x = torch.randn(rows, w.shape[1])
         p = torch.ops.mkldnn._reorder_linear_weight(w, rows)
         ways = {"F.linear": (F.linear, (x, w)),
-                "packed": (torch.ops.mkldnn._linear_pointwise, (x, p, None, "none", [], ""))}
+                "packed": (packed_product, (x, p))}
         best = dict.fromkeys(ways, float("inf"))
         for round_ in range(4):
             for way, (product, args) in ways.items():
