@@ -13,7 +13,8 @@ its own virtualenv (it pins its own torch) as a subprocess given the same HF dir
 engine converted from the GGUF, with this process's environment (the same OpenMP wait policy as
 ours). --repeat N runs ours and vLLM N times each, alternating (ours first in even rounds), and
 reports each one's median time: this project's VMs share their cores' matrix units and memory with
-neighbours, and the same GEMM was seen to take 3x longer from one minute to the next.
+neighbours, and the same GEMM was seen to take 3x longer from one minute to the next. For the same
+reason the GEMM floor is timed right after each of our runs, and ours over it is given by round.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ def main():
 if __name__ == "__main__":
     main()
 """
+
+
+FLOOR = "GEMM floor (estimate)"
 
 
 def run_ours(engine, prompts: list[list[int]], output_len: int) -> dict:
@@ -143,6 +147,11 @@ def gemm_floor(model, prompts: list[list[int]], output_len: int, rows: int = 256
     return fed * layer * len(model.layers) + len(prompts) * output_len * head
 
 
+def floor_run(model, prompts: list[list[int]], output_len: int) -> dict:
+    return {"seconds": gemm_floor(model, prompts, output_len), "tokens": len(prompts) * output_len,
+            "prompts": len(prompts)}
+
+
 def main() -> int:
     from cloud_tier.config import resolve_dtype
 
@@ -187,7 +196,7 @@ def run_dtype(args, dtype: str, systems: set[str]) -> dict[str, dict]:
           f"tokens; {args.output_len} output tokens each; {args.model} {dtype}; "
           f"{os.cpu_count()} cores", flush=True)
     results = {}
-    rounds: dict[str, list[dict]] = {"cascade engine": [], "vLLM CPU": []}
+    rounds: dict[str, list[dict]] = {"cascade engine": [], "vLLM CPU": [], FLOOR: []}
     if "vllm" in systems and not Path(args.vllm_python).exists():
         rounds["vLLM CPU"] = [{"error": f"not installed ({args.vllm_python} missing)"}]
         systems = systems - {"vllm"}
@@ -195,23 +204,32 @@ def run_dtype(args, dtype: str, systems: set[str]) -> dict[str, dict]:
         for system in (["ours", "vllm"] if rnd % 2 == 0 else ["vllm", "ours"]):
             if system == "ours" and "ours" in systems:
                 rounds["cascade engine"].append(run_ours(engine, prompts, args.output_len))
-                print(f"cascade engine round {rnd}", rounds["cascade engine"][-1], flush=True)
+                # the floor timed right after each of our runs, in the same spell of this VM's speed
+                rounds[FLOOR].append(floor_run(engine.model, prompts, args.output_len))
+                ratio = rounds["cascade engine"][-1]["seconds"] / rounds[FLOOR][-1]["seconds"]
+                print(f"cascade engine round {rnd}", rounds["cascade engine"][-1],
+                      f"GEMM floor {rounds[FLOOR][-1]['seconds']:.1f} s (ours {ratio:.2f}x it)", flush=True)
             elif system == "vllm" and "vllm" in systems:
                 rounds["vLLM CPU"].append(run_vllm(args.vllm_python, engine.model_dir, dtype, prompts,
                                                    args.output_len))
                 print(f"vLLM round {rnd}", rounds["vLLM CPU"][-1], flush=True)
+    if not rounds[FLOOR]:  # ours not run: the floor alone
+        rounds[FLOOR].append(floor_run(engine.model, prompts, args.output_len))
+    floor = rounds.pop(FLOOR)
     for name, rs in rounds.items():
         if rs:
             results[name] = median_run(rs)
-    floor = gemm_floor(engine.model, prompts, args.output_len)
     model_dir = engine.model_dir
     del engine  # its KV cache freed before HF runs
     gc.collect()
     if "hf" in systems and args.hf_prompts:
         results[f"HF generate (batch {args.hf_batch})"] = run_hf(
             model_dir, dtype, prompts[:args.hf_prompts], args.output_len, args.hf_batch)
-    results["GEMM floor (estimate)"] = {"seconds": floor, "tokens": len(prompts) * args.output_len,
-                                        "prompts": len(prompts)}
+    results[FLOOR] = median_run(floor)
+    ours = rounds["cascade engine"]
+    if ours and "error" not in ours[0]:  # per round: each of our runs over the floor timed beside it
+        results[FLOOR]["ours_over_floor"] = [round(o["seconds"] / f["seconds"], 2)
+                                             for o, f in zip(ours, floor, strict=True)]
     return results
 
 
@@ -237,6 +255,8 @@ def print_table(results: dict[str, dict[str, dict]]) -> None:
             rate = r["tokens"] / r["seconds"]
             ratio = f"{ours / rate:>8.2f}x" if ours else f"{'-':>9}"
             runs = f"   runs: {r['all_seconds']} s" if len(r.get("all_seconds", [])) > 1 else ""
+            if "ours_over_floor" in r:
+                runs += f"   ours / floor by round: {r['ours_over_floor']}"
             print(f"{dtype:<9} {name:<24} {r['prompts']:>7} {r['tokens']:>10} {r['seconds']:>8.1f} {rate:>10.1f} "
                   f"{ratio}{runs}")
 

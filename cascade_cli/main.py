@@ -236,9 +236,11 @@ def cmd_cloud_serve(args) -> int:
                     "prefill_workers": prefill_urls, "decode_workers": decode_urls,
                     "kv_connector": args.kv_connector},
         "server": {"api_key": args.worker_api_key},
-        "engine": {"model": args.model, "max_model_len": args.max_model_len, "kv_cache_dtype": args.kv_cache_dtype,
-                   "kv_cache_memory_bytes": args.kv_cache_bytes},
+        "engine": {"model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
+                   "kv_cache_dtype": args.kv_cache_dtype, "kv_cache_memory_bytes": args.kv_cache_bytes,
+                   "ttft_slo_s": args.ttft_slo_s, "tpot_slo_s": args.tpot_slo_s, "reservations": args.reservations},
     }
+    overrides["gateway"]["class_slos"] = args.class_slos
     overrides["gateway"].update(k8s_namespace=args.k8s_namespace, k8s_selector=args.k8s_selector,
                                 k8s_prefill_selector=args.k8s_prefill_selector,
                                 k8s_decode_selector=args.k8s_decode_selector, k8s_port=args.k8s_port)
@@ -433,6 +435,21 @@ def build_parser() -> argparse.ArgumentParser:
                                        f"(default: {eng.model})")
     serve.add_argument("--worker-threads", type=int, help="torch threads per started worker "
                                                           "(default: 0 = the cores shared out)")
+    serve.add_argument("--dtype", choices=DTYPES, help=f"for the workers it starts: auto: bfloat16 on a CPU with "
+                       f"native bfloat16 (AVX512_BF16, AMX) or CUDA, else float32 (default: {eng.dtype})")
+    serve.add_argument("--ttft-slo-s", type=float, metavar="S",
+                       help="for the workers it starts: the time-to-first-token target of requests that name none "
+                            "(and whose class has none in --class-slos); what would miss it gets 429 + Retry-After "
+                            "(reason slo) (default: none)")
+    serve.add_argument("--tpot-slo-s", type=float, metavar="S",
+                       help="for the workers it starts: the time-per-output-token target of requests that name "
+                            "none (default: none)")
+    serve.add_argument("--reservations", metavar="TENANT=SHARE,...",
+                       help="for the workers it starts: shares of each one's KV blocks and running slots kept for "
+                            "tenants, e.g. gold=0.3 (default: none)")
+    serve.add_argument("--class-slos", metavar="CLASS=TTFT:TPOT,...",
+                       help="TTFT and TPOT targets (seconds) by priority class for requests that name none, e.g. "
+                            "interactive=2:0.2,batch=60:1 (default: none)")
     serve.add_argument("--kv-transport", choices=["tcp", "shm", "auto"],
                        help=f"prefill -> decode KV transport; auto: shm on one host (default: {gw.kv_transport})")
     serve.add_argument("--max-model-len", type=int, help=f"for the workers it starts (default: {eng.max_model_len})")

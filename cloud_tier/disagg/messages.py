@@ -79,6 +79,9 @@ class RequestRecord(_Message):
     ttft_slo_s: Annotated[float, Field(gt=0)] | None = None
     tpot_slo_s: Annotated[float, Field(gt=0)] | None = None
     timeout_s: float | None = None
+    # how long it had waited when this record was sent (in the gateway): the engine's TTFT clock
+    # starts that much before the record arrives, at the request's arrival where the client sent it
+    waited_s: Annotated[float, Field(ge=0, le=86400)] = 0.0
     tenant: str = Field(default="", max_length=256)
     logprobs: list[TokenLogprobRecord] = []  # of output_token_ids, when asked
     sampler_state: bytes | None = None  # torch.Generator state of a seeded request

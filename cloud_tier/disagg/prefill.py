@@ -10,7 +10,7 @@ import time
 
 from cloud_tier.disagg.messages import RequestRecord, TransferHeader
 from cloud_tier.disagg.protocol import PrefillRequest, PrefillResponse
-from cloud_tier.disagg.records import logprob_record, params_of, service_level_of
+from cloud_tier.disagg.records import arrival_of, logprob_record, params_of, service_level_of
 from cloud_tier.disagg.transport import (
     KVSender,
     ShmSender,
@@ -53,7 +53,8 @@ class PrefillService:
         rid = rec.request_id
         started = time.perf_counter()
         try:
-            req = self.engine.prepare(rec.prompt_token_ids, params_of(rec), rid, rec.priority, service_level_of(rec))
+            req = self.engine.prepare(rec.prompt_token_ids, params_of(rec), rid, rec.priority, service_level_of(rec),
+                                      arrival_of(rec))
         except (ValueError, TypeError) as e:
             return PrefillResponse(request_id=rid, ok=False, code="bad_request", message=str(e))
         rid = req.request_id  # the engine names a request that came without an id

@@ -24,6 +24,12 @@ def service_level_of(record: RequestRecord, received: float | None = None) -> Se
     return ServiceLevel(record.priority_class, record.ttft_slo_s, record.tpot_slo_s, deadline, record.tenant)
 
 
+def arrival_of(record: RequestRecord, received: float | None = None) -> float:
+    """The request's arrival on this host's ``time.monotonic()`` clock: when it was received here
+    (now if not given), less what it had waited before (``waited_s``, a duration: clocks differ)."""
+    return (time.monotonic() if received is None else received) - record.waited_s
+
+
 def logprob_record(lp: TokenLogprobs) -> TokenLogprobRecord:
     return TokenLogprobRecord(token_id=lp.token_id, logprob=lp.logprob, top=[tuple(t) for t in lp.top])
 

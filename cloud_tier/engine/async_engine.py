@@ -84,13 +84,14 @@ class AsyncLLMEngine:
             yield out
 
     def prepare(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None,
-                priority: int = 0, slo: ServiceLevel | None = None) -> Request:
-        """A validated request (ValueError, also for the id of a request streaming here)."""
+                priority: int = 0, slo: ServiceLevel | None = None, arrival_time: float | None = None) -> Request:
+        """A validated request (ValueError, also for the id of a request streaming here).
+        ``arrival_time``: when it arrived (``time.monotonic()``; now if not given), where its TTFT counts from."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error}")
         if request_id is not None and request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}: a request with this id is in flight")
-        return self.engine.make_request(prompt, params, request_id, priority, slo=slo)
+        return self.engine.make_request(prompt, params, request_id, priority, arrival_time, slo)
 
     async def stream(self, req: Request) -> AsyncIterator[RequestOutput]:
         """Queue ``req`` and stream its outputs (ValueError if the engine refuses it, e.g. a

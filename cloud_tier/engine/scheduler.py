@@ -149,8 +149,8 @@ class Scheduler:
         self.num_rejected: Counter[str] = Counter()  # by tenant: refused for their TTFT target
         self.num_expired = 0
         # this step's allowances (_plan_prefill): prefill tokens, the long lane's part, the tightest TPOT
-        self._prefill_room = self._long_room = config.max_num_batched_tokens
-        self._floor = math.inf
+        self._token_room = self._long_room = config.max_num_batched_tokens
+        self._floor, self._decodes, self._prefill_s = math.inf, 0, 0.0
         self.swap = SwapSpace()  # the engine gives it a mode, a budget and its costs
 
     # -- requests in and out -------------------------------------------------------------
@@ -197,9 +197,12 @@ class Scheduler:
         for r in ahead:
             heapq.heapreplace(free_at, free_at[0] + r.sampling_params.max_tokens)
         prompts_ahead = len(ahead) + sum(1 for r in running if r.num_tokens - r.num_computed_tokens > 1)
+        # the steps of its prefill carry the running decodes and those ahead of it, prefilled first
+        decodes = min(len(running) + len(ahead), capacity)
+        floor = min(self._tpot_floor(), self.tpot_target(request) or math.inf)
         return estimate_ttft(self.cost, tokens_ahead, request.num_tokens - request.num_computed_tokens,
-                             self.config.max_num_batched_tokens, min(len(running), capacity), free_at[0],
-                             prompts_ahead)
+                             self.config.max_num_batched_tokens, decodes, free_at[0], prompts_ahead, floor,
+                             self.config.min_prefill_chunk)
 
     def _tpot_floor(self) -> float:
         """The tightest TPOT target among the running requests (inf: none has one)."""
@@ -311,16 +314,31 @@ class Scheduler:
         return out
 
     def _plan_prefill(self) -> None:
-        """This step's prefill allowance: what the TPOT targets of the running decodes leave (at
-        least ``min_prefill_chunk``), and the long prompts' part of it while a short one waits."""
-        room = self.config.max_num_batched_tokens
+        """This step's prefill allowance: the token budget and, under a TPOT target among the running
+        (``_prefill_room``), the time the decodes leave; the long prompts' part of it while a short one waits."""
         self._floor = self._tpot_floor()  # kept up to date as this step admits requests
-        if self._floor < math.inf:
-            decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
-            room = min(room, max(self.config.min_prefill_chunk, self.cost.prefill_tokens_within(self._floor, decodes)))
-        self._prefill_room = room
+        self._token_room = self.config.max_num_batched_tokens
+        self._decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        self._prefill_s = 0.0  # the prefill chunks taken so far this step, in the cost model's seconds
+        room = self._prefill_room
         short_waiting = any(self._is_short(r) for r in self.waiting)
         self._long_room = int(room * (1 - self.config.short_lane_share)) if short_waiting else room
+
+    @property
+    def _prefill_room(self) -> int:
+        """Prefill tokens the step can still take: within the token budget and, under a TPOT target,
+        within the time the decodes and the chunks taken so far leave, each chunk charged its own
+        cost as well (many short prompts cost more than one long one of their length); the first
+        chunk at least ``min_prefill_chunk`` tokens, so prompts progress."""
+        room = self._token_room
+        if self._floor < math.inf:
+            c = self.cost
+            left = self._floor - c.base_s - c.per_decode_s * self._decodes - self._prefill_s - c.per_prefill_seq_s
+            timed = int(left / max(c.per_prefill_token_s, 1e-9)) if left > 0 else 0
+            if self._prefill_s == 0:
+                timed = max(self.config.min_prefill_chunk, timed)
+            room = min(room, timed)
+        return room
 
     def _is_short(self, request: Request) -> bool:
         return request.num_tokens - request.num_computed_tokens <= self.config.short_prompt_tokens
@@ -339,7 +357,8 @@ class Scheduler:
 
     def _took_prefill(self, request: Request, n: int) -> None:
         if n > 1 or request.num_tokens - request.num_computed_tokens > 1:
-            self._prefill_room -= n
+            self._token_room -= n
+            self._prefill_s += self.cost.per_prefill_token_s * n + self.cost.per_prefill_seq_s
             if not self._is_short(request):
                 self._long_room -= n
 

@@ -97,15 +97,21 @@ def _nonnegative_solve(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
 
 
 def estimate_ttft(cost: StepCostModel, prefill_tokens_ahead: int, own_prefill_tokens: int, token_budget: int,
-                  decodes: int, slot_wait_steps: int = 0, prompts_ahead: int = 0) -> float:
+                  decodes: int, slot_wait_steps: int = 0, prompts_ahead: int = 0, step_cap_s: float = math.inf,
+                  min_chunk: int = 32) -> float:
     """Seconds until a new request's first token: its slot's wait (steps until enough running
     requests finish), then the steps that prefill what is ahead of it and itself, each carrying
-    the running decodes."""
+    the running decodes. Under a TPOT target (``step_cap_s``: the longest a step may take) a step
+    takes only the prefill that fits beside the decodes, at least ``min_chunk`` tokens of one
+    prompt (as the scheduler does), so the same prefill takes more, shorter steps."""
     tokens = prefill_tokens_ahead + own_prefill_tokens
+    work = cost.per_prefill_token_s * tokens + cost.per_prefill_seq_s * (prompts_ahead + 1)
+    per_step = cost.base_s + cost.per_decode_s * decodes
     steps = max(1, math.ceil(tokens / max(token_budget, 1)))
-    prefill = (steps * (cost.base_s + cost.per_decode_s * decodes) + cost.per_prefill_token_s * tokens
-               + cost.per_prefill_seq_s * (prompts_ahead + 1))
-    return slot_wait_steps * cost.step_s(0, decodes) + prefill
+    if step_cap_s < math.inf:
+        room = max(step_cap_s - per_step, cost.per_prefill_seq_s + cost.per_prefill_token_s * min_chunk)
+        steps = max(steps, math.ceil(work / room))
+    return slot_wait_steps * cost.step_s(0, decodes) + steps * per_step + work
 
 
 @dataclass(frozen=True)

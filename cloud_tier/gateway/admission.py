@@ -50,7 +50,10 @@ class Admission:
         span = max(now - self._released[0][0], 1.0)
         return sum(b for _, b in self._released) / span
 
-    async def admit(self, need_blocks: int, deadline_s: float, roles: tuple[str, ...]) -> Ticket:
+    async def admit(self, need_blocks: int, deadline_s: float, roles: tuple[str, ...],
+                    reason: str = "kv_capacity") -> Ticket:
+        """A worker with room for ``need_blocks``, waiting at most ``deadline_s`` for one; else 429 +
+        Retry-After with ``reason`` as its code ("slo" where the wait is the request's own TTFT target)."""
         ticket = self._try(need_blocks, roles)
         if ticket is not None:
             return ticket
@@ -61,7 +64,7 @@ class Admission:
             raise _busy("The cloud tier's admission queue is full.", estimate or 1.0, "queue_full")
         if estimate is not None and estimate > deadline_s:
             raise _busy("Not enough KV cache free to start this request within the time-to-first-token "
-                        "objective.", estimate, "kv_capacity")
+                        "objective.", estimate, reason)
         self.waiting += 1
         try:
             end = time.monotonic() + deadline_s
@@ -74,7 +77,7 @@ class Admission:
             self.waiting -= 1
         rate = self.drain_rate()
         raise _busy("Not enough KV cache became free within the time-to-first-token objective.",
-                    self._deficit(need_blocks, roles) / rate if rate > 0 else deadline_s, "kv_capacity")
+                    self._deficit(need_blocks, roles) / rate if rate > 0 else deadline_s, reason)
 
     def release(self, ticket: Ticket) -> None:
         if ticket.released:

@@ -178,7 +178,7 @@ class GatewayService:
             flight.predicted_tokens = plan.max_total_tokens
             flight.prompt_tokens = len(plan.prompt_token_ids)
             need = math.ceil(plan.max_total_tokens / self.pool.block_size)
-            flight.ticket = await self.admission.admit(need, self.config.ttft_slo_s, ("decode", "both"))
+            flight.ticket = await self.workers.admit(flight, plan, need)
         except BaseException as e:
             self._settle_early(flight, e)
             raise

@@ -19,7 +19,7 @@ from cascade import errors
 from cascade.generation import Finish, TokenEvent, event_from_wire
 from cloud_tier.disagg.messages import RequestRecord
 from cloud_tier.disagg.protocol import GenerateRequest
-from cloud_tier.gateway.admission import Admission
+from cloud_tier.gateway.admission import Admission, Ticket
 from cloud_tier.gateway.placement import NoWorkerError, PrefixIndex, RouterConfig, choose_prefill
 from cloud_tier.gateway.streams import Flight
 from cloud_tier.gateway.worker_pool import Worker, WorkerPool
@@ -47,6 +47,20 @@ class WorkerClient:
         if worker_api_key:
             self.worker_headers["authorization"] = f"Bearer {worker_api_key}"
 
+    def ttft_target(self, flight: Flight, plan: Plan) -> float | None:
+        """The request's TTFT target: its own (the body's), else its class's in ``class_slos``."""
+        return plan.ttft_slo_s or self.class_slos.get(flight.priority_class, (None, None))[0]
+
+    async def admit(self, flight: Flight, plan: Plan, need: int) -> Ticket:
+        """Room for the request on a decode worker: waited for up to what is left of its TTFT target
+        (refused as "slo" past it: it would miss it anyway), or of the gateway's TTFT objective when
+        it has none."""
+        target = self.ttft_target(flight, plan)
+        if target is None:
+            return await self.admission.admit(need, self.ttft_slo_s, ("decode", "both"))
+        left = max(0.0, target - (time.perf_counter() - flight.arrived))
+        return await self.admission.admit(need, left, ("decode", "both"), reason="slo")
+
     def route(self, plan: Plan, worker: Worker) -> tuple[str | None, Worker | None, int]:
         """(prefill URL or None for local prefill, the prefill worker, prompt tokens it computes)."""
         tokens = plan.prompt_token_ids
@@ -69,16 +83,18 @@ class WorkerClient:
 
     async def generate(self, flight: Flight, plan: Plan, need: int) -> AsyncIterator[TokenEvent | Finish]:
         rid = uuid.uuid4().hex
-        ttft, tpot = self.class_slos.get(flight.priority_class, (None, None))
+        tpot = self.class_slos.get(flight.priority_class, (None, None))[1]
         record = RequestRecord(request_id=rid, prompt_token_ids=plan.prompt_token_ids,
                                sampling=plan.params.to_dict(), priority=plan.priority,
                                priority_class=flight.priority_class, tenant=flight.tenant,
-                               ttft_slo_s=plan.ttft_slo_s or ttft, tpot_slo_s=plan.tpot_slo_s or tpot,
+                               ttft_slo_s=self.ttft_target(flight, plan), tpot_slo_s=plan.tpot_slo_s or tpot,
                                timeout_s=time_left(flight, plan))
         for attempt in range(ATTEMPTS):
             worker = flight.ticket.worker
             prefill_url, prefill_worker, work = self.route(plan, worker)
-            body = GenerateRequest(record=record.model_copy(update={"request_id": f"{rid}-{attempt}"}),
+            waited = time.perf_counter() - flight.arrived  # the worker's TTFT clock starts at our arrival
+            body = GenerateRequest(record=record.model_copy(update={"request_id": f"{rid}-{attempt}",
+                                                                    "waited_s": min(waited, 86400.0)}),
                                    prefill_url=prefill_url,
                                    transport=self.transport(prefill_url, worker.url) if prefill_url else "tcp")
             prefill_worker.pending_prefill_tokens += work
@@ -114,7 +130,7 @@ class WorkerClient:
                 self.pool.mark_down(worker.url, repr(e))
                 if not started and attempt < ATTEMPTS - 1 and isinstance(e, httpx.ConnectError):
                     self.admission.release(flight.ticket)  # that worker is gone: find room elsewhere
-                    flight.ticket = await self.admission.admit(need, self.ttft_slo_s, ("decode", "both"))
+                    flight.ticket = await self.admit(flight, plan, need)
                     continue
                 raise errors.APIError(502, f"The cloud worker failed: {e!r}", "server_error",
                                       code="worker_failed") from e

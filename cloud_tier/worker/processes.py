@@ -37,17 +37,7 @@ class WorkerProcesses:
         host = "127.0.0.1"
         for role in roles:
             port = free_port(host)
-            cmd = cascade_command(
-                "cloud", "worker", "--role", role, "--host", host, "--port", str(port), "--model", e.model,
-                "--threads", str(threads), "--dtype", e.dtype, "--kv-cache-dtype", e.kv_cache_dtype,
-                "--device", e.device,
-                "--max-model-len", str(e.max_model_len), "--kv-cache-bytes", str(e.kv_cache_memory_bytes),
-                "--max-num-seqs", str(e.max_num_seqs), "--max-num-batched-tokens", str(e.max_num_batched_tokens),
-                log_level=logging.getLevelName(log.getEffectiveLevel()))
-            if self.config_path:
-                cmd += ["--config", self.config_path]
-            if self.config.server.api_key:
-                cmd += ["--api-key", self.config.server.api_key]
+            cmd = worker_command(self.config, role, host, port, threads, self.config_path)
             url = f"http://{host}:{port}"
             log.info("starting %s worker on %s (%d threads)", role, url, threads)
             self.procs.append((url, spawn(cmd, env=worker_omp_env(threads), die_with_parent=True)))
@@ -61,6 +51,29 @@ class WorkerProcesses:
     def stop(self) -> None:
         for _, p in self.procs:
             stop(p, timeout_s=10)
+
+
+def worker_command(config: CloudConfig, role: str, host: str, port: int, threads: int,
+                   config_path: str | None = None) -> list[str]:
+    """`cascade cloud worker` for one started worker: the engine settings as flags (a flag or variable
+    given to `cloud serve` is in no config file the worker reads), then the config file itself."""
+    e = config.engine
+    cmd = cascade_command(
+        "cloud", "worker", "--role", role, "--host", host, "--port", str(port), "--model", e.model,
+        "--threads", str(threads), "--dtype", e.dtype, "--kv-cache-dtype", e.kv_cache_dtype,
+        "--device", e.device,
+        "--max-model-len", str(e.max_model_len), "--kv-cache-bytes", str(e.kv_cache_memory_bytes),
+        "--max-num-seqs", str(e.max_num_seqs), "--max-num-batched-tokens", str(e.max_num_batched_tokens),
+        log_level=logging.getLevelName(log.getEffectiveLevel()))
+    for flag, value in (("--ttft-slo-s", e.ttft_slo_s), ("--tpot-slo-s", e.tpot_slo_s),
+                        ("--reservations", e.reservations)):
+        if value:
+            cmd += [flag, str(value)]
+    if config_path:
+        cmd += ["--config", config_path]
+    if config.server.api_key:
+        cmd += ["--api-key", config.server.api_key]
+    return cmd
 
 
 def worker_omp_env(threads: int) -> dict[str, str | None]:

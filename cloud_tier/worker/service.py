@@ -15,7 +15,7 @@ from cloud_tier import tokenizer_files
 from cloud_tier.disagg.decode import DecodeService
 from cloud_tier.disagg.prefill import PrefillService
 from cloud_tier.disagg.protocol import GenerateRequest, ServedModel
-from cloud_tier.disagg.records import params_of, service_level_of
+from cloud_tier.disagg.records import arrival_of, params_of, service_level_of
 from cloud_tier.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from cloud_tier.engine.outputs import RequestOutput
 from cloud_tier.engine.request import Request, ServiceLevel
@@ -108,7 +108,7 @@ class WorkerService:
         if body.prefill_url is None:
             try:
                 req = self.engine.prepare(rec.prompt_token_ids, params_of(rec), rec.request_id, rec.priority,
-                                          service_level_of(rec))
+                                          service_level_of(rec), arrival_of(rec))
             except EngineDeadError as e:
                 raise errors.APIError(503, str(e), "server_error", code="engine_unavailable") from e
             except (ValueError, TypeError) as e:

@@ -151,3 +151,17 @@ def test_checksum_is_stable_and_sees_a_flipped_bit():
     assert before == payload_checksum(memoryview(bytes(data))) and len(before) == 8
     data[1234] ^= 0x10
     assert payload_checksum(data) != before
+
+
+def test_the_time_a_request_waited_before_travels_as_a_duration_and_moves_its_arrival_back():
+    from pydantic import ValidationError
+
+    from cloud_tier.disagg.records import arrival_of
+
+    assert record().waited_s == 0.0 and arrival_of(record(), received=500.0) == 500.0
+    waited = record(waited_s=0.75)
+    assert decode(encode(waited)).waited_s == 0.75
+    assert arrival_of(waited, received=500.0) == 499.25  # the TTFT clock started where the client sent it
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValidationError):
+            record(waited_s=bad)

@@ -23,9 +23,9 @@ class Clock:
         return self.now
 
 
-def fixed_cost(base=0.01, per_token=0.001, per_decode=0.01):
+def fixed_cost(base=0.01, per_token=0.001, per_decode=0.01, per_seq=0.0):
     """A cost model that does not learn (decay 1, a prior too heavy to move)."""
-    return StepCostModel(base, per_token, per_decode, decay=1.0, prior_weight=1e12)
+    return StepCostModel(base, per_token, per_decode, decay=1.0, prior_weight=1e12, per_prefill_seq_s=per_seq)
 
 
 def make(num_blocks=64, block_size=4, budget=64, max_seqs=8, cost=None, **kw):
@@ -151,6 +151,29 @@ def test_the_tpot_target_caps_the_prefill_a_step_takes_next_to_decodes():
     assert plan["long"] == 50  # (0.1 - 0.01 - 4 * 0.01) / 0.001
 
 
+def test_under_a_tpot_target_each_prefill_chunk_is_charged_its_own_cost_as_well():
+    # a step: 10 ms + 1 ms per prefill token + 20 ms per prompt chunk + 10 ms per decode; TPOT 100 ms
+    s, _ = make(num_blocks=256, budget=512, max_seqs=32, cost=fixed_cost(per_seq=0.02))
+    for i in range(2):
+        s.add_request(req(s, f"d{i}", 4, max_tokens=50, start=10 + 10 * i, tpot_s=0.1))
+    step(s)
+    for i in range(10):
+        s.add_request(req(s, f"p{i}", 10, max_tokens=50, start=100 + 20 * i, tpot_s=0.1))
+    plan, out = step(s)
+    # 100 - 10 - 2 x 10 = 70 ms for prefill: two prompts of 10 tokens (30 ms each), not seven (70 tokens)
+    assert sorted(plan) == ["d0", "d1", "p0", "p1"]
+    assert s.cost.step_s(out.num_prefill_tokens, out.num_decodes, out.num_prefill_seqs) <= 0.1
+
+
+def test_the_first_chunk_of_a_step_under_a_tpot_target_still_progresses():
+    s, _ = make(num_blocks=256, budget=512, max_seqs=32, min_prefill_chunk=8, cost=fixed_cost(per_seq=0.2))
+    s.add_request(req(s, "d", 4, max_tokens=50, tpot_s=0.1))
+    step(s)
+    s.add_request(req(s, "p", 40, max_tokens=4, start=100, tpot_s=0.1))
+    plan, _ = step(s)
+    assert plan == {"d": 1, "p": 8}  # no time is left for any chunk: min_prefill_chunk tokens of one
+
+
 def test_the_tpot_target_bounds_how_many_decode_at_once():
     s, _ = make(num_blocks=256, budget=512, max_seqs=32)  # decodes_within(0.05) = (0.05 - 0.01) / 0.01 = 4
     for i in range(6):
@@ -208,3 +231,11 @@ def test_estimate_ttft_counts_the_prefill_steps_and_the_slot_wait():
     m = fixed_cost(base=0.01, per_token=0.001, per_decode=0.01)
     assert estimate_ttft(m, 0, 100, 64, 0) == pytest.approx(2 * 0.01 + 0.1)
     assert estimate_ttft(m, 0, 10, 64, 2, slot_wait_steps=5) == pytest.approx(5 * 0.03 + 0.03 + 0.01)
+
+
+def test_estimate_ttft_under_a_tpot_target_takes_shorter_steps():
+    m = fixed_cost(base=0.01, per_token=0.001, per_decode=0.01, per_seq=0.005)
+    # 100 tokens and 4 prompts: 0.1 + 0.02 s of prefill work; steps of at most 0.05 s beside 1 decode
+    # leave 0.03 s each: 4 steps of 0.02 s of base and decode, not the one the token budget allows
+    assert estimate_ttft(m, 60, 40, 512, 1, prompts_ahead=3) == pytest.approx(0.02 + 0.12)
+    assert estimate_ttft(m, 60, 40, 512, 1, prompts_ahead=3, step_cap_s=0.05) == pytest.approx(4 * 0.02 + 0.12)
