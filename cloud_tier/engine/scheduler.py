@@ -438,17 +438,22 @@ class Scheduler:
         it (FCFS); a request on another tenant's reservation, or a short one passing a long prompt
         whose lane is spent this step, goes on."""
         blocked: set[str] = set()  # reservation groups that found no room this step
+        yielded: set[str] = set()  # preempted this step for a higher class: not admitted again in it
         long_spent = False
         i = 0
         while i < len(self.waiting) and budget > 0:
             req = self.waiting[i]
             group = self.reservations.group(req.tenant)
-            if group in blocked or (long_spent and not self._is_short(req)):
+            if group in blocked or req.request_id in yielded or (long_spent and not self._is_short(req)):
                 i += 1
                 continue
             if not self._has_slot(req):
-                blocked.add(group)
-                i += 1
+                freed = self._yield_to(req, out, yielded)
+                if freed is None:
+                    blocked.add(group)
+                    i += 1
+                else:  # a lower class gave its slot up: this request again (it is still at i)
+                    budget += freed
                 continue
             computed: KVCacheBlocks | None = None
             num_hit = 0
@@ -465,8 +470,12 @@ class Scheduler:
                 i += 1
                 continue
             if not self._allocate(req, n, computed):
-                blocked.add(group)  # no room: first in line for its pool
-                i += 1
+                freed = self._yield_to(req, out, yielded)
+                if freed is None:
+                    blocked.add(group)  # no room: first in line for its pool
+                    i += 1
+                else:  # a lower class gave its KV up: this request again
+                    budget += freed
                 continue
             if req.num_cached_tokens < 0:  # first admitted (not a resumption after preemption)
                 req.num_cached_tokens = num_hit
@@ -480,6 +489,21 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_ids(req.request_id)))
             self._took_prefill(req, n)
             budget -= n
+
+    def _yield_to(self, request: Request, out: SchedulerOutput, yielded: set[str]) -> int | None:
+        """Preempt the lowest-standing running request of a lower class than waiting ``request``
+        (batch before escalation before interactive) that draws on the same pool, so ``request``
+        gets its slot and its KV; the tokens it had in this step (None: there is none, nothing done)."""
+        group = self.reservations.group(request.tenant)
+        lower = [r for r in self.running
+                 if r.slo.rank > request.slo.rank and self.reservations.group(r.tenant) == group]
+        if not lower:
+            return None
+        victim = max(lower, key=Request.sort_key)
+        self._preempt(victim, out)
+        out.preempted.append(victim.request_id)
+        yielded.add(victim.request_id)
+        return self._unschedule(out, victim)
 
     def _has_slot(self, request: Request) -> bool:
         """Whether ``request`` may join the running set: within max_num_seqs less the other

@@ -27,6 +27,7 @@ class Ticket:
     released: bool = False
     epoch: int = -1  # the worker's scrape it was sent after (foreign workers: its count lags until the next)
     probe: bool = False  # it is the half-open breaker's one probe
+    batch: bool = False  # for a batch-class request: online requests may take its blocks (the engine preempts it)
 
 
 class Admission:
@@ -51,13 +52,15 @@ class Admission:
         return sum(b for _, b in self._released) / span
 
     async def admit(self, need_blocks: int, deadline_s: float, roles: tuple[str, ...],
-                    reason: str = "kv_capacity") -> Ticket:
+                    reason: str = "kv_capacity", batch: bool = False) -> Ticket:
         """A worker with room for ``need_blocks``, waiting at most ``deadline_s`` for one; else 429 +
-        Retry-After with ``reason`` as its code ("slo" where the wait is the request's own TTFT target)."""
-        ticket = self._try(need_blocks, roles)
+        Retry-After with ``reason`` as its code ("slo" where the wait is the request's own TTFT target).
+        ``batch``: a batch-class request; any other may count the blocks committed to those as free,
+        since our engines preempt batch requests for it (batch work runs in what online work leaves)."""
+        ticket = self._try(need_blocks, roles, batch)
         if ticket is not None:
             return ticket
-        deficit = self._deficit(need_blocks, roles)
+        deficit = self._deficit(need_blocks, roles, batch)
         rate = self.drain_rate()
         estimate = deficit / rate if rate > 0 else None
         if self.waiting >= self.max_queue:
@@ -70,14 +73,14 @@ class Admission:
             end = time.monotonic() + deadline_s
             while time.monotonic() < end:
                 await asyncio.sleep(0.02)
-                ticket = self._try(need_blocks, roles)
+                ticket = self._try(need_blocks, roles, batch)
                 if ticket is not None:
                     return ticket
         finally:
             self.waiting -= 1
         rate = self.drain_rate()
         raise _busy("Not enough KV cache became free within the time-to-first-token objective.",
-                    self._deficit(need_blocks, roles) / rate if rate > 0 else deadline_s, reason)
+                    self._deficit(need_blocks, roles, batch) / rate if rate > 0 else deadline_s, reason)
 
     def release(self, ticket: Ticket) -> None:
         if ticket.released:
@@ -85,6 +88,8 @@ class Admission:
         ticket.released = True
         w = ticket.worker
         w.committed_blocks -= ticket.blocks
+        if ticket.batch:
+            w.batch_blocks -= ticket.blocks
         w.in_flight -= 1
         if ticket.probe and w.breaker is not None:
             w.breaker.abandon()  # ended without a success or failure (the client left): the next one probes
@@ -93,12 +98,12 @@ class Admission:
             w.blocks_since_scrape -= ticket.blocks
         self._released.append((time.monotonic(), ticket.blocks))
 
-    def _try(self, need: int, roles: tuple[str, ...]) -> Ticket | None:
+    def _try(self, need: int, roles: tuple[str, ...], batch: bool = False) -> Ticket | None:
         workers = self.pool.by_role(*roles)
         if not workers:
             raise errors.APIError(503, "No healthy cloud worker is available.", "server_error",
                                   code="no_workers", headers={"Retry-After": "1"})
-        loads = [w.load() for w in workers]
+        loads = [w.load(over_batch=not batch) for w in workers]
         if not fits_ever(loads, need, self.high_watermark):
             raise errors.bad_request(
                 f"This request may need {need} KV blocks (prompt + max_tokens), more than any worker "
@@ -108,11 +113,13 @@ class Admission:
             return None
         worker = self.pool.workers[choice.worker_id]
         worker.committed_blocks += need
+        if batch:
+            worker.batch_blocks += need
         worker.in_flight += 1
-        return Ticket(worker, need)
+        return Ticket(worker, need, batch=batch)
 
-    def _deficit(self, need: int, roles: tuple[str, ...]) -> float:
-        loads = [w.load() for w in self.pool.by_role(*roles)]
+    def _deficit(self, need: int, roles: tuple[str, ...], batch: bool = False) -> float:
+        loads = [w.load(over_batch=not batch) for w in self.pool.by_role(*roles)]
         return max(0.0, min((w.kv_blocks_used + need - self.high_watermark * w.kv_blocks_total
                              for w in loads), default=need))
 

@@ -56,10 +56,11 @@ class WorkerClient:
         (refused as "slo" past it: it would miss it anyway), or of the gateway's TTFT objective when
         it has none."""
         target = self.ttft_target(flight, plan)
+        batch = flight.priority_class == "batch"
         if target is None:
-            return await self.admission.admit(need, self.ttft_slo_s, ("decode", "both"))
+            return await self.admission.admit(need, self.ttft_slo_s, ("decode", "both"), batch=batch)
         left = max(0.0, target - (time.perf_counter() - flight.arrived))
-        return await self.admission.admit(need, left, ("decode", "both"), reason="slo")
+        return await self.admission.admit(need, left, ("decode", "both"), reason="slo", batch=batch)
 
     def route(self, plan: Plan, worker: Worker) -> tuple[str | None, Worker | None, int]:
         """(prefill URL or None for local prefill, the prefill worker, prompt tokens it computes)."""

@@ -40,6 +40,7 @@ class Worker:
     blocks_since_scrape: int = 0  # ... and the KV blocks they may need
     pending_prefill_tokens: int = 0
     committed_blocks: int = 0
+    batch_blocks: int = 0  # of those, committed to batch-class requests: an online one may take them
     in_flight: int = 0
     down_since: float | None = None
     last_error: str = ""
@@ -60,12 +61,16 @@ class Worker:
     def kv_address(self) -> str | None:
         return self.report.kv_address if self.report else None
 
-    def load(self) -> WorkerLoad:
+    def load(self, over_batch: bool = False) -> WorkerLoad:
+        """Its load as the router sees it; ``over_batch``: for an online request, which the engine
+        serves before batch-class ones (preempting them), so the blocks committed to those count as free."""
         r = self.report
         total = r.kv_blocks_total if r else 0
         in_use = (r.kv_blocks_total - r.kv_blocks_free) if r else 0
         # the worker's own count lags our commitments; its count also holds what others put there
         used = max(in_use, self.committed_blocks)
+        if over_batch:
+            used = max(0, used - self.batch_blocks)
         queue = (r.waiting if r else 0) + self.in_flight
         return WorkerLoad(self.url, self.pending_prefill_tokens, total, used, queue, self.healthy)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -272,3 +273,50 @@ def test_a_vllm_worker_gets_the_class_as_its_priority_and_batch_lines_run_throug
     finally:
         g.stop()
         vllm.stop()
+
+
+def test_online_load_preempts_a_running_batch_and_every_line_is_still_answered_once_as_online(tmp_path,
+                                                                                          smollm2_engine):
+    """A gateway and its worker with a KV cache of 40 blocks: batch lines run (four at a time), then
+    five online requests come that need more KV than the batch leaves. The gateway lets them in (the
+    batch's blocks are free to an online request) and the engine preempts batch lines for them; the
+    batch resumes once they are done, and every line is answered once, as the same request online."""
+    from cloud_tier.engine.model_runner import ModelRunner
+    from tests import loopback
+
+    per_block = ModelRunner.bytes_per_block(smollm2_engine.model, 16, smollm2_engine.dtype)
+    g = Server(tmp_path, ["cloud", "serve"], "--both", "1", "--prefill", "0", "--decode", "0",
+               "--model", str(smollm2_engine.model_dir), "--max-model-len", "512",
+               "--kv-cache-bytes", str(40 * per_block)).wait_healthy(300)
+    try:
+        [worker] = loopback.get(f"{g.url}/healthz").json()["workers"]
+        engine = lambda: loopback.get(f"{worker}/healthz").json()["engine"]  # noqa: E731
+        assert engine()["kv_blocks_total"] == 40
+        c = client(g, create_key(tmp_path, "--tenant", "acme"))
+        model = c.models.list().data[0].id  # the converted model's directory, served by its path
+        lines = [chat_line(f"b{i}", f"Tell a story about the number {i}.", 48) for i in range(8)]
+        for ln in lines:  # ~5 blocks each for a while: four of them hold half the cache
+            ln["body"].update(model=model, ignore_eos=True)
+        batch = c.batches.create(input_file_id=upload(c, lines), endpoint=CHAT, completion_window="24h")
+        deadline = time.monotonic() + 120
+        while engine()["running"] < 3:
+            assert time.monotonic() < deadline, "the batch lines never ran"
+            time.sleep(0.05)
+        online = client(g, create_key(tmp_path, "--tenant", "online"))
+        asks = [dict(model=model, messages=[{"role": "user", "content": f"Describe a city, number {i}."}],
+                     max_tokens=64, temperature=0, extra_body={"ignore_eos": True}) for i in range(5)]
+        with ThreadPoolExecutor(5) as pool:
+            answers = list(pool.map(lambda a: online.chat.completions.create(**a), asks))
+        assert all(a.usage.completion_tokens == 64 for a in answers)
+        assert engine()["preemptions"] > 0  # batch lines gave their KV up to the online requests
+        done = wait_for(c, batch.id, {"completed", "failed"}, 300)
+        assert done.status == "completed" and done.request_counts.completed == 8 and done.error_file_id is None
+        out = {o["custom_id"]: o for o in results(c, done.output_file_id)}
+        assert sorted(out) == sorted(ln["custom_id"] for ln in lines)  # each line once
+        for ln in lines:  # resumed (recomputed or swapped back in) exactly where it was
+            body = {k: v for k, v in ln["body"].items() if k != "ignore_eos"}
+            again = online.chat.completions.create(**body, extra_body={"ignore_eos": True})
+            assert out[ln["custom_id"]]["response"]["body"]["choices"][0]["message"]["content"] == \
+                again.choices[0].message.content
+    finally:
+        g.stop()

@@ -1,4 +1,4 @@
-"""Scheduler fuzz: random arrivals, priorities (with ties), prompt lengths, max_tokens, stop
+"""Scheduler fuzz: random arrivals, priority classes and priorities (with ties), prompt lengths, max_tokens, stop
 tokens, aborts, prefills held for a transfer, duplicate ids and tiny KV budgets, hand-driven
 step by step as in test_scheduler.py; the same cases again with preemption by swap (a random swap
 space) and a second KV tier, whose moves are played as the engine plays them. After every step the
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from cloud_tier.engine.kv_cache_manager import KVCacheManager
-from cloud_tier.engine.request import Request, RequestStatus
+from cloud_tier.engine.request import Request, RequestStatus, ServiceLevel
 from cloud_tier.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from cloud_tier.engine.swap import SwapSpace
 from cloud_tier.sampling import SamplingParams
@@ -52,8 +52,10 @@ def new_request(rng: random.Random, s: Scheduler, n: int, now: float) -> Request
     params = SamplingParams(max_tokens=rng.randint(1, 40), stop_token_ids=(12,) if rng.random() < 0.2 else (),
                             ignore_eos=rng.random() < 0.3)
     # (priority, arrival) ties are common: they are where a preemption victim may already be scheduled
+    # classes too: a waiting higher class takes a lower one's slot and KV (Scheduler._yield_to)
     req = Request(rid, prompt, params, eos_token_ids=frozenset({EOS}), priority=rng.choice((-1, 0, 0, 0, 0, 1)),
-                  arrival_time=rng.choice((now, float(int(now) // 8), float(int(now) // 8))))
+                  arrival_time=rng.choice((now, float(int(now) // 8), float(int(now) // 8))),
+                  slo=ServiceLevel(rng.choice(("interactive", "interactive", "escalation", "batch"))))
     req.kv_transfer = rng.random() < 0.1
     return req
 

@@ -66,6 +66,55 @@ def test_batch_is_preempted_first_even_when_it_came_first():
     assert s.requests["batch"].status == RequestStatus.PREEMPTED and "online" in plan
 
 
+def run_out(s, steps=200):
+    for _ in range(steps):
+        if not s.has_unfinished():
+            return
+        step(s)
+    raise AssertionError("requests still unfinished")
+
+
+def test_an_online_request_takes_the_slot_of_a_running_batch_request_at_once():
+    s, clock = make(num_blocks=64, max_seqs=2)
+    for i in range(2):
+        s.add_request(req(s, f"batch{i}", 6, max_tokens=30, start=10 + 10 * i, priority_class="batch"))
+        clock.now += 1
+    step(s)
+    step(s)
+    s.add_request(req(s, "online", 6, max_tokens=4, start=100))
+    plan, out = step(s)
+    assert "online" in plan and out.preempted == ["batch1"]  # the later of the two gave way
+    assert s.requests["batch1"].status == RequestStatus.PREEMPTED and "batch1" not in plan
+    run_out(s)
+    assert s.num_preemptions == 1  # and it resumed and finished (run_out), once the slot was free
+
+
+def test_an_escalation_takes_the_kv_of_a_running_batch_request_and_a_batch_request_never_an_online_ones():
+    # 10 blocks of 4 tokens: the batch request holds 6 of them; the escalation needs 5
+    s, _ = make(num_blocks=10, block_size=4, budget=64, max_seqs=8)
+    s.add_request(req(s, "batch", 20, max_tokens=3, priority_class="batch"))
+    step(s)
+    s.add_request(req(s, "esc", 18, max_tokens=2, start=100, priority_class="escalation"))
+    plan, out = step(s)
+    assert plan == {"esc": 18} and out.preempted == ["batch"]
+    run_out(s)
+    s.add_request(req(s, "online", 20, max_tokens=3, start=200))
+    step(s)
+    s.add_request(req(s, "batch2", 18, max_tokens=2, start=300, priority_class="batch"))
+    plan, out = step(s)
+    assert "batch2" not in plan and not out.preempted  # a lower class waits: it takes nobody's place
+    run_out(s)
+
+
+def test_the_same_class_waits_for_a_slot_instead_of_preempting():
+    s, _ = make(num_blocks=64, max_seqs=1)
+    s.add_request(req(s, "first", 6, max_tokens=10))
+    step(s)
+    s.add_request(req(s, "second", 6, max_tokens=4, start=100))
+    plan, out = step(s)
+    assert plan == {"first": 1} and not out.preempted and s.num_waiting == 1
+
+
 def test_under_overload_what_would_miss_its_ttft_target_is_refused_at_once_and_nothing_is_queued():
     # 10 ms a prompt token: each 40-token prompt takes ~0.41 s to prefill; all have a 1 s target
     s, _ = make(num_blocks=256, budget=64, cost=fixed_cost(base=0.01, per_token=0.01))
