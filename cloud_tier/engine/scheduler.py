@@ -439,6 +439,7 @@ class Scheduler:
         whose lane is spent this step, goes on."""
         blocked: set[str] = set()  # reservation groups that found no room this step
         yielded: set[str] = set()  # preempted this step for a higher class: not admitted again in it
+        hits = False  # a request admitted this step took prefix-cache hits (maybe on blocks this step writes)
         long_spent = False
         i = 0
         while i < len(self.waiting) and budget > 0:
@@ -448,7 +449,7 @@ class Scheduler:
                 i += 1
                 continue
             if not self._has_slot(req):
-                freed = self._yield_to(req, out, yielded)
+                freed = self._yield_to(req, out, yielded, hits)
                 if freed is None:
                     blocked.add(group)
                     i += 1
@@ -470,7 +471,7 @@ class Scheduler:
                 i += 1
                 continue
             if not self._allocate(req, n, computed):
-                freed = self._yield_to(req, out, yielded)
+                freed = self._yield_to(req, out, yielded, hits)
                 if freed is None:
                     blocked.add(group)  # no room: first in line for its pool
                     i += 1
@@ -480,6 +481,7 @@ class Scheduler:
             if req.num_cached_tokens < 0:  # first admitted (not a resumption after preemption)
                 req.num_cached_tokens = num_hit
                 self.kv.stats.record(req.num_tokens, num_hit)
+            hits = hits or bool(computed)
             del self.waiting[i]
             req.num_computed_tokens += num_hit
             req.status = RequestStatus.RUNNING
@@ -490,13 +492,17 @@ class Scheduler:
             self._took_prefill(req, n)
             budget -= n
 
-    def _yield_to(self, request: Request, out: SchedulerOutput, yielded: set[str]) -> int | None:
+    def _yield_to(self, request: Request, out: SchedulerOutput, yielded: set[str], hits: bool) -> int | None:
         """Preempt the lowest-standing running request of a lower class than waiting ``request``
         (batch before escalation before interactive) that draws on the same pool, so ``request``
-        gets its slot and its KV; the tokens it had in this step (None: there is none, nothing done)."""
+        gets its slot and its KV; the tokens it had in this step (None: there is none, nothing done).
+        Once a request admitted this step took prefix-cache hits (``hits``), none scheduled this step
+        is taken: the blocks it fills this step are in the cache already, and such a hit would read
+        them unwritten."""
         group = self.reservations.group(request.tenant)
-        lower = [r for r in self.running
-                 if r.slo.rank > request.slo.rank and self.reservations.group(r.tenant) == group]
+        planned = {s.request.request_id for s in out.scheduled} if hits else set()
+        lower = [r for r in self.running if r.slo.rank > request.slo.rank
+                 and self.reservations.group(r.tenant) == group and r.request_id not in planned]
         if not lower:
             return None
         victim = max(lower, key=Request.sort_key)

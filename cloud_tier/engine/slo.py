@@ -66,14 +66,6 @@ class StepCostModel:
         return (self.base_s + self.per_prefill_token_s * prefill_tokens + self.per_decode_s * decodes
                 + self.per_prefill_seq_s * seqs)
 
-    def prefill_tokens_within(self, seconds: float, decodes: int) -> int:
-        """The most prefill tokens a step with ``decodes`` decodes can take and still last at most
-        ``seconds`` (0 if even the decodes alone take longer)."""
-        room = seconds - self.base_s - self.per_decode_s * decodes
-        if room <= 0:
-            return 0
-        return int(room / max(self.per_prefill_token_s, 1e-9))
-
     def decodes_within(self, seconds: float) -> int:
         """The most decodes one step can carry within ``seconds`` (at least 1)."""
         return max(1, int((seconds - self.base_s) / max(self.per_decode_s, 1e-9)))

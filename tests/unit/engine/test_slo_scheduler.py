@@ -106,6 +106,23 @@ def test_an_escalation_takes_the_kv_of_a_running_batch_request_and_a_batch_reque
     run_out(s)
 
 
+def test_a_request_whose_fresh_blocks_another_hit_this_step_gives_way_only_in_the_next():
+    s, clock = make(num_blocks=64, block_size=4, budget=16, max_seqs=2)
+    s.add_request(req(s, "v", 20, max_tokens=8, priority_class="batch"))
+    plan, _ = step(s)
+    assert plan == {"v": 16}
+    clock.now += 1
+    s.add_request(req(s, "h", 24, max_tokens=4))  # v's 20 tokens, then 4 of its own
+    clock.now += 1
+    s.add_request(req(s, "w", 6, max_tokens=4, start=500))
+    plan, out = step(s)
+    # h hit v's block 4, which v fills in this very step: preempting v now would leave it unwritten
+    assert plan == {"v": 4, "h": 4} and s.requests["h"].num_cached_tokens == 20 and not out.preempted
+    plan, out = step(s)
+    assert "w" in plan and out.preempted == ["v"]  # a step later v's blocks are written: it gives way
+    run_out(s)
+
+
 def test_the_same_class_waits_for_a_slot_instead_of_preempting():
     s, _ = make(num_blocks=64, max_seqs=1)
     s.add_request(req(s, "first", 6, max_tokens=10))
