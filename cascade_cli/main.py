@@ -274,6 +274,19 @@ def _parser(sub, name: str, help_: str, **kw) -> argparse.ArgumentParser:
     return sub.add_parser(name, help=help_, description=help_, formatter_class=DefaultsHelp, **kw)
 
 
+def _add_service_levels(p: argparse.ArgumentParser, lead: str = "") -> None:
+    """The engine's service-level flags (a worker's, or those `cloud serve` gives the workers it starts)."""
+    p.add_argument("--ttft-slo-s", type=float, metavar="S",
+                   help=f"{lead}time-to-first-token target of requests that name none; what would miss it gets "
+                        "429 + Retry-After (reason slo) (default: none)")
+    p.add_argument("--tpot-slo-s", type=float, metavar="S",
+                   help=f"{lead}time-per-output-token target of requests that name none: admission keeps the "
+                        "running decodes within it (default: none)")
+    p.add_argument("--reservations", metavar="TENANT=SHARE,...",
+                   help=f"{lead}shares of the KV blocks and running slots kept for tenants, e.g. gold=0.3 "
+                        "(default: none)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from cloud_tier.config import DTYPES, EngineConfig, GatewayConfig, WorkerConfig
     from cloud_tier.config import ServerConfig as CloudServer
@@ -399,15 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--max-num-batched-tokens", type=int,
                         help=f"token budget of one step (default: {eng.max_num_batched_tokens})")
     worker.add_argument("--threads", type=int, help="torch threads (default: 0 = torch's choice)")
-    worker.add_argument("--ttft-slo-s", type=float, metavar="S",
-                        help="time-to-first-token target of requests that name none; what would miss it gets "
-                             "429 + Retry-After (reason slo) (default: none)")
-    worker.add_argument("--tpot-slo-s", type=float, metavar="S",
-                        help="time-per-output-token target of requests that name none: admission keeps the "
-                             "running decodes within it (default: none)")
-    worker.add_argument("--reservations", metavar="TENANT=SHARE,...",
-                        help="shares of the KV blocks and running slots kept for tenants, e.g. gold=0.3 "
-                             "(default: none)")
+    _add_service_levels(worker)
     worker.set_defaults(func=cmd_cloud_worker)
 
     serve = _parser(cloud, "serve", "the gateway, with the prefill and decode workers it starts "
@@ -437,16 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "(default: 0 = the cores shared out)")
     serve.add_argument("--dtype", choices=DTYPES, help=f"for the workers it starts: auto: bfloat16 on a CPU with "
                        f"native bfloat16 (AVX512_BF16, AMX) or CUDA, else float32 (default: {eng.dtype})")
-    serve.add_argument("--ttft-slo-s", type=float, metavar="S",
-                       help="for the workers it starts: the time-to-first-token target of requests that name none "
-                            "(and whose class has none in --class-slos); what would miss it gets 429 + Retry-After "
-                            "(reason slo) (default: none)")
-    serve.add_argument("--tpot-slo-s", type=float, metavar="S",
-                       help="for the workers it starts: the time-per-output-token target of requests that name "
-                            "none (default: none)")
-    serve.add_argument("--reservations", metavar="TENANT=SHARE,...",
-                       help="for the workers it starts: shares of each one's KV blocks and running slots kept for "
-                            "tenants, e.g. gold=0.3 (default: none)")
+    _add_service_levels(serve, "for the workers it starts: ")
     serve.add_argument("--class-slos", metavar="CLASS=TTFT:TPOT,...",
                        help="TTFT and TPOT targets (seconds) by priority class for requests that name none, e.g. "
                             "interactive=2:0.2,batch=60:1 (default: none)")
