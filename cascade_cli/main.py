@@ -234,13 +234,12 @@ def cmd_cloud_serve(args) -> int:
                     "both": args.both, "workers": args.workers, "worker_threads": args.worker_threads,
                     "kv_transport": args.kv_transport, "worker_type": args.worker_type,
                     "prefill_workers": prefill_urls, "decode_workers": decode_urls,
-                    "kv_connector": args.kv_connector},
+                    "kv_connector": args.kv_connector, "class_slos": args.class_slos},
         "server": {"api_key": args.worker_api_key},
         "engine": {"model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
                    "kv_cache_dtype": args.kv_cache_dtype, "kv_cache_memory_bytes": args.kv_cache_bytes,
                    "ttft_slo_s": args.ttft_slo_s, "tpot_slo_s": args.tpot_slo_s, "reservations": args.reservations},
     }
-    overrides["gateway"]["class_slos"] = args.class_slos
     overrides["gateway"].update(k8s_namespace=args.k8s_namespace, k8s_selector=args.k8s_selector,
                                 k8s_prefill_selector=args.k8s_prefill_selector,
                                 k8s_decode_selector=args.k8s_decode_selector, k8s_port=args.k8s_port)

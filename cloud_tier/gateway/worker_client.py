@@ -47,20 +47,20 @@ class WorkerClient:
         if worker_api_key:
             self.worker_headers["authorization"] = f"Bearer {worker_api_key}"
 
-    def ttft_target(self, flight: Flight, plan: Plan) -> float | None:
-        """The request's TTFT target: its own (the body's), else its class's in ``class_slos``."""
-        return plan.ttft_slo_s or self.class_slos.get(flight.priority_class, (None, None))[0]
+    def targets(self, flight: Flight, plan: Plan) -> tuple[float | None, float | None]:
+        """The request's (TTFT, TPOT) targets: its own (the body's), else its class's in ``class_slos``."""
+        ttft, tpot = self.class_slos.get(flight.priority_class, (None, None))
+        return plan.ttft_slo_s or ttft, plan.tpot_slo_s or tpot
 
     async def admit(self, flight: Flight, plan: Plan, need: int) -> Ticket:
         """Room for the request on a decode worker: waited for up to what is left of its TTFT target
         (refused as "slo" past it: it would miss it anyway), or of the gateway's TTFT objective when
         it has none."""
-        target = self.ttft_target(flight, plan)
-        batch = flight.priority_class == "batch"
-        if target is None:
-            return await self.admission.admit(need, self.ttft_slo_s, ("decode", "both"), batch=batch)
-        left = max(0.0, target - (time.perf_counter() - flight.arrived))
-        return await self.admission.admit(need, left, ("decode", "both"), reason="slo", batch=batch)
+        target = self.targets(flight, plan)[0]
+        wait_s, reason = ((self.ttft_slo_s, "kv_capacity") if target is None else
+                          (max(0.0, target - (time.perf_counter() - flight.arrived)), "slo"))
+        return await self.admission.admit(need, wait_s, ("decode", "both"), reason=reason,
+                                          batch=flight.priority_class == "batch")
 
     def route(self, plan: Plan, worker: Worker) -> tuple[str | None, Worker | None, int]:
         """(prefill URL or None for local prefill, the prefill worker, prompt tokens it computes)."""
@@ -84,11 +84,11 @@ class WorkerClient:
 
     async def generate(self, flight: Flight, plan: Plan, need: int) -> AsyncIterator[TokenEvent | Finish]:
         rid = uuid.uuid4().hex
-        tpot = self.class_slos.get(flight.priority_class, (None, None))[1]
+        ttft, tpot = self.targets(flight, plan)
         record = RequestRecord(request_id=rid, prompt_token_ids=plan.prompt_token_ids,
                                sampling=plan.params.to_dict(), priority=plan.priority,
                                priority_class=flight.priority_class, tenant=flight.tenant,
-                               ttft_slo_s=self.ttft_target(flight, plan), tpot_slo_s=plan.tpot_slo_s or tpot,
+                               ttft_slo_s=ttft, tpot_slo_s=tpot,
                                timeout_s=time_left(flight, plan))
         for attempt in range(ATTEMPTS):
             worker = flight.ticket.worker

@@ -290,7 +290,10 @@ def test_online_load_preempts_a_running_batch_and_every_line_is_still_answered_o
                "--kv-cache-bytes", str(40 * per_block)).wait_healthy(300)
     try:
         [worker] = loopback.get(f"{g.url}/healthz").json()["workers"]
-        engine = lambda: loopback.get(f"{worker}/healthz").json()["engine"]  # noqa: E731
+
+        def engine() -> dict:
+            return loopback.get(f"{worker}/healthz").json()["engine"]
+
         assert engine()["kv_blocks_total"] == 40
         c = client(g, create_key(tmp_path, "--tenant", "acme"))
         model = c.models.list().data[0].id  # the converted model's directory, served by its path
