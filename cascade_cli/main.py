@@ -190,7 +190,7 @@ def cmd_cloud_worker(args) -> int:
                    "max_model_len": args.max_model_len,
                    "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "threads": args.threads, "ttft_slo_s": args.ttft_slo_s, "tpot_slo_s": args.tpot_slo_s,
-                   "reservations": args.reservations},
+                   "slo_headroom": args.slo_headroom, "reservations": args.reservations},
         "worker": {"role": args.role},
     }
     try:
@@ -238,7 +238,8 @@ def cmd_cloud_serve(args) -> int:
         "server": {"api_key": args.worker_api_key},
         "engine": {"model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
                    "kv_cache_dtype": args.kv_cache_dtype, "kv_cache_memory_bytes": args.kv_cache_bytes,
-                   "ttft_slo_s": args.ttft_slo_s, "tpot_slo_s": args.tpot_slo_s, "reservations": args.reservations},
+                   "ttft_slo_s": args.ttft_slo_s, "tpot_slo_s": args.tpot_slo_s, "slo_headroom": args.slo_headroom,
+                   "reservations": args.reservations},
     }
     overrides["gateway"].update(k8s_namespace=args.k8s_namespace, k8s_selector=args.k8s_selector,
                                 k8s_prefill_selector=args.k8s_prefill_selector,
@@ -275,12 +276,17 @@ def _parser(sub, name: str, help_: str, **kw) -> argparse.ArgumentParser:
 
 def _add_service_levels(p: argparse.ArgumentParser, lead: str = "") -> None:
     """The engine's service-level flags (a worker's, or those `cloud serve` gives the workers it starts)."""
+    from cloud_tier.config import EngineConfig
+
     p.add_argument("--ttft-slo-s", type=float, metavar="S",
                    help=f"{lead}time-to-first-token target of requests that name none; what would miss it gets "
                         "429 + Retry-After (reason slo) (default: none)")
     p.add_argument("--tpot-slo-s", type=float, metavar="S",
                    help=f"{lead}time-per-output-token target of requests that name none: admission keeps the "
                         "running decodes within it (default: none)")
+    p.add_argument("--slo-headroom", type=float, metavar="F",
+                   help=f"{lead}admission promises a first token within (1 - F) of its TTFT target, leaving the "
+                        f"rest for the answer's way to the client (default: {EngineConfig().slo_headroom})")
     p.add_argument("--reservations", metavar="TENANT=SHARE,...",
                    help=f"{lead}shares of the KV blocks and running slots kept for tenants, e.g. gold=0.3 "
                         "(default: none)")

@@ -82,6 +82,9 @@ class EngineConfig:
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
     slo_reject: bool = True
+    # admission promises a first token within (1 - this) of its TTFT target: the rest is for the
+    # answer's way to the client, which shares the cores (measured: ~0.3 s of a burst's 2 s on 2 cores)
+    slo_headroom: float = 0.15
     short_prompt_tokens: int = 256
     short_lane_share: float = 0.25
     reservations: str = ""  # "tenant=share,...": KV blocks and running slots kept free for each tenant
@@ -111,6 +114,8 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if any(v is not None and not v > 0 for v in (self.ttft_slo_s, self.tpot_slo_s)):
             raise ValueError("ttft_slo_s and tpot_slo_s must be > 0 (0: no target)")
+        if not 0 <= self.slo_headroom < 1:
+            raise ValueError(f"slo_headroom must be in [0, 1), got {self.slo_headroom!r}")
         if not 0 <= self.short_lane_share < 1 or self.short_prompt_tokens < 1:
             raise ValueError("short_lane_share must be in [0, 1) and short_prompt_tokens >= 1")
         parse_reservations(self.reservations)

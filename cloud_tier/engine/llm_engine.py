@@ -92,7 +92,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
             long_prefill_token_threshold=config.long_prefill_token_threshold, default_ttft_s=config.ttft_slo_s,
-            default_tpot_s=config.tpot_slo_s, slo_reject=config.slo_reject, reservations=config.reservations,
+            default_tpot_s=config.tpot_slo_s, slo_reject=config.slo_reject, slo_headroom=config.slo_headroom,
+            reservations=config.reservations,
             short_prompt_tokens=config.short_prompt_tokens, short_lane_share=config.short_lane_share), self.kv)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype,
                                   self.device, config.seed, config.kv_cache_dtype,

@@ -77,6 +77,9 @@ class Request:
     # when it should start to meet its TTFT target (arrival + target - its own prefill time), set by
     # the scheduler when queued; the last tie-break of its order (slack first, within class and priority)
     due: float | None = None
+    # when its first token is expected (the scheduler's clock), as admitted against its TTFT target;
+    # a newcomer of its class served before it adds its own prefill time (see Scheduler._place)
+    promised: float | None = None
 
     def __post_init__(self):
         if not self.prompt_token_ids:

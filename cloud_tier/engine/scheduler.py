@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from cloud_tier.engine.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from cloud_tier.engine.request import Request, RequestStatus
-from cloud_tier.engine.slo import Reservations, StepCostModel, estimate_ttft
+from cloud_tier.engine.slo import Reservations, StepCostModel, estimate_ttft, prefill_delay
 from cloud_tier.engine.swap import SwapIn, SwapOut, SwapSpace
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,9 @@ class SchedulerConfig:
     default_tpot_s: float | None = None
     slo_reject: bool = True  # refuse what would miss its TTFT target (only requests that have one)
     untargeted_slack_s: float = 60.0  # a request without a TTFT target is due this long after arrival
+    # an admission promises the first token within (1 - this) of the TTFT target: the rest is for the
+    # answer's way to the client (the server's own work on the same cores) and the estimate's error
+    slo_headroom: float = 0.15
     short_prompt_tokens: int = 256  # a prompt (left to compute) this short is in the short lane ...
     short_lane_share: float = 0.25  # ... which keeps this share of a step's prefill tokens while one waits
     min_prefill_chunk: int = 32  # the least prefill a step takes under a TPOT cap, so prompts progress
@@ -71,6 +74,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be > 0 (or None: no target), got {v!r}")
         if not 0 <= self.short_lane_share < 1 or self.min_prefill_chunk < 1 or self.short_prompt_tokens < 1:
             raise ValueError("short_lane_share must be in [0, 1), min_prefill_chunk and short_prompt_tokens >= 1")
+        if not 0 <= self.slo_headroom < 1:
+            raise ValueError(f"slo_headroom must be in [0, 1), got {self.slo_headroom!r}")
         Reservations.parse(self.reservations)
 
 
@@ -105,6 +110,7 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)
     expired: list[Request] = field(default_factory=list)  # deadline passed: ended with what they had
     rejected: list[Request] = field(default_factory=list)  # TTFT target passed while queued: refused
+    promised: list[Request] = field(default_factory=list)  # queued with a promised first token when planned
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -165,7 +171,10 @@ class Scheduler:
             request.due = (request.arrival_time + self.config.untargeted_slack_s if ttft is None else
                            request.arrival_time + ttft - self.cost.step_s(request.num_tokens, 0))
         if ttft is not None and self.config.slo_reject:
-            self._check_ttft(request, ttft)
+            passed, delay = self._place(request)
+            request.promised = self.clock() + self._check_ttft(request, ttft)
+            for r in passed:
+                r.promised += delay
         self.requests[request.request_id] = request
         self._enqueue(request)
 
@@ -204,6 +213,25 @@ class Scheduler:
                              self.config.max_num_batched_tokens, decodes, free_at[0], prompts_ahead, floor,
                              self.config.min_prefill_chunk)
 
+    def _place(self, request: Request) -> tuple[list[Request], float]:
+        """Where a targeted newcomer queues: by its slack, but ahead only of those admitted requests
+        of its class and priority whose promised first token can take its prefill on top (behind the
+        last that cannot: an admission is a promise a later one does not break). Returns the requests
+        it goes ahead of and the delay it adds to them."""
+        capacity = self._slot_capacity(request)
+        floor = min(self._tpot_floor(), self.tpot_target(request) or math.inf)
+        delay = prefill_delay(self.cost, request.num_tokens - request.num_computed_tokens,
+                              self.config.max_num_batched_tokens, min(len(self.running) + len(self.waiting), capacity),
+                              floor, self.config.min_prefill_chunk)
+        key = request.sort_key()
+        passed = [r for r in self.waiting if r.promised is not None and not r.num_output_tokens
+                  and r.sort_key()[:2] == key[:2] and r.sort_key() > key]
+        blocking = [r for r in passed if r.promised + delay > self._promise_by(r)]
+        if blocking:
+            request.due = max(r.due for r in blocking)
+            passed = [r for r in passed if r.sort_key() > request.sort_key()]
+        return passed, delay
+
     def _tpot_floor(self) -> float:
         """The tightest TPOT target among the running requests (inf: none has one)."""
         return min((t for r in self.running if (t := self.tpot_target(r)) is not None), default=math.inf)
@@ -217,13 +245,22 @@ class Scheduler:
         cap = self.config.max_num_seqs
         return cap if tightest == math.inf else min(cap, self.cost.decodes_within(tightest))
 
-    def _check_ttft(self, request: Request, ttft: float) -> None:
-        waited = self.clock() - request.arrival_time
-        expected = waited + self.estimate_ttft(request)
-        if expected > ttft:
+    def _check_ttft(self, request: Request, ttft: float) -> float:
+        """Seconds from now to ``request``'s first token, as estimated (SLOMissError: past what an
+        admission may promise)."""
+        now = self.clock()
+        estimate = self.estimate_ttft(request)
+        if now + estimate > self._promise_by(request):
             self.num_rejected[request.tenant] += 1
-            raise SLOMissError(f"this request would get its first token in about {expected:.1f} s, over its "
-                               f"time-to-first-token target of {ttft:g} s", max(1.0, expected - ttft))
+            expected = now + estimate - request.arrival_time
+            raise SLOMissError(f"this request would get its first token in about {expected:.1f} s, "
+                               f"{'over' if expected > ttft else 'too close to'} its time-to-first-token target "
+                               f"of {ttft:g} s", max(1.0, expected - ttft))
+        return estimate
+
+    def _promise_by(self, request: Request) -> float:
+        """The latest first token an admission may promise ``request`` (which has a TTFT target)."""
+        return request.arrival_time + (1 - self.config.slo_headroom) * self.ttft_target(request)
 
     def peak_kv_tokens(self, request: Request) -> int:
         """The most tokens of KV ``request`` can hold at once: everything but its last token,
@@ -307,6 +344,7 @@ class Scheduler:
         if self.config.slo_reject:
             self._reject_hopeless(out, now)
         self._plan_prefill()
+        out.promised = [r for r in self.waiting if r.promised is not None]
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
@@ -536,11 +574,14 @@ class Scheduler:
             out.expired.append(req)
 
     def _reject_hopeless(self, out: SchedulerOutput, now: float) -> None:
-        """Refuse the queued requests that have not started and whose TTFT target has passed:
-        served now they would count for nobody's goodput and delay those that still can make it."""
+        """Refuse the queued requests that have not started and whose TTFT target has passed, or whose
+        promised first token has slipped past it: served they would count for nobody's goodput and
+        delay those that still can make it."""
         for req in list(self.waiting):
             ttft = self.ttft_target(req)
-            if ttft is None or req.num_output_tokens or req.num_preemptions or now - req.arrival_time <= ttft:
+            if ttft is None or req.num_output_tokens or req.num_preemptions:
+                continue
+            if now <= req.arrival_time + ttft and (req.promised is None or req.promised <= self._promise_by(req)):
                 continue
             self.waiting.remove(req)
             self.num_rejected[req.tenant] += 1
@@ -548,7 +589,13 @@ class Scheduler:
             out.rejected.append(req)
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """The engine's measured time of a step it ran: the cost model learns from it."""
+        """The engine's measured time of a step it ran: the cost model learns from it, and the
+        first tokens promised to the queued requests move by what it took over (or under) its
+        estimate (the steps of a burst's arrival run slower: the server parses it on the same cores)."""
+        slip = seconds - self.cost.step_s(out.num_prefill_tokens, out.num_decodes, out.num_prefill_seqs)
+        for r in out.promised:  # those queued when it was planned (a newcomer's estimate starts after it)
+            if r.status == RequestStatus.WAITING:
+                r.promised += slip
         self.cost.observe(out.num_prefill_tokens, out.num_decodes, seconds, out.num_prefill_seqs)
 
     # -- after the step ------------------------------------------------------------------

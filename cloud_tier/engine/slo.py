@@ -99,11 +99,29 @@ def estimate_ttft(cost: StepCostModel, prefill_tokens_ahead: int, own_prefill_to
     tokens = prefill_tokens_ahead + own_prefill_tokens
     work = cost.per_prefill_token_s * tokens + cost.per_prefill_seq_s * (prompts_ahead + 1)
     per_step = cost.base_s + cost.per_decode_s * decodes
-    steps = max(1, math.ceil(tokens / max(token_budget, 1)))
+    steps = max(1, math.ceil(_prefill_steps(cost, tokens, work, token_budget, per_step, step_cap_s, min_chunk)))
+    return slot_wait_steps * cost.step_s(0, decodes) + steps * per_step + work
+
+
+def prefill_delay(cost: StepCostModel, tokens: int, token_budget: int, decodes: int, step_cap_s: float = math.inf,
+                  min_chunk: int = 32) -> float:
+    """Seconds a prompt of ``tokens`` served first adds to the first token of a request queued behind
+    it: its prefill work and its share of the steps that carry it (``estimate_ttft``'s terms)."""
+    work = cost.per_prefill_token_s * tokens + cost.per_prefill_seq_s
+    per_step = cost.base_s + cost.per_decode_s * decodes
+    return work + per_step * _prefill_steps(cost, tokens, work, token_budget, per_step, step_cap_s, min_chunk)
+
+
+def _prefill_steps(cost: StepCostModel, tokens: int, work: float, token_budget: int, per_step: float,
+                   step_cap_s: float, min_chunk: int) -> float:
+    """Steps (fractional) that prefill ``tokens`` (``work`` seconds of it): the token budget's, or
+    under a TPOT target (``step_cap_s``) those whose prefill fits beside the decodes, at least
+    ``min_chunk`` tokens of one prompt each, if more."""
+    steps = tokens / max(token_budget, 1)
     if step_cap_s < math.inf:
         room = max(step_cap_s - per_step, cost.per_prefill_seq_s + cost.per_prefill_token_s * min_chunk)
-        steps = max(steps, math.ceil(work / room))
-    return slot_wait_steps * cost.step_s(0, decodes) + steps * per_step + work
+        steps = max(steps, work / room)
+    return steps
 
 
 @dataclass(frozen=True)

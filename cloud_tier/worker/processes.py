@@ -69,6 +69,7 @@ def worker_command(config: CloudConfig, role: str, host: str, port: int, threads
                         ("--reservations", e.reservations)):
         if value:
             cmd += [flag, str(value)]
+    cmd += ["--slo-headroom", str(e.slo_headroom)]
     if config_path:
         cmd += ["--config", config_path]
     if config.server.api_key:

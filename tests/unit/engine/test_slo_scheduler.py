@@ -145,6 +145,60 @@ def test_under_overload_what_would_miss_its_ttft_target_is_refused_at_once_and_n
     s.add_request(req(s, "untargeted", 40, start=400))  # no target: never refused
 
 
+def test_a_newcomer_goes_ahead_only_of_those_whose_first_token_can_wait_for_it():
+    # 10 ms a prompt token, no decode cost: "a" and "b" expect their first tokens at ~0.41 and ~0.82 s.
+    # "x" (100 tokens) has the least slack but would push "b" (0.35 s of it) ~1 s back: it queues
+    # behind "b" instead, where it still makes its own target. "y" could only go first or break
+    # a promise: it is refused, though its own prefill alone would fit.
+    s, clock = make(num_blocks=256, budget=64, cost=fixed_cost(base=0.01, per_token=0.01, per_decode=0.0),
+                    slo_headroom=0.0)
+    s.add_request(req(s, "a", 40, ttft_s=1.0))
+    s.add_request(req(s, "b", 40, ttft_s=1.35, start=100))
+    s.add_request(req(s, "x", 100, ttft_s=1.9, start=200))
+    assert [r.request_id for r in s.waiting] == ["a", "b", "x"]
+    with pytest.raises(SLOMissError):
+        s.add_request(req(s, "y", 40, ttft_s=1.0, start=400))
+    first_token = {}
+    while s.has_unfinished():
+        _, out = step(s)
+        clock.now += s.cost.step_s(out.num_prefill_tokens, out.num_decodes, out.num_prefill_seqs)
+        for r in (x.request for x in out.scheduled):
+            if r.num_output_tokens and r.request_id not in first_token:
+                first_token[r.request_id] = clock.now - r.arrival_time
+    targets = {"a": 1.0, "b": 1.35, "x": 1.9}
+    assert first_token.keys() == targets.keys() and all(first_token[k] <= targets[k] for k in targets), first_token
+
+
+def test_an_admission_leaves_headroom_for_the_way_to_the_client():
+    # ~0.41 s of prefill against a 0.44 s target: within it, not within 85% of it
+    s, _ = make(num_blocks=256, budget=64, cost=fixed_cost(base=0.01, per_token=0.01))
+    with pytest.raises(SLOMissError, match="too close to its time-to-first-token target of 0.44 s"):
+        s.add_request(req(s, "tight", 40, ttft_s=0.44))
+    s.add_request(req(s, "fits", 40, ttft_s=0.49))
+    relaxed, _ = make(num_blocks=256, budget=64, cost=fixed_cost(base=0.01, per_token=0.01), slo_headroom=0.0)
+    relaxed.add_request(req(relaxed, "tight", 40, ttft_s=0.44))
+    with pytest.raises(ValueError, match="slo_headroom"):
+        SchedulerConfig(slo_headroom=1.0)
+
+
+def test_a_step_that_runs_over_its_estimate_moves_the_promises_and_what_would_now_miss_is_refused():
+    # "a" runs; "b" (~0.82 s expected, 1.0 s target) and "c" (~0.82 + 0.41, 3.0 s) wait. The step
+    # takes 0.5 s over its estimate (the server parsing a burst on the same cores): "b" would now
+    # miss, so it is refused before it starts, not once its target has passed; "c" can still make it.
+    s, clock = make(num_blocks=256, budget=40, cost=fixed_cost(base=0.01, per_token=0.01, per_decode=0.0))
+    s.add_request(req(s, "a", 40, ttft_s=1.0))
+    s.add_request(req(s, "b", 40, ttft_s=1.0, start=100))
+    s.add_request(req(s, "c", 40, ttft_s=3.0, start=200))
+    _, out = step(s)
+    assert [x.request.request_id for x in out.scheduled] == ["a"]
+    late = s.cost.step_s(out.num_prefill_tokens, out.num_decodes, out.num_prefill_seqs) + 0.5
+    s.observe_step(out, late)
+    clock.now += late
+    ran, out = step(s)
+    assert [r.request_id for r in out.rejected] == ["b"] and clock.now - 1000.0 < 1.0  # before its target
+    assert "c" in ran and out.rejected[0].status == RequestStatus.FINISHED_ABORTED
+
+
 def test_a_short_request_is_not_refused_for_a_long_prefill_it_runs_beside():
     s, _ = make(num_blocks=256, budget=64, cost=fixed_cost(base=0.01, per_token=0.01))
     s.add_request(req(s, "long", 400))
