@@ -332,7 +332,7 @@ class LLMEngine:
                 out.truncated = req.truncated
             else:
                 out.retry_after_s = 1.0
-                out.error = "its time-to-first-token target passed while it waited"
+                out.error = "its time-to-first-token target passed, or would pass, while it waited"
             outputs.append(out)
         return outputs
 

@@ -11,8 +11,11 @@ at what the learned step cost (``slo.StepCostModel``) allows next to the decodes
 joins the running set only while one step of all of them fits the tightest target. Long prompts
 take at most ``1 - short_lane_share`` of a step's prefill tokens while a short prompt waits, so a
 short request is never stuck behind a long prefill. A request that would miss its TTFT target
-anyway is refused when it comes (``SLOMissError``: the server's 429 + Retry-After, reason "slo"),
-or, if it was admitted and its target passed while it queued, before it starts. Tenants'
+anyway is refused when it comes (``SLOMissError``: the server's 429 + Retry-After, reason "slo").
+An admission is a promise of a first token within (1 - ``slo_headroom``) of the target: a later
+request with less slack goes ahead only of those whose promise can take its prefill, the steps
+that run over their estimates move the queued promises, and a request whose promise slipped past
+its limit (or whose target passed) while it queued is refused before it starts. Tenants'
 reservations (``slo.Reservations``) keep a share of blocks and slots free for each.
 
 Deadlines: a request whose deadline passes ends with what it has (finish "length",
@@ -109,7 +112,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     expired: list[Request] = field(default_factory=list)  # deadline passed: ended with what they had
-    rejected: list[Request] = field(default_factory=list)  # TTFT target passed while queued: refused
+    rejected: list[Request] = field(default_factory=list)  # TTFT target passed (or would) while queued: refused
     promised: list[Request] = field(default_factory=list)  # queued with a promised first token when planned
 
     @property
