@@ -60,7 +60,7 @@ class SchedulerConfig:
     untargeted_slack_s: float = 60.0  # a request without a TTFT target is due this long after arrival
     # an admission promises the first token within (1 - this) of the TTFT target: the rest is for the
     # answer's way to the client (the server's own work on the same cores) and the estimate's error
-    slo_headroom: float = 0.15
+    slo_headroom: float = 0.25
     short_prompt_tokens: int = 256  # a prompt (left to compute) this short is in the short lane ...
     short_lane_share: float = 0.25  # ... which keeps this share of a step's prefill tokens while one waits
     min_prefill_chunk: int = 32  # the least prefill a step takes under a TPOT cap, so prompts progress

@@ -20,7 +20,7 @@ from cloud_tier.disagg.protocol import ServedModel
 from cloud_tier.gateway.batch_routes import batch_api
 from cloud_tier.gateway.batch_runner import BatchRunner, RunnerConfig
 from cloud_tier.gateway.batch_store import BatchStore
-from cloud_tier.gateway.http_pool import ShardedTransport
+from cloud_tier.gateway.http_pool import KEEPALIVE_EXPIRY_S, ShardedTransport
 from cloud_tier.gateway.routes import admin, generation, ops, v1
 from cloud_tier.gateway.service import GatewayService
 from cloud_tier.gateway.stores import batch_db_path, open_stores
@@ -102,8 +102,9 @@ def build_app(config: CloudConfig, worker_urls: list[str]) -> FastAPI:
     async def lifespan(app: FastAPI):
         stores = open_stores(config)
         client = httpx.AsyncClient(timeout=httpx.Timeout(g.request_timeout_s, connect=g.connect_timeout_s),
-                                   transport=ShardedTransport(httpx.Limits(max_connections=1024,
-                                                                           max_keepalive_connections=128)))
+                                   transport=ShardedTransport(httpx.Limits(
+                                       max_connections=1024, max_keepalive_connections=128,
+                                       keepalive_expiry=KEEPALIVE_EXPIRY_S)))
         roles = worker_roles(config, worker_urls)
         pool = WorkerPool(list(roles), client, config.server.api_key, g.health_interval_s, kind=g.worker_type,
                           roles=roles, metrics_interval_s=g.metrics_interval_s,

@@ -14,6 +14,11 @@ import math
 
 import httpx
 
+# Idle connections to a worker are dropped after this long: below the keep-alive of the servers
+# behind the gateway (ours 30 s, uvicorn's and so vLLM's default 5 s), so the gateway never sends a
+# request on a connection the worker is closing at that moment.
+KEEPALIVE_EXPIRY_S = 3.0
+
 
 class ShardedTransport(httpx.AsyncBaseTransport):
     def __init__(self, limits: httpx.Limits, shards: int = 8):

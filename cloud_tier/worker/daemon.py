@@ -8,6 +8,12 @@ from cloud_tier.config import CloudConfig
 
 log = logging.getLogger(__name__)
 
+# Idle keep-alive connections stay open this long, well past the gateway's pool expiry
+# (cloud_tier.gateway.http_pool.KEEPALIVE_EXPIRY_S), so the gateway always drops an idle one first:
+# at equal timeouts (uvicorn's 5 s and httpx's) a burst that came as the server closed the idle
+# connections of the one before reused some as they closed (ReadError, a 502 for each).
+KEEP_ALIVE_S = 30
+
 
 def run(config: CloudConfig) -> None:
     import uvicorn
@@ -17,4 +23,5 @@ def run(config: CloudConfig) -> None:
     log.info("cloud worker (%s) on http://%s:%d, model %s", config.worker.role, config.server.host,
              config.server.port, config.engine.model)
     uvicorn.run(build_app(config), host=config.server.host, port=config.server.port,
-                log_level=config.server.log_level, timeout_graceful_shutdown=5, access_log=False)
+                log_level=config.server.log_level, timeout_graceful_shutdown=5, access_log=False,
+                timeout_keep_alive=KEEP_ALIVE_S)
