@@ -145,13 +145,18 @@ def test_under_overload_what_would_miss_its_ttft_target_is_refused_at_once_and_n
     s.add_request(req(s, "untargeted", 40, start=400))  # no target: never refused
 
 
+def promising(budget):
+    """10 ms a prompt token, no decode cost, promises up to the whole target (no headroom)."""
+    return make(num_blocks=256, budget=budget, cost=fixed_cost(base=0.01, per_token=0.01, per_decode=0.0),
+                slo_headroom=0.0)
+
+
 def test_a_newcomer_goes_ahead_only_of_those_whose_first_token_can_wait_for_it():
     # 10 ms a prompt token, no decode cost: "a" and "b" expect their first tokens at ~0.41 and ~0.82 s.
     # "x" (100 tokens) has the least slack but would push "b" (0.35 s of it) ~1 s back: it queues
     # behind "b" instead, where it still makes its own target. "y" could only go first or break
     # a promise: it is refused, though its own prefill alone would fit.
-    s, clock = make(num_blocks=256, budget=64, cost=fixed_cost(base=0.01, per_token=0.01, per_decode=0.0),
-                    slo_headroom=0.0)
+    s, clock = promising(budget=64)
     s.add_request(req(s, "a", 40, ttft_s=1.0))
     s.add_request(req(s, "b", 40, ttft_s=1.35, start=100))
     s.add_request(req(s, "x", 100, ttft_s=1.9, start=200))
@@ -185,8 +190,7 @@ def test_a_step_that_runs_over_its_estimate_moves_the_promises_and_what_would_no
     # "a" runs; "b" (~0.82 s expected, 1.0 s target) and "c" (~0.82 + 0.41, 3.0 s) wait. The step
     # takes 0.5 s over its estimate (the server parsing a burst on the same cores): "b" would now
     # miss, so it is refused before it starts, not once its target has passed; "c" can still make it.
-    s, clock = make(num_blocks=256, budget=40, cost=fixed_cost(base=0.01, per_token=0.01, per_decode=0.0),
-                    slo_headroom=0.0)
+    s, clock = promising(budget=40)
     s.add_request(req(s, "a", 40, ttft_s=1.0))
     s.add_request(req(s, "b", 40, ttft_s=1.0, start=100))
     s.add_request(req(s, "c", 40, ttft_s=3.0, start=200))
