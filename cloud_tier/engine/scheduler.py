@@ -200,7 +200,8 @@ class Scheduler:
         tokens_ahead += sum(left - 1 for r in running if (left := r.num_tokens - r.num_computed_tokens) > 1
                             and not (self._is_short(request) and not self._is_short(r)
                                      and self.config.short_lane_share > 0))
-        capacity = self._slot_capacity(request)
+        floor = self._step_cap(request)
+        capacity = self._slot_capacity(floor)
         # when a slot frees for it, in decode steps: the running hold theirs for what they may still
         # generate, and each request ahead takes the first one free for all it may generate
         free_at = [max(1, r.sampling_params.max_tokens - r.num_output_tokens) for r in running[:capacity]]
@@ -211,7 +212,6 @@ class Scheduler:
         prompts_ahead = len(ahead) + sum(1 for r in running if r.num_tokens - r.num_computed_tokens > 1)
         # the steps of its prefill carry the running decodes and those ahead of it, prefilled first
         decodes = min(len(running) + len(ahead), capacity)
-        floor = min(self._tpot_floor(), self.tpot_target(request) or math.inf)
         return estimate_ttft(self.cost, tokens_ahead, request.num_tokens - request.num_computed_tokens,
                              self.config.max_num_batched_tokens, decodes, free_at[0], prompts_ahead, floor,
                              self.config.min_prefill_chunk)
@@ -221,11 +221,10 @@ class Scheduler:
         of its class and priority whose promised first token can take its prefill on top (behind the
         last that cannot: an admission is a promise a later one does not break). Returns the requests
         it goes ahead of and the delay it adds to them."""
-        capacity = self._slot_capacity(request)
-        floor = min(self._tpot_floor(), self.tpot_target(request) or math.inf)
+        floor = self._step_cap(request)
+        decodes = min(len(self.running) + len(self.waiting), self._slot_capacity(floor))
         delay = prefill_delay(self.cost, request.num_tokens - request.num_computed_tokens,
-                              self.config.max_num_batched_tokens, min(len(self.running) + len(self.waiting), capacity),
-                              floor, self.config.min_prefill_chunk)
+                              self.config.max_num_batched_tokens, decodes, floor, self.config.min_prefill_chunk)
         key = request.sort_key()
         passed = [r for r in self.waiting if r.promised is not None and not r.num_output_tokens
                   and r.sort_key()[:2] == key[:2] and r.sort_key() > key]
@@ -239,14 +238,16 @@ class Scheduler:
         """The tightest TPOT target among the running requests (inf: none has one)."""
         return min((t for r in self.running if (t := self.tpot_target(r)) is not None), default=math.inf)
 
-    def _slot_capacity(self, request: Request | None = None, floor: float | None = None) -> int:
+    def _step_cap(self, request: Request, floor: float | None = None) -> float:
+        """The longest a step may take with ``request`` running: the tightest TPOT target among the
+        running (``floor``, when the caller has it) and ``request``'s own (inf: none has one)."""
+        return min(self._tpot_floor() if floor is None else floor, self.tpot_target(request) or math.inf)
+
+    def _slot_capacity(self, step_cap_s: float) -> int:
         """Running requests at once: max_num_seqs, fewer when one step of them all would exceed
-        the tightest TPOT target among them (``floor``, when the caller has it) and ``request``'s."""
-        tightest = self._tpot_floor() if floor is None else floor
-        if request is not None and (t := self.tpot_target(request)) is not None:
-            tightest = min(tightest, t)
+        ``step_cap_s`` (``_step_cap``)."""
         cap = self.config.max_num_seqs
-        return cap if tightest == math.inf else min(cap, self.cost.decodes_within(tightest))
+        return cap if step_cap_s == math.inf else min(cap, self.cost.decodes_within(step_cap_s))
 
     def _check_ttft(self, request: Request, ttft: float) -> float:
         """Seconds from now to ``request``'s first token, as estimated (SLOMissError: past what an
@@ -555,7 +556,7 @@ class Scheduler:
     def _has_slot(self, request: Request) -> bool:
         """Whether ``request`` may join the running set: within max_num_seqs less the other
         tenants' unused slot reservations, and within the TPOT targets' slot capacity."""
-        limit = self._slot_capacity(request, self._floor)
+        limit = self._slot_capacity(self._step_cap(request, self._floor))
         if self.reservations:
             _, slots = self._usage()
             limit = min(limit, self.config.max_num_seqs - self.reservations.held_back(
