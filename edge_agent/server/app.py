@@ -183,4 +183,8 @@ def build_app(config: EdgeConfig, catalog: Catalog | None = None, source: Config
                 await app.state.escalator.upstream.close()
             svc.close()
 
-    return build_openai_app("cascade edge agent", lifespan, config, "edge", ops, v1)
+    from edge_agent.server.status_count import CountAnswers  # every /v1 answer counted once, by status
+
+    app = build_openai_app("cascade edge agent", lifespan, config, "edge", ops, v1)
+    app.add_middleware(CountAnswers)
+    return app

@@ -12,6 +12,8 @@ class EdgeMetrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
+        # every /v1 answer, once (status_count.CountAnswers): endpoint chat | completions | models |
+        # requests | other; status the HTTP one, or for a stream that started 200 how it ended (499, 5xx)
         self.requests = Counter("cascade_edge_requests_total", "Requests answered, by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=r)
         self.rejected = Counter("cascade_edge_rejected_total", "Requests refused before generation, by reason",

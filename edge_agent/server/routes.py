@@ -13,8 +13,9 @@ import cascade
 from cascade.openai_format import ChatFormatter, CompletionFormatter
 from cascade.protocol import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList
 from cascade.web import openai_response, openapi, parse_body, read_json, require_api_key
-from edge_agent.server.escalation import Escalator, Queued, Routed
+from edge_agent.server.escalation import Escalator, Queued
 from edge_agent.server.service import EdgeService
+from edge_agent.server.status_count import settle
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +98,14 @@ async def _serve(request: Request, endpoint: str, schema, formatter, make_job, p
     routed = await escalator(request).route(req, endpoint, body, lambda: make_job(svc, req), prompt_text(req),
                                             _session(request, req), request.headers.get("idempotency-key"))
     if isinstance(routed, Queued):
-        return _accepted(svc, routed, endpoint)
+        return JSONResponse(routed.body(), status_code=202, headers=routed.headers)
     fmt = formatter(routed.model or svc.model_id, req.logprobs)
-    return await _respond(request, svc, routed, fmt, endpoint, req.stream, req.include_usage_in_stream())
+    fmt.cascade = routed.cascade_field
+    # answers are counted by status in one place (status_count.CountAnswers); a stream's end is told it
+    resp = await openai_response(request, routed.events, fmt, req.stream, req.include_usage_in_stream(),
+                                 lambda status: settle(request, status))
+    resp.headers.update(routed.headers)
+    return resp
 
 
 @v1.get("/requests/{request_id}", responses=openapi.errors(401, 404, 500))
@@ -113,19 +119,3 @@ def _session(request: Request, req) -> str | None:
     opts = req.cascade
     return (opts.session if opts else None) or request.headers.get("x-cascade-session") or req.user
 
-
-def _accepted(svc: EdgeService, queued: Queued, endpoint: str) -> JSONResponse:
-    svc.metrics.requests.labels(endpoint=endpoint, status="202").inc()
-    return JSONResponse(queued.body(), status_code=202, headers=queued.headers)
-
-
-async def _respond(request: Request, svc: EdgeService, routed: Routed, fmt, endpoint: str, stream: bool,
-                   include_usage: bool):
-    fmt.cascade = routed.cascade_field
-
-    def count(status: str) -> None:
-        svc.metrics.requests.labels(endpoint=endpoint, status=status).inc()
-
-    resp = await openai_response(request, routed.events, fmt, stream, include_usage, count)
-    resp.headers.update(routed.headers)
-    return resp
