@@ -33,11 +33,15 @@ def push(registry: Registry, repository: Repository, path: Path | str, name: str
     """Publish ``path`` as ``name@version`` and sign it as a TUF target (what devices verify
     before they install). Returns the manifest and whether it was new; the same bytes again are a
     no-op (and sign the target if an earlier push stopped before it did). RegistryError /
-    ImmutableVersion when refused; SigningError without keys. Signing writes new metadata
-    versions, so one push at a time per repository (the server holds a lock)."""
-    manifest, created = registry.push(path, name, version, calibration, min_agent_version)
-    if not repository.has_target(manifest.name, manifest.version):
-        repository.add_target(manifest.name, manifest.version, manifest.sha256, manifest.size, manifest.signable())
+    ImmutableVersion when refused; SigningError without keys, or when another writer holds the
+    repository's lock past its timeout. The whole publish holds that lock (across processes: a
+    local push beside the control plane's), so a version is listed and signed together, and a
+    second push of the same version waits and finds it signed."""
+    with repository.writing():
+        manifest, created = registry.push(path, name, version, calibration, min_agent_version)
+        if not repository.has_target(manifest.name, manifest.version):
+            repository.add_target(manifest.name, manifest.version, manifest.sha256, manifest.size,
+                                  manifest.signable())
     return manifest, created
 
 
