@@ -14,16 +14,21 @@ ONNX version's artifact is a tar of its export directory: verified like a GGUF, 
 ``active.json`` names the version switched to last (written atomically once the switch is done),
 so an agent that restarts, or was killed mid-switch, comes back on one consistent model:
 ``installed(state_dir)``; a download killed midway resumes from its ``staging/<sha256>.part``.
+
+``apply`` never raises: whatever fails (the network, a full disk, the switch, a bug) is reported
+with a one-line reason, the old model serving; ``retry`` says whether the same document may go
+better later (a cut download, a full disk). A window that never opens is REJECTED, not waited for.
 """
 
 from __future__ import annotations
 
-import datetime
+import contextlib
 import importlib.util
 import json
 import logging
 import os
 import random
+import re
 import shutil
 import threading
 import time
@@ -35,15 +40,20 @@ from urllib.parse import urlsplit
 import httpx
 from tuf.api import exceptions as tuf_errors
 
-from model_distribution.download import ArtifactMismatch, DownloadError, fetch
+from model_distribution.download import ArtifactMismatch, DownloadError, disk_cause, fetch
 from model_distribution.onnx_model import OnnxModelError, unpack_onnx_tar
 from model_distribution.registry import file_sha256, parse_semver
 from model_distribution.signing import manifest_of, verified_target
+from model_distribution.windows import in_window, parse_window, seconds_to_window
+
+_window = parse_window  # rollouts.py checks a rollout's --window with it
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("gguf", "onnx")  # what this agent's backends load (onnx: where onnxruntime-genai is installed)
 MAX_JITTER_S = 3600.0
+REASON_CHARS, TEXT_CHARS = 500, 200  # what a device says: a reason, any other string (the control plane's bounds)
+_UNSAFE_TEXT = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")  # the control plane refuses these
 
 
 @dataclass
@@ -87,9 +97,10 @@ class DeviceUpdater:
         self.active: dict | None = installed(config.state_dir) if active is True else active or None
         self._lock = threading.Lock()  # one change at a time
         self._prefetched: dict[tuple, tuple[float, object]] = {}  # (model, version, sha256) -> (when, target info)
-        self.retry = False  # did the last apply fail in a way worth trying again (a download cut)?
+        self.retry = False  # did the last apply fail in a way worth trying again (a download cut, a full disk)?
         self.wait_s: float | None = None  # WAITING: seconds until its activation window opens
         self._last_base: dict = {}  # the assignment the last report was about (a prefetch reports beside it)
+        self._step = ""  # the state reported last (a failure nobody foresaw says where it happened)
         # one client for the metadata and the artifacts: its connections, and one TLS context (loading
         # the CA bundle costs tens of ms of CPU: per request, that is most of a small device's update)
         self.http = httpx.Client(timeout=httpx.Timeout(30.0, connect=10.0), follow_redirects=True)
@@ -100,42 +111,78 @@ class DeviceUpdater:
     def apply(self, desired: dict) -> str:
         """Go to ``desired`` (a verified payload: model, version, sha256, size, format, rev; and
         optionally window, jitter_s, prefetch); the final state: ACTIVE, FAILED, REJECTED, or
-        WAITING (downloaded and verified, for its activation window: ``wait_s`` says how long)."""
+        WAITING (downloaded and verified, for its activation window: ``wait_s`` says how long).
+        Never raises: an error nobody foresaw is FAILED with its reason, the old model serving."""
         with self._lock:
-            self.retry, self.wait_s = False, None
-            ref = f"{desired.get('model')}@{desired.get('version')}"
-            base = {"desired": ref, "rev": desired.get("rev")}
-            if self.active is not None and self.active.get("sha256") == desired.get("sha256"):
-                self._say({**base, "state": "ACTIVE", "model": ref, "sha256": desired["sha256"]})
-                self._prefetch(desired.get("prefetch"), desired.get("jitter_s"))
-                return "ACTIVE"
-            got = self._fetch(desired, base, desired.get("jitter_s"))
-            if isinstance(got, str):
-                return got
-            path, manifest = got
-            window = desired.get("window")
-            if window and not in_window(window):
-                self.wait_s = seconds_to_window(window)
-                self._say({**base, "state": "WAITING", "window": window,
-                           "model": None if self.active is None else f"{self.active['name']}@{self.active['version']}"})
-                return "WAITING"
-            self._say({**base, "state": "ACTIVATING"})
+            self.retry, self.wait_s, self._step = False, None, ""
+            base = {"desired": f"{desired.get('model')}@{desired.get('version')}", "rev": desired.get("rev")}
             try:
-                self.activate(model_path(self.models_dir, path.name, manifest.get("format")), manifest)
-            except Exception as e:  # the agent keeps its old model
-                return self._fail(base, "FAILED", f"activation failed, the old model still serves: {e}")
-            self.active = {**manifest, "sha256": path.name}
-            _write_atomically(self.active_file, json.dumps(self.active).encode())  # what the next start serves
-            self._prune()
-            self._say({**base, "state": "ACTIVE", "model": ref, "sha256": path.name})
+                return self._apply(desired, base)
+            except Exception as e:
+                log.exception("applying %s failed", base["desired"])
+                self.retry, self.wait_s = isinstance(e, OSError), None  # a disk may be freed; a bug stays
+                where = f" while {self._step.lower()}" if self._step else ""
+                return self._fail(base, "FAILED", f"unexpected {type(e).__name__}{where}, the old model still "
+                                                  f"serves: {e}")
+
+    def _apply(self, desired: dict, base: dict) -> str:
+        ref = base["desired"]
+        if self.active is not None and self.active.get("sha256") == desired.get("sha256"):
+            self._say({**base, "state": "ACTIVE", "model": ref, "sha256": desired["sha256"]})
             self._prefetch(desired.get("prefetch"), desired.get("jitter_s"))
             return "ACTIVE"
+        window = desired.get("window")
+        if window:  # checked again here: a document from an older control plane may hold one that never opens
+            try:
+                _window(window)
+            except ValueError as e:
+                return self._fail(base, "REJECTED", f"its activation window cannot be used: {e}")
+        got = self._fetch(desired, base, desired.get("jitter_s"))
+        if isinstance(got, str):
+            return got
+        path, manifest = got
+        if window and not in_window(window):
+            self.wait_s = round(seconds_to_window(window))
+            self._say({**base, "state": "WAITING", "window": window, "wait_s": self.wait_s, "model": self._serving()})
+            return "WAITING"
+        return self._switch(path, manifest, base, desired)
+
+    def _switch(self, path: Path, manifest: dict, base: dict, desired: dict) -> str:
+        """Have the agent switch to the verified version, then record it as what the next start serves."""
+        active = {**manifest, "sha256": path.name}
+        record = self.active_file.with_suffix(".tmp")
+        try:  # written before the switch, so a full disk fails here, with the old model serving
+            _write_synced(record, json.dumps(active).encode())
+        except OSError as e:
+            self.retry = True
+            return self._fail(base, "FAILED", f"{disk_cause(e)}: cannot write {record}, the old model still serves")
+        self._say({**base, "state": "ACTIVATING"})
+        try:
+            self.activate(model_path(self.models_dir, path.name, manifest.get("format")), manifest)
+        except Exception as e:  # the agent keeps its old model
+            with contextlib.suppress(OSError):
+                record.unlink()
+            return self._fail(base, "FAILED", f"activation failed, the old model still serves: {e}")
+        try:
+            os.replace(record, self.active_file)  # what the next start serves
+        except OSError as e:
+            self.retry = True  # the next try switches again, and records it
+            return self._fail(base, "FAILED", f"{disk_cause(e)}: switched to {base['desired']} but cannot record it "
+                                              f"in {self.active_file}: a restart would serve the version before")
+        self.active = active
+        try:
+            self._prune()
+        except OSError as e:  # the switch is done: what is not dropped now is dropped after the next one
+            log.warning("cannot drop old versions: %s", e)
+        self._say({**base, "state": "ACTIVE", "model": base["desired"], "sha256": path.name})
+        self._prefetch(desired.get("prefetch"), desired.get("jitter_s"))
+        return "ACTIVE"
 
     def _fetch(self, desired: dict, base: dict, jitter_s=None, quiet: bool = False) -> tuple[Path, dict] | str:
         """Verify ``desired`` against the signed metadata and have its file in models/ (downloaded
         after a random wait up to ``jitter_s``); (path, manifest), or the failed state. ``quiet``:
         report nothing (a prefetch)."""
-        fail = (lambda b, state, reason: state) if quiet else self._fail
+        fail = self._failed(quiet)
         key = (desired.get("model"), desired.get("version"), desired.get("sha256"))
         ahead = self._prefetched.pop(key, None)
         try:
@@ -148,7 +195,7 @@ class DeviceUpdater:
                                        desired["model"], desired["version"], self.config.auth_for(tuf_url),
                                        self.http)
         except Exception as e:
-            if _transient(e):  # the network or a busy server, not the metadata: try again later
+            if _transient(e) or isinstance(e, OSError):  # the network, a busy server, a full disk: try again later
                 self.retry = not quiet
                 return fail(base, "FAILED", f"cannot fetch the signed metadata now: {e}")
             return fail(base, "REJECTED", f"its signed metadata was refused: {e}")
@@ -162,7 +209,7 @@ class DeviceUpdater:
             return fail(base, "REJECTED", why)
         path = self.models_dir / info.hashes["sha256"]
         if path.exists():
-            return self._unpacked(path, manifest, base, fail)
+            return self._unpacked(path, manifest, base, quiet)
         if isinstance(jitter_s, (int, float)) and jitter_s > 0:
             time.sleep(random.uniform(0, min(jitter_s, MAX_JITTER_S)))
         say = (lambda state: None) if quiet else self._say
@@ -181,21 +228,27 @@ class DeviceUpdater:
         try:
             staged = fetch(url, self.staging / info.hashes["sha256"], info, self.http, progress=progress,
                            auth=self.config.auth_for(url))
-        except DownloadError as e:  # the network's fault: the follower tries again (from the bytes it has);
-            self.retry = not quiet and not isinstance(e, ArtifactMismatch)  # other bytes than signed: it does not
+        except DownloadError as e:  # the network's or the disk's: the follower tries again (from the bytes it
+            self.retry = not quiet and not isinstance(e, ArtifactMismatch)  # has); other bytes than signed: it does not
             return fail(base, "FAILED", str(e))
-        self.models_dir.mkdir(parents=True, exist_ok=True)
-        staged.replace(path)
-        return self._unpacked(path, manifest, base, fail)
+        try:
+            self.models_dir.mkdir(parents=True, exist_ok=True)
+            staged.replace(path)
+        except OSError as e:  # the verified file stays in staging: the next try checks it again and moves it
+            self.retry = not quiet
+            return fail(base, "FAILED", f"{disk_cause(e)}: cannot move the verified download to {path}")
+        return self._unpacked(path, manifest, base, quiet)
 
-    def _unpacked(self, path: Path, manifest: dict, base: dict, fail) -> tuple[Path, dict] | str:
+    def _unpacked(self, path: Path, manifest: dict, base: dict, quiet: bool) -> tuple[Path, dict] | str:
         """An ONNX version's verified tar unpacked beside it (once); (path, manifest) or FAILED.
-        A signed tar that does not unpack safely is the publisher's fault: not tried again."""
+        A signed tar that does not unpack safely is the publisher's fault: not tried again; a disk
+        that cannot take it is tried again (it may be freed)."""
         if manifest.get("format") == "onnx":
             try:
                 unpack_onnx_tar(path, model_path(self.models_dir, path.name, "onnx"))
             except (OnnxModelError, OSError) as e:
-                return fail(base, "FAILED", f"the ONNX artifact does not unpack: {e}")
+                self.retry = not quiet and isinstance(e, OSError)
+                return self._failed(quiet)(base, "FAILED", f"the ONNX artifact does not unpack: {e}")
         return path, manifest
 
     def _prefetch(self, wanted, jitter_s) -> None:
@@ -204,9 +257,13 @@ class DeviceUpdater:
         if not isinstance(wanted, dict) or (self.models_dir / str(wanted.get("sha256"))).exists():
             return
         ref = f"{wanted.get('model')}@{wanted.get('version')}"
-        got = self._fetch(wanted, {"desired": ref}, jitter_s, quiet=True)
-        state = {"desired": f"{self.active['name']}@{self.active['version']}", "state": "ACTIVE",
-                 "model": f"{self.active['name']}@{self.active['version']}", "sha256": self.active["sha256"]}
+        try:
+            got = self._fetch(wanted, {"desired": ref}, jitter_s, quiet=True)
+        except Exception:  # the version serving is not touched: said as the prefetch's state
+            log.exception("prefetching %s failed", ref)
+            got = "FAILED"
+        state = {"desired": self._serving(), "state": "ACTIVE", "model": self._serving(),
+                 "sha256": self.active.get("sha256")}
         if isinstance(got, str):
             self._say({**state, **self._last_base, "prefetch": ref, "prefetch_state": got})
         else:
@@ -262,19 +319,40 @@ class DeviceUpdater:
         for sha, _ in kept(self.models_dir)[:-self.config.keep_versions or None]:
             drop(self.models_dir, sha)
 
+    def _serving(self) -> str | None:
+        return None if self.active is None else f"{self.active.get('name')}@{self.active.get('version')}"
+
+    def _failed(self, quiet: bool) -> Callable[[dict, str, str], str]:
+        """How a step ends in failure: reported (``_fail``), or for a prefetch only returned."""
+        return (lambda base, state, reason: state) if quiet else self._fail
+
     def _fail(self, base: dict, state: str, reason: str) -> str:
+        reason = one_line(reason)
         log.error("%s %s: %s", base["desired"], state, reason)
         self._say({**base, "state": state, "reason": reason, "retry": self.retry,  # a FAILED it tries again
-                   "model": None if self.active is None else f"{self.active['name']}@{self.active['version']}"})
+                   "model": self._serving()})
         return state
 
     def _say(self, state: dict) -> None:
+        """Report ``state``, each string in it one bounded line (``one_line``)."""
+        state = {k: one_line(v, REASON_CHARS if k == "reason" else TEXT_CHARS) if isinstance(v, str) else v
+                 for k, v in state.items()}
         if "rev" in state:
             self._last_base = {"desired": state.get("desired"), "rev": state["rev"]}
+        if "prefetch" not in state:
+            self._step = state.get("state") or ""
         try:
             self.report(state)
         except Exception:  # a report that cannot go out does not stop the change
             log.exception("cannot report %s", state.get("state"))
+
+
+def one_line(text: str, limit: int = REASON_CHARS) -> str:
+    """``text`` as a device says it: every control character, line separator and lone surrogate
+    made a space (the control plane refuses them: they would forge a log line or split a record),
+    cut to ``limit`` characters."""
+    flat = _UNSAFE_TEXT.sub(" ", text)
+    return flat if len(flat) <= limit else flat[:limit - 1] + "…"
 
 
 def model_path(models_dir: Path, sha256: str, fmt: str | None) -> Path:
@@ -324,13 +402,11 @@ def installed(state_dir: Path) -> dict | None:
         return None
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def available_memory() -> int:
@@ -351,57 +427,3 @@ def _transient(e: Exception) -> bool:
     if isinstance(e, tuf_errors.DownloadHTTPError):
         return e.status_code in (408, 429) or e.status_code >= 500
     return isinstance(e, (tuf_errors.DownloadError, httpx.TransportError))
-
-
-def _window(text: str) -> tuple[int, int] | str:
-    """An activation window: "02:00-05:00" -> (120, 300) minutes of the day; a five-field cron
-    expression ("* 2-4 * * 1-5": the minutes it matches, here 02:00-04:59 on weekdays) -> itself;
-    ValueError otherwise."""
-    import re
-
-    from croniter import croniter
-
-    m = re.fullmatch(r"\s*(\d{1,2}):(\d{2})\s*-\s*(\d{1,2}):(\d{2})\s*", text or "")
-    if m is None:
-        if len((text or "").split()) == 5 and croniter.is_valid(text):
-            return text.strip()
-        raise ValueError(f"window {text!r} must be HH:MM-HH:MM or a five-field cron expression "
-                         "(minute hour day month weekday, e.g. '* 2-4 * * *')")
-    h1, m1, h2, m2 = map(int, m.groups())
-    if h1 > 23 or h2 > 24 or m1 > 59 or m2 > 59:
-        raise ValueError(f"window {text!r} must be HH:MM-HH:MM")
-    return h1 * 60 + m1, h2 * 60 + m2
-
-
-def in_window(text: str, now: datetime.datetime | None = None) -> bool:
-    """Is local time ``now`` inside the window (which may run past midnight; a cron window: does
-    it match this minute)? A malformed window is treated as always open (the control plane
-    checked it; a device never blocks on one)."""
-    try:
-        window = _window(text)
-    except ValueError:
-        return True
-    now = now or datetime.datetime.now()
-    if isinstance(window, str):
-        from croniter import croniter
-
-        return croniter.match(window, now.replace(second=0, microsecond=0))
-    start, end = window
-    minute = now.hour * 60 + now.minute
-    return start <= minute < end if start <= end else minute >= start or minute < end
-
-
-def seconds_to_window(text: str, now: datetime.datetime | None = None) -> float:
-    """Seconds from ``now`` (local time) until the window next opens (0 inside it)."""
-    if in_window(text, now):
-        return 0.0
-    window = _window(text)
-    now = now or datetime.datetime.now()
-    if isinstance(window, str):
-        from croniter import croniter
-
-        return max(0.0, (croniter(window, now).get_next(datetime.datetime) - now).total_seconds())
-    opens = now.replace(hour=window[0] // 60, minute=window[0] % 60, second=0, microsecond=0)
-    if opens <= now:
-        opens += datetime.timedelta(days=1)
-    return (opens - now).total_seconds()
