@@ -115,8 +115,8 @@ class SimDevice:
 
     def stop(self) -> None:
         self._wanted.put(None)
-        self.client.client.disconnect()
-        self.client.client.loop_stop()
+        self.client.link.client.disconnect()
+        self.client.link.client.loop_stop()
 
 
 def _download_all(devices: list[SimDevice], url: str, tag: str, info: TargetFile) -> list[tuple]:

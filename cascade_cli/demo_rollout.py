@@ -75,7 +75,7 @@ class SimulatedDevice:
                       "uptime_s": time.time() - self._started, "device": self.name,
                       "decisions": {"cloud/low_confidence": c["cloud"], "edge/easy": c["requests"] - c["cloud"]},
                       "requests": {"/v1/chat/completions/200": c["requests"]}, "queue": {"pending": 0}}
-            self.client.client.publish(self.topic, json.dumps(record), qos=1)
+            self.client.link.publish(self.topic, json.dumps(record).encode(), qos=1)
 
     def stop(self) -> None:
         self._stop.set()

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cascade.calibration import CascadeConfig
 from cascade.config import load_config
 from edge_agent.hardware import ORT_PROVIDER
 
@@ -83,32 +83,6 @@ class UpstreamConfig:
 
 
 @dataclass
-class CascadeConfig:
-    """When the agent escalates to ``[upstream]`` (see cascade/policy). Written by
-    ``cascade calibrate``; every key also from CASCADE_EDGE_CASCADE_<KEY>."""
-
-    mode: str = "auto"  # default per request: auto | local | cloud
-    offline: str = "local"  # when the cloud cannot be reached: queue | local | fail
-    device: str = ""  # this device's name, sent upstream as X-Cascade-Device
-    hold_tokens: int = 16  # K: tokens judged (and held back when streaming) before committing locally
-    min_mean_logprob: float = -math.inf  # low confidence: mean logprob of the first K tokens below this
-    min_token_logprob: float = -math.inf  # ... or any of them below this
-    max_mean_entropy: float = math.inf  # ... or their mean entropy (nats) above this
-    max_prompt_tokens: int = 0  # hard: prompts longer than this go up (0: only the context limits)
-    difficulty_threshold: float = 1.01  # hard: learned difficulty above this goes up (> 1: off)
-    difficulty_model: str = ""  # JSON written by `cascade calibrate`
-    latency_budget_s: float = 0.0  # overflow: default budget per request (0: none)
-
-    def __post_init__(self):
-        if self.mode not in ("auto", "local", "cloud"):
-            raise ValueError(f"mode must be auto, local or cloud, got {self.mode!r}")
-        if self.offline not in ("queue", "local", "fail"):
-            raise ValueError(f"offline must be queue, local or fail, got {self.offline!r}")
-        if self.hold_tokens < 1:
-            raise ValueError("hold_tokens must be >= 1")
-
-
-@dataclass
 class SyncConfig:
     """The offline queue (sync/queue.py) and its delivery loop (sync/delivery.py)."""
 
@@ -143,6 +117,8 @@ class MQTTSection:
     client_id: str = ""  # "": cascade-<fleet>-<device>
     username: str = ""
     password: str = ""
+    tls: bool = False  # mqtts: the broker's certificate checked against ca_file ("": the system's CAs)
+    ca_file: str = ""
     keepalive_s: int = 30
     telemetry_interval_s: float = 30.0  # how often a telemetry record is spooled
 
@@ -156,7 +132,8 @@ class FleetSection:
     """Following the fleet's desired state (model_distribution): with ``broker`` set the agent
     installs and switches to the model version the control plane assigns it."""
 
-    broker: str = ""  # mqtt://host:1883 ("": not in a fleet)
+    broker: str = ""  # mqtt://host:1883 or mqtts://host:8883 ("": not in a fleet)
+    broker_ca: str = ""  # with mqtts://: the CA file the broker's certificate is checked against ("": the system's)
     fleet: str = "default"
     device_id: str = ""  # as enrolled (cascade fleet devices add); also the MQTT user
     secret: str = ""  # the credentials `devices add` printed

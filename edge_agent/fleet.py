@@ -3,24 +3,30 @@ client (model_distribution) verifies, downloads and reports; this module is the 
 the switch: load the new version into fresh slots, smoke-test it, then swap atomically (requests
 already holding or waiting for an old slot finish on the old model, new ones get the new one),
 unload the old model once its slots are idle, and apply the thresholds calibrated for the new
-version. Anything that fails leaves the old model serving."""
+version. Everything the switch needs (the loaded slots, a passed smoke test, the calibrated
+thresholds and their difficulty model) is ready before it happens, and the switch itself cannot
+fail, so anything that fails leaves the old model serving, thresholds and all."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
+import os
 import queue
+import secrets
 import threading
 import time
 from pathlib import Path
 
 import cascade
+from cascade import wire
+from cascade.calibration import CalibrationError, CascadeConfig, check_calibration, thresholds
 from cascade.config import cascade_home
+from cascade.policy import PolicyConfig
 from edge_agent.backends import load_slots
 from edge_agent.backends.base import Backend, Finish, GenerationOptions
-from edge_agent.config import CascadeConfig, EdgeConfig
+from edge_agent.config import EdgeConfig
 from edge_agent.server.escalation import Escalator, policy_config
 from edge_agent.server.service import EdgeService
 from model_distribution.device_client import DeviceConfig, DeviceUpdater, installed, model_path
@@ -35,8 +41,10 @@ WAITING_HEARTBEAT_S = 60.0  # a version waiting for its window is looked at (and
 
 class FleetFollower:
     def __init__(self, config: EdgeConfig, svc: EdgeService, escalator: Escalator, loop: asyncio.AbstractEventLoop,
-                 active: dict | None = None):
-        """``active``: the installed version the agent started on (``load_installed`` checked its file)."""
+                 active: dict | None = None, link=None):
+        """``active``: the installed version the agent started on (``load_installed`` checked its file);
+        ``link``: the device's MQTT connection (sync/mqtt_link.py), shared with its telemetry and
+        started by the caller; None: one of its own."""
         f = config.fleet
         self.config, self.svc, self.escalator, self.loop = config, svc, escalator, loop
         state_dir = fleet_state_dir(config)
@@ -45,7 +53,8 @@ class FleetFollower:
                                    artifact_url=f.artifact_url, metadata_url=f.metadata_url,
                                    memory_budget_bytes=f.memory_budget_bytes)
         self.client = DeviceStateClient(f.broker, f.fleet, f.device_id, bytes.fromhex(
-            Path(f.desired_key).read_text().strip()), self._desired, f.device_id, f.secret or None)
+            Path(f.desired_key).read_text().strip()), self._desired, f.device_id, f.secret or None, link=link,
+            applied_file=state_dir / "desired.json", ca_file=f.broker_ca)  # the order of documents survives restarts
         self.updater = DeviceUpdater(self.device, self.client.report, self._activate, active)
         self._wanted: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="fleet-updater", daemon=True)
@@ -98,17 +107,21 @@ class FleetFollower:
         backends = load_version(path, manifest, self.config)
         try:
             _smoke_test(backends[0])
-            asyncio.run_coroutine_threadsafe(self._swap(backends, manifest), self.loop).result(timeout=60)
+            calibrated = prepare_calibration(self.escalator.config, manifest, self.device.state_dir)
+            asyncio.run_coroutine_threadsafe(self._swap(backends, manifest, calibrated), self.loop).result(timeout=60)
         except BaseException:
             for b in backends:
                 b.unload()
             raise
 
-    async def _swap(self, backends: list[Backend], manifest: dict) -> None:
+    async def _swap(self, backends: list[Backend], manifest: dict,
+                    calibrated: tuple[CascadeConfig, PolicyConfig] | None) -> None:
+        """The switch: nothing in it can fail (all it needs was made ready before)."""
         old = self.svc.swap(backends, self.svc.model_names | version_names(manifest, backends))
-        thresholds = apply_calibration(self.escalator, manifest)
+        if calibrated is not None:
+            self.escalator.config, self.escalator.policy = calibrated
         log.info("now serving %s@%s (%s); thresholds %s", manifest["name"], manifest["version"],
-                 manifest.get("sha256", "")[:12], thresholds or "unchanged")
+                 manifest.get("sha256", "")[:12], manifest.get("calibration") or "unchanged")
         asyncio.get_running_loop().create_task(_unload_when_idle(old))
 
 
@@ -141,17 +154,50 @@ def version_names(manifest: dict, backends: list[Backend]) -> set[str]:
     return {manifest["name"], f"{manifest['name']}@{manifest['version']}", backends[0].description.name}
 
 
-def apply_calibration(escalator: Escalator, manifest: dict) -> dict:
-    """The version's calibrated [cascade] thresholds take effect; the ones applied."""
+def prepare_calibration(current: CascadeConfig, manifest: dict, state_dir: Path
+                        ) -> tuple[CascadeConfig, PolicyConfig] | None:
+    """The thresholds and policy the version's calibration makes of ``current`` (None: it has
+    none), its difficulty model written to a file of this device's (``state_dir/calibration``);
+    CalibrationError (a ValueError) with the reason when it cannot be applied."""
     calibration = manifest.get("calibration") or {}
-    if isinstance(calibration, str):
-        calibration = json.loads(calibration)
-    known = {f.name for f in dataclasses.fields(CascadeConfig)}
-    thresholds = {k: v for k, v in calibration.items() if k in known}
-    if thresholds:
-        escalator.config = dataclasses.replace(escalator.config, **thresholds)
-        escalator.policy = policy_config(escalator.config)
-    return thresholds
+    if isinstance(calibration, str):  # the signed manifest carries it as a JSON string (TUF's canonical JSON)
+        calibration = wire.loads(calibration, limit=1 << 20)
+    if not calibration:
+        return None
+    checked = check_calibration(calibration)
+    config = thresholds(checked, current)
+    if "difficulty_model" in checked:
+        model = checked["difficulty_model"]
+        path = ""
+        if model is not None:
+            path = str(_write_json(Path(state_dir) / "calibration" / f"{manifest.get('sha256', 'version')}.json",
+                                   model))
+        config = CascadeConfig(**{**config.__dict__, "difficulty_model": path})
+    try:
+        return config, policy_config(config)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CalibrationError(f"the calibration of {manifest.get('name')}@{manifest.get('version')} cannot be "
+                               f"applied: {e}") from e
+
+
+def apply_calibration(escalator: Escalator, manifest: dict, state_dir: Path) -> None:
+    """At start-up: the installed version's calibration takes effect; one that cannot (a version
+    installed before calibrations were checked) is logged and the configured thresholds stay."""
+    try:
+        calibrated = prepare_calibration(escalator.config, manifest, state_dir)
+    except (CalibrationError, ValueError) as e:
+        log.error("the installed version's calibration is not applied, the configured thresholds stay: %s", e)
+        return
+    if calibrated is not None:
+        escalator.config, escalator.policy = calibrated
+
+
+def _write_json(path: Path, value: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)
+    return path
 
 
 def _smoke_test(backend: Backend) -> None:

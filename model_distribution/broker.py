@@ -12,7 +12,8 @@ user and secret (``control_plane_credentials(keys_dir)``). ``prefer``: "auto" (M
 on PATH or in /usr/sbin, else embedded), "mosquitto" or "embedded". ``kind`` says which one runs.
 
 Both take the same credentials (each enrolled device's secret; the control plane's user; no
-anonymous clients) and enforce the same ACL (``allowed``, which the acl_file written by
+anonymous clients), bind each connection's client id to its user (one session per identity,
+which no other login can take over), and enforce the same ACL (``allowed``, which the acl_file written by
 ``devices.broker_files`` says for Mosquitto): a device reads only its own desired topic and writes
 only its own reported, events, status and telemetry topics; the control plane reads and writes
 ``cascade/v1/#``. Both keep retained messages across a restart of the broker.
@@ -38,16 +39,30 @@ import signal
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from cascade.processes import free_port, spawn, stop
 from model_distribution.devices import DEVICE_WRITES, DeviceStore, broker_files
+from model_distribution.state_sync import CONTROL_PLANE_USER
 from model_distribution.state_sync import topic as device_topic
 
 log = logging.getLogger(__name__)
 
 PREFER = ("auto", "mosquitto", "embedded")
 MAX_QUEUED = 200_000  # QoS 1 messages Mosquitto queues for one client (the control plane) before it drops
+MAX_PACKET_BYTES = 256 << 10  # the largest packet Mosquitto takes: a device's messages are a few kB
+
+
+@dataclass
+class TLSListener:
+    """A second listener with TLS (devices connect with mqtts://): where, and its PEM certificate
+    chain and key. ``port`` 0 picks a free port."""
+
+    host: str
+    port: int
+    certfile: Path | str
+    keyfile: Path | str
 
 
 def find_mosquitto() -> str | None:
@@ -68,7 +83,7 @@ class FleetBroker:
     """One broker for the fleet: start(), url, refresh(), stop(). See the module docstring."""
 
     def __init__(self, root: Path | str, host: str = "127.0.0.1", port: int = 1883,
-                 credentials: tuple[str, str] | None = None, prefer: str = "auto"):
+                 credentials: tuple[str, str] | None = None, prefer: str = "auto", tls: TLSListener | None = None):
         if prefer not in PREFER:
             raise ValueError(f"prefer must be one of {', '.join(PREFER)}, not {prefer!r}")
         if credentials is None or not all(credentials):
@@ -77,6 +92,7 @@ class FleetBroker:
         self.host, self.port = host, port
         self.credentials = credentials
         self.prefer = prefer
+        self.tls = tls
         self.kind: str | None = None  # "mosquitto" or "embedded", once started
         self._store: DeviceStore | None = None
         self._proc = None
@@ -88,6 +104,13 @@ class FleetBroker:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"mqtt://{host}:{self.port}"
 
+    @property
+    def tls_url(self) -> str | None:
+        if self.tls is None:
+            return None
+        host = f"[{self.tls.host}]" if ":" in self.tls.host else self.tls.host
+        return f"mqtts://{host}:{self.tls.port}"
+
     def start(self) -> str:
         """Start the broker; its URL once it accepts connections. RuntimeError when it cannot
         (``prefer="mosquitto"`` without one, the port taken, ...)."""
@@ -95,6 +118,8 @@ class FleetBroker:
         if self.prefer == "mosquitto" and mosquitto is None:
             raise RuntimeError("no mosquitto on PATH or in /usr/sbin (apt-get install mosquitto)")
         self.dir.mkdir(parents=True, exist_ok=True)
+        if self.tls is not None and self.tls.port == 0:
+            self.tls.port = free_port(self.tls.host)
         self._store = DeviceStore(self.root)
         try:
             if mosquitto:
@@ -166,8 +191,13 @@ class FleetBroker:
         data.mkdir(exist_ok=True)
         conf = self.dir / "mosquitto.conf"
         # as root, mosquitto would drop to user "mosquitto", who may not write our folder: stay who we are
-        conf.write_text(f"listener {self.port} {self.host}\nallow_anonymous false\npassword_file {passwd}\n"
+        tls = "" if self.tls is None else (f"listener {self.tls.port} {self.tls.host}\ncertfile {self.tls.certfile}\n"
+                                           f"keyfile {self.tls.keyfile}\n")
+        conf.write_text(f"listener {self.port} {self.host}\n{tls}allow_anonymous false\npassword_file {passwd}\n"
                         f"acl_file {acl}\npersistence true\npersistence_location {data}/\n"
+                        # a connection's client id is its user: no login can take another identity's session
+                        "use_username_as_clientid true\n"
+                        f"max_packet_size {MAX_PACKET_BYTES}\n"
                         # a fleet's reports arrive in bursts (~14 per device per change): Mosquitto's default
                         # queue of 1,000 per client dropped most of 1,000 devices' reports to the control plane
                         f"max_queued_messages {MAX_QUEUED}\n"
@@ -191,7 +221,7 @@ class FleetBroker:
         from model_distribution.embedded_broker import EmbeddedBroker
 
         self._embedded = EmbeddedBroker(self._store, self.host, self.port, self.credentials,
-                                        self.dir / "retained.db")
+                                        self.dir / "retained.db", self.tls)
         try:
             self.port = self._embedded.start()
         except Exception as e:
@@ -225,4 +255,4 @@ def control_plane_credentials(keys_dir: Path) -> tuple[str, str]:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_urlsafe(24))
-    return "cascade-control-plane", path.read_text().strip()
+    return CONTROL_PLANE_USER, path.read_text().strip()

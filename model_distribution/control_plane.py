@@ -38,20 +38,23 @@ from cascade import errors
 from cascade.config import cascade_home, load_config
 from cascade.web import build_openai_app, parse_body, read_json
 from cascade.web.openapi import body
-from cascade.web.requests import bearer_matches
+from cascade.web.requests import bearer_matches, read_body
 from model_distribution import operations, rollout_ops
 from model_distribution.credentials import DeviceCredentials, basic_credentials
+from model_distribution.desired import DesiredDocuments
+from model_distribution.device_inbox import DeviceInbox
+from model_distribution.device_messages import MAX_REPORT_BYTES, RefusedMessage
 from model_distribution.devices import DeviceStore
 from model_distribution.fleet_metrics import registry_for
 from model_distribution.registry import Registry, RegistryError, check_names
 from model_distribution.rollout_controller import RolloutController
 from model_distribution.rollouts import RolloutStore
 from model_distribution.signing import Repository, SigningError
-from model_distribution.state_sync import DesiredDocuments, DesiredPublisher
+from model_distribution.state_sync import DesiredPublisher
 
 log = logging.getLogger(__name__)
 _TUF_FILE = re.compile(r"(?:\d+\.(?:root|targets|snapshot)|timestamp)\.json")
-_REPORT_LIMIT = 64 << 10
+_BODY_LIMIT = 64 << 10
 
 
 @dataclass
@@ -64,12 +67,17 @@ class ServerConfig:
     timestamp_refresh_s: float = 3600.0  # re-sign the TUF timestamp this often (it expires after a day)
     metrics_key: str = ""  # bearer key for /metrics ("": open, as a Prometheus scrape expects)
     rollout_tick_s: float = 0.5  # how often the rollout controller looks at the rollouts under way
+    device_rate: float = 2.0  # messages a second one device may send (MQTT and HTTP), after device_burst
+    device_burst: float = 120.0
+    forwarded_allow_ips: str = ""  # proxies whose X-Forwarded-For names the client ("": none, the peer is the client)
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.credential_cache_s < 0:
             raise ValueError("credential_cache_s must be >= 0")
+        if not (self.rollout_tick_s > 0 and self.device_rate > 0 and self.device_burst >= 1):
+            raise ValueError("rollout_tick_s and device_rate must be > 0, device_burst >= 1")
 
 
 @dataclass
@@ -81,12 +89,23 @@ class MQTTConfig:
     listen_host: str = "127.0.0.1"  # where the started broker listens
     listen_port: int = 1883
     prefer: str = "auto"  # auto | mosquitto | embedded
+    ca_file: str = ""  # with broker = "mqtts://...": the CA its certificate is checked against ("": the system's)
+    tls_port: int = 0  # the started broker also listens with TLS here (0: no TLS listener); devices use mqtts://
+    tls_host: str = ""  # where that listener binds ("": listen_host)
+    certfile: str = ""  # the TLS listener's certificate chain (PEM) and its key
+    keyfile: str = ""
 
     def __post_init__(self):
         if self.prefer not in ("auto", "mosquitto", "embedded"):
             raise ValueError(f"prefer must be auto, mosquitto or embedded, not {self.prefer!r}")
-        if not 0 <= self.listen_port <= 65535:
-            raise ValueError(f"listen_port must be in 0..65535, got {self.listen_port}")
+        if not 0 <= self.listen_port <= 65535 or not 0 <= self.tls_port <= 65535:
+            raise ValueError(f"listen_port and tls_port must be in 0..65535, got {self.listen_port}, {self.tls_port}")
+        if self.tls_port and not (self.certfile and self.keyfile):
+            raise ValueError("a TLS listener (tls_port) needs certfile and keyfile")
+        for name in ("certfile", "keyfile", "ca_file"):
+            path = getattr(self, name)
+            if path and not Path(path).expanduser().is_file():
+                raise ValueError(f"{name} {path!r} is not a file")
 
 
 @dataclass
@@ -181,7 +200,7 @@ def _refused(e: RegistryError, upload: Path | None = None) -> errors.APIError:
 
 # -- what devices fetch (and a mirror copies) --------------------------------------------------
 
-@files.get("/artifacts/{sha256}")
+@files.api_route("/artifacts/{sha256}", methods=["GET", "HEAD"])
 async def artifact(request: Request, sha256: str):
     """An artifact by its digest: Range requests resume a download; the ETag is the digest."""
     public = request.app.state.config.server.public_downloads
@@ -197,7 +216,7 @@ async def artifact(request: Request, sha256: str):
                         headers={"ETag": f'"{sha256}"', "Cache-Control": f"{cache}, max-age=31536000, immutable"})
 
 
-@files.get("/tuf/{name}")
+@files.api_route("/tuf/{name}", methods=["GET", "HEAD"])
 async def tuf_metadata(request: Request, name: str):
     if not request.app.state.config.server.public_downloads:
         await _require_device(request)
@@ -230,15 +249,21 @@ async def desired(request: Request, device: str):
 
 @device_api.post("/{device}/reported", status_code=204)
 async def reported(request: Request, device: str):
-    """Record the device's reported state, as its retained reported message does over MQTT."""
+    """Record the device's reported state, as its retained reported message does over MQTT (the
+    same codec, the same counters, the same rate: 429 past it)."""
     await _require_device(request, device)
-    state = await read_json(request, _REPORT_LIMIT)
+    body = await read_body(request, MAX_REPORT_BYTES)
     if request.app.state.devices.get(device) is None:
         raise errors.APIError(404, f"no device {device!r} enrolled", "invalid_request_error", "device", "not_found")
     try:
-        request.app.state.devices.report(device, state)
-    except ValueError as e:  # not an object, or more than a device may store
-        raise errors.bad_request(str(e), None) from e
+        await asyncio.to_thread(request.app.state.inbox.receive, device, "reported", body)
+    except RefusedMessage as e:
+        if e.reason == "rate":
+            raise errors.APIError(429, str(e), "rate_limit_error", None, "too_many_reports",
+                                  {"Retry-After": "5"}) from e
+        code = "invalid_json" if e.reason in ("not_json", "non_finite", "int_range", "too_large") else \
+            "invalid_encoding" if e.reason in ("encoding", "surrogate", "control_char") else "invalid_value"
+        raise errors.bad_request(f"the reported state is refused ({e.reason}): {e}", None, code) from e
     return Response(status_code=204)
 
 
@@ -316,7 +341,7 @@ async def devices(request: Request, group: str | None = None):
 async def enrol(request: Request):
     """Enrol a device: its credentials, shown this once."""
     _require_admin(request)
-    req = parse_body(EnrolRequest, await read_json(request, _REPORT_LIMIT))
+    req = parse_body(EnrolRequest, await read_json(request, _BODY_LIMIT))
     try:
         return operations.enrol(request.app.state.devices, req.device, req.groups, req.fleet)
     except RegistryError as e:
@@ -327,7 +352,7 @@ async def enrol(request: Request):
 async def assign(request: Request):
     """Set the desired version of one device or of every device of a group."""
     _require_admin(request)
-    req = parse_body(AssignRequest, await read_json(request, _REPORT_LIMIT))
+    req = parse_body(AssignRequest, await read_json(request, _BODY_LIMIT))
     state = request.app.state
     try:
         manifest, changed = operations.assign(state.registry, state.devices, req.model, req.device, req.group)
@@ -349,7 +374,17 @@ async def metrics(request: Request):
 
 @ops.get("/healthz")
 async def healthz(request: Request):
-    return {"status": "ok", "role": "fleet", "models": len(request.app.state.registry.models())}
+    """ok, with the MQTT side's state; 503 when a loop of the control plane has stopped (the
+    desired-state publisher or the rollout controller), which no device message can do."""
+    state = request.app.state
+    publisher = state.publisher
+    mqtt = None if publisher is None else {"connected": publisher.link.connected, "publishing": publisher.alive}
+    rollouts = state.controller.alive
+    body = {"status": "ok", "role": "fleet", "models": len(state.registry.models()), "mqtt": mqtt,
+            "rollout_controller": rollouts}
+    if not rollouts or (publisher is not None and not publisher.alive):
+        return JSONResponse({**body, "status": "failing"}, status_code=503)
+    return body
 
 
 def build_app(config: FleetConfig):
@@ -369,19 +404,25 @@ def build_app(config: FleetConfig):
         for stale in (config.root / "uploads").glob(".push-*"):  # pushes cut off by a restart
             stale.unlink(missing_ok=True)
         refresher = asyncio.create_task(_refresh_timestamp(repository, config.server.timestamp_refresh_s))
+        metrics_store = RolloutStore(config.root)
+        app.state.metrics = registry_for(app.state.devices, metrics_store)
+        # what devices say, over MQTT and HTTP: one codec, one rate per device, one set of counters
+        app.state.inbox = DeviceInbox(DeviceStore(config.root), app.state.metrics, config.server.device_rate,
+                                      config.server.device_burst)
         publisher = None
         if config.mqtt.broker:
             publisher = DesiredPublisher(Registry(config.root), DeviceStore(config.root), repository.desired_key(),
                                          config.mqtt.broker, username=config.mqtt.username or None,
-                                         password=config.mqtt.password or None)
+                                         password=config.mqtt.password or None, inbox=app.state.inbox,
+                                         ca_file=config.mqtt.ca_file)
             publisher.start()
             log.info("desired state goes to %s", config.mqtt.broker)
+        app.state.publisher = publisher
         # one signature per desired revision, shared with the publisher: HTTP and MQTT serve the same bytes
         app.state.documents = publisher.documents if publisher else DesiredDocuments(repository.desired_key())
         controller = RolloutController(config.root, config.server.rollout_tick_s)  # moves staged rollouts
         controller.start()
-        metrics_store = RolloutStore(config.root)
-        app.state.metrics = registry_for(app.state.devices, metrics_store)
+        app.state.controller = controller
         try:
             yield
         finally:
@@ -394,6 +435,7 @@ def build_app(config: FleetConfig):
             app.state.devices.close()
             app.state.rollouts.close()
             app.state.credentials.store.close()
+            app.state.inbox.store.close()
 
     from model_distribution.rollout_api import router as rollouts  # it imports this module's admin check
 
@@ -412,15 +454,17 @@ async def _refresh_timestamp(repository: Repository, every_s: float) -> None:
 def start_broker(config: FleetConfig):
     """The fleet's own broker (with [mqtt] broker unset and start on): devices log in with their
     enrolled credentials, the control plane with its own; [mqtt] then points at it."""
-    from model_distribution.broker import FleetBroker, control_plane_credentials
+    from model_distribution.broker import FleetBroker, TLSListener, control_plane_credentials
 
     credentials = control_plane_credentials(config.root / "keys")
-    broker = FleetBroker(config.root, config.mqtt.listen_host, config.mqtt.listen_port, credentials,
-                         config.mqtt.prefer)
-    config.mqtt.broker = broker.start()
-    config.mqtt.username, config.mqtt.password = credentials
+    m = config.mqtt
+    tls = TLSListener(m.tls_host or m.listen_host, m.tls_port, m.certfile, m.keyfile) if m.tls_port else None
+    broker = FleetBroker(config.root, m.listen_host, m.listen_port, credentials, m.prefer, tls=tls)
+    m.broker = broker.start()
+    m.username, m.password = credentials
     broker.follow_enrolments()
-    print(f"cascade fleet: MQTT broker ({broker.kind}) on {config.mqtt.broker}", flush=True)
+    print(f"cascade fleet: MQTT broker ({broker.kind}) on {m.broker}"
+          + (f" and {broker.tls_url} (TLS)" if tls else ""), flush=True)
     return broker
 
 
@@ -431,7 +475,11 @@ def run(config: FleetConfig) -> None:
 
     broker = start_broker(config) if not config.mqtt.broker and config.mqtt.start else None
     try:
-        uvicorn.run(build_app(config), host=config.server.host, port=config.server.port, log_level="warning")
+        # X-Forwarded-For is believed only from the proxies named (uvicorn trusts loopback's by default,
+        # which let any local caller pick the address the credential throttle counts against)
+        uvicorn.run(build_app(config), host=config.server.host, port=config.server.port, log_level="warning",
+                    proxy_headers=bool(config.server.forwarded_allow_ips),
+                    forwarded_allow_ips=config.server.forwarded_allow_ips or None)
     finally:
         if broker is not None:
             broker.stop()

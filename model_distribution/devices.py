@@ -1,10 +1,14 @@
-"""The fleet's devices, their groups and their desired state, in the registry's database
-(portable SQL), and the desired-state document the control plane signs for each device.
+"""The fleet's devices, their groups, their desired state and what they say, in the registry's
+database (portable SQL).
 
-Enrolment makes a device's credentials (shown once; only a salted hash is kept). Setting
-the desired state (``cascade fleet assign``, and later the rollout controller) bumps the
-device's desired revision; the signed document carries it, so a device applies a document only
-when its revision is newer than the last one it applied (no replay of an older assignment).
+Enrolment makes a device's credentials (shown once; only a salted hash is kept); names the
+system uses itself (``cascade-...``, the control plane's broker user among them) cannot be
+enrolled. Setting the desired state (``cascade fleet assign``, and the rollout controller) bumps
+the device's desired revision, which the signed document carries (desired.py).
+
+What a device says (its reported state, telemetry, events, status) is outside data: it arrives
+here typed and bounded (device_messages.py) or is refused; what was stored before that check is
+read back leniently, so no row can break an operator's view.
 """
 
 from __future__ import annotations
@@ -19,15 +23,18 @@ import secrets
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-
+from cascade import wire
+from model_distribution import device_messages as messages
+from model_distribution.device_messages import CLOCK_SKEW_S, Event, ReportedState, TelemetryRecord
 from model_distribution.registry import Manifest, RegistryError
+from model_distribution.serving import is_number, serving_summary
 
 DEVICE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+RESERVED_PREFIX = "cascade-"  # the control plane's broker user and the system's own client ids
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS devices (
         device_id VARCHAR(64) PRIMARY KEY,
@@ -58,7 +65,7 @@ SCHEMA = (
     "CREATE INDEX IF NOT EXISTS telemetry_by_time ON telemetry (device_id, ts)",
 )
 TELEMETRY_KEEP_S = 7 * 86400.0
-MAX_STATE_BYTES, MAX_EVENT_BYTES = 65536, 4096  # what a device may store per report, record, event
+MAX_RECORDS_PER_DEVICE = 2 * 7 * 2880  # a week of records every 30 s, twice over: past it a device's oldest go
 RATE_WINDOW_S = 3600.0  # escalation and error rates are over the last hour of telemetry
 
 
@@ -87,53 +94,6 @@ class Device:
                 "error_rate": self.serving.get("error_rate"), "backlog": self.serving.get("backlog"),
                 "telemetry_at": self.serving.get("at"), "last_event": self.last_event, "prefetch": self.prefetch,
                 "window": self.window}
-
-
-def counter_deltas(new: dict, base: dict | None) -> dict:
-    """What a device's telemetry counters (cumulative since its agent started) say happened
-    between record ``base`` (None: since the start) and record ``new``: decisions (and how many
-    the cloud took), requests answered (and how many 5xx), TTFT histogram buckets, decode tokens
-    and seconds. Device-supplied: only numbers count, and no counter goes backwards."""
-    decisions, requests = _delta(new, base, "decisions"), _delta(new, base, "requests")
-    ttft = _delta((new.get("latency") or {}).get("ttft") or {}, ((base or {}).get("latency") or {}).get("ttft"),
-                  "buckets")
-    decode = _delta(new, base, "decode")
-    return {"decided": sum(decisions.values()), "cloud": sum(v for k, v in decisions.items() if k.startswith("cloud/")),
-            "answered": sum(requests.values()),
-            "failed": sum(v for k, v in requests.items() if k.rsplit("/", 1)[-1].startswith("5")),
-            "ttft_buckets": ttft, "decode_tokens": decode.get("tokens", 0), "decode_s": decode.get("seconds", 0)}
-
-
-def is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _delta(new: dict, base: dict | None, key: str) -> dict[str, float]:
-    now = new.get(key) if isinstance(new, dict) and isinstance(new.get(key), dict) else {}
-    then = base.get(key) if isinstance(base, dict) and isinstance(base.get(key), dict) else {}
-    return {k: max(0.0, v - (then.get(k) if is_number(then.get(k)) else 0)) for k, v in now.items() if is_number(v)}
-
-
-def serving_summary(new: dict | None, base: dict | None = None) -> dict:
-    """Requests, escalation rate, error rate and backlog from a device's newest telemetry record,
-    less ``base``: an older record of the same agent run, so the rates cover the time between."""
-    if not new:
-        return {}
-    c = counter_deltas(new, base)
-    queue = new.get("queue") if isinstance(new.get("queue"), dict) else {}
-    return {"requests": int(c["answered"]),
-            "escalation_rate": round(c["cloud"] / c["decided"], 4) if c["decided"] else None,
-            "error_rate": round(c["failed"] / c["answered"], 4) if c["answered"] else None,
-            "backlog": queue.get("pending"), "at": new.get("ts")}
-
-
-def _bounded(value: dict, limit: int, what: str) -> str:
-    """``value`` as JSON, refused (ValueError) past ``limit`` bytes: a device cannot fill the store,
-    and what is stored always parses again (never cut in the middle)."""
-    text = json.dumps(value)
-    if len(text) > limit:
-        raise ValueError(f"{what} of {len(text)} bytes is over the {limit} bytes kept")
-    return text
 
 
 def _hash_secret(secret: str, salt: bytes | None = None, kind: str = "sha256") -> str:
@@ -174,10 +134,17 @@ def broker_files(store: DeviceStore, out_dir: Path | str, control_plane_user: st
         base = f"cascade/v1/{fleet}/devices/{device}"
         acl += [f"user {device}", f"topic read {base}/desired", *(f"topic write {base}/{k}" for k in DEVICE_WRITES), ""]
     pw_path, acl_path = out / "passwd", out / "acl"
-    pw_path.write_text("\n".join(passwd) + "\n")
-    os.chmod(pw_path, 0o600)
-    acl_path.write_text("\n".join(acl))
+    _write_file(pw_path, "\n".join(passwd) + "\n", 0o600)  # Mosquitto rereads them on SIGHUP: never half written
+    _write_file(acl_path, "\n".join(acl) + "\n", 0o644)
     return pw_path, acl_path
+
+
+def _write_file(path: Path, text: str, mode: int) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def check_secret(secret: str, stored: str) -> bool:
@@ -199,13 +166,16 @@ def _locked(method):
 
 
 class DeviceStore:
-    def __init__(self, root: Path | str):
+    def __init__(self, root: Path | str, clock: Callable[[], float] = time.time):
+        """``clock``: this control plane's clock (what a device's times are bounded by; tests fake it)."""
+        self.clock = clock
         Path(root).mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(Path(root) / "registry.db", isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         for ddl in SCHEMA:
             self._db.execute(ddl)
         self._lock = threading.RLock()  # one connection, used by the CLI, the server and paho's thread
+        self._inserts: dict[str, int] = {}  # telemetry records kept per device since this store opened
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(devices)")}
         if "broker_hash" not in columns:  # stores made before broker credentials existed
             self._db.execute("ALTER TABLE devices ADD COLUMN broker_hash VARCHAR(200)")
@@ -222,72 +192,81 @@ class DeviceStore:
     def close(self) -> None:
         self._db.close()
 
-    def report(self, device_id: str, reported: dict) -> None:
-        """What the device says it runs (its retained reported state)."""
-        if not isinstance(reported, dict):
-            raise ValueError("reported state must be a JSON object")
+    def report(self, device_id: str, reported: dict | ReportedState) -> None:
+        """What the device says it runs (its retained reported state); RefusedMessage (a
+        ValueError) when it is not a valid ReportedState."""
+        value = reported if isinstance(reported, ReportedState) else messages.validate("reported", reported)
         with self._lock:
             self._db.execute("UPDATE devices SET reported = ?, last_seen = ? WHERE device_id = ?",
-                             (_bounded(reported, MAX_STATE_BYTES, "reported state"), time.time(), device_id))
+                             (json.dumps(messages.stored(value)), self.clock(), device_id))
 
     def seen(self, device_id: str, status: str) -> None:
         """Its retained status: "online", or "offline" (said on the way out, or its last will)."""
+        if status not in messages.STATUSES:
+            raise messages.RefusedMessage("status", f"a status is online or offline, not {status[:20]!r}")
         with self._lock:
             self._db.execute("UPDATE devices SET last_seen = ?, status = ? WHERE device_id = ?",
-                             (time.time(), status[:16], device_id))
+                             (self.clock(), status, device_id))
 
-    def event(self, device_id: str, event: dict) -> None:
+    def event(self, device_id: str, event: dict | Event) -> None:
         """The device's latest event (say, a desired-state document it refused)."""
-        if not isinstance(event, dict):
-            raise ValueError("an event must be a JSON object")
+        value = event if isinstance(event, Event) else messages.validate("events", event)
         with self._lock:
             self._db.execute("UPDATE devices SET last_event = ? WHERE device_id = ?",
-                             (_bounded(event, MAX_EVENT_BYTES, "an event"), device_id))
+                             (json.dumps(messages.stored(value)), device_id))
 
-    def telemetry(self, device_id: str, record: dict) -> bool:
-        """Keep one telemetry record (the id is the queue's: a duplicate is dropped); whether it was new."""
-        if not isinstance(record, dict) or not isinstance(record.get("id"), (str, int)):
-            raise ValueError("a telemetry record is a JSON object with an id")
-        ts = record.get("ts")
-        now = time.time()
-        ts = float(ts) if isinstance(ts, (int, float)) and not isinstance(ts, bool) else now
+    def telemetry(self, device_id: str, record: dict | TelemetryRecord) -> bool:
+        """Keep one telemetry record of an enrolled device (the id is the queue's: a duplicate is
+        dropped); whether it was new. Its time is the device's clock, pulled back to at most
+        CLOCK_SKEW_S ahead of this one's (a record dated in the future cannot stay the newest)
+        and forward to at most a week behind. A device keeps at most MAX_RECORDS_PER_DEVICE."""
+        value = record if isinstance(record, TelemetryRecord) else messages.validate("telemetry", record)
+        now = self.clock()
+        kept = {**messages.stored(value), "id": str(value.id),
+                "ts": min(max(value.ts, now - TELEMETRY_KEEP_S), now + CLOCK_SKEW_S)}
         with self._lock:
-            cur = self._db.execute("INSERT OR IGNORE INTO telemetry (device_id, record_id, ts, received_at, payload) "
-                                   "VALUES (?, ?, ?, ?, ?)",
-                                   (device_id, str(record["id"])[:64], ts, now,
-                                    _bounded(record, MAX_STATE_BYTES, "a telemetry record")))
+            cur = self._db.execute("INSERT INTO telemetry (device_id, record_id, ts, received_at, payload) "
+                                   "SELECT ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM devices WHERE device_id = ?) "
+                                   "AND NOT EXISTS (SELECT 1 FROM telemetry WHERE device_id = ? AND record_id = ?)",
+                                   (device_id, kept["id"], kept["ts"], now, json.dumps(kept), device_id, device_id,
+                                    kept["id"]))
             if cur.rowcount:
                 self._db.execute("UPDATE devices SET last_seen = ? WHERE device_id = ?", (now, device_id))
+                self._inserts[device_id] = n = self._inserts.get(device_id, 0) + 1
+                if n % 500 == 0:  # now and then: no device keeps more than its share
+                    self._db.execute("DELETE FROM telemetry WHERE device_id = ? AND ts < (SELECT ts FROM telemetry "
+                                     "WHERE device_id = ? ORDER BY ts DESC LIMIT 1 OFFSET ?)",
+                                     (device_id, device_id, MAX_RECORDS_PER_DEVICE))
                 if secrets.randbelow(100) == 0:  # now and then, forget what is older than a week
                     self._db.execute("DELETE FROM telemetry WHERE received_at < ?", (now - TELEMETRY_KEEP_S,))
             return cur.rowcount == 1
 
     @_locked
     def telemetry_window(self, device_id: str, start: float, end: float) -> list[dict]:
-        """Its records from ``start`` to ``end`` (by the device's ``ts``), after the last one before
+        """Its records from ``start`` to ``end`` (by their kept time), after the last one before
         ``start`` (the counters as the window opened), oldest first."""
-        before = self._db.execute("SELECT payload FROM telemetry WHERE device_id = ? AND ts < ? ORDER BY ts DESC "
-                                  "LIMIT 1", (device_id, start)).fetchall()
+        before = self._db.execute("SELECT payload FROM telemetry WHERE device_id = ? AND ts < ? "
+                                  "ORDER BY ts DESC, received_at DESC LIMIT 1", (device_id, start)).fetchall()
         inside = self._db.execute("SELECT payload FROM telemetry WHERE device_id = ? AND ts >= ? AND ts <= ? "
-                                  "ORDER BY ts", (device_id, start, end)).fetchall()
-        return [json.loads(r[0]) for r in before + inside]
+                                  "ORDER BY ts, received_at", (device_id, start, end)).fetchall()
+        return [r for r in (_kept_json(row[0]) for row in before + inside) if r is not None]
 
     @_locked
     def serving(self, device_id: str, window_s: float = RATE_WINDOW_S) -> dict:
         """``serving_summary`` of its newest record against the oldest one of the same agent run
         within the window."""
-        row = self._db.execute("SELECT payload FROM telemetry WHERE device_id = ? ORDER BY ts DESC LIMIT 1",
-                               (device_id,)).fetchone()
-        if row is None:
+        row = self._db.execute("SELECT payload FROM telemetry WHERE device_id = ? ORDER BY ts DESC, received_at DESC "
+                               "LIMIT 1", (device_id,)).fetchone()
+        new = _kept_json(row[0]) if row else None
+        if new is None:
             return {}
-        new = json.loads(row[0])
         ts, uptime = new.get("ts"), new.get("uptime_s")
         base = None
-        if isinstance(ts, (int, float)) and isinstance(uptime, (int, float)):
+        if is_number(ts) and is_number(uptime):
             since = max(ts - window_s, ts - uptime)  # not before this run of the agent started
             row = self._db.execute("SELECT payload FROM telemetry WHERE device_id = ? AND ts >= ? AND ts < ? "
                                    "ORDER BY ts LIMIT 1", (device_id, since, ts)).fetchone()
-            base = json.loads(row[0]) if row else None
+            base = _kept_json(row[0]) if row else None
         return serving_summary(new, base)
 
     @_locked
@@ -296,12 +275,15 @@ class DeviceStore:
         for what, value in [("device id", device_id), ("fleet", fleet), *(("group", g) for g in groups)]:
             if not DEVICE.fullmatch(value or ""):
                 raise RegistryError(f"{what} {value!r} must be 1-64 characters of [A-Za-z0-9._-]")
+        if reserved(device_id):
+            raise RegistryError(f"device id {device_id!r} is reserved: names starting {RESERVED_PREFIX!r} are the "
+                                "system's own (its control plane's broker user, its clients)")
         secret = secrets.token_urlsafe(24)
         try:
             self._db.execute("BEGIN")
             self._db.execute("INSERT INTO devices (device_id, fleet, secret_hash, broker_hash, created_at) "
                              "VALUES (?, ?, ?, ?, ?)",
-                             (device_id, fleet, _hash_secret(secret), mosquitto_hash(secret), time.time()))
+                             (device_id, fleet, _hash_secret(secret), mosquitto_hash(secret), self.clock()))
             self._db.executemany("INSERT INTO device_groups (device_id, group_name) VALUES (?, ?)",
                                  [(device_id, g) for g in dict.fromkeys(groups)])
             self._db.execute("COMMIT")
@@ -312,11 +294,15 @@ class DeviceStore:
 
     @_locked
     def broker_entries(self) -> list[tuple[str, str, str]]:
-        """(device, fleet, mosquitto password hash) of every device enrolled with broker credentials."""
-        return self._db.execute("SELECT device_id, fleet, broker_hash FROM devices WHERE broker_hash IS NOT NULL "
+        """(device, fleet, mosquitto password hash) of every device enrolled with broker credentials
+        (never one under a reserved name, which a store made before they were reserved may hold)."""
+        rows = self._db.execute("SELECT device_id, fleet, broker_hash FROM devices WHERE broker_hash IS NOT NULL "
                                 "ORDER BY device_id").fetchall()
+        return [r for r in rows if not reserved(r[0])]
 
     def authenticate(self, device_id: str, secret: str) -> bool:
+        if reserved(device_id):
+            return False
         with self._lock:  # the lookup only: checks run side by side
             row = self._db.execute("SELECT secret_hash FROM devices WHERE device_id = ?", (device_id,)).fetchone()
         return row is not None and check_secret(secret, row[0])
@@ -348,9 +334,9 @@ class DeviceStore:
         for (d, fleet, name, version, rev, reported, seen, created, status, event, pre_name, pre_version, window,
              jitter) in self._db.execute(sql + " ORDER BY device_id", args).fetchall():
             out.append(Device(d, fleet, groups.get(d, []), f"{name}@{version}" if name else None, rev,
-                              json.loads(reported) if reported else None, seen, created,
+                              _kept_reported(reported), seen, created,
                               None if status is None else status == "online",
-                              self.serving(d) if serving else {}, json.loads(event) if event else None,
+                              self.serving(d) if serving else {}, _kept_json(event),
                               f"{pre_name}@{pre_version}" if pre_name else None, window, jitter or 0.0))
         return out
 
@@ -388,39 +374,27 @@ class DeviceStore:
         self._db.execute("COMMIT")
 
 
-def desired_document(device: Device, manifest: Manifest, signing_key: Ed25519PrivateKey,
-                     prefetch: Manifest | None = None) -> bytes:
-    """The signed desired state of ``device`` (what goes, retained, to its desired topic): the
-    version to serve (inside its window, after its jitter) and one to fetch ahead, if any."""
-    payload = {"device": device.device_id, "fleet": device.fleet, "rev": device.desired_rev,
-               "model": manifest.name, "version": manifest.version, "sha256": manifest.sha256,
-               "size": manifest.size, "format": manifest.format, "issued_at": int(time.time())}
-    if device.window:
-        payload["window"] = device.window
-    if device.jitter_s:
-        payload["jitter_s"] = device.jitter_s
-    if prefetch is not None and prefetch.sha256 != manifest.sha256:
-        payload["prefetch"] = {"model": prefetch.name, "version": prefetch.version, "sha256": prefetch.sha256,
-                               "size": prefetch.size, "format": prefetch.format}
-    body = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
-    return json.dumps({"payload": base64.b64encode(body).decode(),
-                       "signature": base64.b64encode(signing_key.sign(body)).decode()}).encode()
+def reserved(name: str) -> bool:
+    """A name the system uses itself (its control plane's broker user, its client ids): never a device."""
+    return name.lower().startswith(RESERVED_PREFIX)
 
 
-class BadDocument(ValueError):
-    """A desired-state message not signed by the control plane, or not for this device."""
-
-
-def verify_desired(message: bytes, public_key: bytes, device_id: str) -> dict:
-    """On a device: the payload of a desired-state message, if the control plane's key signed it
-    and it names this device. BadDocument otherwise."""
+def _kept_json(text: str | None) -> dict | None:
+    """A stored JSON object read back; None for what does not parse as one (a row kept before
+    device messages were checked may hold NaN, or anything)."""
+    if not text:
+        return None
     try:
-        doc = json.loads(message)
-        body, signature = base64.b64decode(doc["payload"]), base64.b64decode(doc["signature"])
-        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, body)
-        payload = json.loads(body)
-    except (ValueError, KeyError, TypeError, RecursionError, InvalidSignature) as e:
-        raise BadDocument(f"desired state refused: not signed by the control plane ({e.__class__.__name__})") from e
-    if payload.get("device") != device_id:
-        raise BadDocument(f"desired state refused: it is for {payload.get('device')!r}, not {device_id!r}")
-    return payload
+        value = wire.loads(text, limit=1 << 20)
+    except wire.WireError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _kept_reported(text: str | None) -> dict | None:
+    """A stored reported state, as ReportedState takes it (None if it does not)."""
+    value = _kept_json(text)
+    try:
+        return None if value is None else messages.stored(messages.validate("reported", value))
+    except messages.RefusedMessage:
+        return None

@@ -9,7 +9,12 @@ SQLite as well as in memory, so the retained desired state survives a restart of
 amqtt 0.12 sends a connecting client the retained messages of every filter that *any* client
 subscribed to, and replays a persistent session's queued messages without asking the ACL;
 ``_FleetAMQTT`` overrides those two steps to deliver only what the session may read (Mosquitto
-checks reads at delivery too).
+checks reads at delivery too). It also looked up (and took over, or deleted) the session of the
+client id a CONNECT named before it checked the credentials, so anyone who could reach the port
+could disconnect the control plane or a device by naming its client id; here the CONNECT is
+checked first, a refused one touches no session, and an accepted client's id is its user name
+(as Mosquitto's ``use_username_as_clientid``, which ``broker.py`` sets): an identity has one
+session, which only its own credentials reach.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import secrets
 import sqlite3
 import threading
 from dataclasses import dataclass
@@ -25,8 +31,11 @@ from typing import Any
 
 from amqtt.broker import Broker, RetainedApplicationMessage
 from amqtt.contexts import Action
+from amqtt.errors import AMQTTError, MQTTError, NoDataError
+from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
 from amqtt.session import Session
+from amqtt.utils import gen_client_id
 
 from model_distribution.broker import allowed
 from model_distribution.devices import DeviceStore
@@ -84,11 +93,67 @@ class FleetAccessPlugin(BaseAuthPlugin, BaseTopicPlugin):
 
 
 class _FleetAMQTT(Broker):
-    """amqtt's broker with retained messages kept in SQLite, and reads always asked of the ACL."""
+    """amqtt's broker with retained messages kept in SQLite, reads always asked of the ACL, and
+    CONNECTs checked before any session is touched (see the module docstring)."""
 
     def __init__(self, config: dict, retained: sqlite3.Connection):
         super().__init__(config)
         self._db = retained
+        self._verdicts: dict[int, bool] = {}  # id(session) -> its CONNECT's credentials held
+
+    async def _authenticate(self, session: Session, listener) -> bool:
+        verdict = self._verdicts.pop(id(session), None)  # checked once, in _initialize_client_session
+        return verdict if verdict is not None else await super()._authenticate(session, listener)
+
+    async def _initialize_client_session(self, reader, writer, remote_address, remote_port):
+        """amqtt 0.12's, but the CONNECT's credentials are checked before a session is looked up,
+        an accepted client's id is its user name, and a refused one gets a fresh id of its own."""
+        try:
+            handler, client_session = await BrokerProtocolHandler.init_from_connect(reader, writer,
+                                                                                    self.plugins_manager)
+        except AMQTTError as exc:
+            self.logger.warning(f"can't read the first packet of {remote_address}:{remote_port} as CONNECT: {exc}")
+            raise AMQTTError(exc) from exc
+        except MQTTError as exc:
+            self.logger.warning(f"invalid connection from {remote_address}:{remote_port}")
+            await writer.close()
+            raise MQTTError(exc) from exc
+        except NoDataError as exc:
+            raise AMQTTError(exc) from exc
+        ok = await super()._authenticate(client_session, None)
+        if ok:
+            client_session.client_id = client_session.username  # one identity, one session
+        else:  # refused below (CONNACK 5): it must not reach the session of the id it named
+            client_session.client_id = f"refused-{secrets.token_hex(8)}"
+            client_session.clean_session = True
+        if client_session.clean_session:
+            if client_session.client_id:
+                await self._delete_session(client_session.client_id)
+            else:
+                client_session.client_id = gen_client_id()
+            client_session.parent = 0
+        elif client_session.client_id in self._sessions:
+            existing, _ = self._sessions[client_session.client_id]
+            for name in ("will_flag", "will_message", "will_topic", "will_qos", "keep_alive", "username", "password"):
+                setattr(existing, name, getattr(client_session, name))
+            client_session = existing
+            client_session.parent = 1
+        else:
+            client_session.parent = 0
+        delay = self.config.get("timeout-disconnect-delay", 0)
+        if client_session.keep_alive > 0 and isinstance(delay, int):
+            client_session.keep_alive += delay
+        self._verdicts[id(client_session)] = ok
+        return handler, client_session
+
+    async def _handle_client_session(self, reader, writer, client_session: Session, handler, server,
+                                     listener_name: str) -> None:
+        try:
+            await super()._handle_client_session(reader, writer, client_session, handler, server, listener_name)
+        finally:
+            self._verdicts.pop(id(client_session), None)
+            if client_session.client_id.startswith("refused-"):  # amqtt keeps even a refused session: not here
+                self._sessions.pop(client_session.client_id, None)
 
     async def start(self) -> None:
         await super().start()  # it starts with no retained messages; put back the stored ones
@@ -136,8 +201,10 @@ class EmbeddedBroker:
     """amqtt on ``host:port`` (port 0: the OS picks), on a thread of its own. ``start()`` returns
     the port it listens on once it accepts connections; ``stop()`` closes every connection."""
 
-    def __init__(self, store: DeviceStore, host: str, port: int, control_plane: tuple[str, str], retained_db: Path):
+    def __init__(self, store: DeviceStore, host: str, port: int, control_plane: tuple[str, str], retained_db: Path,
+                 tls=None):
         self.store, self.host, self.port = store, host, port
+        self.tls = tls  # broker.TLSListener, or None
         self.control_plane = control_plane
         self._db = sqlite3.connect(retained_db, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -160,8 +227,11 @@ class EmbeddedBroker:
         return self.port
 
     async def _start(self) -> int:
-        bind = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-        config = {"listeners": {"default": {"type": "tcp", "bind": bind}},
+        listeners = {"default": {"type": "tcp", "bind": _bind(self.host, self.port)}}
+        if self.tls is not None:
+            listeners["tls"] = {"type": "tcp", "bind": _bind(self.tls.host, self.tls.port), "ssl": True,
+                                "certfile": str(self.tls.certfile), "keyfile": str(self.tls.keyfile)}
+        config = {"listeners": listeners,
                   "plugins": {f"{__name__}.FleetAccessPlugin": {"store": self.store,
                                                                   "control_plane": self.control_plane}}}
         self._broker = _FleetAMQTT(config, self._db)
@@ -178,3 +248,7 @@ class EmbeddedBroker:
         if not self._loop.is_closed() and not self._loop.is_running():
             self._loop.close()
         self._db.close()
+
+
+def _bind(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -24,7 +25,8 @@ import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from model_distribution.gguf_meta import GGUFError, read_metadata
+from cascade.calibration import CalibrationError, check_calibration
+from model_distribution.gguf_meta import GGUFError, validate_gguf
 from model_distribution.onnx_model import OnnxModelError, describe_onnx_tar, pack_onnx_dir
 
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
@@ -74,8 +76,11 @@ def check_names(name: str, version: str, min_agent_version: str | None = None) -
     """RegistryError for a bad model name, version or minimum agent version (cheap: the control
     plane checks them before a model file is uploaded)."""
     if not NAME.fullmatch(name or ""):
-        raise RegistryError(f"model name {name!r} must be 1-64 characters of [a-z0-9._-], starting with a "
+        raise RegistryError(f"model name {str(name)[:80]!r} must be 1-64 characters of [a-z0-9._-], starting with a "
                             "letter or digit")
+    for what, v in (("version", version), ("minimum agent version", min_agent_version)):
+        if v is not None and len(v) > 64:
+            raise RegistryError(f"{what} {v[:40]!r}... is {len(v)} characters: at most 64")
     parse_semver(version)
     if min_agent_version is not None:
         parse_semver(min_agent_version)
@@ -153,12 +158,15 @@ class Registry:
         if not path.is_file():
             raise RegistryError(f"{path} is not a file (nor an ONNX export directory)")
         meta = _describe(path)
-        if isinstance(calibration, dict):
-            if not calibration:
-                raise RegistryError("the calibration has no [cascade] thresholds")
-            thresholds = calibration
-        else:
-            thresholds = read_calibration(calibration) if calibration is not None else {}
+        try:  # checked as a device will apply it, so no version ships a calibration a device cannot use
+            if isinstance(calibration, dict):  # over HTTP: the model itself, never a path
+                thresholds = check_calibration(calibration)
+            elif calibration is not None:
+                thresholds = check_calibration(read_calibration(calibration), Path(calibration).expanduser().parent)
+            else:
+                thresholds = {}
+        except CalibrationError as e:
+            raise RegistryError(str(e)) from None
         digest, size = file_sha256(path)
         existing = self.get(name, version)
         if existing is not None:
@@ -226,7 +234,14 @@ _COLUMNS = ("name, version, format, quantization, architecture, context_length, 
 
 def _manifest(row) -> Manifest:
     *head, calibration, pushed_at = row
-    return Manifest(*head, calibration=json.loads(calibration), pushed_at=pushed_at)
+    return Manifest(*head, calibration=_finite(json.loads(calibration)), pushed_at=pushed_at)
+
+
+def _finite(table: dict) -> dict:
+    """A stored calibration with an infinity (what versions pushed before calibrations were
+    checked may hold: JSON has none) as null, which means the same: that threshold off."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in table.items()} \
+        if isinstance(table, dict) else {}
 
 
 def _describe(path: Path) -> dict:
@@ -242,8 +257,8 @@ def _describe(path: Path) -> dict:
     if head[:4] != b"GGUF":
         raise RegistryError(f"{path} is not a model file of a known format ({', '.join(FORMATS)}): it does not "
                             "start with the GGUF magic, nor is it a tar of an ONNX export")
-    try:
-        meta = read_metadata(path)
+    try:  # the whole file, as llama.cpp's loader will read it: no device gets one it refuses
+        meta = validate_gguf(path)
         arch, quant, ctx = meta.architecture, meta.quantization, meta.context_length
     except (GGUFError, KeyError, ValueError, OSError) as e:
         raise RegistryError(f"{path} is not a valid GGUF model: {e}") from e

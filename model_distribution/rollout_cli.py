@@ -69,7 +69,8 @@ def cmd_rollout_start(args) -> int:
     try:  # bad arguments are refused before anything opens the store (or goes over the network)
         spec = RolloutSpec(args.version_ref, args.group, waves=args.waves, bake_s=args.bake, gates=args.gate or [],
                            max_failure_rate=args.max_failure_rate, min_executed=args.min_executed,
-                           min_requests=args.min_requests, step_timeout_s=args.step_timeout,
+                           min_requests=args.min_requests, min_devices=args.min_devices,
+                           step_timeout_s=args.step_timeout,
                            window=args.window, jitter_s=args.jitter, prefetch=not args.no_prefetch)
     except RolloutError as e:
         print(f"cascade: {e}", file=sys.stderr)
@@ -182,11 +183,14 @@ def _decision_lines(d: dict) -> list[str]:
         lines.append(f"    reasons: {'; '.join(d['reasons'])}")
     updated, control = d.get("updated"), d.get("control")
     if updated is not None:
-        lines.append(f"    requests: updated {updated.get('requests')}, control "
-                     f"{'-' if control is None else control.get('requests')} (min {d.get('min_requests')})")
+        source = d.get("control_from", "the devices not yet updated")
+        lines.append(f"    requests: updated {updated.get('requests')} on {updated.get('devices', '-')} device(s), "
+                     f"control {'-' if control is None else control.get('requests')} on "
+                     f"{'-' if control is None else control.get('devices', '-')} (min {d.get('min_requests')} "
+                     f"requests, {d.get('min_devices', 1)} device(s)); control: {source}")
     for g in d.get("gates") or []:
         metric = Gate.parse(g["gate"]).metric
-        verdict = {True: "pass", False: "FAIL", None: "no data"}[g["passed"]]
+        verdict = {True: "pass", False: "FAIL", None: "no data: not passed"}[g["passed"]]
         lines.append(f"    {g['gate']}: updated {_num((updated or {}).get(metric))} vs control "
                      f"{_num((control or {}).get(metric))}: {verdict}")
     return lines
@@ -265,6 +269,9 @@ def add_rollout_parser(fleet, make_parser) -> None:
                        "(absolute), decode_tps>=0.9x")
     start.add_argument("--min-requests", type=int, default=0,
                        help="requests each side needs before the gates are judged (else it pauses as inconclusive)")
+    start.add_argument("--min-devices", type=int, default=1,
+                       help="a gate's value is the median over the devices of each side: judged once this many have "
+                       "one (else it pauses as inconclusive); 3 or more keeps one device from deciding it")
     start.add_argument("--step-timeout", default="10m", help="a device that says nothing new for this long is "
                        "TIMED_OUT")
     start.add_argument("--window", help="activate only inside HH:MM-HH:MM of each device's local time, or in the "

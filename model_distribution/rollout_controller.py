@@ -10,7 +10,9 @@ inconclusive -> PAUSED for an operator. Every judgement is recorded with the num
 
 Nothing lives only in memory: a control plane killed mid-rollout resumes where the database
 says on its next tick, and a broker restart loses nothing (desired documents are retained and
-published again; reports are retained too).
+published again; reports are retained too). Each rollout is stepped on its own: one that fails
+(a bug, a row no code expected) is logged and tried again next tick, and after
+``MAX_FAILED_TICKS`` in a row PAUSED with the error as its reason; it never stops the others.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from model_distribution.devices import DeviceStore
+from model_distribution.devices import Device, DeviceStore
 from model_distribution.registry import Registry
 from model_distribution.rollouts import (
     ABORTED,
@@ -41,17 +43,23 @@ from model_distribution.rollouts import (
     TIMED_OUT,
     Execution,
     Rollout,
+    RolloutConflict,
     RolloutError,
     RolloutSpec,
     RolloutStore,
+    held_text,
     joiner_wave,
     wave_plan,
-    window_metrics,
 )
+from model_distribution.serving import window_metrics
 
 log = logging.getLogger(__name__)
 REPORTED = {"ACTIVE": SUCCEEDED, "FAILED": FAILED, "REJECTED": REJECTED}  # a device's final states
-# (WAITING, for its window, is IN_PROGRESS: the device says so again every minute, its heartbeat)
+# (WAITING, for its window, is IN_PROGRESS: the device says so again every minute, its heartbeat,
+# which counts as word only until its window should have opened: at most a day for HH:MM-HH:MM,
+# at most DAYS_TO_OPEN for a cron window)
+MAX_FAILED_TICKS = 10
+BASELINE_MIN_S = 300.0  # a one-wave rollout's relative gates: the group over at least this long before it began
 
 
 def start_rollout(registry: Registry, devices: DeviceStore, rollouts: RolloutStore, spec: RolloutSpec) -> Rollout:
@@ -77,6 +85,7 @@ class RolloutController:
         self.root, self.poll_s = Path(root), poll_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.failures: dict[str, int] = {}  # rollout -> ticks in a row it failed
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="rollout-controller", daemon=True)
@@ -87,13 +96,17 @@ class RolloutController:
         if self._thread is not None:
             self._thread.join(timeout=10)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def _run(self) -> None:
         registry, devices, rollouts = Registry(self.root), DeviceStore(self.root), RolloutStore(self.root)
         try:
             while not self._stop.wait(self.poll_s):
                 try:
-                    tick(registry, devices, rollouts)
-                except Exception:
+                    tick(registry, devices, rollouts, failures=self.failures)
+                except Exception:  # reading the rollouts failed (the database locked, say): the next tick reads again
                     log.exception("a rollout tick failed (the next one starts from the database again)")
         finally:
             registry.close()
@@ -101,10 +114,26 @@ class RolloutController:
             rollouts.close()
 
 
-def tick(registry: Registry, devices: DeviceStore, rollouts: RolloutStore, now: float | None = None) -> None:
-    """One pass over every rollout under way."""
+def tick(registry: Registry, devices: DeviceStore, rollouts: RolloutStore, now: float | None = None,
+         failures: dict[str, int] | None = None) -> None:
+    """One pass over every rollout under way, each on its own: one that fails is logged (and,
+    after MAX_FAILED_TICKS in a row, PAUSED with the error) and never stops the others."""
+    failures = {} if failures is None else failures
     for r in rollouts.list(ACTIVE_STATES):
-        step(r, registry, devices, rollouts, now or time.time())
+        try:
+            step(r, registry, devices, rollouts, now or time.time())
+            failures.pop(r.rollout_id, None)
+        except Exception as e:
+            n = failures[r.rollout_id] = failures.get(r.rollout_id, 0) + 1
+            if n == 1:
+                log.exception("rollout %s: its step failed (tried again each tick)", r.rollout_id)
+            if n >= MAX_FAILED_TICKS and r.state == RUNNING:
+                try:
+                    rollouts.update(rollouts.get(r.rollout_id), state=PAUSED,
+                                    reason=f"paused: the controller failed {n} times in a row: {e!r}"[:500])
+                    failures.pop(r.rollout_id, None)
+                except Exception:
+                    log.exception("rollout %s could not be paused", r.rollout_id)
 
 
 def step(r: Rollout, registry: Registry, devices: DeviceStore, rollouts: RolloutStore, now: float) -> None:
@@ -112,7 +141,7 @@ def step(r: Rollout, registry: Registry, devices: DeviceStore, rollouts: Rollout
     members = {d.device_id: d for d in devices.list(group=r.group)}
     execs = rollouts.executions(r.rollout_id)
     known = {e.device_id for e in execs}
-    for device_id, d in members.items():  # joined the group since the rollout started
+    for device_id, d in members.items():  # joined the group since the rollout started (and no other rollout holds it)
         if device_id not in known and d.desired is not None:
             rollouts.add_execution(r.rollout_id, device_id, joiner_wave(r.rollout_id, device_id, r.spec.waves),
                                    d.desired)
@@ -169,27 +198,52 @@ def _assign(due: list[Execution], manifest, r: Rollout, registry: Registry, devi
 def _follow(e: Execution, reported: dict | None, r: Rollout, rollouts: RolloutStore, now: float) -> None:
     """An execution follows its device's report of this assignment (its revision or a later one);
     one that has said nothing new for the step timeout is TIMED_OUT (a heartbeat: each progress
-    report counts as word). A FAILED the device will try again (``retry``: the network, a control
-    plane restarting) is not final: the execution stays IN_PROGRESS until the step timeout."""
+    report counts as word; WAITING for its window counts only until the window should have
+    opened). A FAILED the device will try again (``retry``: the network, a full disk, a control
+    plane restarting) is not final: the execution stays IN_PROGRESS until the step timeout.
+    ``reported`` is typed already (device_messages.ReportedState, as the store keeps it)."""
     rep = reported if isinstance(reported, dict) else {}
-    rev, at = rep.get("rev"), rep.get("at")
+    rev, at, state = rep.get("rev"), rep.get("at"), rep.get("state")
     ours = rep.get("desired") == r.ref and isinstance(rev, int) and e.desired_rev is not None and rev >= e.desired_rev
-    new = ours and isinstance(at, (int, float)) and not isinstance(at, bool) and at != e.report_at
-    retrying = rep.get("state") == "FAILED" and rep.get("retry") is True  # a cut download: it tries again
-    if ours and rep.get("state") in REPORTED and not retrying:
+    new = ours and isinstance(at, float | int) and at != e.report_at
+    retrying = state == "FAILED" and rep.get("retry") is True  # a cut download: it tries again
+    quiet_for = now - max(e.updated_at, e.heard_at or 0)
+    if ours and state in REPORTED and not retrying:
+        if state == "ACTIVE" and rep.get("model") not in (None, r.ref):
+            return  # it says it runs another version: not this one done (the step timeout decides)
         reason = rep.get("reason") if isinstance(rep.get("reason"), str) else None
-        rollouts.move(e, REPORTED[rep["state"]], reason and reason[:500], now, report_at=at if new else None)
+        rollouts.move(e, REPORTED[state], reason and reason[:500], now, report_at=at if new else None)
     elif new and retrying:  # still under way, but only progress counts as word: the clock stays where it was
         rollouts.move(e, IN_PROGRESS, f"retrying: {rep.get('reason')}"[:500], max(e.updated_at, e.heard_at or 0),
                       report_at=at)
+    elif new and state == "WAITING":
+        until = e.wait_until
+        if until is None:  # the first word that it waits: its window opens within a bound the spec sets
+            wait = rep.get("wait_s")
+            longest = max_wait_s(r.spec.window)
+            until = now + min(wait if isinstance(wait, float | int) else longest, longest)
+        if now <= until:
+            rollouts.move(e, IN_PROGRESS, "WAITING for its window", now, report_at=at, wait_until=until)
+        elif quiet_for > r.spec.step_timeout_s:
+            rollouts.move(e, TIMED_OUT, f"still WAITING {now - until:.0f} s after its window should have opened", now)
     elif new:
-        detail = str(rep.get("state"))[:40]
-        if rep.get("state") == "DOWNLOADING" and isinstance(rep.get("total"), int) and rep["total"] > 0 \
-                and isinstance(rep.get("done"), int):
-            detail = f"DOWNLOADING {100 * rep['done'] // rep['total']}%"
+        detail = str(state)[:40]
+        done, total = rep.get("done"), rep.get("total")
+        if state == "DOWNLOADING" and isinstance(total, int) and total > 0 and isinstance(done, int):
+            detail = f"DOWNLOADING {min(100, 100 * done // total)}%"
         rollouts.move(e, IN_PROGRESS, detail, now, report_at=at)
-    elif now - max(e.updated_at, e.heard_at or 0) > r.spec.step_timeout_s:
+    elif quiet_for > r.spec.step_timeout_s:
         rollouts.move(e, TIMED_OUT, f"no word for {r.spec.step_timeout_s:.0f} s ({e.detail})", now)
+
+
+def max_wait_s(window: str | None) -> float:
+    """The longest a device may wait for ``window`` to open: a day for HH:MM-HH:MM, DAYS_TO_OPEN
+    days for a cron window (what the spec's check lets through), nothing without a window."""
+    from model_distribution.windows import DAYS_TO_OPEN
+
+    if not window:
+        return 0.0
+    return 86400.0 if ":" in window and "-" in window and len(window.split()) == 1 else DAYS_TO_OPEN * 86400.0
 
 
 def judge(r: Rollout, execs: list[Execution], registry: Registry, devices: DeviceStore, rollouts: RolloutStore,
@@ -218,29 +272,55 @@ def judge(r: Rollout, execs: list[Execution], registry: Registry, devices: Devic
         control = [e.device_id for e in execs if e.state == QUEUED]
         start = r.wave_done_at
         up = window_metrics({d: devices.telemetry_window(d, start, now) for d in updated}, start, now)
-        ctl = window_metrics({d: devices.telemetry_window(d, start, now) for d in control}, start, now) \
-            if control else None
-        numbers.update(window=[start, now], updated=up, control=ctl, min_requests=spec.min_requests, gates=[])
-        if up["requests"] < spec.min_requests or (ctl is not None and ctl["requests"] < spec.min_requests):
+        ctl, control_from = _control(r, control, updated, devices, rollouts, start, now)
+        numbers.update(window=[start, now], updated=up, control=ctl, control_from=control_from,
+                       min_requests=spec.min_requests, min_devices=spec.min_devices, gates=[])
+        relative = any(g.kind != "absolute" for g in gates)
+        if up["requests"] < spec.min_requests or (ctl is not None and relative and
+                                                  ctl["requests"] < spec.min_requests):
             return _decided(r, registry, devices, rollouts, "inconclusive", numbers, now,
                             f"wave {r.wave + 1}: too little traffic to judge ({up['requests']} requests on updated "
                             f"devices, {'-' if ctl is None else ctl['requests']} on the control group; "
                             f"--min-requests {spec.min_requests})")
         failed_gates, unknown = [], []
         for g in gates:
-            ok, how = g.judge(up.get(g.metric), None if ctl is None else ctl.get(g.metric))
+            value = up.get(g.metric) if up.get(f"{g.metric}_devices", 0) >= spec.min_devices else None
+            base = None
+            if g.kind != "absolute" and ctl is not None and ctl.get(f"{g.metric}_devices", 0) >= spec.min_devices:
+                base = ctl.get(g.metric)
+            ok, how = g.judge(value, base)
             numbers["gates"].append({"gate": g.text, "passed": ok, "how": how})
             if ok is False:
                 failed_gates.append(how)
-            elif up.get(g.metric) is None or (ctl is not None and ctl.get(g.metric) is None and g.kind != "absolute"):
-                unknown.append(g.metric)  # traffic, but no value (say, agents too old to send it): not a pass
+            elif ok is None:  # no value, too few devices with one, or nothing to compare with: never a pass
+                unknown.append(g.metric)
         if failed_gates:
             return _decided(r, registry, devices, rollouts, "fail", numbers, now,
                             f"wave {r.wave + 1}: gate failed: {'; '.join(failed_gates)}")
         if unknown:
             return _decided(r, registry, devices, rollouts, "inconclusive", numbers, now,
-                            f"wave {r.wave + 1}: no value for {', '.join(unknown)} in the devices' telemetry")
+                            f"wave {r.wave + 1}: no value for {', '.join(unknown)} (from at least --min-devices "
+                            f"{spec.min_devices} device(s) a side; control: {control_from})")
     _decided(r, registry, devices, rollouts, "pass", numbers, now, None)
+
+
+def _control(r: Rollout, control: list[str], updated: list[str], devices: DeviceStore, rollouts: RolloutStore,
+             start: float, now: float) -> tuple[dict | None, str]:
+    """What the updated devices are compared with, and where it comes from: the devices not yet
+    updated over the same window; at the last wave (none left), the control group the wave before
+    was judged against; in a rollout of one wave, the same devices before the rollout began."""
+    if control:
+        return window_metrics({d: devices.telemetry_window(d, start, now) for d in control}, start, now), \
+            "the devices not yet updated, over the same window"
+    for d in reversed(rollouts.decisions(r.rollout_id)):
+        if isinstance(d.get("control"), dict) and d.get("control_from", "").startswith("the devices not yet"):
+            return d["control"], f"wave {d['wave'] + 1}'s control group (the last measured on the old version)"
+    length = max(now - start, BASELINE_MIN_S)
+    before = window_metrics({d: devices.telemetry_window(d, r.created_at - length, r.created_at) for d in updated},
+                            r.created_at - length, r.created_at)
+    if before["devices"]:
+        return before, f"the same devices over {length:.0f} s before the rollout began"
+    return None, "none: no telemetry from before the rollout"
 
 
 def _decided(r: Rollout, registry: Registry, devices: DeviceStore, rollouts: RolloutStore, outcome: str,
@@ -260,15 +340,22 @@ def _decided(r: Rollout, registry: Registry, devices: DeviceStore, rollouts: Rol
 
 def roll_back(r: Rollout, registry: Registry, devices: DeviceStore, rollouts: RolloutStore, reason: str) -> Rollout:
     """Every device the rollout assigned goes back to the version it had (which it still holds:
-    no download); the queued ones are canceled."""
+    no download), unless its desired version was changed since by someone else (then it is left
+    as it is: going back would undo that); the queued ones are canceled."""
     for e in rollouts.executions(r.rollout_id):
         for _ in range(5):  # a tick may change an execution meanwhile: read it again and redo
             if e.state == QUEUED:
                 if rollouts.move(e, CANCELED, "rolled back before its wave"):
                     break
-            elif e.state not in (CANCELED, ROLLED_BACK) and e.previous:  # told, or being told (claimed)
-                devices.assign(registry.resolve(e.previous), device_id=e.device_id)
-                if rollouts.move(e, ROLLED_BACK, f"back to {e.previous}"):
+            elif e.previous and e.state != ROLLED_BACK and (e.state != CANCELED or e.desired_rev is not None):
+                # told (an abort cancels a told one too, and it keeps the version), or being told (claimed)
+                now_desired = (devices.get(e.device_id) or Device(e.device_id, "")).desired
+                if now_desired in (r.ref, e.previous) or e.desired_rev is None:
+                    devices.assign(registry.resolve(e.previous), device_id=e.device_id)
+                    detail = f"back to {e.previous}"
+                else:
+                    detail = f"left at {now_desired} (assigned since; not sent back to {e.previous})"
+                if rollouts.move(e, ROLLED_BACK, detail):
                     break
             else:
                 break
@@ -310,12 +397,21 @@ def resume(rollouts: RolloutStore, rollout_id: str) -> Rollout:
 
 
 def abort(rollouts: RolloutStore, rollout_id: str, devices: DeviceStore | None = None) -> Rollout:
-    """Stop where it is: the queued devices are canceled; the ones already assigned keep it."""
+    """Stop where it is: the queued devices are canceled; the ones already assigned keep it (an
+    execution still under way is CANCELED too, saying so: no one follows it any more)."""
     r = rollouts.get(rollout_id)
     if r.state not in ACTIVE_STATES:
         raise RolloutError(f"rollout {rollout_id} is {r.state}: nothing to abort")
     for e in rollouts.executions(rollout_id):
-        while e.state == QUEUED and not rollouts.move(e, CANCELED, "aborted"):  # a tick claimed it meanwhile
+        for _ in range(5):  # a tick may change it meanwhile: read it again and redo
+            if e.state == QUEUED:
+                done = rollouts.move(e, CANCELED, "aborted")
+            elif e.state == IN_PROGRESS:
+                done = rollouts.move(e, CANCELED, f"aborted while {e.detail or 'in progress'}: it keeps {r.ref}")
+            else:
+                break
+            if done:
+                break
             e = rollouts.execution(e.rollout_id, e.device_id)
     if devices is not None:
         _stop_prefetch(r, devices)
@@ -323,9 +419,16 @@ def abort(rollouts: RolloutStore, rollout_id: str, devices: DeviceStore | None =
 
 
 def rollback(registry: Registry, devices: DeviceStore, rollouts: RolloutStore, rollout_id: str) -> Rollout:
+    """Send the rollout's devices back. Refused (RolloutConflict) while another rollout under way
+    holds any of them: going back would undo that one's work on them."""
     r = rollouts.get(rollout_id)
     if r.state == HALTED:
         raise RolloutError(f"rollout {rollout_id} is rolled back already")
+    told = [e.device_id for e in rollouts.executions(rollout_id) if e.state not in (QUEUED, CANCELED, ROLLED_BACK)]
+    held = rollouts.held_by_others(told, rollout_id)
+    if held:
+        raise RolloutConflict(f"{len(held)} of its devices are in another rollout under way ({held_text(held)}): "
+                              "abort or finish that one first")
     return roll_back(r, registry, devices, rollouts, "rolled back by the operator")
 
 

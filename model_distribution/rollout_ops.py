@@ -12,7 +12,7 @@ from model_distribution import rollout_controller
 from model_distribution.devices import DeviceStore
 from model_distribution.operations import Conflict, NotFound
 from model_distribution.registry import Registry
-from model_distribution.rollouts import ACTIVE_STATES, Rollout, RolloutError, RolloutSpec, RolloutStore
+from model_distribution.rollouts import Rollout, RolloutConflict, RolloutError, RolloutSpec, RolloutStore
 
 COMMANDS = ("pause", "resume", "abort", "rollback")
 
@@ -26,10 +26,8 @@ def start(registry: Registry, devices: DeviceStore, rollouts: RolloutStore, spec
         raise NotFound(f"no device in group {spec.group!r} (cascade fleet devices add DEVICE --group {spec.group})")
     try:
         return rollout_controller.start_rollout(registry, devices, rollouts, spec)
-    except RolloutError as e:
-        if any(r.group == spec.group for r in rollouts.list(ACTIVE_STATES)):
-            raise Conflict(str(e)) from e
-        raise
+    except RolloutConflict as e:  # its group's rollout, or another one holding some of its devices
+        raise Conflict(str(e)) from e
 
 
 def status(rollouts: RolloutStore, rollout_id: str) -> dict:

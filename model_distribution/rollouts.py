@@ -14,7 +14,12 @@ so a late report (or a second controller) never overwrites a newer state.
 A wave passes its gates once its devices are done and it has baked: the install failure rate
 (FAILED + TIMED_OUT + REJECTED over executed, judged after ``min_executed``), then the serving
 gates, which compare the devices already updated with the group's devices not yet updated over
-the same window (the bake), each judged after ``min_requests`` on both sides:
+the same window (the bake), each judged after ``min_requests`` on both sides. A side's value of a
+metric is the median of its devices' own values (serving.py), judged once at least
+``min_devices`` devices of each side have one, so no single device decides a gate. The last wave
+has no devices left on the old version: it is compared with the control group of the wave judged
+before it, or, in a rollout of one wave, with the same devices over the time before the rollout
+began; with neither, a relative gate is inconclusive, never passed for want of data:
 
     escalation_rate<=+0.05   updated minus control at most 0.05 (a signed bound: a difference)
     ttft_p95<=1.2x           updated at most 1.2 times control (a ratio)
@@ -24,6 +29,7 @@ the same window (the bake), each judged after ``min_requests`` on both sides:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -32,10 +38,10 @@ import secrets
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from model_distribution.devices import counter_deltas, is_number
 from model_distribution.registry import RegistryError
 
 QUEUED, IN_PROGRESS, SUCCEEDED, FAILED, TIMED_OUT, REJECTED, CANCELED, ROLLED_BACK = (
@@ -73,6 +79,7 @@ SCHEMA = (
         report_at DOUBLE PRECISION,
         updated_at DOUBLE PRECISION NOT NULL,
         row_version INTEGER NOT NULL DEFAULT 0,
+        wait_until DOUBLE PRECISION,
         PRIMARY KEY (rollout_id, device_id)
     )""",
     """CREATE TABLE IF NOT EXISTS rollout_decisions (
@@ -88,6 +95,10 @@ SCHEMA = (
 
 class RolloutError(RegistryError):
     """A rollout refused (bad input, a group with a rollout already, an unknown one)."""
+
+
+class RolloutConflict(RolloutError):
+    """Refused because of another rollout: its group's, or one that has some of the same devices."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +167,7 @@ class RolloutSpec:
     max_failure_rate: float = 0.0
     min_executed: int = 1
     min_requests: int = 0
+    min_devices: int = 1  # a serving gate is judged once this many devices of each side have a value
     step_timeout_s: float = 600.0  # no word from a device for this long: TIMED_OUT
     window: str | None = None  # "HH:MM-HH:MM" or cron, device local time: activate only then (download whenever)
     jitter_s: float = 0.0  # each device waits a random 0..jitter_s before it downloads
@@ -177,10 +189,21 @@ class RolloutSpec:
             Gate.parse(g)
         if not 0 <= self.max_failure_rate <= 1:
             raise RolloutError(f"max failure rate {self.max_failure_rate} must be in 0..1")
-        if self.min_executed < 1 or self.min_requests < 0:
-            raise RolloutError("min executed must be >= 1 and min requests >= 0")
+        if self.min_executed < 1 or self.min_requests < 0 or self.min_devices < 1:
+            raise RolloutError("min executed must be >= 1, min requests >= 0 and min devices >= 1")
         if self.step_timeout_s <= 0:
             raise RolloutError("the step timeout must be > 0")
+
+    @classmethod
+    def from_stored(cls, fields: dict) -> RolloutSpec:
+        """A spec as the store kept it (checked when the rollout was created): not checked again,
+        so a check made stricter later never makes a stored rollout unreadable. Fields added
+        since it was stored take their defaults."""
+        spec = cls.__new__(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            spec.__dict__[f.name] = fields.get(f.name, default)
+        return spec
 
     @property
     def parsed_gates(self) -> list[Gate]:
@@ -225,6 +248,7 @@ class Execution:
     report_at: float | None  # the device's own time on that report (to tell a new report from the last)
     updated_at: float
     row_version: int
+    wait_until: float | None = None  # WAITING for its window: its heartbeats count as word until then
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -241,6 +265,12 @@ def wave_plan(rollout_id: str, devices: list[str], waves: list[int]) -> dict[str
     return plan
 
 
+def held_text(held: dict[str, str]) -> str:
+    """"d1 in r-1, d2 in r-2, ..." for the first few of ``held`` (device -> the rollout holding it)."""
+    names = sorted(held)
+    return ", ".join(f"{d} in {held[d]}" for d in names[:5]) + (", ..." if len(names) > 5 else "")
+
+
 def joiner_wave(rollout_id: str, device: str, waves: list[int]) -> int:
     """The wave of a device that joined the group mid-rollout: by where its hash falls."""
     h = int.from_bytes(hashlib.sha256(f"{rollout_id}:{device}".encode()).digest()[:8], "big") / 2**64 * 100
@@ -250,17 +280,21 @@ def joiner_wave(rollout_id: str, device: str, waves: list[int]) -> int:
 _R_COLUMNS = ("rollout_id, group_name, model, version, spec, state, reason, wave, wave_done_at, created_at, "
               "updated_at, row_version")
 _E_COLUMNS = ("rollout_id, device_id, wave, state, detail, previous, desired_rev, heard_at, report_at, updated_at, "
-              "row_version")
+              "row_version, wait_until")
+BUSY = ("CANCELED", "ROLLED_BACK")  # an execution in an active rollout in neither of these holds its device
 
 
 class RolloutStore:
-    def __init__(self, root: Path | str):
+    def __init__(self, root: Path | str, clock: Callable[[], float] = time.time):
+        self.clock = clock  # the control plane's clock (tests fake it)
         Path(root).mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(Path(root) / "registry.db", isolation_level=None, check_same_thread=False,
                                    timeout=30)
         self._db.execute("PRAGMA journal_mode=WAL")
         for ddl in SCHEMA:
             self._db.execute(ddl)
+        if "wait_until" not in {r[1] for r in self._db.execute("PRAGMA table_info(rollout_devices)")}:
+            self._db.execute("ALTER TABLE rollout_devices ADD COLUMN wait_until DOUBLE PRECISION")
         self._lock = threading.RLock()
 
     def close(self) -> None:
@@ -272,7 +306,7 @@ class RolloutStore:
         """A new RUNNING rollout of ``spec`` with ``executions``: device -> (wave, previous).
         RolloutError if its group has a running or paused rollout."""
         name, _, version = spec.model.partition("@")
-        now = time.time()
+        now = self.clock()
         rid = f"r-{int(now)}-{secrets.token_hex(3)}"
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
@@ -280,13 +314,18 @@ class RolloutStore:
                 busy = self._db.execute("SELECT rollout_id, model, version FROM rollouts WHERE group_name = ? AND "
                                         "state IN (?, ?)", (spec.group, *ACTIVE_STATES)).fetchone()
                 if busy is not None:
-                    raise RolloutError(f"group {spec.group!r} has rollout {busy[0]} of {busy[1]}@{busy[2]} under way "
-                                       "(pause, abort or roll it back first)")
+                    raise RolloutConflict(f"group {spec.group!r} has rollout {busy[0]} of {busy[1]}@{busy[2]} under "
+                                          "way (pause, abort or roll it back first)")
+                held = self._held_by_others(list(executions), None)
+                if held:  # one device, one rollout at a time: two would each think it ran theirs
+                    raise RolloutConflict(f"{len(held)} device(s) of {spec.group!r} are in another rollout under way "
+                                          f"({held_text(held)}): let it finish, or abort it first")
                 self._db.execute(f"INSERT INTO rollouts ({_R_COLUMNS}) "
                                  "VALUES (?, ?, ?, ?, ?, ?, NULL, 0, NULL, ?, ?, 0)",
                                  (rid, spec.group, name, version, json.dumps(asdict(spec)), RUNNING, now, now))
                 self._db.executemany(
-                    f"INSERT INTO rollout_devices ({_E_COLUMNS}) VALUES (?, ?, ?, ?, NULL, ?, NULL, NULL, NULL, ?, 0)",
+                    f"INSERT INTO rollout_devices ({_E_COLUMNS}) VALUES (?, ?, ?, ?, NULL, ?, NULL, NULL, NULL, ?, 0, "
+                    "NULL)",
                     [(rid, d, wave, QUEUED, prev, now) for d, (wave, prev) in executions.items()])
                 self._db.execute("COMMIT")
             except BaseException:
@@ -320,7 +359,7 @@ class RolloutStore:
         with self._lock:
             cur = self._db.execute(f"UPDATE rollouts SET {sets}, updated_at = ?, row_version = row_version + 1 "
                                    "WHERE rollout_id = ? AND row_version = ?",
-                                   (*changes.values(), time.time(), r.rollout_id, r.row_version))
+                                   (*changes.values(), self.clock(), r.rollout_id, r.row_version))
         return self.get(r.rollout_id) if cur.rowcount == 1 else None
 
     # -- executions -------------------------------------------------------------------------
@@ -337,24 +376,54 @@ class RolloutStore:
                                    (rollout_id, device_id)).fetchone()
         return Execution(*row)
 
-    def add_execution(self, rollout_id: str, device_id: str, wave: int, previous: str | None) -> None:
+    def add_execution(self, rollout_id: str, device_id: str, wave: int, previous: str | None) -> bool:
+        """A device that joined the group mid-rollout; False (nothing added) while another rollout
+        under way holds it."""
         with self._lock:
-            self._db.execute(f"INSERT OR IGNORE INTO rollout_devices ({_E_COLUMNS}) "
-                             "VALUES (?, ?, ?, ?, NULL, ?, NULL, NULL, NULL, ?, 0)",
-                             (rollout_id, device_id, wave, QUEUED, previous, time.time()))
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                if self._held_by_others([device_id], rollout_id):
+                    self._db.execute("ROLLBACK")
+                    return False
+                self._db.execute(f"INSERT OR IGNORE INTO rollout_devices ({_E_COLUMNS}) "
+                                 "VALUES (?, ?, ?, ?, NULL, ?, NULL, NULL, NULL, ?, 0, NULL)",
+                                 (rollout_id, device_id, wave, QUEUED, previous, self.clock()))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return True
+
+    def held_by_others(self, device_ids: list[str], rollout_id: str | None) -> dict[str, str]:
+        """device -> the other rollout under way that holds it, for those of ``device_ids`` held."""
+        with self._lock:
+            return self._held_by_others(device_ids, rollout_id)
+
+    def _held_by_others(self, device_ids: list[str], rollout_id: str | None) -> dict[str, str]:
+        held: dict[str, str] = {}
+        for i in range(0, len(device_ids), 500):
+            chunk = device_ids[i:i + 500]
+            rows = self._db.execute(
+                "SELECT e.device_id, e.rollout_id FROM rollout_devices e "
+                "JOIN rollouts r ON r.rollout_id = e.rollout_id "
+                "WHERE r.state IN (?, ?) AND e.state NOT IN (?, ?) AND e.rollout_id <> ? "
+                f"AND e.device_id IN ({', '.join('?' * len(chunk))})",
+                (*ACTIVE_STATES, *BUSY, rollout_id or "", *chunk)).fetchall()
+            held.update(dict(rows))
+        return held
 
     def move(self, e: Execution, state: str, detail: str | None = None, at: float | None = None,
-             desired_rev: int | None = None, report_at: float | None = None) -> bool:
+             desired_rev: int | None = None, report_at: float | None = None, wait_until: float | None = None) -> bool:
         """Compare-and-set an execution's state at ``at`` (the controller's clock; heard from the
         device then when ``report_at`` is given); False when it changed since ``e`` was read."""
-        at = time.time() if at is None else at
+        at = self.clock() if at is None else at
         with self._lock:
             cur = self._db.execute(
                 "UPDATE rollout_devices SET state = ?, detail = ?, desired_rev = COALESCE(?, desired_rev), "
                 "report_at = COALESCE(?, report_at), heard_at = CASE WHEN ? IS NULL THEN heard_at ELSE ? END, "
-                "updated_at = ?, row_version = row_version + 1 "
+                "wait_until = COALESCE(?, wait_until), updated_at = ?, row_version = row_version + 1 "
                 "WHERE rollout_id = ? AND device_id = ? AND row_version = ?",
-                (state, detail, desired_rev, report_at, report_at, at, at, e.rollout_id, e.device_id,
+                (state, detail, desired_rev, report_at, report_at, at, wait_until, at, e.rollout_id, e.device_id,
                  e.row_version))
         return cur.rowcount == 1
 
@@ -396,7 +465,7 @@ class RolloutStore:
     def decide(self, rollout_id: str, wave: int, outcome: str, numbers: dict) -> None:
         with self._lock:
             self._db.execute("INSERT INTO rollout_decisions (rollout_id, at, wave, outcome, numbers) "
-                             "VALUES (?, ?, ?, ?, ?)", (rollout_id, time.time(), wave, outcome, json.dumps(numbers)))
+                             "VALUES (?, ?, ?, ?, ?)", (rollout_id, self.clock(), wave, outcome, json.dumps(numbers)))
 
     def decisions(self, rollout_id: str) -> list[dict]:
         with self._lock:
@@ -408,48 +477,5 @@ class RolloutStore:
 
 def _rollout(row) -> Rollout:
     rid, group, model, version, spec, state, reason, wave, done_at, created, updated, rv = row
-    return Rollout(rid, group, model, version, RolloutSpec(**json.loads(spec)), state, reason, wave, done_at, created,
-                   updated, rv)
-
-
-# -- serving metrics over a window, from telemetry records -------------------------------------
-
-def window_metrics(records_by_device: dict[str, list[dict]], start: float, end: float) -> dict:
-    """The serving metrics of a set of devices between ``start`` and ``end``, summed over them:
-    each device's counters at the end of the window less those at its start (telemetry counters
-    are cumulative since its agent started; a restart inside the window starts from zero).
-    Records are each device's, oldest first."""
-    total: dict = {"decided": 0.0, "cloud": 0.0, "answered": 0.0, "failed": 0.0, "decode_tokens": 0.0,
-                   "decode_s": 0.0}
-    ttft: dict[str, float] = {}
-    for records in records_by_device.values():
-        inside = [r for r in records if is_number(r.get("ts")) and start <= r["ts"] <= end]
-        if not inside:
-            continue
-        new = inside[-1]
-        before = [r for r in records if is_number(r.get("ts")) and r["ts"] < start]
-        base = before[-1] if before else None
-        if base is not None and is_number(new.get("uptime_s")) and is_number(base.get("uptime_s")) and \
-                base["uptime_s"] > new["uptime_s"]:
-            base = None  # the agent restarted: its counters did too
-        c = counter_deltas(new, base)
-        for k in total:
-            total[k] += c[k]
-        for bucket, n in c["ttft_buckets"].items():
-            ttft[bucket] = ttft.get(bucket, 0) + n
-    decided, answered = total["decided"], total["answered"]
-    return {"requests": int(answered), "escalation_rate": total["cloud"] / decided if decided else None,
-            "error_rate": total["failed"] / answered if answered else None, "ttft_p95": _quantile(ttft, 0.95),
-            "decode_tps": total["decode_tokens"] / total["decode_s"] if total["decode_s"] > 0 else None}
-
-
-def _quantile(buckets: dict[str, float], q: float) -> float | None:
-    """From cumulative histogram buckets {upper bound: count} (Prometheus style, "+Inf" last)."""
-    bounds = sorted((float(b), n) for b, n in buckets.items())
-    if not bounds or bounds[-1][1] <= 0:
-        return None
-    want = q * bounds[-1][1]
-    for bound, n in bounds:
-        if n >= want:
-            return bound if math.isfinite(bound) else bounds[-2][0] if len(bounds) > 1 else None
-    return None
+    return Rollout(rid, group, model, version, RolloutSpec.from_stored(json.loads(spec)), state, reason, wave, done_at,
+                   created, updated, rv)

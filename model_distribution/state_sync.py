@@ -8,7 +8,9 @@
 
 Retained messages make it converge without replay: a device that was offline gets the latest
 desired document when it subscribes again, and the control plane the latest reported state.
-``DesiredPublisher`` runs in the control plane; ``DeviceStateClient`` on the device.
+``DesiredPublisher`` runs in the control plane; ``DeviceStateClient`` on the device. Each is one
+identity with one connection (sync/mqtt_link.py: the broker binds the client id to the user);
+a device's telemetry publisher shares its connection.
 """
 
 from __future__ import annotations
@@ -18,14 +20,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from urllib.parse import urlsplit
+from pathlib import Path
 
-import paho.mqtt.client as mqtt
-
-from model_distribution.devices import BadDocument, Device, DeviceStore, desired_document, verify_desired
+from cascade import wire
+from model_distribution.desired import AppliedDesired, BadDocument, DesiredDocuments, verify_desired
+from model_distribution.device_inbox import DeviceInbox
+from model_distribution.devices import DeviceStore
 from model_distribution.registry import Registry
+from sync.mqtt_link import LinkConfig, MQTTLink, parse_broker_url
 
 log = logging.getLogger(__name__)
+CONTROL_PLANE_USER = "cascade-control-plane"
 
 
 def topic(fleet: str, device: str, kind: str) -> str:
@@ -33,185 +38,154 @@ def topic(fleet: str, device: str, kind: str) -> str:
 
 
 def broker_address(url: str) -> tuple[str, int]:
-    """``mqtt://host:port`` (or ``host:port``) -> (host, port)."""
-    parts = urlsplit(url if "://" in url else f"mqtt://{url}")
-    if parts.scheme not in ("mqtt", "tcp") or not parts.hostname:
-        raise ValueError(f"broker URL {url!r} must be mqtt://HOST[:PORT]")
-    return parts.hostname, parts.port or 1883
-
-
-def _client(client_id: str, username: str | None = None, password: str | None = None) -> mqtt.Client:
-    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=False,
-                    protocol=mqtt.MQTTv311)
-    c.reconnect_delay_set(min_delay=0.2, max_delay=5.0)
-    c.max_inflight_messages_set(100)
-    if username:
-        c.username_pw_set(username, password)
-    return c
-
-
-class DesiredDocuments:
-    """Each device's signed desired document, signed once per desired revision and kept, so the
-    retained message (published again at each reconnect) and the control plane's HTTP fallback
-    (``GET /v1/devices/{device}/desired``) are the same bytes."""
-
-    def __init__(self, signing_key):
-        self.key = signing_key
-        self._signed: dict[str, tuple[int, bytes]] = {}  # device -> (revision, its document)
-        self._lock = threading.Lock()
-
-    def get(self, device: Device, registry: Registry) -> bytes:
-        """Its document (RegistryError when its desired version is not published)."""
-        with self._lock:
-            rev, doc = self._signed.get(device.device_id, (-1, b""))
-            if rev != device.desired_rev:
-                prefetch = registry.resolve(device.prefetch) if device.prefetch else None
-                doc = desired_document(device, registry.resolve(device.desired), self.key, prefetch)
-                self._signed[device.device_id] = (device.desired_rev, doc)
-            return doc
+    """``mqtt://host:port`` (or ``host:port``, or ``mqtts://``) -> (host, port)."""
+    host, port, _ = parse_broker_url(url)
+    return host, port
 
 
 class DesiredPublisher:
-    """Publishes each device's signed desired document (retained) when its revision changes, and
-    records what devices report. The database is the truth: at each (re)connect every document
-    is published again (retained, so that is idempotent), then only new revisions."""
+    """Publishes each device's signed desired document (retained) when it changes, and takes what
+    devices say (through ``inbox``). The database is the truth: at each (re)connect every
+    document is published again (retained, so that is idempotent), then only changed ones."""
 
     def __init__(self, registry: Registry, devices: DeviceStore, signing_key, broker: str, poll_s: float = 0.5,
-                 client_id: str = "cascade-control-plane", username: str | None = None, password: str | None = None):
+                 client_id: str = CONTROL_PLANE_USER, username: str | None = None, password: str | None = None,
+                 inbox: DeviceInbox | None = None, ca_file: str = ""):
         self.registry, self.devices, self.key = registry, devices, signing_key
         self.documents = DesiredDocuments(signing_key)
+        self.inbox = inbox or DeviceInbox(devices)
         self.poll_s = poll_s
-        self._host, self._port = broker_address(broker)
-        self._published: dict[str, int] = {}  # device -> revision published on this connection
-        self._connected = threading.Event()
+        self._published: dict[str, tuple[int, float]] = {}  # device -> (revision, signed at) sent on this connection
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self.client = _client(client_id, username, password)
-        self.client.on_connect = self._on_connect
-        self.client.on_disconnect = lambda *a: self._connected.clear()
-        self.client.on_message = self._on_message
+        self.link = MQTTLink(LinkConfig.from_url(broker, username or "", password or "",
+                                                 client_id=username or client_id, ca_file=ca_file, max_inflight=100,
+                                                 reconnect_min_s=0.2, reconnect_max_s=5.0))
+        self.link.add(self)
+        for kind in ("reported", "status", "telemetry", "events"):
+            self.link.subscribe(f"cascade/v1/+/devices/+/{kind}", 1, self._on_message)
         self._thread = threading.Thread(target=self._run, name="desired-publisher", daemon=True)
 
     def start(self) -> None:
-        self.client.connect_async(self._host, self._port, keepalive=30)
-        self.client.loop_start()
+        self.link.start()
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        self.client.disconnect()
-        self.client.loop_stop()
+        self.link.stop()
 
-    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
-        if reason_code.is_failure:
-            log.error("the broker refused the control plane: %s", reason_code)
-            return
-        client.subscribe([("cascade/v1/+/devices/+/reported", 1), ("cascade/v1/+/devices/+/status", 1),
-                          ("cascade/v1/+/devices/+/telemetry", 1), ("cascade/v1/+/devices/+/events", 1)])
+    @property
+    def alive(self) -> bool:
+        """Its publishing thread runs (the MQTT side is paho's, which no message can end)."""
+        return self._thread.is_alive()
+
+    def on_connect(self, session_present: bool) -> None:
         with self._lock:
             self._published.clear()  # publish everything again on this connection
-        self._connected.set()
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
-            if self._connected.is_set():
-                try:
+            try:
+                self.inbox.flush()
+                if self.link.connected:
                     self.publish_changes()
-                except Exception:
-                    log.exception("publishing desired state failed")
+            except Exception:
+                log.exception("publishing desired state failed (tried again in %.1f s)", self.poll_s)
 
     def publish_changes(self) -> int:
-        """Publish the documents whose revision this connection has not sent yet; how many."""
+        """Publish the documents this connection has not sent in their current form; how many."""
         n = 0
         for device in self.devices.list():
-            if device.desired is None or self._published.get(device.device_id) == device.desired_rev:
+            if device.desired is None:
                 continue
-            doc = self.documents.get(device, self.registry)
-            info = self.client.publish(topic(device.fleet, device.device_id, "desired"), doc, qos=1, retain=True)
-            if info.rc == mqtt.MQTT_ERR_SUCCESS:
+            try:
+                signed, doc = self.documents.signed(device, self.registry)
+            except Exception as e:  # its version unpublished, say: the others still go out
+                log.error("no desired document for %s: %s", device.device_id, e)
+                continue
+            if self._published.get(device.device_id) == signed:
+                continue
+            info = self.link.publish(topic(device.fleet, device.device_id, "desired"), doc, qos=1, retain=True)
+            if info.rc == 0:
                 with self._lock:
-                    self._published[device.device_id] = device.desired_rev
+                    self._published[device.device_id] = signed
                 n += 1
         return n
 
-    def _on_message(self, client, userdata, message) -> None:
+    def _on_message(self, message) -> None:
         parts = message.topic.split("/")
         if len(parts) != 6:
             return
-        device, kind = parts[4], parts[5]
-        try:
-            if kind == "reported":
-                self.devices.report(device, json.loads(message.payload))
-            elif kind == "status":
-                self.devices.seen(device, message.payload.decode(errors="replace"))
-            elif kind == "telemetry":
-                self.devices.telemetry(device, json.loads(message.payload))
-            elif kind == "events":
-                event = json.loads(message.payload)
-                self.devices.event(device, event)
-                log.warning("device %s: %s", device, event)
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:  # a device's message, whatever it holds
-            log.warning("unreadable %s from %s: %s", kind, device, e.__class__.__name__ if isinstance(
-                e, RecursionError) else e)
+        self.inbox.handle(parts[2], parts[4], parts[5], message.payload)
 
 
 class DeviceStateClient:
-    """A device's side: follows its desired topic (a verified document with a newer revision calls
-    ``on_desired(payload)``), publishes its reported state, and says online / offline (last will)."""
+    """A device's side: follows its desired topic (a verified document newer than the one it took
+    last, which ``applied_file`` keeps across restarts, calls ``on_desired(payload)``), publishes
+    its reported state (again at each reconnect), and says online / offline (its last will).
+    ``link``: the device's connection, shared with its telemetry (started by its owner after
+    this is built); None: one of its own."""
 
     def __init__(self, broker: str, fleet: str, device: str, desired_public_key: bytes,
-                 on_desired: Callable[[dict], None], username: str | None = None, password: str | None = None):
+                 on_desired: Callable[[dict], None], username: str | None = None, password: str | None = None,
+                 link: MQTTLink | None = None, applied_file: Path | None = None, ca_file: str = ""):
         self.fleet, self.device = fleet, device
         self.public_key = desired_public_key
         self.on_desired = on_desired
-        self.applied_rev = 0
+        self.applied = AppliedDesired(applied_file)
+        self.handed: tuple[int, int] | None = None  # (rev, issued_at) handed to on_desired in this run
         self.refused: list[str] = []  # why documents were refused (for the device's report)
-        self._host, self._port = broker_address(broker)
-        self.client = _client(f"cascade-device-{fleet}-{device}", username or device, password)
-        self.client.will_set(topic(fleet, device, "status"), b"offline", qos=1, retain=True)
-        self.client.on_connect = self._on_connect
-        self.client.on_message = self._on_message
+        self._owns_link = link is None
+        self.link = link or MQTTLink(LinkConfig.from_url(broker, username or device, password or "",
+                                                         ca_file=ca_file, reconnect_min_s=0.2, reconnect_max_s=5.0))
+        self.link.will_set(topic(fleet, device, "status"), b"offline", qos=1, retain=True)
+        self.link.subscribe(topic(fleet, device, "desired"), 1, self._on_message)
+        self.link.add(self)
         self.connected = threading.Event()
 
     def start(self) -> None:
-        self.client.connect_async(self._host, self._port, keepalive=30)
-        self.client.loop_start()
+        if self._owns_link:
+            self.link.start()
 
     def stop(self) -> None:
-        self.client.publish(topic(self.fleet, self.device, "status"), b"offline", qos=1, retain=True)
-        self.client.disconnect()
-        self.client.loop_stop()
+        self.link.publish(topic(self.fleet, self.device, "status"), b"offline", qos=1, retain=True)
+        if self._owns_link:
+            self.link.stop()
 
     def report(self, state: dict) -> None:
-        body = {**state, "device": self.device, "at": time.time()}
-        self.client.publish(topic(self.fleet, self.device, "reported"), json.dumps(body).encode(), qos=1,
-                            retain=True)
+        body = json.dumps({**state, "device": self.device, "at": time.time()}).encode()
+        self.link.publish(topic(self.fleet, self.device, "reported"), body, qos=1, retain=True)
 
-    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
-        if reason_code.is_failure:
-            log.error("the broker refused this device: %s", reason_code)
-            return
-        client.subscribe(topic(self.fleet, self.device, "desired"), qos=1)
-        client.publish(topic(self.fleet, self.device, "status"), b"online", qos=1, retain=True)
+    def on_connect(self, session_present: bool) -> None:
+        self.link.publish(topic(self.fleet, self.device, "status"), b"online", qos=1, retain=True)
         self.connected.set()
 
-    def _on_message(self, client, userdata, message) -> None:
+    def _on_message(self, message) -> None:
         try:
             payload = verify_desired(message.payload, self.public_key, self.device)
-        except BadDocument as e:  # forged or misaddressed: said on the events topic, never applied
-            log.error("%s", e)
-            self.refused.append(str(e))
-            self.client.publish(topic(self.fleet, self.device, "events"), json.dumps(
-                {"event": "desired_refused", "reason": str(e), "device": self.device, "at": time.time()}).encode(),
-                qos=1)
+            newer = self.applied.judge(payload)
+        except BadDocument as e:  # forged, misaddressed, too old or a replay: said on the events topic, never applied
+            self._refuse(str(e))
             return
-        rev = payload.get("rev")
-        if not isinstance(rev, int) or rev <= self.applied_rev:
-            return  # an older (or the same) assignment: nothing to do
+        if not newer and self.handed == (payload["rev"], payload["issued_at"]):
+            return  # the same document again (a reconnect's retained copy)
+        if not newer and self.handed is not None and self.handed[0] == payload["rev"]:
+            self.applied.take(payload)  # the same assignment signed again: nothing to do
+            return
         try:
             self.on_desired(payload)
-        except Exception:  # raised on paho's thread it would end this device's MQTT loop for good
-            log.exception("applying desired rev %d failed; it is tried again when the broker resends it", rev)
+        except Exception:  # raised on paho's thread it would never be acknowledged
+            log.exception("applying desired rev %s failed; it is tried again when the broker resends it",
+                          payload.get("rev"))
             return
-        self.applied_rev = rev
+        self.handed = (payload["rev"], payload["issued_at"])
+        self.applied.take(payload)
+
+    def _refuse(self, why: str) -> None:
+        log.error("%s", why)
+        self.refused.append(why)
+        del self.refused[:-20]
+        self.link.publish(topic(self.fleet, self.device, "events"), json.dumps(
+            {"event": "desired_refused", "reason": wire.one_line(why, 900), "device": self.device,
+             "at": time.time()}).encode(), qos=1)

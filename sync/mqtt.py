@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import threading
 import time
 from collections import deque
@@ -35,6 +34,7 @@ from dataclasses import dataclass
 
 import paho.mqtt.client as mqtt
 
+from sync.mqtt_link import LinkConfig, MQTTLink
 from sync.queue import Item, Kind, OfflineQueue
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,8 @@ class MQTTConfig:
     keepalive_s: int = 30
     username: str = ""
     password: str = ""
+    tls: bool = False  # mqtts: the broker's certificate checked against ca_file (or the system's CAs)
+    ca_file: str = ""
     max_inflight: int = 20  # published and not yet acknowledged
     batch_size: int = 50  # telemetry rows claimed per round
     poll_s: float = 2.0  # longest idle wait (notify() wakes the publisher at once)
@@ -87,53 +89,52 @@ class MQTTConfig:
             raise ValueError("lease_s must exceed twice keepalive_s (a dead connection is noticed within 1.5x)")
         self.client_id = self.client_id or f"cascade-{self.fleet}-{self.device}"
 
+    def link_config(self) -> LinkConfig:
+        return LinkConfig(host=self.host, port=self.port, client_id=self.client_id, username=self.username,
+                          password=self.password, tls=self.tls, ca_file=self.ca_file, keepalive_s=self.keepalive_s,
+                          max_inflight=self.max_inflight, reconnect_min_s=self.reconnect_min_s,
+                          reconnect_max_s=self.reconnect_max_s)
+
 
 class TelemetryPublisher:
-    def __init__(self, queue: OfflineQueue, config: MQTTConfig):
+    """Publishes the outbox's telemetry (see the module docstring) on its own connection, or on
+    ``link``, the one connection of its identity that other parts share (then its owner starts
+    and stops the link, and ``start`` must come before the link's)."""
+
+    def __init__(self, queue: OfflineQueue, config: MQTTConfig, link: MQTTLink | None = None):
         self.queue, self.config = queue, config
         self.topic = telemetry_topic(config.fleet, config.device)
-        self._client: mqtt.Client | None = None
+        self._link = link
+        self._owns_link = link is None
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._events: deque[tuple[str, int]] = deque()  # (acked | lost, mid), from paho's thread
         self._inflight: dict[int, str] = {}  # mid -> item id; the publisher thread's alone while it runs
         self._drain_until = 0.0  # stop(): until when the thread waits for in-flight PUBACKs
-        self._connected = False
-        self._failing = False  # a connection attempt failed since the last success (log it once)
         self._connects = self._published = self._acked = self._released = 0
 
     # -- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
-        """Connect in the background and start publishing; returns at once."""
+        """Connect in the background (or join the shared link) and start publishing; returns at once."""
         if self._thread is not None:
             raise RuntimeError("the telemetry publisher is already started")
-        cfg = self.config
-        client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=cfg.client_id, clean_session=False,
-                             protocol=mqtt.MQTTv311)
-        client.max_inflight_messages_set(cfg.max_inflight)
-        # paho's backoff has no jitter: each device starts its doubling at a random point in [min, 2*min),
-        # so a fleet that lost the broker together does not come back in lockstep
-        first_s = cfg.reconnect_min_s * random.uniform(1.0, 2.0)
-        client.reconnect_delay_set(min_delay=first_s, max_delay=max(first_s, cfg.reconnect_max_s))
-        if cfg.username:
-            client.username_pw_set(cfg.username, cfg.password or None)
-        client.on_connect, client.on_connect_fail = self._on_connect, self._on_connect_fail
-        client.on_disconnect, client.on_publish = self._on_disconnect, self._on_publish
-        self._client = client
+        if self._owns_link:
+            self._link = MQTTLink(self.config.link_config())
         self._stopping.clear()
         self._events.clear()
         self._inflight.clear()
-        client.connect_async(cfg.host, cfg.port, keepalive=cfg.keepalive_s)
-        client.loop_start()
-        self._thread = threading.Thread(target=self._run, name=f"mqtt-telemetry-{cfg.device}", daemon=True)
+        self._link.add(self)
+        if self._owns_link:
+            self._link.start()
+        self._thread = threading.Thread(target=self._run, name=f"mqtt-telemetry-{self.config.device}", daemon=True)
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop claiming, wait up to half of ``timeout_s`` for the PUBACKs of what is in flight,
-        disconnect, and give whatever is still unacked back to the queue."""
-        if self._thread is None or self._client is None:
+        disconnect (its own link), and give whatever is still unacked back to the queue."""
+        if self._thread is None or self._link is None:
             return
         deadline = time.monotonic() + timeout_s
         self._drain_until = time.monotonic() + timeout_s / 2
@@ -143,14 +144,15 @@ class TelemetryPublisher:
         if self._thread.is_alive():
             # still inside a store call: leave its state alone; the lease or recover() re-queues its items
             log.warning("the telemetry publisher thread did not stop within %.1f s", timeout_s)
-        self._client.disconnect()
-        self._client.loop_stop()
-        self._connected = False
+        if self._owns_link:
+            self._link.stop()
         if not self._thread.is_alive():
             self._settle()
             self._release(list(self._inflight.values()))
             self._inflight.clear()
-        self._thread = self._client = None
+        self._thread = None
+        if self._owns_link:
+            self._link = None
 
     def notify(self) -> None:
         """Something new was spooled: publish now instead of at the next poll."""
@@ -158,10 +160,14 @@ class TelemetryPublisher:
 
     @property
     def connected(self) -> bool:
-        return self._connected
+        return self._link is not None and self._link.connected
+
+    @property
+    def _connected(self) -> bool:
+        return self.connected
 
     def stats(self) -> dict:
-        return {"connected": self._connected, "published": self._published, "acked": self._acked,
+        return {"connected": self.connected, "published": self._published, "acked": self._acked,
                 "released": self._released, "reconnects": max(0, self._connects - 1),
                 "in_flight": len(self._inflight)}
 
@@ -194,7 +200,7 @@ class TelemetryPublisher:
         for item in items:
             if item.id in in_flight:  # its lease ran out while it awaits its PUBACK: the claim renewed it
                 continue
-            info = self._client.publish(self.topic, encode_telemetry(item), qos=1, retain=False)
+            info = self._link.publish(self.topic, encode_telemetry(item), qos=1, retain=False)
             if info.rc == mqtt.MQTT_ERR_QUEUE_SIZE:  # paho did not keep it (mid still in use)
                 self._release([item.id])
                 continue
@@ -222,35 +228,22 @@ class TelemetryPublisher:
             self.queue.release(item_ids)
             self._released += len(item_ids)
 
-    # -- paho callbacks (its network thread): report, wake, return -----------------------
+    # -- the link's callbacks (paho's network thread): report, wake, return ----------------
 
-    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
-        if reason_code.is_failure:
-            log.warning("MQTT broker %s:%d refused the connection: %s", self.config.host, self.config.port,
-                        reason_code)
-            return
+    def on_connect(self, session_present: bool) -> None:
         self._connects += 1
-        self._connected, self._failing = True, False
-        log.info("MQTT connected to %s:%d as %s (session present: %s)", self.config.host, self.config.port,
-                 self.config.client_id, flags.session_present)
         self._wake.set()
 
-    def _on_connect_fail(self, client, userdata) -> None:
-        level = logging.DEBUG if self._failing else logging.WARNING
-        self._failing = True
-        log.log(level, "MQTT broker %s:%d unreachable; retrying", self.config.host, self.config.port)
-
-    def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
-        self._connected = False
-        dropped = client.drop_out_messages()  # the store keeps them: they are released, then published again
-        self._events.extend((_LOST, m.mid) for m in dropped)
+    def on_dropped(self, messages: list) -> set[int]:
+        """The connection was lost: the unacked telemetry goes back to the queue (the store is the
+        only copy that outlives a connection), to be claimed and published again after the reconnect."""
+        mine = {m.mid for m in messages if m.topic == self.topic}
+        self._events.extend((_LOST, mid) for mid in mine)
         if self._stopping.is_set():
-            log.info("MQTT disconnected (%d unacked given back)", len(dropped))
-        else:
-            log.warning("MQTT connection to %s:%d lost (%s); %d unacked messages will be sent again",
-                        self.config.host, self.config.port, reason_code, len(dropped))
+            log.info("MQTT disconnected (%d unacked given back)", len(mine))
         self._wake.set()
+        return mine
 
-    def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
+    def on_publish(self, mid: int) -> None:
         self._events.append((_ACKED, mid))
         self._wake.set()

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import hmac
-import json
-import math
-import re
 from typing import TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from cascade import errors
+from cascade import errors, wire
 
 T = TypeVar("T", bound=BaseModel)
+BODY_MAX_DEPTH = 100  # a request body: a JSON schema or a tool's parameters nest, but not this deep
 
 
 def require_api_key(request: Request) -> None:
@@ -31,7 +29,31 @@ def bearer_matches(request: Request, expected: str) -> bool:
 
 
 async def read_json(request: Request, limit: int) -> dict:
-    """The request body as a JSON object: 413 past ``limit`` bytes, 400 for bad UTF-8 or JSON."""
+    """The request body as a JSON object, by the one strict decoder (cascade/wire.py): 413 past
+    ``limit`` bytes (counted while it arrives), 400 for bad UTF-8, a lone surrogate, bad JSON,
+    NaN/Infinity, a number beyond a float or an integer beyond 64 bits."""
+    body = await read_body(request, limit)
+    try:
+        data = wire.loads(body, limit=limit, max_depth=BODY_MAX_DEPTH)
+    except wire.WireError as e:
+        if e.reason == "too_large":
+            raise _too_large(limit) from e
+        if e.reason == "encoding":
+            raise errors.bad_request("The request body is not valid UTF-8.", None, "invalid_encoding") from e
+        if e.reason == "surrogate":
+            raise errors.bad_request("The request body has a string with a lone UTF-16 surrogate "
+                                     "(an unpaired \\ud800-\\udfff escape).", None, "invalid_encoding") from e
+        if str(e).startswith("nested"):
+            raise errors.bad_request("The request body is nested too deeply.", None, "invalid_json") from e
+        raise errors.bad_request(f"The request body is not valid JSON: {e}.", None, "invalid_json") from e
+    if not isinstance(data, dict):
+        raise errors.bad_request("The request body must be a JSON object.", None, "invalid_json")
+    return data
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body's bytes, bounded while they arrive: 413 past ``limit`` (a declared
+    Content-Length over it is refused before a byte is read)."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
@@ -40,46 +62,7 @@ async def read_json(request: Request, limit: int) -> dict:
         body += chunk
         if len(body) > limit:
             raise _too_large(limit)
-    try:
-        text = bytes(body).decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise errors.bad_request("The request body is not valid UTF-8.", None, "invalid_encoding") from e
-    try:
-        if text.startswith("\ufeff"):  # what json.loads says of it
-            raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
-        data = _DECODER.decode(text)
-    except json.JSONDecodeError as e:
-        raise errors.bad_request(f"The request body is not valid JSON: {e}.", None, "invalid_json") from e
-    except ValueError as e:  # NaN, Infinity, or a number too large for a float
-        raise errors.bad_request(f"The request body is not valid JSON: {e}.", None, "invalid_json") from e
-    except RecursionError as e:  # arrays or objects nested deeper than Python's stack
-        raise errors.bad_request("The request body is nested too deeply.", None, "invalid_json") from e
-    if not isinstance(data, dict):
-        raise errors.bad_request("The request body must be a JSON object.", None, "invalid_json")
-    # a \ud800 escape decodes to a lone surrogate, which no encoder downstream will take (strict
-    # UTF-8 never decodes to one, so only a body with such an escape needs the whole check)
-    try:
-        if _SURROGATE_ESCAPE.search(text):
-            json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise errors.bad_request("The request body has a string with a lone UTF-16 surrogate "
-                                 "(an unpaired \\ud800-\\udfff escape).", None, "invalid_encoding") from e
-    return data
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text[:40]} is out of range")
-    return value
-
-
-_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float)  # json.loads makes one a call
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+    return bytes(body)
 
 
 def _too_large(limit: int) -> errors.APIError:

@@ -106,25 +106,41 @@ def telemetry_target(config: EdgeConfig) -> MQTTConfig | None:
     m, f = config.mqtt, config.fleet
     if m.host:
         return MQTTConfig(host=m.host, port=m.port, fleet=m.fleet, device=device_name(config), client_id=m.client_id,
-                          keepalive_s=m.keepalive_s, username=m.username, password=m.password)
+                          keepalive_s=m.keepalive_s, username=m.username, password=m.password, tls=m.tls,
+                          ca_file=m.ca_file)
     if f.broker:
-        from model_distribution.state_sync import broker_address
+        from sync.mqtt_link import parse_broker_url
 
-        host, port = broker_address(f.broker)
-        return MQTTConfig(host=host, port=port, fleet=f.fleet, device=f.device_id,
-                          client_id=f"cascade-telemetry-{f.fleet}-{f.device_id}", keepalive_s=m.keepalive_s,
-                          username=f.device_id, password=f.secret)
+        host, port, tls = parse_broker_url(f.broker)
+        return MQTTConfig(host=host, port=port, fleet=f.fleet, device=f.device_id, client_id=f.device_id,
+                          keepalive_s=m.keepalive_s, username=f.device_id, password=f.secret, tls=tls,
+                          ca_file=f.broker_ca)
     return None
 
 
-def start_telemetry(config: EdgeConfig, svc: EdgeService, outbox: Outbox):
-    """With [mqtt] host (or [fleet] broker) set: spool a telemetry record every interval and publish the spool."""
+def device_link(config: EdgeConfig):
+    """In a fleet: the device's one MQTT connection (the broker binds it to the device's
+    identity), which its desired state and, unless [mqtt] names another broker, its telemetry
+    share. Started by the caller once both have joined it."""
+    f = config.fleet
+    if not f.broker:
+        return None
+    from sync.mqtt_link import LinkConfig, MQTTLink
+
+    return MQTTLink(LinkConfig.from_url(f.broker, f.device_id, f.secret, ca_file=f.broker_ca,
+                                        keepalive_s=config.mqtt.keepalive_s, reconnect_min_s=0.5,
+                                        reconnect_max_s=30.0))
+
+
+def start_telemetry(config: EdgeConfig, svc: EdgeService, outbox: Outbox, link=None):
+    """With [mqtt] host (or [fleet] broker) set: spool a telemetry record every interval and publish
+    the spool (on the device's ``link`` when it goes to the fleet's broker)."""
     target = telemetry_target(config)
     if target is None:
         return None, None
     from sync.mqtt import TelemetryPublisher
 
-    publisher = TelemetryPublisher(outbox.queue, target)
+    publisher = TelemetryPublisher(outbox.queue, target, None if config.mqtt.host else link)
     publisher.start()
     spool = asyncio.create_task(spool_forever(svc, outbox, target.device, target.fleet,
                                               config.mqtt.telemetry_interval_s, publisher.notify), name="telemetry")
@@ -155,18 +171,21 @@ def build_app(config: EdgeConfig, catalog: Catalog | None = None, source: Config
         outbox.start()
         app.state.service = svc
         app.state.escalator = Escalator(config.cascade, svc, upstream, outbox)
-        publisher, spool = start_telemetry(config, svc, outbox)
+        link = device_link(config)  # in a fleet: one connection, the device's identity
+        publisher, spool = start_telemetry(config, svc, outbox, link)
         follower = None
         if config.fleet.broker:
             from edge_agent.fleet import FleetFollower
 
             if fleet_version is not None:
-                from edge_agent.fleet import apply_calibration
+                from edge_agent.fleet import apply_calibration, fleet_state_dir
 
-                apply_calibration(app.state.escalator, fleet_version[0])
+                apply_calibration(app.state.escalator, fleet_version[0], fleet_state_dir(config))
             follower = FleetFollower(config, svc, app.state.escalator, asyncio.get_running_loop(),
-                                     fleet_version[0] if fleet_version is not None else None)
+                                     fleet_version[0] if fleet_version is not None else None, link)
             follower.start()
+        if link is not None:
+            link.start()
         reloader = Reloader(source, config, app.state.escalator, outbox).install() if source else None
         try:
             yield
@@ -178,6 +197,8 @@ def build_app(config: EdgeConfig, catalog: Catalog | None = None, source: Config
             if spool is not None:
                 spool.cancel()
                 await asyncio.to_thread(publisher.stop)
+            if link is not None:
+                await asyncio.to_thread(link.stop)
             await outbox.close()
             if app.state.escalator.upstream is not None:  # the one a reload swapped in, if any
                 await app.state.escalator.upstream.close()

@@ -157,6 +157,7 @@ def test_a_device_cannot_write_another_devices_state_nor_any_desired_state(fleet
     wait_until(lambda: (topic("default", "k1", "reported"), b"own") in plane.received(), "k1's own report")
     time.sleep(0.3)
     assert plane.received() == [(topic("default", "k1", "reported"), b"own")]
+    plane.close()  # one identity, one connection: the next login of the control plane's user takes its session
     late = fleet["client"](*fleet["plane"])  # nothing forged was retained either
     late.subscribe("cascade/v1/#")
     wait_until(lambda: late.received(), "the retained report")
@@ -189,10 +190,11 @@ def test_a_devices_last_will_reaches_only_its_own_status_topic(fleet):
     plane = fleet["client"](*fleet["plane"])
     plane.subscribe("cascade/v1/#")
     forger = fleet["client"]("k1", fleet["secrets"]["k1"], will=topic("default", "k2", "status"))
+    if forger.accepted:  # the embedded broker refuses the forger's CONNECT; Mosquitto drops its will
+        forger.drop()
+    time.sleep(0.3)
     own = fleet["client"]("k1", fleet["secrets"]["k1"], will=topic("default", "k1", "status"))
-    for c in (forger, own):
-        if c.accepted:  # the embedded broker refuses the forger's CONNECT; Mosquitto drops its will
-            c.drop()
+    own.drop()
     wait_until(lambda: (topic("default", "k1", "status"), b"offline") in plane.received(), "k1's own last will")
     time.sleep(0.3)
     assert plane.received() == [(topic("default", "k1", "status"), b"offline")]
@@ -225,7 +227,8 @@ def test_retained_desired_state_reaches_a_device_that_connects_later_even_after_
     store = fleet["store"]
     store.assign(fleet["v1"], device_id="k0")
     store.assign(fleet["v1"], device_id="k1")
-    wait_until(lambda: pub._published.get("k0") == 1 and pub._published.get("k1") == 1, "both published")
+    wait_until(lambda: pub._published.get("k0", (0,))[0] == 1 and pub._published.get("k1", (0,))[0] == 1,
+               "both published")
     k0 = fleet["device"]("k0")
     k0.client.start()
     wait_until(lambda: k0.sha256() == fleet["v1"].sha256, "k0, connecting after the assignment, active")
@@ -236,6 +239,54 @@ def test_retained_desired_state_reaches_a_device_that_connects_later_even_after_
     k1 = fleet["device"]("k1")
     k1.client.start()
     wait_until(lambda: k1.sha256() == fleet["v1"].sha256, "k1, connecting after the restart, active")
+
+
+def test_no_login_takes_the_control_planes_session_or_another_devices(fleet):
+    """Issue 36, item 3: a device (or anyone) connecting with the control plane's client id, or
+    with another device's, must not disconnect it: the broker binds a client id to its user."""
+    pub = fleet["publisher"]()
+    wait_until(lambda: pub.link.connected, "the control plane connected")
+    k0 = fleet["device"]("k0")
+    k0.client.start()
+    wait_until(lambda: k0.client.connected.is_set(), "k0 connected")
+    connects = (pub.link.connects, k0.client.link.connects)
+    users = [("k1", fleet["secrets"]["k1"]), ("k1", "wrong"), ("nobody", "x"), (None, None)]
+    for user, password in users:  # with its own credentials, wrong ones, none at all
+        for client_id in ("cascade-control-plane", "k0"):
+            c = fleet["client"](user, password, client_id=client_id, clean=False)
+            time.sleep(0.2)
+            if c.accepted:
+                c.publish(topic("default", "k1", "reported"), b'{"state": "ACTIVE", "model": "tiny@1.0.0"}')
+    fleet["store"].assign(fleet["v1"], device_id="k0")  # the control plane still publishes, k0 still follows
+    wait_until(lambda: k0.sha256() == fleet["v1"].sha256, "k0 active on what the control plane published")
+    wait_until(lambda: (fleet["store"].get("k0").reported or {}).get("state") == "ACTIVE", "k0's report recorded")
+    wait_until(lambda: (fleet["store"].get("k1").reported or {}).get("model") == "tiny@1.0.0",
+               "k1's report, sent under another client id, recorded as k1's")
+    assert (pub.link.connects, k0.client.link.connects) == connects  # neither was disconnected
+    assert pub.link.connected and k0.client.link.connected
+
+
+def test_a_reserved_name_is_never_a_device_nor_a_broker_user(fleet):
+    """Issue 36, item 4: the control plane's broker user cannot be enrolled, and a store that holds
+    one (enrolled before names were reserved) does not give it a broker login."""
+    from model_distribution.devices import _hash_secret, mosquitto_hash
+    from model_distribution.registry import RegistryError
+
+    user, secret = fleet["plane"]
+    store = fleet["store"]
+    for name in (user, "cascade-anything", "CASCADE-control-plane"):
+        with pytest.raises(RegistryError, match="reserved"):
+            store.add(name, ["kiosks"])
+    store._db.execute("INSERT INTO devices (device_id, fleet, secret_hash, broker_hash, created_at) "
+                      "VALUES (?, 'default', ?, ?, 0)", (user, _hash_secret("legacy"), mosquitto_hash("legacy")))
+    fleet["broker"].refresh()
+    assert not fleet["client"](user, "legacy").accepted  # the device's secret is no login
+    plane = fleet["client"](user, secret)
+    assert plane.accepted  # the control plane's own still is
+    plane.subscribe("cascade/v1/#")
+    k1 = fleet["client"]("k1", fleet["secrets"]["k1"])
+    k1.publish(topic("default", "k1", "reported"), b"{}")
+    wait_until(lambda: plane.received(), "the control plane still reads every device")
 
 
 @pytest.mark.parametrize("prefer", ["mosquitto", "embedded"])

@@ -14,7 +14,8 @@ import paho.mqtt.client as mqtt
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from model_distribution.devices import DeviceStore, desired_document
+from model_distribution.desired import desired_document
+from model_distribution.devices import DeviceStore
 from model_distribution.registry import Registry
 from model_distribution.signing import Repository
 from model_distribution.state_sync import DesiredPublisher, DeviceStateClient, topic
@@ -63,8 +64,8 @@ def plane(tmp_path):
     devices = [SimDevice(url, f"k{i}", repo.desired_public_key()) for i in range(N)]
     yield {"broker": broker, "url": url, "store": store, "v1": v1, "v2": v2, "devices": devices, "repo": repo}
     for d in devices:  # a DISCONNECT wakes each network loop: loop_stop alone waits out its 1 s select, 20 times
-        d.client.client.disconnect()
-        d.client.client.loop_stop()
+        d.client.link.client.disconnect()
+        d.client.link.client.loop_stop()
     pub.stop()
     broker.stop()
     reg.close()
@@ -142,10 +143,10 @@ def test_an_apply_that_raises_keeps_the_devices_mqtt_loop_and_the_next_assignmen
     wait_until(d.client.connected.is_set, "device connected")
     plane["store"].assign(plane["v1"], device_id="k0")
     wait_until(lambda: failed, "the first assignment tried")
-    assert d.client.applied_rev == 0  # not counted as applied
+    assert d.client.handed is None and d.client.applied.rev == -1  # not counted as applied
     plane["store"].assign(plane["v2"], device_id="k0")  # the loop still runs: this one arrives and applies
     wait_until(lambda: converged(plane, plane["v2"], [d]), "k0 active on 1.1.0")
-    assert d.client.client.is_connected()
+    assert d.client.link.client.is_connected()
 
 
 def test_cascade_fleet_serve_sends_what_the_fleet_commands_assign(tmp_path):

@@ -70,11 +70,11 @@ def test_each_remote_command_prints_what_the_local_command_prints(plane, tmp_pat
     assert again[0].stdout == again[1].stdout
 
     cal = tmp_path / "edge.toml"
-    cal.write_text("[cascade]\nhold_tokens = 8\nhard_prompt_tokens = 900\n")
+    cal.write_text("[cascade]\nhold_tokens = 8\nmax_prompt_tokens = 900\n")
     with_cal = remote(plane, "push", str(plane.v2), "--name", "tiny", "--version", "1.1.0", "--calibration", str(cal),
                       "--min-agent-version", "0.1.0", "--json")
     assert with_cal.returncode == 0, with_cal.stderr
-    assert json.loads(with_cal.stdout)["calibration"] == {"hold_tokens": 8, "hard_prompt_tokens": 900}
+    assert json.loads(with_cal.stdout)["calibration"] == {"hold_tokens": 8, "max_prompt_tokens": 900}
 
     for args in (["models"], ["models", "--json"], ["models", "--name", "tiny", "--json"]):
         r, loc = remote(plane, *args), local(plane, *args)
@@ -90,7 +90,7 @@ def test_each_remote_command_prints_what_the_local_command_prints(plane, tmp_pat
     info = verified_target(tmp_path / "tuf", f"{plane.url}/v1/tuf/", repo.root_bytes(), "tiny", "1.1.0",
                            ("kiosk-1", creds["secret"]))
     signed = manifest_of(info)  # what a device verifies: the thresholds and the minimum agent version signed
-    assert json.loads(signed["calibration"]) == {"hold_tokens": 8, "hard_prompt_tokens": 900}
+    assert json.loads(signed["calibration"]) == {"hold_tokens": 8, "max_prompt_tokens": 900}
     assert signed["min_agent_version"] == "0.1.0"
     text = [f(plane, "devices", "add", d, "--group", "kiosks") for f, d in ((remote, "kiosk-2"), (local, "kiosk-3"))]
     assert [r.stdout.splitlines()[0].replace(d, "D") for r, d in zip(text, ("kiosk-2", "kiosk-3"), strict=True)] == [

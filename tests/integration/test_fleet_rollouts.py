@@ -116,7 +116,7 @@ class RolloutDevice(SimDevice):
         record = {"id": f"{self.name}-{self.records}", "ts": now, "uptime_s": now - self.started,
                   "decisions": {"cloud/hard": self.escalated, "edge/easy": self.requests - self.escalated},
                   "requests": {"/v1/chat/completions/200": self.requests}}
-        self.client.client.publish(topic("default", self.name, "telemetry"), json.dumps(record).encode(), qos=1)
+        self.client.link.publish(topic("default", self.name, "telemetry"), json.dumps(record).encode(), qos=1)
 
 
 @dataclasses.dataclass

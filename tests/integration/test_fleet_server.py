@@ -17,7 +17,8 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from cascade.processes import free_port
-from model_distribution.devices import DeviceStore, verify_desired
+from model_distribution.desired import verify_desired
+from model_distribution.devices import DeviceStore
 from model_distribution.download import DownloadError, fetch
 from model_distribution.registry import Registry
 from model_distribution.signing import Repository, verified_target

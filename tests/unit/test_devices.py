@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from model_distribution.devices import BadDocument, DeviceStore, desired_document, verify_desired
+from model_distribution.desired import BadDocument, desired_document, verify_desired
+from model_distribution.devices import DeviceStore
 from model_distribution.registry import Registry, RegistryError
 from model_distribution.signing import Repository
 from tests.unit.test_registry import make_gguf
@@ -110,26 +111,39 @@ def test_a_telemetry_record_that_is_not_an_object_with_an_id_is_refused(fleet, r
     {"state": 5, "model": ["x"], "done": "a lot", "total": 0, "reason": {"no": "text"}},
     {"state": "DOWNLOADING", "done": 10**30, "total": -1, "model": "\x1b[2Jm" * 50},
     {"state": "DOWNLOADING", "done": 5, "total": 10, "reason": "r" * 10000},
+    {"state": ["ACTIVE"]},
+    {"state": "ACTIVE", "at": float("nan")},
 ])
-def test_what_a_device_reports_cannot_break_the_operators_listing(tmp_path, monkeypatch, capsys, reported):
+def test_a_bad_report_is_refused_and_one_kept_before_reports_were_checked_cannot_break_the_listing(
+        tmp_path, monkeypatch, capsys, reported):
     import argparse
+    import json
 
     from model_distribution import fleet_cli
+    from model_distribution.device_messages import RefusedMessage
 
     monkeypatch.setenv("CASCADE_HOME", str(tmp_path))
     monkeypatch.delenv("CASCADE_FLEET_URL", raising=False)
     store = DeviceStore(tmp_path / "fleet")
     store.add("kiosk-7", [])
-    store.report("kiosk-7", reported)
-    store.telemetry("kiosk-7", {"id": "t1", "ts": "soon", "uptime_s": None, "decisions": {"cloud/x": "many"},
-                                "requests": [], "queue": {"pending": "lots"}})
-    with pytest.raises(ValueError, match="over the"):
-        store.report("kiosk-7", {"state": "x" * 70000})  # refused whole, never stored cut (unparsable)
+    with pytest.raises(RefusedMessage):
+        store.report("kiosk-7", reported)
+    with pytest.raises(RefusedMessage):
+        store.telemetry("kiosk-7", {"id": "t1", "ts": "soon", "uptime_s": None, "decisions": {"cloud/x": "many"},
+                                    "requests": [], "queue": {"pending": "lots"}})
+    # what an older control plane kept as devices sent it: read back leniently, never raised
+    store._db.execute("UPDATE devices SET reported = ?, last_event = ? WHERE device_id = 'kiosk-7'",
+                      (json.dumps(reported), '{"event": NaN}'))
+    store._db.execute("INSERT INTO telemetry VALUES ('kiosk-7', 'old', 1e300, 0, '{\"ts\": Infinity, "
+                      "\"requests\": {\"chat/500\": NaN}}')")
+    assert store.get("kiosk-7").reported is None or isinstance(store.get("kiosk-7").reported, dict)
     store.close()
     args = argparse.Namespace(group=None, json=False, url=None, admin_key=None)
     assert fleet_cli.cmd_devices_list(args) == 0
     out = capsys.readouterr().out
     assert "kiosk-7" in out and "\x1b" not in out and max(len(line) for line in out.splitlines()) < 700
+    assert fleet_cli.cmd_devices_list(argparse.Namespace(group=None, json=True, url=None, admin_key=None)) == 0
+    json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
 
 
 def test_secrets_are_kept_as_a_keyed_hash_and_old_scrypt_hashes_still_check(fleet):
@@ -144,17 +158,31 @@ def test_secrets_are_kept_as_a_keyed_hash_and_old_scrypt_hashes_still_check(flee
     assert not check_secret(secret, "md5$AAAA$BBBB") and not check_secret(secret, "garbage")
 
 
-def test_a_device_message_nested_past_the_parser_is_logged_not_raised(tmp_path, caplog):
+def test_a_device_message_nested_past_the_parser_is_logged_and_counted_not_raised(tmp_path, caplog):
     """A hostile device's payload must not raise out of the MQTT callback (it would stop the loop)."""
     from types import SimpleNamespace
 
+    from prometheus_client import CollectorRegistry
+
+    from model_distribution.device_inbox import DeviceInbox
     from model_distribution.state_sync import DesiredPublisher
     devices = DeviceStore(tmp_path)
-    publisher = DesiredPublisher(None, devices, Ed25519PrivateKey.generate(), "mqtt://127.0.0.1:1")
-    deep = b"[" * 50_000 + b"]" * 50_000
-    for kind in ("reported", "telemetry", "events"):
-        publisher._on_message(None, None, SimpleNamespace(topic=f"cascade/v1/default/devices/d1/{kind}", payload=deep))
-    assert caplog.text.count("unreadable") == 3
+    devices.add("d1", [])
+    metrics = CollectorRegistry()
+    publisher = DesiredPublisher(None, devices, Ed25519PrivateKey.generate(), "mqtt://127.0.0.1:1",
+                                 inbox=DeviceInbox(devices, metrics))
+    deep, deeper = b"[" * 5_000 + b"]" * 5_000, b"[" * 50_000 + b"]" * 50_000
+    for payload in (deep, deeper):
+        for kind in ("reported", "telemetry", "events"):
+            publisher._on_message(SimpleNamespace(topic=f"cascade/v1/default/devices/d1/{kind}", payload=payload))
+
+    def refused(kind, reason):
+        return metrics.get_sample_value("cascade_fleet_device_messages_refused_total",
+                                        {"kind": kind, "reason": reason}) or 0
+    assert refused("reported", "not_json") == refused("telemetry", "not_json") == 1  # nested past the bound
+    assert refused("reported", "too_large") == refused("telemetry", "too_large") == 1  # refused before parsing
+    assert refused("events", "too_large") == 2
+    assert "refused a reported message" in caplog.text  # logged once a minute per device, counted always
     with pytest.raises(BadDocument):
         key = Ed25519PrivateKey.generate().public_key().public_bytes_raw()
-        verify_desired(b'{"payload": ' + deep + b"}", key, "d1")
+        verify_desired(b'{"payload": ' + deeper + b"}", key, "d1")

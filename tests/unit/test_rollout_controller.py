@@ -18,7 +18,9 @@ N = 20
 
 class Fleet:
     def __init__(self, root, tmp_path):
-        self.registry, self.devices, self.rollouts = Registry(root), DeviceStore(root), RolloutStore(root)
+        self.now = 1000.0
+        self.registry, self.rollouts = Registry(root), RolloutStore(root, clock=lambda: self.now)
+        self.devices = DeviceStore(root, clock=lambda: self.now)  # a device's times are bounded by this clock
         self.v1, _ = self.registry.push(make_gguf(tmp_path / "a.gguf", 1.0), "tiny", "1.0.0")
         self.v2, _ = self.registry.push(make_gguf(tmp_path / "b.gguf", 2.0), "tiny", "1.1.0")
         for i in range(N):
@@ -307,7 +309,7 @@ def test_the_desired_document_carries_the_window_the_jitter_and_what_to_fetch_ah
 
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from model_distribution.devices import desired_document, verify_desired
+    from model_distribution.desired import desired_document, verify_desired
 
     key = Ed25519PrivateKey.generate()
     fleet.devices.prefetch(fleet.v2, ["k00"], jitter_s=5)

@@ -1,0 +1,131 @@
+"""One strict JSON decoder for data from outside: HTTP bodies and headers, MQTT payloads, a
+worker's or a device's numbers, files another host wrote.
+
+``loads(data, limit=...)`` gives the value or raises ``WireError`` (a ValueError) with a short
+``reason`` code to count it by. Refused, whatever Python's ``json`` would take:
+
+    too_large     more than ``limit`` bytes (checked before anything is decoded)
+    encoding      bad UTF-8
+    not_json      bad JSON (a byte order mark included), or nested deeper than ``max_depth``
+    non_finite    NaN, Infinity, -Infinity, or a number beyond a float (1e999)
+    int_range     an integer beyond 64 bits (what SQLite, Prometheus and timers take)
+    surrogate     a lone UTF-16 surrogate escape (\\ud800): no encoder downstream takes one
+    control_char  with ``text_safe``: a control character or a line separator (U+0000-U+001F,
+                  U+007F-U+009F, U+2028, U+2029) in a key or a string, which would forge a log
+                  line or split a record where a consumer splits lines
+
+Only this module calls ``json.loads`` on outside data; what the process wrote itself (its own
+database rows) may be read with plain ``json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_DEPTH = 32
+_UNSAFE_TEXT = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+class WireError(ValueError):
+    """Outside data refused; ``reason`` is one of the codes in the module docstring."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def _no_constant(name: str):
+    raise WireError("non_finite", f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise WireError("non_finite", f"{text[:40]} is out of range for a number")
+    return value
+
+
+def _int64(text: str) -> int:
+    if len(text) > 20:  # never parse a 4,000-digit integer only to refuse it
+        raise WireError("int_range", f"the integer {text[:24]}... is beyond 64 bits")
+    value = int(text)
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise WireError("int_range", f"the integer {text} is beyond 64 bits")
+    return value
+
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float, parse_int=_int64)
+
+
+def loads(data: bytes | bytearray | memoryview | str, *, limit: int, max_depth: int = MAX_DEPTH,
+          text_safe: bool = False) -> Any:
+    """Decode ``data`` as strict JSON (see the module docstring); WireError when refused."""
+    size = len(data.encode("utf-8", "surrogatepass")) if isinstance(data, str) else len(data)
+    if size > limit:
+        raise WireError("too_large", f"{size} bytes is over the limit of {limit}")
+    if isinstance(data, str):
+        text = data
+    else:
+        try:
+            text = bytes(data).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise WireError("encoding", f"not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    if text.startswith("\ufeff"):  # in json.loads' words
+        raise WireError("not_json", str(json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)))
+    try:
+        value = _DECODER.decode(text)
+    except WireError:
+        raise
+    except RecursionError:
+        raise WireError("not_json", "nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, and int()'s own limit on digits
+        raise WireError("not_json", f"not valid JSON: {e}") from None
+    _check(value, max_depth, text_safe, bool(_SURROGATE_ESCAPE.search(text)))
+    return value
+
+
+def _check(value: Any, max_depth: int, text_safe: bool, may_have_surrogates: bool) -> None:
+    """Depth, and (when they may occur) lone surrogates and unsafe characters, in one walk."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict):
+            if depth > max_depth:
+                raise WireError("not_json", f"nested deeper than {max_depth}")
+            for k, item in v.items():
+                _check_text(k, text_safe, may_have_surrogates)
+                stack.append((item, depth + 1))
+        elif isinstance(v, list):
+            if depth > max_depth:
+                raise WireError("not_json", f"nested deeper than {max_depth}")
+            stack.extend((item, depth + 1) for item in v)
+        elif isinstance(v, str):
+            _check_text(v, text_safe, may_have_surrogates)
+
+
+def _check_text(s: str, text_safe: bool, may_have_surrogates: bool) -> None:
+    if text_safe and _UNSAFE_TEXT.search(s):
+        raise WireError("control_char", "a string holds a control character or a line separator")
+    if may_have_surrogates:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise WireError("surrogate", "a string holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+                                         "escape)") from None
+
+
+def safe_text(s: str) -> bool:
+    """Whether ``s`` holds no control character or line separator (what ``text_safe`` refuses)."""
+    return _UNSAFE_TEXT.search(s) is None
+
+
+def one_line(s: str, limit: int = 500) -> str:
+    """``s`` with every control character and line separator made a space, cut to ``limit``
+    characters: what a process says of itself in a field another one will check as text."""
+    flat = _UNSAFE_TEXT.sub(" ", s)
+    return flat if len(flat) <= limit else flat[:limit - 1] + "…"
