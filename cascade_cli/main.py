@@ -511,7 +511,19 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request to a worker is noise
-    return args.func(args) or 0
+    try:
+        return args.func(args) or 0
+    except BrokenPipeError:  # `cascade fleet devices | head`: the reader has what it wanted
+        _quiet_stdout()
+        return 141  # 128 + SIGPIPE, as a shell reports a pipeline cut short
+
+
+def _quiet_stdout() -> None:
+    """After a broken pipe: point stdout at /dev/null, so flushing it at exit raises nothing more."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 import secrets
@@ -34,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict
 from starlette.requests import ClientDisconnect
 
-from cascade import errors
+from cascade import errors, wire
 from cascade.config import cascade_home, load_config
 from cascade.web import build_openai_app, parse_body, read_json
 from cascade.web.openapi import body
@@ -168,17 +167,15 @@ async def _require_device(request: Request, device_id: str | None = None) -> Non
     if admin_key and bearer_matches(request, admin_key):
         return
     pair = basic_credentials(request.headers.get("authorization", ""))
-    client = request.client.host if request.client else "-"
+    client = request.client.host if request.client else "-"  # the TCP peer (a trusted proxy's X-Forwarded-For)
     ok = pair is not None and state.credentials.cached(*pair)
     if pair is not None and not ok:
-        wait = state.credentials.throttled(pair[0], client)
-        if wait:
+        verdict = await asyncio.to_thread(state.credentials.check, pair[0], pair[1], client)
+        if verdict is not True and verdict:
             raise errors.APIError(429, f"too many wrong credentials for {pair[0]!r} from this address: try again "
-                                  f"in {wait:.0f} s", "rate_limit_error", None, "too_many_failures",
-                                  {"Retry-After": str(max(1, round(wait)))})
-        ok = await asyncio.to_thread(state.credentials.verify, *pair)
-        if not ok:
-            state.credentials.failed(pair[0], client)
+                                  f"in {verdict:.0f} s", "rate_limit_error", None, "too_many_failures",
+                                  {"Retry-After": str(max(1, round(verdict)))})
+        ok = verdict is True
     if not ok:
         raise errors.APIError(401, "a device endpoint: send the device's enrolled credentials as HTTP Basic "
                               "device_id:secret", "authentication_error", None, "invalid_credentials",
@@ -308,9 +305,9 @@ def _calibration(request: Request) -> dict | None:
     raw = request.headers.get("x-cascade-calibration")
     if raw is None:
         return None
-    try:
-        table = json.loads(raw)
-    except ValueError as e:
+    try:  # a header from outside: the one strict decoder (the registry then checks it as a device applies it)
+        table = wire.loads(raw.encode("latin-1", "replace"), limit=_BODY_LIMIT, max_depth=4)
+    except wire.WireError as e:
         raise errors.bad_request(f"X-Cascade-Calibration is not JSON: {e}", "X-Cascade-Calibration") from e
     if not isinstance(table, dict):
         raise errors.bad_request("X-Cascade-Calibration must be a JSON object (the [cascade] thresholds)",

@@ -5,9 +5,13 @@ before, about 70 ms of CPU each).
 
 A pair verified once is remembered for ``ttl_s`` (as a sha256 of the secret, never the secret
 itself); a wrong pair is never remembered. Guesses are bounded twice: at most ``max_failures``
-wrong pairs per device and client address in ``failure_window_s`` (then ``throttled`` says how
-long to wait, and nothing is checked), and at most ``max_concurrent`` checks at once however many
-addresses guess (what keeps an old scrypt-hashed store from being a lever on the CPU).
+wrong pairs per device and client address in ``failure_window_s`` (then wrong pairs from that
+address get 429), and at most ``max_concurrent`` checks at once however many addresses guess.
+No one can lock a device out: a device's right secret is taken from a throttled address too
+(``check``), because checking it costs a keyed hash; only a store's old scrypt hashes (~70 ms
+of CPU each) are not checked at all for a throttled address, which is what keeps them from being
+a lever on the CPU. The address is the TCP peer's: X-Forwarded-For counts only from the proxies
+``[server] forwarded_allow_ips`` names.
 """
 
 from __future__ import annotations
@@ -67,6 +71,18 @@ class DeviceCredentials:
     def cached(self, device_id: str, secret: str) -> bool:
         until = self._until.get((device_id, _digest(secret)))
         return until is not None and until > self.clock()
+
+    def check(self, device_id: str, secret: str, client: str) -> bool | float:
+        """The device endpoints' check (call it on a thread): True for the right pair, False for a
+        wrong one (counted against ``client``), or the seconds to wait when ``client`` is throttled
+        and this pair was not checked (a wrong one, or one whose check would be slow)."""
+        wait = self.throttled(device_id, client)
+        if wait and self.store.slow_hash(device_id):
+            return wait
+        if self.verify(device_id, secret):
+            return True
+        self.failed(device_id, client)
+        return wait or self.throttled(device_id, client) or False
 
     def verify(self, device_id: str, secret: str) -> bool:
         """Check the pair against the stored hash; remember it when it holds."""

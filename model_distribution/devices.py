@@ -307,6 +307,12 @@ class DeviceStore:
             row = self._db.execute("SELECT secret_hash FROM devices WHERE device_id = ?", (device_id,)).fetchone()
         return row is not None and check_secret(secret, row[0])
 
+    def slow_hash(self, device_id: str) -> bool:
+        """Whether checking this device's secret costs a slow KDF (a store made before the keyed hash)."""
+        with self._lock:
+            row = self._db.execute("SELECT secret_hash FROM devices WHERE device_id = ?", (device_id,)).fetchone()
+        return row is not None and row[0].startswith("scrypt$")
+
     def get(self, device_id: str) -> Device | None:
         found = self.list(device_ids=[device_id])
         return found[0] if found else None

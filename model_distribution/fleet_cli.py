@@ -44,7 +44,8 @@ def cmd_serve(args) -> int:
 
     overrides = {"server": {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}}
     mqtt = {k: v for k, v in (("broker", args.broker), ("listen_port", args.mqtt_port),
-                              ("listen_host", args.mqtt_host)) if v is not None}
+                              ("listen_host", args.mqtt_host), ("tls_port", args.mqtt_tls_port),
+                              ("certfile", args.mqtt_certfile), ("keyfile", args.mqtt_keyfile)) if v is not None}
     if args.no_broker:
         mqtt["start"] = False
     if mqtt:
@@ -91,9 +92,14 @@ def cmd_push(args) -> int:
         return 0
     repo = _repository()
     if not repo.initialized:
-        repo.init()
-        print(f"cascade: no signing keys yet: made them under {repo.keys_dir} (cascade fleet keys init)",
-              file=sys.stderr)
+        try:
+            repo.init()
+            print(f"cascade: no signing keys yet: made them under {repo.keys_dir} (cascade fleet keys init)",
+                  file=sys.stderr)
+        except SigningError as e:  # another push made them meanwhile (init runs under the publish lock)
+            if not repo.initialized:
+                print(f"cascade: {e}", file=sys.stderr)
+                return 2
     reg = _registry()
     try:
         manifest, created = operations.push(reg, repo, args.path, args.name, args.version, args.calibration,
@@ -326,6 +332,7 @@ class Remote:
         is not found after gigabytes went over the network)."""
         import httpx
 
+        from cascade.calibration import CalibrationError, check_calibration
         from model_distribution.registry import RegistryError, check_names, read_calibration
 
         file = Path(path)
@@ -346,9 +353,10 @@ class Remote:
             if not file.is_file():
                 raise RegistryError(f"{file} is not a file (nor an ONNX export directory)")
             headers = {"Content-Type": "application/octet-stream", "Content-Length": str(file.stat().st_size)}
-            if calibration is not None:
-                headers["X-Cascade-Calibration"] = json.dumps(read_calibration(calibration))
-        except RegistryError as e:
+            if calibration is not None:  # checked here as the control plane will, its difficulty model inline
+                table = check_calibration(read_calibration(calibration), Path(calibration).expanduser().parent)
+                headers["X-Cascade-Calibration"] = json.dumps(table, allow_nan=False, separators=(",", ":"))
+        except (RegistryError, CalibrationError) as e:
             raise Refused(str(e)) from e
         params = {"name": name, "version": version, **({"min_agent_version": min_agent_version}
                                                          if min_agent_version else {})}
@@ -422,6 +430,10 @@ def add_fleet_parser(sub, make_parser) -> None:
                        "the fleet's own: Mosquitto when installed, else an embedded one)")
     serve.add_argument("--mqtt-port", type=int, help="port of the broker it starts (default: 1883)")
     serve.add_argument("--mqtt-host", help="address of the broker it starts (default: 127.0.0.1)")
+    serve.add_argument("--mqtt-tls-port", type=int, help="the broker it starts also listens with TLS on this port "
+                       "(devices use mqtts://HOST:PORT; default: no TLS listener)")
+    serve.add_argument("--mqtt-certfile", help="that listener's certificate chain (PEM)")
+    serve.add_argument("--mqtt-keyfile", help="that listener's private key (PEM)")
     serve.add_argument("--no-broker", action="store_true", help="start no broker (HTTP only)")
     serve.set_defaults(func=cmd_serve)
     keys = make_parser(fleet, "keys", "the control plane's signing keys").add_subparsers(

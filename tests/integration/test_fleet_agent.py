@@ -268,3 +268,57 @@ def test_a_real_agent_takes_part_in_a_staged_rollout_beside_simulated_devices_an
         rollouts.close()
         store.close()
         reg.close()
+
+
+def test_a_version_whose_calibration_cannot_be_applied_leaves_the_old_model_serving_across_a_restart(
+        tmp_path, smollm2_path):
+    """Issue 36, item 13: a version whose calibration a device cannot apply (here as an older
+    control plane published it, naming a difficulty model on the calibrating host) is loaded and
+    smoke-tested, then refused before the switch: FAILED with the reason, the old model answers
+    every request, and a restart comes back on it, not on a half-switched agent answering 500."""
+    broker, home, repo, v2_file = control_plane(tmp_path, smollm2_path, b"\x04\x05\x06")
+    reg = Registry(home / "fleet")
+    v2, _ = reg.push(v2_file, "edge-model", "3.0.0")
+    legacy = {"hold_tokens": 8, "difficulty_model": "/home/calibrator/difficulty.json"}
+    reg._db.execute("UPDATE model_versions SET calibration = ? WHERE name = 'edge-model'", (json.dumps(legacy),))
+    v2 = reg.get("edge-model", "3.0.0")
+    reg.close()
+    repo.add_target(v2.name, v2.version, v2.sha256, v2.size, v2.signable())  # signed as such
+    url = f"mqtt://127.0.0.1:{broker.port}"
+    plane = Server(home, ["fleet", "serve"], "--broker", url).wait_healthy(60)
+    secret = json.loads(fleet(home, "devices", "add", "kiosk-9", "--json").stdout)["secret"]
+    device_home = tmp_path / "device"
+    device_home.mkdir()
+    env = {"CASCADE_EDGE_FLEET_BROKER": url, "CASCADE_EDGE_FLEET_DEVICE_ID": "kiosk-9",
+           "CASCADE_EDGE_FLEET_SECRET": secret, "CASCADE_EDGE_FLEET_CONTROL_PLANE": plane.url,
+           "CASCADE_EDGE_FLEET_TRUST_ROOT": str(repo.metadata_dir / "1.root.json"),
+           "CASCADE_EDGE_FLEET_DESIRED_KEY": str(repo.desired_key_file)}
+
+    def start_agent() -> Agent:
+        return Agent(device_home, "--n-ctx", "512", "--threads", "1", "--parallel", "1", "--no-config",
+                     env=env).wait_healthy()
+
+    def answers(agent: Agent) -> None:
+        r = loopback.post(f"{agent.url}/v1/completions", json={"model": "smollm2-135m", "prompt": "Hi",
+                                                               "max_tokens": 4, "cascade": {"mode": "local"}},
+                          timeout=120)
+        assert r.status_code == 200, r.text
+        assert loopback.get(f"{agent.url}/v1/models").json()["data"][0]["id"] == "smollm2-135m"
+
+    def reported():
+        return json.loads(fleet(home, "devices", "--json").stdout)[0]["reported"] or {}
+
+    agent = start_agent()
+    try:
+        assert fleet(home, "assign", "kiosk-9", "edge-model@3.0.0").returncode == 0
+        wait_until(lambda: reported().get("state") in ("FAILED", "ACTIVE"), "the switch to be decided", 240)
+        assert reported()["state"] == "FAILED" and "calibration" in reported()["reason"], reported()
+        answers(agent)
+        agent.stop()
+        agent = start_agent()  # the retained document is taken again: refused again, the old model serves
+        answers(agent)
+        assert not (device_home / "edge" / "fleet" / "active.json").exists()
+    finally:
+        agent.stop()
+        plane.stop()
+        broker.stop()

@@ -1,0 +1,310 @@
+"""Issue 36's reproductions that need no broker, each on a real registry database with a fake
+clock: a failing rollout never stops another (item 2), one device cannot decide a gate (item 5),
+one device is in one rollout at a time (item 9), windows that never open and WAITING forever
+(item 10), a future-dated record cannot pin a device's numbers (item 7), nobody locks a device
+out (item 16), the calibration travels whole and checked (items 13, 14), a cut GGUF is not
+published (item 12), and a signed document cannot be replayed after a restart (item 6)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from model_distribution.device_messages import RefusedMessage, decode
+from model_distribution.registry import Registry, RegistryError
+from model_distribution.rollout_controller import MAX_FAILED_TICKS, rollback, start_rollout, tick
+from model_distribution.rollouts import RolloutConflict, RolloutError, RolloutSpec
+from tests.unit.test_registry import make_gguf
+from tests.unit.test_rollout_controller import Fleet, finish_wave
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    f = Fleet(tmp_path / "fleet", tmp_path)
+    yield f
+    f.close()
+
+
+def states(fleet, rid) -> dict[str, str]:
+    return {e.device_id: e.state for e in fleet.rollouts.executions(rid)}
+
+
+# -- item 2: one rollout's failure is its own --------------------------------------------------
+
+def test_a_rollout_whose_step_fails_is_paused_and_never_stops_another_groups(fleet):
+    for i in range(4):
+        fleet.devices.add(f"b{i}", ["booths"])
+    fleet.devices.assign(fleet.v1, group="booths")
+    fleet.registry.push(make_gguf(fleet.registry.root / "c.gguf", 3.0), "tiny", "1.2.0")
+    broken = start_rollout(fleet.registry, fleet.devices, fleet.rollouts, RolloutSpec("tiny@1.1.0", "kiosks", [100]))
+    fine = start_rollout(fleet.registry, fleet.devices, fleet.rollouts, RolloutSpec("tiny@1.2.0", "booths", [100]))
+    real = fleet.registry.resolve
+
+    def resolve(ref):  # an injected fault: the kiosks' rollout meets a row no code expected
+        if ref == "tiny@1.1.0":
+            raise RuntimeError("injected: a row no code expected")
+        return real(ref)
+
+    fleet.registry.resolve = resolve
+    failures: dict[str, int] = {}
+    for _ in range(3):
+        fleet.now += 1
+        tick(fleet.registry, fleet.devices, fleet.rollouts, fleet.now, failures)
+        for d in fleet.devices.list(group="booths"):
+            if d.desired == "tiny@1.2.0" and (d.reported or {}).get("state") != "ACTIVE":
+                fleet.report(d.device_id, "ACTIVE")
+    assert fleet.rollouts.get(fine.rollout_id).state == "SUCCEEDED"  # the other group's went on to the end
+    for _ in range(MAX_FAILED_TICKS):
+        fleet.now += 1
+        tick(fleet.registry, fleet.devices, fleet.rollouts, fleet.now, failures)
+    stopped = fleet.rollouts.get(broken.rollout_id)
+    assert stopped.state == "PAUSED" and "injected" in stopped.reason and "failed 10 times" in stopped.reason
+
+
+def test_a_report_with_a_time_past_any_clock_is_refused_before_it_reaches_a_rollout(fleet):
+    d = fleet.devices.get("k00")
+    for at in (10**20, 1e300, -1, True):
+        with pytest.raises(RefusedMessage):
+            fleet.devices.report("k00", {"desired": d.desired, "rev": d.desired_rev, "state": "ACTIVE", "at": at})
+    with pytest.raises(RefusedMessage, match="64 bits"):
+        decode("reported", b'{"state": "ACTIVE", "at": 100000000000000000000}')
+
+
+# -- item 5: a gate is a statistic over devices --------------------------------------------------
+
+def gated(fleet, lying: bool, gate="error_rate<=+0.05"):
+    """Waves 25,100 over 20 devices; the new version fails half its requests; with ``lying`` one
+    control device claims a flood of requests, every one an error on the old version."""
+    r = start_rollout(fleet.registry, fleet.devices, fleet.rollouts,
+                      RolloutSpec("tiny@1.1.0", "kiosks", [25, 100], bake_s=60, gates=[gate], min_requests=20))
+    fleet.tick()
+    updated = fleet.devices_told("tiny@1.1.0")
+    control = [d.device_id for d in fleet.devices.list() if d.device_id not in updated]
+    liar = control[0] if lying else None
+    finish_wave(fleet)
+    serve(fleet, updated + control, 0, 0, uptime=1e8)
+    fleet.tick()
+    fleet.tick(30)
+    serve(fleet, updated, 20, 10, uptime=1e8)  # half fail on the new version
+    serve(fleet, [d for d in control if d != liar], 20, 0, uptime=1e8)
+    if liar:
+        serve(fleet, [liar], 10**6 * 30, 10**6 * 30, uptime=1e8)  # a million errors a second, on the old version
+    fleet.tick(31)
+    return fleet.rollouts.get(r.rollout_id), updated, control
+
+
+def serve(fleet, devices, requests: int, failed: int, uptime: float):
+    for d in devices:
+        c = fleet.counters.setdefault(d, {"n": 0, "bad": 0, "id": 0})
+        c["n"] += requests
+        c["bad"] += failed
+        c["id"] += 1
+        fleet.devices.telemetry(d, {"id": f"{d}-{c['id']}", "ts": fleet.now, "uptime_s": uptime,
+                                    "requests": {"chat/200": c["n"] - c["bad"], "chat/500": c["bad"]},
+                                    "decisions": {"edge/confident": c["n"]}})
+
+
+@pytest.mark.parametrize("lying", [False, True])
+def test_one_device_claiming_a_flood_cannot_pass_a_version_its_group_fails(fleet, lying):
+    r, updated, control = gated(fleet, lying)
+    assert r.state == "ROLLED_BACK", (r.state, r.reason)
+    decision = fleet.rollouts.decisions(r.rollout_id)[-1]
+    assert decision["updated"]["error_rate"] == pytest.approx(0.5) and decision["control"]["error_rate"] == 0.0
+    assert decision["control"]["devices"] == len(control)
+
+
+def test_the_last_wave_is_compared_with_the_control_group_measured_before_it_never_passed_for_want_of_one(fleet):
+    r = start_rollout(fleet.registry, fleet.devices, fleet.rollouts,
+                      RolloutSpec("tiny@1.1.0", "kiosks", [100], bake_s=60, gates=["error_rate<=+0.05"]))
+    fleet.tick()
+    finish_wave(fleet)
+    everyone = [d.device_id for d in fleet.devices.list()]
+    fleet.tick()
+    fleet.tick(30)
+    serve(fleet, everyone, 10, 0, uptime=1e8)
+    fleet.tick(31)
+    paused = fleet.rollouts.get(r.rollout_id)  # one wave and no telemetry from before it: nothing to compare with
+    assert paused.state == "PAUSED" and "no value for error_rate" in paused.reason, paused.reason
+    assert fleet.rollouts.decisions(r.rollout_id)[-1]["gates"][0]["passed"] is None
+
+
+def test_a_one_wave_rollout_compares_its_devices_with_themselves_before_it_began(tmp_path):
+    fleet = Fleet(tmp_path / "fleet", tmp_path)
+    everyone = [d.device_id for d in fleet.devices.list()]
+    serve(fleet, everyone, 0, 0, uptime=1e8)
+    fleet.now += 200
+    serve(fleet, everyone, 20, 0, uptime=1e8)  # healthy on the old version before the rollout
+    fleet.now += 10
+    r = start_rollout(fleet.registry, fleet.devices, fleet.rollouts,
+                      RolloutSpec("tiny@1.1.0", "kiosks", [100], bake_s=60, gates=["error_rate<=+0.05"]))
+    fleet.tick()
+    finish_wave(fleet)
+    fleet.tick()
+    fleet.tick(30)
+    serve(fleet, everyone, 20, 10, uptime=1e8)
+    fleet.tick(31)
+    halted = fleet.rollouts.get(r.rollout_id)
+    assert halted.state == "ROLLED_BACK", halted.reason
+    assert "before the rollout began" in fleet.rollouts.decisions(r.rollout_id)[-1]["control_from"]
+    fleet.close()
+
+
+# -- item 9: one device, one rollout under way ----------------------------------------------------
+
+def test_a_device_in_two_groups_gets_one_rollout_at_a_time_and_a_rollback_never_undoes_another(fleet):
+    fleet.devices.add("both", ["kiosks", "booths"])
+    fleet.devices.assign(fleet.v1, device_id="both")
+    v3, _ = fleet.registry.push(make_gguf(fleet.registry.root / "c.gguf", 3.0), "tiny", "1.2.0")
+    first = start_rollout(fleet.registry, fleet.devices, fleet.rollouts, RolloutSpec("tiny@1.1.0", "kiosks", [100]))
+    with pytest.raises(RolloutConflict, match="both in " + first.rollout_id):
+        start_rollout(fleet.registry, fleet.devices, fleet.rollouts, RolloutSpec("tiny@1.2.0", "booths", [100]))
+    fleet.tick()
+    finish_wave(fleet)
+    fleet.tick()
+    fleet.tick()
+    assert fleet.rollouts.get(first.rollout_id).state == "SUCCEEDED"
+    second = start_rollout(fleet.registry, fleet.devices, fleet.rollouts, RolloutSpec("tiny@1.2.0", "kiosks", [100]))
+    fleet.tick()
+    assert fleet.devices.get("both").desired == "tiny@1.2.0"
+    with pytest.raises(RolloutConflict, match="another rollout under way"):
+        rollback(fleet.registry, fleet.devices, fleet.rollouts, first.rollout_id)
+    assert fleet.devices.get("both").desired == "tiny@1.2.0"  # the running rollout's assignment stands
+    assert fleet.rollouts.get(second.rollout_id).state == "RUNNING"
+    assert v3.ref == "tiny@1.2.0"
+
+
+# -- item 10: windows that never open -------------------------------------------------------------
+
+@pytest.mark.parametrize("window", ["02:00-02:00", "0 0 31 2 *"])
+def test_a_window_that_never_opens_is_refused_up_front(window):
+    with pytest.raises(RolloutError, match="never opens"):
+        RolloutSpec("tiny@1.1.0", "kiosks", window=window)
+
+
+def test_waiting_counts_as_word_only_until_the_window_should_have_opened(fleet):
+    r = start_rollout(fleet.registry, fleet.devices, fleet.rollouts,
+                      RolloutSpec("tiny@1.1.0", "kiosks", [5, 100], window="02:00-03:00", step_timeout_s=600))
+    fleet.tick()
+    (d,) = fleet.devices_told("tiny@1.1.0")
+    for _ in range(30):  # a heartbeat each hour, each saying the window opens in an hour: it never does
+        fleet.report(d, "WAITING", window="02:00-03:00", wait_s=3600.0)
+        fleet.tick(3600)
+        if states(fleet, r.rollout_id)[d] != "IN_PROGRESS":
+            break
+    assert states(fleet, r.rollout_id)[d] == "TIMED_OUT"
+    assert fleet.now - 1000 <= 86400 + 600 + 2 * 3600  # a day (the longest an HH:MM window stays shut), and the timeout
+
+
+# -- item 7: a device's clock ---------------------------------------------------------------------
+
+def test_a_record_dated_in_the_future_cannot_pin_a_devices_numbers(fleet):
+    fleet.devices.telemetry("k00", {"id": "a", "ts": fleet.now + 10 * 86400, "uptime_s": 10.0,
+                                    "requests": {"chat/500": 5}})
+    fleet.now += 400
+    fleet.devices.telemetry("k00", {"id": "b", "ts": fleet.now, "uptime_s": 500.0, "requests": {"chat/200": 7}})
+    assert fleet.devices.serving("k00")["requests"] == 7  # the newer record is the device's newest
+    for ts in (b"1e999", b"NaN", b"Infinity", b"1" + b"0" * 400):
+        with pytest.raises(RefusedMessage):
+            decode("telemetry", b'{"id": "t1", "ts": ' + ts + b"}")
+
+
+# -- item 16: nobody locks a device out ----------------------------------------------------------
+
+def test_the_right_secret_is_taken_from_an_address_throttled_for_wrong_ones(tmp_path):
+    from model_distribution.credentials import DeviceCredentials
+    from model_distribution.devices import DeviceStore
+
+    store = DeviceStore(tmp_path)
+    secret = store.add("d2", [])
+    creds = DeviceCredentials(store, ttl_s=0)
+    for _ in range(10):
+        creds.check("d2", "wrong", "10.0.0.9")
+    assert creds.check("d2", "wrong", "10.0.0.9") > 0  # throttled: 429 with the wait
+    assert creds.check("d2", secret, "10.0.0.9") is True  # the device itself still gets in
+    assert creds.check("d2", "wrong", "10.0.0.10") is False  # another address is counted apart
+    store.close()
+
+
+# -- items 13, 14: the calibration travels whole and checked ----------------------------------------
+
+def test_a_calibration_is_checked_at_push_and_its_difficulty_model_travels_inline(tmp_path):
+    model = tmp_path / "calib" / "difficulty.json"
+    model.parent.mkdir()
+    model.write_text(json.dumps({"weights": {"code": 1.5, "math": -0.5}, "bias": -2.0}))
+    edge = tmp_path / "calib" / "edge.toml"  # as cascade calibrate writes it: the model by path, -inf for off
+    edge.write_text('[cascade]\ndevice = "calibrating-host"\nhold_tokens = 8\nmin_mean_logprob = -inf\n'
+                    'difficulty_threshold = 0.7\ndifficulty_model = "difficulty.json"\n')
+    reg = Registry(tmp_path / "fleet")
+    m, _ = reg.push(make_gguf(tmp_path / "a.gguf", 1.0), "tiny", "1.0.0", edge)
+    assert m.calibration == {"hold_tokens": 8, "min_mean_logprob": None, "difficulty_threshold": 0.7,
+                             "difficulty_model": {"weights": {"code": 1.5, "math": -0.5}, "bias": -2.0}}
+    json.dumps(m.to_dict(), allow_nan=False)  # what the admin API answers: no infinity, no NaN
+    for bad, says in [({"hold_tokens": 0}, "hold_tokens"), ({"mode": "bogus"}, "mode"),
+                      ({"difficulty_model": "/home/me/difficulty.json"}, "names a file"),
+                      ({"min_token_logprob": math.nan}, "number"), ({"thresholds": 1}, "not a")]:
+        with pytest.raises(RegistryError, match=says):
+            reg.push(make_gguf(tmp_path / "b.gguf", 2.0), "tiny", "1.1.0", bad)
+    reg.close()
+
+
+def test_the_agent_prepares_a_calibration_before_it_switches_and_refuses_one_it_cannot_apply(tmp_path):
+    from cascade.calibration import CalibrationError, CascadeConfig
+    from edge_agent.fleet import prepare_calibration
+
+    inline = {"weights": {"code": 2.0}, "bias": -1.0}
+    config, policy = prepare_calibration(CascadeConfig(min_mean_logprob=-1.0), {
+        "sha256": "ab" * 32, "calibration": json.dumps({"min_mean_logprob": None, "difficulty_model": inline})},
+        tmp_path)
+    assert config.min_mean_logprob == -math.inf and policy.hard.model.weights == {"code": 2.0}
+    assert json.loads((tmp_path / "calibration" / f"{'ab' * 32}.json").read_text()) == inline
+    for bad in ({"difficulty_model": "/not/on/this/device.json"}, {"hold_tokens": 0}, {"mode": "bogus"}):
+        with pytest.raises(CalibrationError):
+            prepare_calibration(CascadeConfig(), {"calibration": bad}, tmp_path)
+
+
+# -- item 12: a cut GGUF is never published ----------------------------------------------------------
+
+def test_a_truncated_or_empty_gguf_is_refused_at_push(tmp_path):
+    from model_distribution.catalog import Catalog
+
+    real = Catalog(tmp_path).get("smollm2-135m").path.read_bytes()
+    reg = Registry(tmp_path / "fleet")
+    for i, data in enumerate((real[:8000], b"GGUF" + bytes(1000), real[: len(real) // 2])):
+        bad = tmp_path / f"bad{i}.gguf"
+        bad.write_bytes(data)
+        with pytest.raises(RegistryError, match="not a valid GGUF"):
+            reg.push(bad, "tiny", f"1.0.{i}")
+    assert reg.models() == []
+    reg.close()
+
+
+# -- item 6: a signed document is not replayed after a restart ------------------------------------------
+
+def test_an_older_document_is_refused_after_a_restart_and_a_stale_one_always(tmp_path):
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from model_distribution.desired import MAX_AGE_S, AppliedDesired, BadDocument, desired_document, verify_desired
+    from model_distribution.devices import Device
+
+    key = Ed25519PrivateKey.generate()
+    public = key.public_key().public_bytes_raw()
+    reg = Registry(tmp_path / "fleet")
+    m, _ = reg.push(make_gguf(tmp_path / "a.gguf", 1.0), "tiny", "1.0.0")
+    doc12 = desired_document(Device("k1", "default", desired_rev=12), m, key, now=1000)
+    doc13 = desired_document(Device("k1", "default", desired_rev=13), m, key, now=1010)
+    applied = AppliedDesired(tmp_path / "desired.json")
+    p13 = verify_desired(doc13, public, "k1", now=1020)
+    assert applied.judge(p13) is True
+    applied.take(p13)
+    restarted = AppliedDesired(tmp_path / "desired.json")  # the device restarts: the order survives
+    with pytest.raises(BadDocument, match="replay"):
+        restarted.judge(verify_desired(doc12, public, "k1", now=1030))
+    assert restarted.judge(verify_desired(doc13, public, "k1", now=1030)) is False  # the same again: nothing new
+    with pytest.raises(BadDocument, match="days ago"):
+        verify_desired(doc13, public, "k1", now=1010 + MAX_AGE_S + 1)
+    # a control plane whose database was restored signs a lower revision later: taken
+    doc5 = desired_document(Device("k1", "default", desired_rev=5), m, key, now=2000)
+    assert restarted.judge(verify_desired(doc5, public, "k1", now=2000)) is True
+    reg.close()
