@@ -9,8 +9,9 @@ poison message is never delivered again and again, and no message can end the MQ
 No device takes what another gets: each device has a token bucket (``burst`` messages, then
 ``rate`` a second). Past it, telemetry and events are dropped (counted; telemetry counters are
 cumulative, so a later record makes up for a dropped one) and a reported state or status is held,
-the latest per device, and kept by ``flush()`` once that device has tokens again: a device's
-final state is never lost to its own flood, and no flood delays another device's messages.
+the latest per device, and kept by ``flush()`` (the publisher's loop, twice a second): states are
+coalesced, so a device's final state is never lost to its own flood, its writes stay bounded
+(two a flush at most), and no flood delays another device's messages.
 
     cascade_fleet_device_messages_total{kind}                 messages taken (MQTT and HTTP)
     cascade_fleet_device_messages_refused_total{kind,reason}  refused: the codec's reason, unknown_device,
@@ -100,13 +101,11 @@ class DeviceInbox:
             raise RuntimeError(f"the {kind} of {device!r} could not be stored")
 
     def flush(self) -> int:
-        """Keep the held states of the devices that have tokens again; how many were kept."""
+        """Keep the held states (the latest of each kind per device); how many were kept."""
         with self._lock:
             devices = list(self._held)
         kept = 0
         for device in devices:
-            if not self._take_token(device):
-                continue
             with self._lock:
                 held = self._held.pop(device, {})
             for kind, (fleet, value) in held.items():

@@ -308,3 +308,37 @@ def test_an_older_document_is_refused_after_a_restart_and_a_stale_one_always(tmp
     doc5 = desired_document(Device("k1", "default", desired_rev=5), m, key, now=2000)
     assert restarted.judge(verify_desired(doc5, public, "k1", now=2000)) is True
     reg.close()
+
+
+# -- the inbox: no device's flood reaches another's messages ---------------------------------------
+
+def test_a_flooding_device_loses_its_own_excess_only_and_its_last_state_is_kept(tmp_path):
+    from prometheus_client import CollectorRegistry
+
+    from model_distribution.device_inbox import DeviceInbox
+    from model_distribution.devices import DeviceStore
+
+    clock = [0.0]
+    store, metrics = DeviceStore(tmp_path), CollectorRegistry()
+    for d in ("noisy", "quiet"):
+        store.add(d, [])
+    inbox = DeviceInbox(store, metrics, rate=2.0, burst=5.0, clock=lambda: clock[0])
+    outcomes, quiet = [], []
+    for i in range(100):
+        record, state = json.dumps({"id": f"n{i}", "ts": 1.0}), json.dumps({"state": "ACTIVE", "rev": i})
+        outcomes.append(inbox.handle("default", "noisy", "telemetry", record.encode()))
+        outcomes.append(inbox.handle("default", "noisy", "reported", state.encode()))
+        if i % 50 == 0:  # the quiet device, at its own pace, meanwhile
+            quiet.append(inbox.handle("default", "quiet", "telemetry", record.replace("n", "q").encode()))
+        clock[0] += 0.01  # 200 messages in a second from the noisy one
+    assert quiet == ["recorded", "recorded"]  # its own bucket: nothing of the flood reaches it
+    kept = outcomes.count("recorded")
+    assert 5 <= kept <= 5 + 2 + 1  # the burst and a second's refill, no more
+    assert outcomes.count("held") + outcomes.count("rate") + kept == 200
+    assert metrics.get_sample_value("cascade_fleet_device_messages_refused_total",
+                                    {"kind": "telemetry", "reason": "rate"}) == outcomes.count("rate") > 90
+    assert inbox.flush() == 1 and store.get("noisy").reported["rev"] == 99  # its latest state, kept
+    assert inbox.handle("default", "quiet", "reported", b'{"state":"ACTIVE","rev":1}') == "recorded"
+    assert inbox.handle("default", "nobody", "reported", b"{}") == "unknown_device"
+    assert inbox.handle("other-fleet", "quiet", "reported", b"{}") == "unknown_device"
+    store.close()
