@@ -411,7 +411,8 @@ def cmd_broker_files(args) -> int:
     finally:
         store.close()
     print(f"wrote {passwd} and {acl}; in mosquitto.conf:")
-    print(f"  allow_anonymous false\n  password_file {passwd}\n  acl_file {acl}")
+    print(f"  allow_anonymous false\n  password_file {passwd}\n  acl_file {acl}\n  use_username_as_clientid true"
+          "\n  max_packet_size 262144\n  max_queued_messages 200000")
     print(f"the control plane connects as {user!r} with the secret in {repo.keys_dir / 'mqtt-control-plane.secret'} "
           "([mqtt] username / password of fleet.toml); re-run after enrolling devices")
     return 0
