@@ -57,7 +57,8 @@ from fleet_rollout import (
 
 from model_distribution import rollout_ops
 from model_distribution.registry import Registry
-from model_distribution.rollouts import FAILURES, RUNNING, RolloutError, RolloutSpec, RolloutStore
+from model_distribution.rollout_store import RolloutStore
+from model_distribution.rollouts import FAILURES, RUNNING, RolloutError, RolloutSpec
 
 GOAL_S = 60.0
 SAMPLE_S = 0.5

@@ -14,7 +14,7 @@ on PATH or in /usr/sbin, else embedded), "mosquitto" or "embedded". ``kind`` say
 Both take the same credentials (each enrolled device's secret; the control plane's user; no
 anonymous clients), bind each connection's client id to its user (one session per identity,
 which no other login can take over), and enforce the same ACL (``allowed``, which the acl_file written by
-``devices.broker_files`` says for Mosquitto): a device reads only its own desired topic and writes
+``device_secrets.broker_files`` says for Mosquitto): a device reads only its own desired topic and writes
 only its own reported, events, status and telemetry topics; the control plane reads and writes
 ``cascade/v1/#``. Both keep retained messages across a restart of the broker.
 
@@ -43,7 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cascade.processes import free_port, spawn, stop
-from model_distribution.devices import DEVICE_WRITES, DeviceStore, broker_files
+from model_distribution.device_secrets import DEVICE_WRITES, broker_files
+from model_distribution.devices import DeviceStore
 from model_distribution.state_sync import CONTROL_PLANE_USER
 from model_distribution.state_sync import topic as device_topic
 

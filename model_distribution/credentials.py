@@ -82,7 +82,7 @@ class DeviceCredentials:
         if self.verify(device_id, secret):
             return True
         self.failed(device_id, client)
-        return wait or self.throttled(device_id, client) or False
+        return wait or False
 
     def verify(self, device_id: str, secret: str) -> bool:
         """Check the pair against the stored hash; remember it when it holds."""

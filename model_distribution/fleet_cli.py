@@ -196,7 +196,7 @@ def cmd_devices_list(args) -> int:
     else:
         from cascade.config import cascade_home
         from model_distribution import rollout_ops
-        from model_distribution.rollouts import RolloutStore
+        from model_distribution.rollout_store import RolloutStore
 
         store, rollouts = _devices(), RolloutStore(cascade_home() / "fleet")
         try:
@@ -402,7 +402,7 @@ def _remote_flags(parser) -> None:
 
 def cmd_broker_files(args) -> int:
     from model_distribution.broker import control_plane_credentials
-    from model_distribution.devices import broker_files
+    from model_distribution.device_secrets import broker_files
 
     repo, store = _repository(), _devices()
     try:

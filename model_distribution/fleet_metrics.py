@@ -17,7 +17,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 
 from model_distribution.devices import DeviceStore
-from model_distribution.rollouts import ACTIVE_STATES, RolloutStore
+from model_distribution.rollout_store import RolloutStore
+from model_distribution.rollouts import ACTIVE_STATES
 
 
 class FleetCollector:

@@ -37,7 +37,7 @@ class _Local:
         from cascade.config import cascade_home
         from model_distribution.devices import DeviceStore
         from model_distribution.registry import Registry
-        from model_distribution.rollouts import RolloutStore
+        from model_distribution.rollout_store import RolloutStore
 
         root = cascade_home() / "fleet"
         self.registry, self.devices, self.rollouts = Registry(root), DeviceStore(root), RolloutStore(root)

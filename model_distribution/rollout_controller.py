@@ -24,6 +24,8 @@ from pathlib import Path
 
 from model_distribution.devices import Device, DeviceStore
 from model_distribution.registry import Registry
+from model_distribution.rollout_judge import judge
+from model_distribution.rollout_store import RolloutStore
 from model_distribution.rollouts import (
     ABORTED,
     ACTIVE_STATES,
@@ -31,7 +33,6 @@ from model_distribution.rollouts import (
     COMPLETED,
     DONE,
     FAILED,
-    FAILURES,
     HALTED,
     IN_PROGRESS,
     PAUSED,
@@ -46,12 +47,10 @@ from model_distribution.rollouts import (
     RolloutConflict,
     RolloutError,
     RolloutSpec,
-    RolloutStore,
     held_text,
     joiner_wave,
     wave_plan,
 )
-from model_distribution.serving import window_metrics
 
 log = logging.getLogger(__name__)
 REPORTED = {"ACTIVE": SUCCEEDED, "FAILED": FAILED, "REJECTED": REJECTED}  # a device's final states
@@ -59,7 +58,6 @@ REPORTED = {"ACTIVE": SUCCEEDED, "FAILED": FAILED, "REJECTED": REJECTED}  # a de
 # which counts as word only until its window should have opened: at most a day for HH:MM-HH:MM,
 # at most DAYS_TO_OPEN for a cron window)
 MAX_FAILED_TICKS = 10
-BASELINE_MIN_S = 300.0  # a one-wave rollout's relative gates: the group over at least this long before it began
 
 
 def start_rollout(registry: Registry, devices: DeviceStore, rollouts: RolloutStore, spec: RolloutSpec) -> Rollout:
@@ -172,7 +170,8 @@ def step(r: Rollout, registry: Registry, devices: DeviceStore, rollouts: Rollout
             rollouts.update(r, wave_done_at=now)  # the bake starts once the wave's devices are done
         return
     if now - r.wave_done_at >= r.spec.bake_s:
-        judge(r, execs, registry, devices, rollouts, now)
+        outcome, numbers, reason = judge(r, execs, devices, rollouts, now)
+        _decided(r, registry, devices, rollouts, outcome, numbers, now, reason)
 
 
 def _assign(due: list[Execution], manifest, r: Rollout, registry: Registry, devices: DeviceStore,
@@ -244,83 +243,6 @@ def max_wait_s(window: str | None) -> float:
     if not window:
         return 0.0
     return 86400.0 if ":" in window and "-" in window and len(window.split()) == 1 else DAYS_TO_OPEN * 86400.0
-
-
-def judge(r: Rollout, execs: list[Execution], registry: Registry, devices: DeviceStore, rollouts: RolloutStore,
-          now: float) -> None:
-    """The gates of wave ``r.wave``, which is done and has baked."""
-    spec = r.spec
-    reached = [e for e in execs if e.wave <= r.wave]
-    executed = [e for e in reached if e.state in DONE]
-    failures = [e for e in executed if e.state in FAILURES]
-    numbers: dict = {"executed": len(executed), "failed": len(failures),
-                     "failure_rate": len(failures) / len(executed) if executed else None,
-                     "max_failure_rate": spec.max_failure_rate, "min_executed": spec.min_executed,
-                     "reasons": sorted({e.detail for e in failures if e.detail})[:5]}
-    if len(executed) >= spec.min_executed:
-        if numbers["failure_rate"] > spec.max_failure_rate:
-            return _decided(r, registry, devices, rollouts, "fail", numbers, now,
-                            f"wave {r.wave + 1}: install failure rate {numbers['failure_rate']:.2f} above "
-                            f"{spec.max_failure_rate}")
-    elif failures:
-        return _decided(r, registry, devices, rollouts, "inconclusive", numbers, now,
-                        f"wave {r.wave + 1}: {len(failures)} of {len(executed)} executed failed, fewer than "
-                        f"--min-executed {spec.min_executed} to judge")
-    gates = spec.parsed_gates
-    if gates:
-        updated = [e.device_id for e in execs if e.state == SUCCEEDED]
-        control = [e.device_id for e in execs if e.state == QUEUED]
-        start = r.wave_done_at
-        up = window_metrics({d: devices.telemetry_window(d, start, now) for d in updated}, start, now)
-        ctl, control_from = _control(r, control, updated, devices, rollouts, start, now)
-        numbers.update(window=[start, now], updated=up, control=ctl, control_from=control_from,
-                       min_requests=spec.min_requests, min_devices=spec.min_devices, gates=[])
-        relative = any(g.kind != "absolute" for g in gates)
-        if up["requests"] < spec.min_requests or (ctl is not None and relative and
-                                                  ctl["requests"] < spec.min_requests):
-            return _decided(r, registry, devices, rollouts, "inconclusive", numbers, now,
-                            f"wave {r.wave + 1}: too little traffic to judge ({up['requests']} requests on updated "
-                            f"devices, {'-' if ctl is None else ctl['requests']} on the control group; "
-                            f"--min-requests {spec.min_requests})")
-        failed_gates, unknown = [], []
-        for g in gates:
-            value = up.get(g.metric) if up.get(f"{g.metric}_devices", 0) >= spec.min_devices else None
-            base = None
-            if g.kind != "absolute" and ctl is not None and ctl.get(f"{g.metric}_devices", 0) >= spec.min_devices:
-                base = ctl.get(g.metric)
-            ok, how = g.judge(value, base)
-            numbers["gates"].append({"gate": g.text, "passed": ok, "how": how})
-            if ok is False:
-                failed_gates.append(how)
-            elif ok is None:  # no value, too few devices with one, or nothing to compare with: never a pass
-                unknown.append(g.metric)
-        if failed_gates:
-            return _decided(r, registry, devices, rollouts, "fail", numbers, now,
-                            f"wave {r.wave + 1}: gate failed: {'; '.join(failed_gates)}")
-        if unknown:
-            return _decided(r, registry, devices, rollouts, "inconclusive", numbers, now,
-                            f"wave {r.wave + 1}: no value for {', '.join(unknown)} (from at least --min-devices "
-                            f"{spec.min_devices} device(s) a side; control: {control_from})")
-    _decided(r, registry, devices, rollouts, "pass", numbers, now, None)
-
-
-def _control(r: Rollout, control: list[str], updated: list[str], devices: DeviceStore, rollouts: RolloutStore,
-             start: float, now: float) -> tuple[dict | None, str]:
-    """What the updated devices are compared with, and where it comes from: the devices not yet
-    updated over the same window; at the last wave (none left), the control group the wave before
-    was judged against; in a rollout of one wave, the same devices before the rollout began."""
-    if control:
-        return window_metrics({d: devices.telemetry_window(d, start, now) for d in control}, start, now), \
-            "the devices not yet updated, over the same window"
-    for d in reversed(rollouts.decisions(r.rollout_id)):
-        if isinstance(d.get("control"), dict) and d.get("control_from", "").startswith("the devices not yet"):
-            return d["control"], f"wave {d['wave'] + 1}'s control group (the last measured on the old version)"
-    length = max(now - start, BASELINE_MIN_S)
-    before = window_metrics({d: devices.telemetry_window(d, r.created_at - length, r.created_at) for d in updated},
-                            r.created_at - length, r.created_at)
-    if before["devices"]:
-        return before, f"the same devices over {length:.0f} s before the rollout began"
-    return None, "none: no telemetry from before the rollout"
 
 
 def _decided(r: Rollout, registry: Registry, devices: DeviceStore, rollouts: RolloutStore, outcome: str,

@@ -12,7 +12,8 @@ from model_distribution import rollout_controller
 from model_distribution.devices import DeviceStore
 from model_distribution.operations import Conflict, NotFound
 from model_distribution.registry import Registry
-from model_distribution.rollouts import Rollout, RolloutConflict, RolloutError, RolloutSpec, RolloutStore
+from model_distribution.rollout_store import RolloutStore
+from model_distribution.rollouts import Rollout, RolloutConflict, RolloutError, RolloutSpec
 
 COMMANDS = ("pause", "resume", "abort", "rollback")
 

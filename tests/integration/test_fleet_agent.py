@@ -199,7 +199,8 @@ def test_a_real_agent_takes_part_in_a_staged_rollout_beside_simulated_devices_an
 
     from model_distribution.devices import DeviceStore
     from model_distribution.rollout_controller import start_rollout
-    from model_distribution.rollouts import RolloutSpec, RolloutStore
+    from model_distribution.rollout_store import RolloutStore
+    from model_distribution.rollouts import RolloutSpec
     from tests.integration.test_fleet_devices import SimDevice
 
     broker, home, repo, v2_file = control_plane(tmp_path, smollm2_path, b"\x07\x07\x07")

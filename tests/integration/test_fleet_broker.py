@@ -269,7 +269,7 @@ def test_no_login_takes_the_control_planes_session_or_another_devices(fleet):
 def test_a_reserved_name_is_never_a_device_nor_a_broker_user(fleet):
     """Issue 36, item 4: the control plane's broker user cannot be enrolled, and a store that holds
     one (enrolled before names were reserved) does not give it a broker login."""
-    from model_distribution.devices import _hash_secret, mosquitto_hash
+    from model_distribution.device_secrets import _hash_secret, mosquitto_hash
     from model_distribution.registry import RegistryError
 
     user, secret = fleet["plane"]

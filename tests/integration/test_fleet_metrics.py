@@ -9,7 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from model_distribution.devices import DeviceStore
 from model_distribution.registry import Registry
 from model_distribution.rollout_controller import start_rollout
-from model_distribution.rollouts import RolloutSpec, RolloutStore
+from model_distribution.rollout_store import RolloutStore
+from model_distribution.rollouts import RolloutSpec
 from model_distribution.signing import Repository
 from tests import loopback
 from tests.conftest import Server

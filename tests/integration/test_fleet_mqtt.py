@@ -187,7 +187,7 @@ def test_cascade_fleet_serve_sends_what_the_fleet_commands_assign(tmp_path):
 
 def test_device_credentials_reach_only_the_devices_own_topics_on_a_real_broker(tmp_path):
     from model_distribution.broker import control_plane_credentials
-    from model_distribution.devices import broker_files
+    from model_distribution.device_secrets import broker_files
 
     root = tmp_path / "fleet"
     store = DeviceStore(root)

@@ -20,7 +20,7 @@ import pytest
 
 from model_distribution.devices import DeviceStore
 from model_distribution.registry import Registry
-from model_distribution.rollouts import RolloutStore
+from model_distribution.rollout_store import RolloutStore
 from model_distribution.signing import Repository
 from tests import loopback
 from tests.conftest import REPO, Server

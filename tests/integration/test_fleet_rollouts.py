@@ -31,7 +31,8 @@ from cascade.processes import cascade_command
 from model_distribution.device_client import installed
 from model_distribution.devices import DeviceStore
 from model_distribution.registry import Manifest, Registry
-from model_distribution.rollouts import Rollout, RolloutStore
+from model_distribution.rollout_store import RolloutStore
+from model_distribution.rollouts import Rollout
 from model_distribution.signing import Repository
 from model_distribution.state_sync import DeviceStateClient, topic
 from tests.conftest import REPO, Server

@@ -228,7 +228,7 @@ def serve_in_thread(config):
 
 
 def test_public_downloads_open_artifacts_and_metadata_but_not_a_devices_state(tmp_path):
-    from model_distribution.control_plane import FleetConfig, ServerConfig, StateConfig
+    from model_distribution.fleet_config import FleetConfig, ServerConfig, StateConfig
 
     root = tmp_path / "fleet"
     repo = Repository(root)
@@ -382,3 +382,17 @@ def test_guessing_a_devices_secret_is_throttled_and_its_own_pair_still_works_onc
     r = loopback.get(url, auth=("kiosk-8", "guess-x"))
     assert r.status_code == 429 and 1 <= int(r.headers["retry-after"]) <= 60 and r.json()["error"]["message"]
     assert loopback.get(url, auth=("kiosk-8", plane.secrets["kiosk-8"])).status_code == 200
+
+
+def test_nobody_can_lock_a_device_out_nor_dodge_the_throttle_with_x_forwarded_for(plane):
+    """Issue 36, item 16: ten wrong secrets for a device from one address used to lock the device
+    itself out (its right secret got 429 too), and a loopback caller picked the address counted
+    with X-Forwarded-For (uvicorn believes it from loopback by default)."""
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    enrolled = loopback.post(f"{plane.url}/v1/fleet/devices", json={"device": "kiosk-xff"}, headers=admin)
+    secret = enrolled.json()["secret"]
+    url = f"{plane.url}/v1/tuf/timestamp.json"
+    codes = [loopback.get(url, auth=("kiosk-xff", f"guess-{i}"), headers={"X-Forwarded-For": f"10.9.8.{i}"})
+             .status_code for i in range(12)]
+    assert codes[:10] == [401] * 10 and codes[10:] == [429, 429], codes  # counted against the TCP peer
+    assert loopback.get(url, auth=("kiosk-xff", secret)).status_code == 200  # the device itself still gets in

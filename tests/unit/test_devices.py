@@ -147,7 +147,7 @@ def test_a_bad_report_is_refused_and_one_kept_before_reports_were_checked_cannot
 
 
 def test_secrets_are_kept_as_a_keyed_hash_and_old_scrypt_hashes_still_check(fleet):
-    from model_distribution.devices import _hash_secret, check_secret
+    from model_distribution.device_secrets import _hash_secret, check_secret
 
     _, store = fleet
     secret = store.add("kiosk-7", [])

@@ -10,7 +10,8 @@ import pytest
 from model_distribution.devices import DeviceStore
 from model_distribution.registry import Registry
 from model_distribution.rollout_controller import abort, pause, resume, rollback, start_rollout, tick
-from model_distribution.rollouts import RolloutError, RolloutSpec, RolloutStore
+from model_distribution.rollout_store import RolloutStore
+from model_distribution.rollouts import RolloutError, RolloutSpec
 from tests.unit.test_registry import make_gguf
 
 N = 20

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from model_distribution.rollout_store import RolloutStore
 from model_distribution.rollouts import (
     IN_PROGRESS,
     QUEUED,
@@ -12,7 +13,6 @@ from model_distribution.rollouts import (
     Gate,
     RolloutError,
     RolloutSpec,
-    RolloutStore,
     joiner_wave,
     parse_duration,
     parse_waves,
