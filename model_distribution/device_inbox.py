@@ -48,7 +48,7 @@ class DeviceInbox:
                                "Device messages refused or dropped, by kind and reason", ["kind", "reason"],
                                registry=registry)
         self._buckets: dict[str, tuple[float, float]] = {}  # device -> (tokens, at)
-        self._held: dict[str, dict[str, tuple[str, object]]] = {}  # device -> kind -> (fleet, decoded value)
+        self._held: dict[str, dict[str, tuple[str, bytes]]] = {}  # device -> kind -> (fleet, its payload)
         self._enrolled: dict[str, tuple[str | None, float]] = {}  # device -> (its fleet or None, until)
         self._logged: dict[str, float] = {}  # device -> when it was last logged
         self._lock = threading.Lock()
@@ -71,17 +71,20 @@ class DeviceInbox:
             return self._refuse(kind, "topic", device, "not a device topic")
         if self._fleet_of(device) != fleet:
             return self._refuse(kind, "unknown_device", device, f"no device {device[:64]!r} enrolled in {fleet[:64]!r}")
+        if not self._take_token(device):  # before any parsing: a flood costs a lookup a message
+            if kind in LATEST_ONLY:
+                with self._lock:
+                    self._held.setdefault(device, {})[kind] = (fleet, bytes(payload))
+                return "held"
+            return self._refuse(kind, "rate", device, f"over {self.rate:g} messages/s (burst {self.burst:g})")
+        return self._decode_and_keep(device, kind, payload, fleet)
+
+    def _decode_and_keep(self, device: str, kind: str, payload: bytes, fleet: str | None) -> str:
         try:
             value = messages.decode(kind, payload)
         except RefusedMessage as e:
             return self._refuse(kind, e.reason, device, str(e))
         self.taken.labels(kind).inc()
-        if not self._take_token(device):
-            if kind in LATEST_ONLY:
-                with self._lock:
-                    self._held.setdefault(device, {})[kind] = (fleet, value)
-                return "held"
-            return self._refuse(kind, "rate", device, f"over {self.rate:g} messages/s (burst {self.burst:g})")
         return self._keep(device, kind, value, fleet)
 
     def receive(self, device: str, kind: str, payload: bytes) -> None:
@@ -108,8 +111,8 @@ class DeviceInbox:
         for device in devices:
             with self._lock:
                 held = self._held.pop(device, {})
-            for kind, (fleet, value) in held.items():
-                if self._keep(device, kind, value, fleet) != "error":
+            for kind, (fleet, payload) in held.items():
+                if self._decode_and_keep(device, kind, payload, fleet) == "recorded":
                     kept += 1
         return kept
 
@@ -130,7 +133,7 @@ class DeviceInbox:
         except Exception as e:  # the store failed (locked, disk full): a state is tried again, the rest counted
             if kind in LATEST_ONLY and fleet is not None:
                 with self._lock:
-                    self._held.setdefault(device, {}).setdefault(kind, (fleet, value))
+                    self._held.setdefault(device, {}).setdefault(kind, (fleet, messages.encode(value)))
             self._count_refused(kind, "error", device, f"not stored: {e}")
             return "error"
 

@@ -209,6 +209,15 @@ def validate(kind: str, data) -> ReportedState | TelemetryRecord | Event:
     return value
 
 
+def encode(value: _Message | str) -> bytes:
+    """A decoded message as ``decode`` takes it again."""
+    if isinstance(value, str):
+        return value.encode()
+    import json
+
+    return json.dumps(stored(value)).encode()
+
+
 def stored(value: _Message) -> dict:
     """What is kept of a message: its fields as JSON-safe plain values, unset ones left out."""
     return value.model_dump(exclude_none=True)

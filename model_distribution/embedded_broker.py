@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from amqtt.adapters import ReaderAdapter
 from amqtt.broker import Broker, RetainedApplicationMessage
 from amqtt.contexts import Action
 from amqtt.errors import AMQTTError, MQTTError, NoDataError
@@ -37,7 +38,7 @@ from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
 from amqtt.session import Session
 from amqtt.utils import gen_client_id
 
-from model_distribution.broker import allowed
+from model_distribution.broker import MAX_PACKET_BYTES, allowed
 from model_distribution.devices import DeviceStore
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,27 @@ class FleetAccessPlugin(BaseAuthPlugin, BaseTopicPlugin):
         return allowed(str(action), topic, device or None, fleet or None)
 
 
+class PacketTooLarge(Exception):
+    """A client declared a packet past MAX_PACKET_BYTES."""
+
+
+class _BoundedReader(ReaderAdapter):
+    """A connection's reader that will not read a packet larger than MAX_PACKET_BYTES (as Mosquitto's
+    ``max_packet_size``): amqtt would buffer whatever length a client declares; here the
+    connection is closed instead."""
+
+    def __init__(self, inner: ReaderAdapter):
+        self._inner = inner
+
+    async def read(self, n: int = -1) -> bytes:
+        if n > MAX_PACKET_BYTES:  # amqtt's reader loop ends (closing the connection) on an exception it does not know
+            raise PacketTooLarge(f"a packet of more than {MAX_PACKET_BYTES} bytes: connection closed")
+        return await self._inner.read(n)
+
+    def feed_eof(self) -> None:
+        self._inner.feed_eof()
+
+
 class _FleetAMQTT(Broker):
     """amqtt's broker with retained messages kept in SQLite, reads always asked of the ACL, and
     CONNECTs checked before any session is touched (see the module docstring)."""
@@ -100,6 +122,9 @@ class _FleetAMQTT(Broker):
         super().__init__(config)
         self._db = retained
         self._verdicts: dict[int, bool] = {}  # id(session) -> its CONNECT's credentials held
+
+    async def _client_connected(self, listener_name: str, reader, writer) -> None:
+        await super()._client_connected(listener_name, _BoundedReader(reader), writer)
 
     async def _authenticate(self, session: Session, listener) -> bool:
         verdict = self._verdicts.pop(id(session), None)  # checked once, in _initialize_client_session

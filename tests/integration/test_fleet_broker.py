@@ -266,6 +266,22 @@ def test_no_login_takes_the_control_planes_session_or_another_devices(fleet):
     assert pub.link.connected and k0.client.link.connected
 
 
+def test_a_packet_past_the_brokers_bound_drops_only_its_sender(fleet):
+    """A device's 1 MB message closes its own connection on both brokers (Mosquitto's
+    max_packet_size; the embedded broker reads no packet past the same bound); others go on."""
+    plane = fleet["client"](*fleet["plane"])
+    plane.subscribe("cascade/v1/#")
+    k1 = fleet["client"]("k1", fleet["secrets"]["k1"])
+    gone = threading.Event()
+    k1.c.on_disconnect = lambda *a: gone.set()
+    k1.c.publish(topic("default", "k1", "telemetry"), b"x" * (1 << 20), qos=1)
+    assert gone.wait(10), "the broker kept a connection that sent a 1 MB packet"
+    k2 = fleet["client"]("k2", fleet["secrets"]["k2"])
+    k2.publish(topic("default", "k2", "reported"), b"fine")
+    wait_until(lambda: (topic("default", "k2", "reported"), b"fine") in plane.received(), "k2's report")
+    assert all(len(body) < 1 << 20 for _, body in plane.received())
+
+
 def test_a_reserved_name_is_never_a_device_nor_a_broker_user(fleet):
     """Issue 36, item 4: the control plane's broker user cannot be enrolled, and a store that holds
     one (enrolled before names were reserved) does not give it a broker login."""
