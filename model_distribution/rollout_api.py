@@ -52,7 +52,7 @@ class StartRequest(BaseModel):
     max_failure_rate: float = 0.0
     min_executed: int = 1
     min_requests: int = 0
-    min_devices: int = 1  # a gate is the median over each side's devices, judged once this many have a value
+    min_devices: int = 1  # a gate is a robust mean over each side's devices, judged once this many have a value
     step_timeout_s: float | str = 600.0
     window: str | None = None  # "HH:MM-HH:MM" device local time: activate only then
     jitter_s: float | str = 0.0

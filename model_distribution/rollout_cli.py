@@ -270,8 +270,9 @@ def add_rollout_parser(fleet, make_parser) -> None:
     start.add_argument("--min-requests", type=int, default=0,
                        help="requests each side needs before the gates are judged (else it pauses as inconclusive)")
     start.add_argument("--min-devices", type=int, default=1,
-                       help="a gate's value is the median over the devices of each side: judged once this many have "
-                       "one (else it pauses as inconclusive); 3 or more keeps one device from deciding it")
+                       help="a gate's value is a request-weighted mean over each side's devices (none weighing more "
+                       "than the median device, the highest and lowest left out from four devices on): judged once "
+                       "this many have one (else it pauses as inconclusive); 4 keeps any one device from moving it")
     start.add_argument("--step-timeout", default="10m", help="a device that says nothing new for this long is "
                        "TIMED_OUT")
     start.add_argument("--window", help="activate only inside HH:MM-HH:MM of each device's local time, or in the "

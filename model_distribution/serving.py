@@ -4,9 +4,11 @@ a statistic over its devices.
 Telemetry counters are cumulative since the agent started, so a device's numbers over a window
 are its counters at the end less those at the start (a restart inside the window starts from
 zero), bounded by what it could have done in the time between (``MAX_DEVICE_RATE``). A group's
-value of a metric is the median of its devices' values: every device counts once, whatever it
-claims to have served, so one device (broken, or lying) cannot move a gate on its own; the
-request totals, which only decide whether there is enough traffic to judge, are sums of the
+value of a metric is a statistic over its devices (``robust_mean``): each device's value weighted
+by its requests, but no device weighing more than the group's median device (one claiming a
+flood counts as one typical device), and once a group has four devices or more, the one with the
+highest value and the one with the lowest left out (one device's extreme cannot move it at all).
+The request totals, which only decide whether there is enough traffic to judge, are sums of the
 bounded counts.
 """
 
@@ -101,15 +103,31 @@ def device_window(records: list[dict], start: float, end: float) -> dict | None:
 
 def window_metrics(records_by_device: dict[str, list[dict]], start: float, end: float) -> dict:
     """A set of devices' numbers between ``start`` and ``end``: ``requests`` (the sum), ``devices``
-    (how many sent telemetry inside the window) and each metric as the median over the devices
-    that have a value for it (None when none has)."""
+    (how many sent telemetry inside the window) and each metric as ``robust_mean`` over the
+    devices that have a value for it (None when none has), with how many those are."""
     per = [m for m in (device_window(records, start, end) for records in records_by_device.values()) if m]
     out: dict = {"requests": int(sum(m["requests"] for m in per)), "devices": len(per)}
     for metric in METRICS:
-        values = [m[metric] for m in per if m[metric] is not None]
-        out[metric] = statistics.median(values) if values else None
+        weight = "decided" if metric == "escalation_rate" else "requests"
+        values = [(m[metric], m[weight]) for m in per if m[metric] is not None]
+        out[metric] = robust_mean(values)
         out[f"{metric}_devices"] = len(values)
     return out
+
+
+def robust_mean(values: list[tuple[float, float]]) -> float | None:
+    """The mean of (value, weight) per device, each weight capped at the median weight, leaving out
+    the highest and the lowest value once there are four or more (see the module docstring)."""
+    if not values:
+        return None
+    cap = statistics.median(w for _, w in values)
+    points = sorted((v, min(w, cap)) for v, w in values)
+    if len(points) >= 4:
+        points = points[1:-1]
+    total = sum(w for _, w in points)
+    if total <= 0:
+        return statistics.median(v for v, _ in points)
+    return sum(v * w for v, w in points) / total
 
 
 def _quantile(buckets: dict[str, float], q: float) -> float | None:

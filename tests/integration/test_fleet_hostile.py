@@ -39,7 +39,8 @@ def test_no_drawn_message_raises_refuses_silently_or_breaks_a_view(tmp_path):
     inbox = DeviceInbox(store, metrics, rate=1e9, burst=1e9)  # no rate limit here: every message reaches the codec
     seen: dict[str, int] = {}
 
-    @settings(max_examples=400, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=400, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck),
+              database=None)
     @given(message=payloads())
     def one(message):
         kind, payload = message

@@ -76,27 +76,33 @@ def _record(ts, uptime, cloud, edge, ok, bad, buckets=None, tokens=0, seconds=0.
             "latency": {"ttft": {"buckets": buckets or {}}}, "decode": {"tokens": tokens, "seconds": seconds}}
 
 
-def test_window_metrics_take_each_devices_counters_across_the_window_and_the_median_over_devices():
+def test_window_metrics_take_each_devices_counters_across_the_window_and_a_robust_mean_over_devices():
     a = [_record(90, 90, 10, 10, 20, 0, {"0.1": 5, "1": 20, "+Inf": 20}, 100, 10.0),
          _record(150, 150, 13, 17, 30, 0, {"0.1": 5, "1": 30, "+Inf": 30}, 300, 20.0)]
     b = [_record(120, 20, 2, 8, 9, 1, {"0.1": 10, "1": 10, "+Inf": 10}, 50, 1.0)]  # started inside: all of it counts
     c = [_record(80, 80, 0, 0, 0, 0), _record(140, 140, 1, 3, 4, 0, {"1": 4, "+Inf": 4}, 10, 1.0)]
     m = window_metrics({"a": a, "b": b, "c": c}, 100, 160)
     # a: 3 cloud of 10 decisions, 10 requests, p95 1 s, 20 tok/s; b: 2 of 10, 10 requests with 1 error, p95 0.1 s,
-    # 50 tok/s; c: 1 of 4, 4 requests, p95 1 s, 10 tok/s: each metric is the median of the three devices' own
-    assert m["requests"] == 24 and m["devices"] == 3 and m["escalation_rate"] == pytest.approx(0.25)
-    assert m["error_rate"] == 0.0 and m["error_rate_devices"] == 3
-    assert m["ttft_p95"] == 1.0 and m["decode_tps"] == pytest.approx(20.0)
+    # 50 tok/s; c: 1 of 4, 4 requests, p95 1 s, 10 tok/s: each metric is the devices' own, weighted by their
+    # requests (none weighing more than the median device's 10; three devices: none left out)
+    assert m["requests"] == 24 and m["devices"] == 3 and m["escalation_rate"] == pytest.approx(6 / 24)
+    assert m["error_rate"] == pytest.approx(1 / 24) and m["error_rate_devices"] == 3
+    assert m["ttft_p95"] == pytest.approx(15 / 24) and m["decode_tps"] == pytest.approx(740 / 24)
     assert window_metrics({"a": a}, 200, 300)["requests"] == 0  # nothing in the window
     restarted = [_record(90, 500, 50, 50, 100, 0), _record(150, 30, 1, 1, 2, 0)]  # uptime went back
     assert window_metrics({"c": restarted}, 100, 160)["requests"] == 2
 
 
 def test_one_device_claiming_a_flood_moves_neither_a_rate_nor_more_than_it_could_have_served():
+    from model_distribution.serving import robust_mean
+
+    assert robust_mean([(1.0, 10**9), (0.0, 10), (0.0, 10)]) == pytest.approx(1 / 3)  # weighs as one device
+    assert robust_mean([(1.0, 10**9), (0.0, 10), (0.0, 10), (0.0, 10)]) == 0.0  # four: its extreme left out
     honest = {f"h{i}": [_record(90, 90, 0, 0, 0, 0), _record(150, 150, 1, 9, 10, 0)] for i in range(4)}
     flood = [_record(90, 90, 0, 0, 0, 0), _record(150, 150, 10**6, 0, 0, 10**6)]  # a million errors in a minute
     m = window_metrics({**honest, "liar": flood}, 100, 160)
-    assert m["error_rate"] == 0.0 and m["escalation_rate"] == pytest.approx(0.1)  # the median of five devices
+    # five devices: the liar's extreme is left out, and it weighs no more than a typical device anyway
+    assert m["error_rate"] == 0.0 and m["escalation_rate"] == pytest.approx(0.1)
     # what the liar counts toward the traffic total is bounded by what it could have answered in 60 s (+ skew)
     from model_distribution.device_messages import CLOCK_SKEW_S, MAX_DEVICE_RATE
     assert m["requests"] <= 40 + (60 + CLOCK_SKEW_S) * MAX_DEVICE_RATE
