@@ -13,6 +13,7 @@ read back leniently, so no row can break an operator's view.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import secrets
@@ -334,7 +335,16 @@ def _kept_json(text: str | None) -> dict | None:
 
 
 def _kept_reported(text: str | None) -> dict | None:
-    """A stored reported state, as ReportedState takes it (None if it does not)."""
+    """A stored reported state, as ReportedState takes it (None if it does not); a copy of a cached
+    parse (the control plane lists every device twice a second, and reported states rarely change)."""
+    if not text:
+        return None
+    parsed = _parse_reported(text)
+    return None if parsed is None else dict(parsed)
+
+
+@functools.lru_cache(maxsize=8192)
+def _parse_reported(text: str) -> dict | None:
     value = _kept_json(text)
     try:
         return None if value is None else messages.stored(messages.validate("reported", value))
