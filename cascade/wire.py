@@ -10,9 +10,11 @@ worker's or a device's numbers, files another host wrote.
     non_finite    NaN, Infinity, -Infinity, or a number beyond a float (1e999)
     int_range     an integer beyond 64 bits (what SQLite, Prometheus and timers take)
     surrogate     a lone UTF-16 surrogate escape (\\ud800): no encoder downstream takes one
-    control_char  with ``text_safe``: a control character or a line separator (U+0000-U+001F,
-                  U+007F-U+009F, U+2028, U+2029) in a key or a string, which would forge a log
-                  line or split a record where a consumer splits lines
+    control_char  with ``text_safe``: a control character, a line separator or an invisible
+                  format character (U+0000-U+001F, U+007F-U+009F, U+2028, U+2029, bidirectional
+                  overrides and isolates, zero-width characters) in a key or a string, which would
+                  forge a log line, split a record where a consumer splits lines, or make a table
+                  show what it does not hold
 
 Only this module calls ``json.loads`` on outside data; what the process wrote itself (its own
 database rows) may be read with plain ``json``.
@@ -27,7 +29,10 @@ from typing import Any
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_DEPTH = 32
-_UNSAFE_TEXT = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# controls, line separators, and the invisible format characters that reorder or hide what a terminal
+# shows (bidirectional overrides and isolates, zero-width characters, the BOM, interlinear annotation)
+_UNSAFE_TEXT = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200b-\u200f\u202a-\u202e\u2060-\u2064"
+                          "\u2066-\u2069\ufeff\ufff9-\ufffb]")
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
@@ -117,6 +122,18 @@ def _check_text(s: str, text_safe: bool, may_have_surrogates: bool) -> None:
         except UnicodeEncodeError:
             raise WireError("surrogate", "a string holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
                                          "escape)") from None
+
+
+def finite(value: Any) -> Any:
+    """``value`` with every NaN or infinite float (at any depth) made None: what a process writes of
+    numbers it computed from outside data, so that what it reads back is JSON everywhere."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
 
 
 def safe_text(s: str) -> bool:

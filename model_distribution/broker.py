@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 
 PREFER = ("auto", "mosquitto", "embedded")
 MAX_QUEUED = 200_000  # QoS 1 messages Mosquitto queues for one client (the control plane) before it drops
-MAX_PACKET_BYTES = 256 << 10  # the largest packet Mosquitto takes: a device's messages are a few kB
+MAX_QUEUED_BYTES = 256 << 20  # ... and bytes: one device's flood of large records must not grow the broker by GBs
+MAX_PACKET_BYTES = 64 << 10  # the largest packet either broker takes: a device's messages are a few kB (32 kB at most)
 
 
 @dataclass
@@ -201,7 +202,11 @@ class FleetBroker:
                         f"max_packet_size {MAX_PACKET_BYTES}\n"
                         # a fleet's reports arrive in bursts (~14 per device per change): Mosquitto's default
                         # queue of 1,000 per client dropped most of 1,000 devices' reports to the control plane
-                        f"max_queued_messages {MAX_QUEUED}\n"
+                        f"max_queued_messages {MAX_QUEUED}\nmax_queued_bytes {MAX_QUEUED_BYTES}\n"
+                        # a device's QoS 0 flood would go to the control plane at QoS 0, which Mosquitto buffers
+                        # for a slow subscriber without bound (GBs in seconds); at the subscription's QoS 1 it
+                        # goes through the queue that max_queued_bytes bounds
+                        "upgrade_outgoing_qos true\n"
                         f"log_dest file {self.dir / 'mosquitto.log'}\nuser {getpass.getuser()}\n")
         self._proc = spawn([binary, "-c", str(conf)], log=self.dir / "mosquitto.out", die_with_parent=True)
         deadline = time.monotonic() + 10

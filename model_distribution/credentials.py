@@ -64,8 +64,13 @@ class DeviceCredentials:
             count, since = self._failures.get((device_id, client), (0, now))
             if now - since > self.failure_window_s:
                 count, since = 0, now
-            if len(self._failures) >= self.max_pairs:
-                self._failures.clear()
+            if len(self._failures) >= self.max_pairs and (device_id, client) not in self._failures:
+                # full: forget what has expired, else the oldest half; never everything at once (100,000
+                # guesses for invented names used to lift every throttle, a real device's among them)
+                self._failures = {k: v for k, v in self._failures.items() if now - v[1] <= self.failure_window_s}
+                if len(self._failures) >= self.max_pairs:
+                    keep = sorted(self._failures.items(), key=lambda kv: kv[1][1])[len(self._failures) // 2:]
+                    self._failures = dict(keep)
             self._failures[(device_id, client)] = (count + 1, since)
 
     def cached(self, device_id: str, secret: str) -> bool:
@@ -76,8 +81,11 @@ class DeviceCredentials:
         """The device endpoints' check (call it on a thread): True for the right pair, False for a
         wrong one (counted against ``client``), or the seconds to wait when ``client`` is throttled
         and this pair was not checked (a wrong one, or one whose check would be slow)."""
+        kind = self.store.secret_kind(device_id)
+        if kind is None:  # no such device: nothing to guess, nothing to count (no entry for invented names)
+            return False
         wait = self.throttled(device_id, client)
-        if wait and self.store.slow_hash(device_id):
+        if wait and kind == "scrypt":
             return wait
         if self.verify(device_id, secret):
             return True

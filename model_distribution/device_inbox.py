@@ -51,6 +51,7 @@ class DeviceInbox:
         self._held: dict[str, dict[str, tuple[str, bytes]]] = {}  # device -> kind -> (fleet, its payload)
         self._enrolled: dict[str, tuple[str | None, float]] = {}  # device -> (its fleet or None, until)
         self._logged: dict[str, float] = {}  # device -> when it was last logged
+        self.last_flood: float | None = None  # when a device last sent past its rate (its clock)
         self._lock = threading.Lock()
 
     # -- taking a message ------------------------------------------------------------------
@@ -72,6 +73,7 @@ class DeviceInbox:
         if self._fleet_of(device) != fleet:
             return self._refuse(kind, "unknown_device", device, f"no device {device[:64]!r} enrolled in {fleet[:64]!r}")
         if not self._take_token(device):  # before any parsing: a flood costs a lookup a message
+            self.last_flood = self.clock()
             if kind in LATEST_ONLY:
                 with self._lock:
                     self._held.setdefault(device, {})[kind] = (fleet, bytes(payload))

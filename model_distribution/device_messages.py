@@ -132,7 +132,7 @@ class TelemetryRecord(_Message):
 
     id: Name | Annotated[int, Field(ge=0, le=wire.INT64_MAX)]
     ts: Seconds  # the device's clock (the store pulls a clock far ahead back, see DeviceStore.telemetry)
-    uptime_s: Seconds | None = None
+    uptime_s: Seconds  # since its agent started: what bounds its counters (a record without it is refused)
     requests: Counts = {}
     decisions: Counts = {}
     rejected: Counts = {}
@@ -148,8 +148,6 @@ class TelemetryRecord(_Message):
 
     def implausible(self) -> str | None:
         """Why these counters are more than the device could have done, or None."""
-        if self.uptime_s is None:
-            return None
         most = (self.uptime_s + CLOCK_SKEW_S) * MAX_DEVICE_RATE
         for name in ("requests", "decisions", "rejected"):
             total = sum(getattr(self, name).values())

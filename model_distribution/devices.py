@@ -61,6 +61,7 @@ SCHEMA = (
         PRIMARY KEY (device_id, record_id)
     )""",
     "CREATE INDEX IF NOT EXISTS telemetry_by_time ON telemetry (device_id, ts)",
+    "CREATE INDEX IF NOT EXISTS telemetry_by_arrival ON telemetry (device_id, received_at)",
 )
 TELEMETRY_KEEP_S = 7 * 86400.0
 MAX_RECORDS_PER_DEVICE = 2 * 7 * 2880  # a week of records every 30 s, twice over: past it a device's oldest go
@@ -133,9 +134,10 @@ class DeviceStore:
         """What the device says it runs (its retained reported state); RefusedMessage (a
         ValueError) when it is not a valid ReportedState."""
         value = reported if isinstance(reported, ReportedState) else messages.validate("reported", reported)
-        with self._lock:
-            self._db.execute("UPDATE devices SET reported = ?, last_seen = ? WHERE device_id = ?",
-                             (json.dumps(messages.stored(value)), self.clock(), device_id))
+        text = json.dumps(messages.stored(value))
+        with self._lock:  # the same report again (a retained copy sent once more) changes nothing, last_seen neither
+            self._db.execute("UPDATE devices SET reported = ?, last_seen = ? WHERE device_id = ? AND "
+                             "(reported IS NULL OR reported <> ?)", (text, self.clock(), device_id, text))
 
     def seen(self, device_id: str, status: str) -> None:
         """Its retained status: "online", or "offline" (said on the way out, or its last will)."""
@@ -170,9 +172,9 @@ class DeviceStore:
             if cur.rowcount:
                 self._db.execute("UPDATE devices SET last_seen = ? WHERE device_id = ?", (now, device_id))
                 self._inserts[device_id] = n = self._inserts.get(device_id, 0) + 1
-                if n % 500 == 0:  # now and then: no device keeps more than its share
-                    self._db.execute("DELETE FROM telemetry WHERE device_id = ? AND ts < (SELECT ts FROM telemetry "
-                                     "WHERE device_id = ? ORDER BY ts DESC LIMIT 1 OFFSET ?)",
+                if n % 500 == 0:  # now and then: no device keeps more than its share, by when they came
+                    self._db.execute("DELETE FROM telemetry WHERE device_id = ? AND received_at < (SELECT received_at "
+                                     "FROM telemetry WHERE device_id = ? ORDER BY received_at DESC LIMIT 1 OFFSET ?)",
                                      (device_id, device_id, MAX_RECORDS_PER_DEVICE))
                 if secrets.randbelow(100) == 0:  # now and then, forget what is older than a week
                     self._db.execute("DELETE FROM telemetry WHERE received_at < ?", (now - TELEMETRY_KEEP_S,))
@@ -244,11 +246,14 @@ class DeviceStore:
             row = self._db.execute("SELECT secret_hash FROM devices WHERE device_id = ?", (device_id,)).fetchone()
         return row is not None and check_secret(secret, row[0])
 
-    def slow_hash(self, device_id: str) -> bool:
-        """Whether checking this device's secret costs a slow KDF (a store made before the keyed hash)."""
+    def secret_kind(self, device_id: str) -> str | None:
+        """How this device's secret is kept: "sha256" (a keyed hash), "scrypt" (a slow KDF, stores made
+        before), None when no such device may log in."""
+        if reserved(device_id):
+            return None
         with self._lock:
             row = self._db.execute("SELECT secret_hash FROM devices WHERE device_id = ?", (device_id,)).fetchone()
-        return row is not None and row[0].startswith("scrypt$")
+        return None if row is None else row[0].partition("$")[0]
 
     def get(self, device_id: str) -> Device | None:
         found = self.list(device_ids=[device_id])

@@ -25,6 +25,7 @@ import logging
 import secrets
 import sqlite3
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,11 @@ from model_distribution.devices import DeviceStore
 log = logging.getLogger(__name__)
 
 CONTROL_PLANE = ("", "")  # the identity of the control plane user: no device, no fleet
+CONNECT_TIMEOUT_S = 10.0  # a connection must log in within this
+DEVICE_RATE, DEVICE_BURST = 20.0, 200.0  # messages one device may publish a second, after a burst
+INGRESS_BYTES_S, INGRESS_BURST_BYTES = 256 << 10, 4 << 20  # what one connection may send a second, after a burst
+MAX_PENDING_PER_ADDRESS = 32  # connections from one address not yet logged in
+FD_RESERVE = 256  # file descriptors the control plane keeps for itself (HTTP, databases, files)
 
 
 class FleetAccessPlugin(BaseAuthPlugin, BaseTopicPlugin):
@@ -61,6 +67,8 @@ class FleetAccessPlugin(BaseAuthPlugin, BaseTopicPlugin):
         self.store: DeviceStore = self.config.store
         self.user, self.secret = self.config.control_plane
         self.identities: dict[str, tuple[str, str]] = {}  # username -> (device, fleet), of accepted logins
+        self._buckets: dict[str, tuple[float, float]] = {}  # device -> (tokens, when)
+        self.dropped = 0  # device messages past their rate, not passed on
 
     async def authenticate(self, *, session: Session) -> bool:
         user, secret = session.username, session.password or ""
@@ -85,7 +93,25 @@ class FleetAccessPlugin(BaseAuthPlugin, BaseTopicPlugin):
     async def topic_filtering(self, *, session: Session | None = None, topic: str | None = None,
                               action: Action | None = None) -> bool:
         identity = self.identities.get(session.username) if session is not None and session.username else None
-        return identity is not None and bool(topic) and self._may(identity, topic, action)
+        if identity is None or not topic or not self._may(identity, topic, action):
+            return False
+        if action == Action.PUBLISH and identity[0]:  # a device's message: within its rate, or not passed on
+            return self._within_rate(identity[0])
+        return True
+
+    def _within_rate(self, device: str) -> bool:
+        """A device may publish DEVICE_RATE messages a second after DEVICE_BURST: far above what an agent
+        sends (a record every 30 s, a dozen reports a change), far below a flood, which would otherwise
+        reach the control plane's connection (and this process's memory) at the socket's speed."""
+        now = time.monotonic()
+        tokens, at = self._buckets.get(device, (DEVICE_BURST, now))
+        tokens = min(DEVICE_BURST, tokens + (now - at) * DEVICE_RATE)
+        if len(self._buckets) >= 200_000 and device not in self._buckets:
+            self._buckets.clear()
+        self._buckets[device] = (tokens - 1.0 if tokens >= 1.0 else tokens, now)
+        if tokens < 1.0:
+            self.dropped += 1
+        return tokens >= 1.0
 
     @staticmethod
     def _may(identity: tuple[str, str], topic: str, action: Action) -> bool:
@@ -102,12 +128,34 @@ class _BoundedReader(ReaderAdapter):
     ``max_packet_size``): amqtt would buffer whatever length a client declares; here the
     connection is closed instead."""
 
-    def __init__(self, inner: ReaderAdapter):
+    def __init__(self, inner: ReaderAdapter, on_login=None, key: int = 0):
         self._inner = inner
+        self._on_login, self._key = on_login, key
+        self._tokens, self._at = float(INGRESS_BURST_BYTES), time.monotonic()
+
+    def unpaced(self) -> None:
+        self._tokens = float("inf")
+        self._at = float("inf")
+
+    def logged_in(self) -> None:
+        if self._on_login is not None:
+            self._on_login(self._key)
+            self._on_login = None
 
     async def read(self, n: int = -1) -> bytes:
         if n > MAX_PACKET_BYTES:  # amqtt's reader loop ends (closing the connection) on an exception it does not know
             raise PacketTooLarge(f"a packet of more than {MAX_PACKET_BYTES} bytes: connection closed")
+        if n > 0 and self._tokens != float("inf"):
+            # paced: a connection reads at most INGRESS_BYTES_S after its burst, so a flood backs up in its own
+            # socket (TCP pushes back on the sender) instead of in this process's queues (amqtt bounds none: a
+            # 30 s flood of 24 kB messages grew the control plane by 2.4 GB)
+            now = time.monotonic()
+            self._tokens = min(INGRESS_BURST_BYTES, self._tokens + (now - self._at) * INGRESS_BYTES_S)
+            self._at = now
+            if self._tokens < n:
+                await asyncio.sleep((n - self._tokens) / INGRESS_BYTES_S)
+                self._tokens, self._at = float(n), time.monotonic()
+            self._tokens -= n
         return await self._inner.read(n)
 
     def feed_eof(self) -> None:
@@ -118,13 +166,48 @@ class _FleetAMQTT(Broker):
     """amqtt's broker with retained messages kept in SQLite, reads always asked of the ACL, and
     CONNECTs checked before any session is touched (see the module docstring)."""
 
-    def __init__(self, config: dict, retained: sqlite3.Connection):
+    def __init__(self, config: dict, retained: sqlite3.Connection, max_connections: int):
         super().__init__(config)
         self._db = retained
         self._verdicts: dict[int, bool] = {}  # id(session) -> its CONNECT's credentials held
+        self.max_connections = max_connections
+        self._live = 0
+        self._pending: dict[str, int] = {}  # address -> its connections that have not logged in yet
+        self._pending_of: dict[int, str] = {}  # id(reader) -> its address, until it logs in
+
+    def _is_device(self, user: str) -> bool:
+        plugin = next((p for p in self.plugins_manager.plugins if isinstance(p, FleetAccessPlugin)), None)
+        return plugin is None or user != plugin.user
 
     async def _client_connected(self, listener_name: str, reader, writer) -> None:
-        await super()._client_connected(listener_name, _BoundedReader(reader), writer)
+        """A connection: refused at once past MAX_CONNECTIONS, or past MAX_PENDING_PER_ADDRESS from
+        one address still to send its CONNECT (which must come within CONNECT_TIMEOUT_S); closed
+        whatever amqtt left of it when it ends (it left a socket open after a failed CONNECT)."""
+        address = (writer.get_peer_info() or ("?", 0))[0]
+        if self._live >= self.max_connections or self._pending.get(address, 0) >= MAX_PENDING_PER_ADDRESS:
+            log.warning("refused a connection from %s: %d open, %d from it not yet logged in", address, self._live,
+                        self._pending.get(address, 0))
+            await _close(writer)
+            return
+        self._live += 1
+        self._pending[address] = self._pending.get(address, 0) + 1
+        self._pending_of[id(reader)] = address
+        try:
+            await super()._client_connected(listener_name, _BoundedReader(reader, self._logged_in, id(reader)),
+                                            writer)
+        finally:
+            self._live -= 1
+            self._logged_in(id(reader))
+            await _close(writer)
+
+    def _logged_in(self, key: int) -> None:
+        address = self._pending_of.pop(key, None)
+        if address is not None:
+            left = self._pending.get(address, 1) - 1
+            if left > 0:
+                self._pending[address] = left
+            else:
+                self._pending.pop(address, None)
 
     async def _authenticate(self, session: Session, listener) -> bool:
         verdict = self._verdicts.pop(id(session), None)  # checked once, in _initialize_client_session
@@ -134,8 +217,10 @@ class _FleetAMQTT(Broker):
         """amqtt 0.12's, but the CONNECT's credentials are checked before a session is looked up,
         an accepted client's id is its user name, and a refused one gets a fresh id of its own."""
         try:
-            handler, client_session = await BrokerProtocolHandler.init_from_connect(reader, writer,
-                                                                                    self.plugins_manager)
+            handler, client_session = await asyncio.wait_for(
+                BrokerProtocolHandler.init_from_connect(reader, writer, self.plugins_manager), CONNECT_TIMEOUT_S)
+        except TimeoutError as exc:  # a socket that never sends its CONNECT holds a file descriptor
+            raise AMQTTError(f"no CONNECT from {remote_address}:{remote_port} in {CONNECT_TIMEOUT_S:.0f} s") from exc
         except AMQTTError as exc:
             self.logger.warning(f"can't read the first packet of {remote_address}:{remote_port} as CONNECT: {exc}")
             raise AMQTTError(exc) from exc
@@ -145,9 +230,13 @@ class _FleetAMQTT(Broker):
             raise MQTTError(exc) from exc
         except NoDataError as exc:
             raise AMQTTError(exc) from exc
+        if isinstance(reader, _BoundedReader):
+            reader.logged_in()  # it sent its CONNECT: no longer pending for its address
         ok = await super()._authenticate(client_session, None)
         if ok:
             client_session.client_id = client_session.username  # one identity, one session
+            if isinstance(reader, _BoundedReader) and not self._is_device(client_session.username):
+                reader.unpaced()  # the control plane: a fleet's desired documents at each reconnect
         else:  # refused below (CONNACK 5): it must not reach the session of the id it named
             client_session.client_id = f"refused-{secrets.token_hex(8)}"
             client_session.clean_session = True
@@ -182,6 +271,7 @@ class _FleetAMQTT(Broker):
 
     async def start(self) -> None:
         await super().start()  # it starts with no retained messages; put back the stored ones
+        self._db.execute("DELETE FROM retained WHERE length(payload) > ?", (MAX_PACKET_BYTES,))  # kept before the bound
         for topic, data, qos in self._db.execute("SELECT topic, payload, qos FROM retained"):
             self.retained_messages[topic] = RetainedApplicationMessage(None, topic, data, qos)
 
@@ -259,7 +349,7 @@ class EmbeddedBroker:
         config = {"listeners": listeners,
                   "plugins": {f"{__name__}.FleetAccessPlugin": {"store": self.store,
                                                                   "control_plane": self.control_plane}}}
-        self._broker = _FleetAMQTT(config, self._db)
+        self._broker = _FleetAMQTT(config, self._db, connection_budget())
         await self._broker.start()
         return self._broker._servers["default"].instance.sockets[0].getsockname()[1]
 
@@ -277,3 +367,27 @@ class EmbeddedBroker:
 
 def _bind(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def _close(writer) -> None:
+    try:
+        await writer.close()
+    except Exception:  # closed already, or the peer gone: nothing to give back
+        pass
+
+
+def connection_budget() -> int:
+    """How many MQTT connections the embedded broker may hold: the process's file descriptors (its
+    soft limit raised to the hard one) less FD_RESERVE, so no flood of connections takes the
+    control plane's own (its HTTP side shares the process)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    limit = soft if soft != resource.RLIM_INFINITY else 65536
+    return max(16, min(limit, 65536) - FD_RESERVE)

@@ -75,7 +75,9 @@ class GGUFMetadata:
     @property
     def quantization(self) -> str:
         ftype = self.values.get("general.file_type")
-        return FILE_TYPES.get(ftype, f"ftype-{ftype}") if ftype is not None else "unknown"
+        if not isinstance(ftype, int) or isinstance(ftype, bool):
+            return "unknown"
+        return FILE_TYPES.get(ftype, f"ftype-{ftype}")
 
     @property
     def chat_template(self) -> str | None:

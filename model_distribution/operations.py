@@ -14,7 +14,7 @@ from pathlib import Path
 
 from model_distribution.devices import Device, DeviceStore
 from model_distribution.registry import ImmutableVersion, Manifest, Registry, RegistryError
-from model_distribution.signing import Repository
+from model_distribution.signing import Repository, SigningError
 
 __all__ = ["Conflict", "ImmutableVersion", "NotFound", "assign", "enrol", "push"]
 
@@ -40,8 +40,15 @@ def push(registry: Registry, repository: Repository, path: Path | str, name: str
     with repository.writing():
         manifest, created = registry.push(path, name, version, calibration, min_agent_version)
         if not repository.has_target(manifest.name, manifest.version):
-            repository.add_target(manifest.name, manifest.version, manifest.sha256, manifest.size,
-                                  manifest.signable())
+            try:
+                repository.add_target(manifest.name, manifest.version, manifest.sha256, manifest.size,
+                                      manifest.signable())
+            except Exception as e:  # never listed but unsigned: what devices would be refused
+                if created:
+                    registry.forget(manifest.name, manifest.version)
+                if isinstance(e, SigningError):
+                    raise
+                raise SigningError(f"{manifest.ref} could not be signed: {e}"[:300]) from e
     return manifest, created
 
 

@@ -175,9 +175,10 @@ class Registry:
                                        f"{existing.sha256[:12]}...): a published version is immutable; push a "
                                        "new version")
             return existing, False
-        self._store(path, digest)
         manifest = Manifest(name, version, meta["format"], meta["quantization"], meta["architecture"],
                             meta["context_length"], size, digest, min_agent_version, thresholds, time.time())
+        _check_signable(manifest, path)  # before anything is kept: never a version listed that cannot be signed
+        self._store(path, digest)
         try:
             self._db.execute(
                 "INSERT INTO model_versions (name, version, format, quantization, architecture, context_length, "
@@ -199,6 +200,11 @@ class Registry:
             tmp.unlink()
             raise RegistryError(f"{path} changed while it was being pushed")
         os.replace(tmp, target)
+
+    def forget(self, name: str, version: str) -> None:
+        """Take back a version this process has just inserted and could not sign (never one a device
+        may have seen: the signature is what makes it published)."""
+        self._db.execute("DELETE FROM model_versions WHERE name = ? AND version = ?", (name, version))
 
     # -- read ------------------------------------------------------------------------------
 
@@ -253,7 +259,8 @@ def _describe(path: Path) -> dict:
             d = describe_onnx_tar(path)
         except OnnxModelError as e:
             raise RegistryError(str(e)) from e
-        return {k: d[k] for k in ("format", "quantization", "architecture", "context_length")}
+        return _check_described({k: d[k] for k in ("format", "quantization", "architecture", "context_length")},
+                                path)
     if head[:4] != b"GGUF":
         raise RegistryError(f"{path} is not a model file of a known format ({', '.join(FORMATS)}): it does not "
                             "start with the GGUF magic, nor is it a tar of an ONNX export")
@@ -262,7 +269,41 @@ def _describe(path: Path) -> dict:
         arch, quant, ctx = meta.architecture, meta.quantization, meta.context_length
     except (GGUFError, KeyError, ValueError, OSError) as e:
         raise RegistryError(f"{path} is not a valid GGUF model: {e}") from e
-    return {"format": "gguf", "quantization": quant, "architecture": arch, "context_length": ctx}
+    return _check_described({"format": "gguf", "quantization": quant, "architecture": arch, "context_length": ctx},
+                            path)
+
+
+_FIELD = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
+MAX_MANIFEST_BYTES = 16 << 10  # one target's entry in the signed targets, which every device downloads whole
+
+
+def _check_described(meta: dict, path: Path) -> dict:
+    """What a file says of itself, as a manifest may carry it: names of at most 64 characters, a
+    context length that is a positive 32-bit integer (a float, NaN or 2**64 in a GGUF header
+    crashed the signing and left a version listed but unsigned)."""
+    for key in ("architecture", "quantization"):
+        value = meta[key]
+        if not isinstance(value, str) or not _FIELD.fullmatch(value):
+            raise RegistryError(f"{path}: its {key} {str(value)[:40]!r}{'...' if len(str(value)) > 40 else ''} is not "
+                                "a name of 1-64 characters of [A-Za-z0-9_.+-]")
+    ctx = meta["context_length"]
+    if ctx is not None and (not isinstance(ctx, int) or isinstance(ctx, bool) or not 0 < ctx < 2**31):
+        raise RegistryError(f"{path}: its context length {str(ctx)[:40]} is not a positive 32-bit integer")
+    return meta
+
+
+def _check_signable(manifest: Manifest, path: Path) -> None:
+    """The manifest as TUF will sign it: canonical JSON (no floats), and small: every device
+    downloads the whole targets metadata, and its client refuses it past 5 MB."""
+    from securesystemslib.formats import encode_canonical
+
+    try:
+        size = len(encode_canonical(manifest.signable()))
+    except Exception as e:  # securesystemslib's FormatError, whatever it could not encode
+        raise RegistryError(f"{path}: its manifest cannot be signed: {e}"[:300]) from None
+    if size > MAX_MANIFEST_BYTES:
+        raise RegistryError(f"{path}: its manifest is {size} bytes, more than the {MAX_MANIFEST_BYTES} a signed "
+                            "target may carry")
 
 
 def read_calibration(path: Path | str) -> dict:

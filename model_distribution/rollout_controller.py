@@ -196,9 +196,10 @@ def _assign(due: list[Execution], manifest, r: Rollout, registry: Registry, devi
 
 def _follow(e: Execution, reported: dict | None, r: Rollout, rollouts: RolloutStore, now: float) -> None:
     """An execution follows its device's report of this assignment (its revision or a later one);
-    one that has said nothing new for the step timeout is TIMED_OUT (a heartbeat: each progress
-    report counts as word; WAITING for its window counts only until the window should have
-    opened). A FAILED the device will try again (``retry``: the network, a full disk, a control
+    one that has made no progress for the step timeout is TIMED_OUT (a heartbeat: a report counts
+    as word only when it says something new, a new step or a download further on, so a device
+    repeating "DOWNLOADING 1%" times out; WAITING for its window counts only until the window
+    should have opened). A FAILED the device will try again (``retry``: the network, a full disk, a control
     plane restarting) is not final: the execution stays IN_PROGRESS until the step timeout.
     ``reported`` is typed already (device_messages.ReportedState, as the store keeps it)."""
     rep = reported if isinstance(reported, dict) else {}
@@ -225,14 +226,18 @@ def _follow(e: Execution, reported: dict | None, r: Rollout, rollouts: RolloutSt
             rollouts.move(e, IN_PROGRESS, "WAITING for its window", now, report_at=at, wait_until=until)
         elif quiet_for > r.spec.step_timeout_s:
             rollouts.move(e, TIMED_OUT, f"still WAITING {now - until:.0f} s after its window should have opened", now)
-    elif new:
-        detail = str(state)[:40]
-        done, total = rep.get("done"), rep.get("total")
-        if state == "DOWNLOADING" and isinstance(total, int) and total > 0 and isinstance(done, int):
-            detail = f"DOWNLOADING {min(100, 100 * done // total)}%"
+    elif new and (detail := _detail(state, rep)) != e.detail:  # progress: a new step, or further in the download
         rollouts.move(e, IN_PROGRESS, detail, now, report_at=at)
-    elif quiet_for > r.spec.step_timeout_s:
+    elif quiet_for > r.spec.step_timeout_s:  # no word, or the same word again ("DOWNLOADING 1%" every second)
         rollouts.move(e, TIMED_OUT, f"no word for {r.spec.step_timeout_s:.0f} s ({e.detail})", now)
+
+
+def _detail(state, rep: dict) -> str:
+    """What an execution shows of a device's report: its state, and how far a download is."""
+    done, total = rep.get("done"), rep.get("total")
+    if state == "DOWNLOADING" and isinstance(total, int) and total > 0 and isinstance(done, int):
+        return f"DOWNLOADING {min(100, 100 * done // total)}%"
+    return str(state)[:40]
 
 
 def max_wait_s(window: str | None) -> float:

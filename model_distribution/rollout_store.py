@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from cascade import wire
 from model_distribution.rollouts import (
     ACTIVE_STATES,
     QUEUED,
@@ -256,14 +257,16 @@ class RolloutStore:
     def decide(self, rollout_id: str, wave: int, outcome: str, numbers: dict) -> None:
         with self._lock:
             self._db.execute("INSERT INTO rollout_decisions (rollout_id, at, wave, outcome, numbers) "
-                             "VALUES (?, ?, ?, ?, ?)", (rollout_id, self.clock(), wave, outcome, json.dumps(numbers)))
+                             "VALUES (?, ?, ?, ?, ?)", (rollout_id, self.clock(), wave, outcome,
+                                                        json.dumps(wire.finite(numbers), allow_nan=False)))
 
     def decisions(self, rollout_id: str) -> list[dict]:
         with self._lock:
             rows = self._db.execute("SELECT at, wave, outcome, numbers FROM rollout_decisions WHERE rollout_id = ? "
                                     "ORDER BY at", (rollout_id,)).fetchall()
-        return [{"at": at, "wave": wave, "outcome": outcome, **json.loads(numbers)} for at, wave, outcome, numbers
-                in rows]
+        # finite(): decisions kept before their numbers were checked may hold an infinity
+        return [{"at": at, "wave": wave, "outcome": outcome, **wire.finite(json.loads(numbers))}
+                for at, wave, outcome, numbers in rows]
 
 
 def _rollout(row) -> Rollout:

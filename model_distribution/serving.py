@@ -20,6 +20,7 @@ import statistics
 from model_distribution.device_messages import CLOCK_SKEW_S, MAX_DEVICE_RATE
 
 METRICS = ("escalation_rate", "error_rate", "ttft_p95", "decode_tps")
+MAX_DECODE_TPS = 1e6  # tokens a second: past any device
 NOT_ANSWERS = ("models", "requests", "other")  # the agent's endpoints that answer no prompt (listings, polls)
 
 
@@ -27,17 +28,18 @@ def is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def counter_deltas(new: dict, base: dict | None) -> dict:
+def counter_deltas(new: dict, base: dict | None, within_s: float | None = None) -> dict:
     """What a device's telemetry counters say happened between record ``base`` (None: since its
     agent started) and record ``new``: decisions (and how many the cloud took), requests answered
     (and how many 5xx), TTFT histogram buckets, decode tokens and seconds. Only numbers count, no
-    counter goes backwards, and none says more than the device could have done in the time."""
+    counter goes backwards, and none says more than the device could have done in the time (with
+    no ``base``: since its agent started, and within ``within_s`` when that is given)."""
     decisions, requests = _delta(new, base, "decisions"), _delta(new, base, "requests")
     requests = {k: v for k, v in requests.items() if k.rsplit("/", 1)[0] not in NOT_ANSWERS}
     ttft = _delta((new.get("latency") or {}).get("ttft") or {}, ((base or {}).get("latency") or {}).get("ttft"),
                   "buckets")
     decode = _delta(new, base, "decode")
-    most = _most(new, base)
+    most = _most(new, base, within_s)
     decided = min(sum(decisions.values()), most)
     answered = min(sum(requests.values()), most)
     return {"decided": decided,
@@ -48,14 +50,14 @@ def counter_deltas(new: dict, base: dict | None) -> dict:
             "decode_tokens": min(decode.get("tokens", 0), 100 * most), "decode_s": decode.get("seconds", 0)}
 
 
-def _most(new: dict, base: dict | None) -> float:
+def _most(new: dict, base: dict | None, within_s: float | None) -> float:
     """The most requests a device could have answered between the two records."""
     if base is not None and is_number(new.get("ts")) and is_number(base.get("ts")):
         elapsed = max(0.0, new["ts"] - base["ts"])
-    elif is_number(new.get("uptime_s")):
-        elapsed = max(0.0, new["uptime_s"])
     else:
-        return math.inf
+        elapsed = max(0.0, new["uptime_s"]) if is_number(new.get("uptime_s")) else math.inf
+        if within_s is not None:
+            elapsed = min(elapsed, within_s)
     return (elapsed + CLOCK_SKEW_S) * MAX_DEVICE_RATE
 
 
@@ -92,13 +94,15 @@ def device_window(records: list[dict], start: float, end: float) -> dict | None:
     if base is not None and is_number(new.get("uptime_s")) and is_number(base.get("uptime_s")) and \
             base["uptime_s"] > new["uptime_s"]:
         base = None  # the agent restarted: its counters did too
-    c = counter_deltas(new, base)
+    c = counter_deltas(new, base, end - start)  # with no record before the window: no more than the window
     decided, answered = c["decided"], c["answered"]
+    decode_s = c["decode_s"]
     return {"requests": answered, "decided": decided,
             "escalation_rate": c["cloud"] / decided if decided else None,
             "error_rate": c["failed"] / answered if answered else None,
             "ttft_p95": _quantile(c["ttft_buckets"], 0.95),
-            "decode_tps": c["decode_tokens"] / c["decode_s"] if c["decode_s"] > 0 else None}
+            # tokens over less than a millisecond of decoding is no speed (5e-324 s made it infinite)
+            "decode_tps": min(c["decode_tokens"] / decode_s, MAX_DECODE_TPS) if decode_s >= 1e-3 else None}
 
 
 def window_metrics(records_by_device: dict[str, list[dict]], start: float, end: float) -> dict:

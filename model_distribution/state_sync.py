@@ -31,6 +31,7 @@ from sync.mqtt_link import LinkConfig, MQTTLink, parse_broker_url
 
 log = logging.getLogger(__name__)
 CONTROL_PLANE_USER = "cascade-control-plane"
+RESYNC_S = 60.0  # how often the control plane asks the broker for every device's retained state again
 
 
 def topic(fleet: str, device: str, kind: str) -> str:
@@ -85,13 +86,26 @@ class DesiredPublisher:
             self._published.clear()  # publish everything again on this connection
 
     def _run(self) -> None:
+        resynced = time.monotonic()
         while not self._stop.wait(self.poll_s):
             try:
                 self.inbox.flush()
                 if self.link.connected:
                     self.publish_changes()
+                    flood = self.inbox.last_flood
+                    flood_over = flood is not None and resynced < flood < self.inbox.clock() - 2.0
+                    if flood_over or time.monotonic() - resynced > RESYNC_S:  # (the inbox's clock is monotonic)
+                        self.resync()
+                        resynced = time.monotonic()
             except Exception:
                 log.exception("publishing desired state failed (tried again in %.1f s)", self.poll_s)
+
+    def resync(self) -> None:
+        """Subscribe again to what devices retain (reported, status): the broker sends every retained
+        copy again, so a state a broker dropped on its way here (its queue for the control plane over
+        its bound while a device flooded) is kept all the same; one already kept changes nothing.
+        Every RESYNC_S, and 2 s after a device stops sending past its rate."""
+        self.link.client.subscribe([(f"cascade/v1/+/devices/+/{kind}", 1) for kind in ("reported", "status")])
 
     def publish_changes(self) -> int:
         """Publish the documents this connection has not sent in their current form; how many."""

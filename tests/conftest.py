@@ -60,6 +60,15 @@ class Agent(Server):
         super().__init__(home, ["edge", "run"], *args, env=env)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_server_outlives_the_session():
+    """Whatever server a test started and lost track of (a fixture's teardown that stopped an
+    older one) is stopped at the end, never left running after pytest."""
+    yield
+    for server in list(accounting.LIVE):
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def agent(tmp_path_factory):
     """One agent for the API tests: two slots, one thread each (this machine has 2 cores)."""

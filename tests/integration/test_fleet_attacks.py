@@ -80,9 +80,10 @@ def served(request, tmp_path):
         return Server(home, ["fleet", "serve"], "--mqtt-port", str(mqtt_port),
                       env={"CASCADE_FLEET_MQTT_PREFER": request.param}).wait_healthy(60)
 
-    plane = start()
-    yield {"home": home, "secrets": secrets, "port": mqtt_port, "plane": plane, "start": start, "kind": request.param}
-    plane.stop()
+    served = {"home": home, "secrets": secrets, "port": mqtt_port, "plane": start(), "start": start,
+              "kind": request.param}
+    yield served
+    served["plane"].stop()  # the one running now: a test may have restarted it
 
 
 def reported(plane, device: str) -> dict:
@@ -261,3 +262,46 @@ def test_the_small_ones_head_long_versions_and_a_closed_pipe(http_plane, tmp_pat
     piped = subprocess.run(" ".join(cascade_command("fleet", "devices", log_level=None)) + " | head -1", shell=True,
                            cwd=REPO, capture_output=True, text=True, env={**os.environ, "CASCADE_HOME": str(home)})
     assert piped.stdout.startswith("DEVICE") and "Traceback" not in piped.stderr, piped.stderr
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return int(f.read().split("VmRSS:")[1].split()[0]) / 1024
+
+
+def test_a_flooding_device_neither_grows_the_broker_without_bound_nor_loses_anothers_state(served):
+    """The attacker's flood: a device publishing 24 kB records as fast as its socket goes (QoS 0).
+    The embedded broker paces each connection and drops a device's messages past its rate, so the
+    honest device's report arrives at once; Mosquitto (no rate of its own) queues at most
+    max_queued_bytes for the control plane (QoS 0 upgraded to the subscription's 1), and what it
+    dropped meanwhile comes back from the retained copies when the flood stops."""
+    import subprocess as sp
+
+    s = served
+    plane_pid = s["plane"].proc.pid
+    broker_pid = plane_pid
+    if s["kind"] == "mosquitto":
+        broker_pid = int(sp.run(["pgrep", "-f", f"{s['home']}/fleet/broker/mosquitto.conf"], capture_output=True,
+                                text=True).stdout.split()[0])
+    before = _rss_mb(broker_pid)
+    flooder = paho_client(s["port"], "hostile", s["secrets"]["hostile"])
+    record = json.dumps({"id": "f", "ts": time.time(), "uptime_s": 1e6,
+                         "requests": {f"a{i:0>60}": 1.0 for i in range(128)},
+                         "decisions": {f"b{i:0>60}": 1.0 for i in range(128)},
+                         "rejected": {f"c{i:0>60}": 1.0 for i in range(100)}}).encode()
+    honest = paho_client(s["port"], "honest", s["secrets"]["honest"])
+    start, sent, peak = time.monotonic(), 0, before
+    while time.monotonic() - start < 6:
+        for _ in range(200):
+            flooder.publish(topic("default", "hostile", "telemetry"), record, qos=0)
+            sent += 1
+        if sent % 2000 == 0:
+            peak = max(peak, _rss_mb(broker_pid))
+        if sent == 2000:  # the honest device's state, mid-flood
+            honest.publish(topic("default", "honest", "reported"), b'{"state":"ACTIVE","rev":77}', qos=1, retain=True)
+    flooder.socket().close()  # what paho still holds for a paced connection would take minutes to write
+    flooder.loop_stop()
+    wait_until(lambda: reported(s["plane"], "honest").get("rev") == 77, "the honest state, the flood over", 30)
+    assert peak - before < 700, f"the {s['kind']} broker grew {peak - before:.0f} MB"
+    assert loopback.get(f"{s['plane'].url}/healthz", timeout=10).status_code == 200
+    honest.loop_stop()

@@ -362,3 +362,33 @@ def _refused(port: int) -> bool:
         return False
     except OSError:
         return True
+
+
+def test_sockets_that_never_log_in_are_bounded_and_closed(fleet, monkeypatch):
+    """The attacker's idle sockets (no CONNECT, no credentials) held a file descriptor each until the
+    control plane, which hosts the embedded broker, could not answer HTTP; Mosquitto is a process of
+    its own with its own limits (it drops them after its keepalive-less timeout)."""
+    import socket
+
+    if fleet["broker"].kind != "embedded":
+        pytest.skip("the embedded broker's bounds (Mosquitto runs apart from the control plane)")
+    from model_distribution import embedded_broker
+
+    monkeypatch.setattr(embedded_broker, "CONNECT_TIMEOUT_S", 1.0)
+    idle = [socket.create_connection(("127.0.0.1", fleet["broker"].port)) for _ in range(40)]
+    time.sleep(0.5)
+
+    def closed(s: socket.socket) -> bool:
+        s.settimeout(0.05)
+        try:
+            return s.recv(1) == b""
+        except (TimeoutError, BlockingIOError):
+            return False
+        except OSError:
+            return True
+
+    assert sum(closed(s) for s in idle) >= 40 - embedded_broker.MAX_PENDING_PER_ADDRESS  # past the bound: at once
+    assert fleet["client"]("k1", fleet["secrets"]["k1"]).accepted  # a device still logs in meanwhile
+    wait_until(lambda: all(closed(s) for s in idle), "every idle socket closed after the CONNECT timeout", 10)
+    for s in idle:
+        s.close()

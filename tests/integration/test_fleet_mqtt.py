@@ -61,15 +61,17 @@ def plane(tmp_path):
     url = f"mqtt://127.0.0.1:{broker.port}"
     pub = DesiredPublisher(reg, store, repo.desired_key(), url, poll_s=0.1)
     pub.start()
-    devices = [SimDevice(url, f"k{i}", repo.desired_public_key()) for i in range(N)]
-    yield {"broker": broker, "url": url, "store": store, "v1": v1, "v2": v2, "devices": devices, "repo": repo}
-    for d in devices:  # a DISCONNECT wakes each network loop: loop_stop alone waits out its 1 s select, 20 times
-        d.client.link.client.disconnect()
-        d.client.link.client.loop_stop()
-    pub.stop()
-    broker.stop()
-    reg.close()
-    store.close()
+    try:
+        devices = [SimDevice(url, f"k{i}", repo.desired_public_key()) for i in range(N)]
+        yield {"broker": broker, "url": url, "store": store, "v1": v1, "v2": v2, "devices": devices, "repo": repo}
+        for d in devices:  # a DISCONNECT wakes each network loop: loop_stop alone waits out its 1 s select, 20 times
+            d.client.link.client.disconnect()
+            d.client.link.client.loop_stop()
+    finally:
+        pub.stop()
+        broker.stop()
+        reg.close()
+        store.close()
 
 
 def converged(plane, manifest, devices=None) -> bool:

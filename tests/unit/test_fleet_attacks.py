@@ -325,7 +325,8 @@ def test_a_flooding_device_loses_its_own_excess_only_and_its_last_state_is_kept(
     inbox = DeviceInbox(store, metrics, rate=2.0, burst=5.0, clock=lambda: clock[0])
     outcomes, quiet = [], []
     for i in range(100):
-        record, state = json.dumps({"id": f"n{i}", "ts": 1.0}), json.dumps({"state": "ACTIVE", "rev": i})
+        record = json.dumps({"id": f"n{i}", "ts": 1.0, "uptime_s": 1.0})
+        state = json.dumps({"state": "ACTIVE", "rev": i})
         outcomes.append(inbox.handle("default", "noisy", "telemetry", record.encode()))
         outcomes.append(inbox.handle("default", "noisy", "reported", state.encode()))
         if i % 50 == 0:  # the quiet device, at its own pace, meanwhile
@@ -341,4 +342,125 @@ def test_a_flooding_device_loses_its_own_excess_only_and_its_last_state_is_kept(
     assert inbox.handle("default", "quiet", "reported", b'{"state":"ACTIVE","rev":1}') == "recorded"
     assert inbox.handle("default", "nobody", "reported", b"{}") == "unknown_device"
     assert inbox.handle("other-fleet", "quiet", "reported", b"{}") == "unknown_device"
+    store.close()
+
+
+def test_a_device_keeps_at_most_its_share_of_records_whatever_times_it_gives_them(tmp_path, monkeypatch):
+    """The attacker's bypass: every record with the same time, so a cut by time deleted nothing."""
+    from model_distribution import devices as devices_module
+    from model_distribution.devices import DeviceStore
+
+    monkeypatch.setattr(devices_module, "MAX_RECORDS_PER_DEVICE", 50)
+    store = DeviceStore(tmp_path)
+    store.add("evil", [])
+    for i in range(1000):
+        assert store.telemetry("evil", {"id": f"e{i}", "ts": 1000.0, "uptime_s": 10.0})
+    kept = store._db.execute("SELECT count(*) FROM telemetry WHERE device_id = 'evil'").fetchone()[0]
+    assert kept <= 50 + 500  # cut back to its share every 500 records
+    store.close()
+
+
+def _gguf(path, arch="llama", context=None):
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), arch)
+    if context is not None:
+        w.add_key_value(f"{arch}.context_length", *context)
+    w.add_tensor("t", np.zeros((4, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("arch, context, says", [
+    ("a" * 6_000_000, None, "architecture"),  # it went into every device's targets metadata: past 5 MB, none installed
+    ("llama", (2048.0, "FLOAT32"), "context length"),  # crashed the signing: listed, never signed
+    ("llama", (float("nan"), "FLOAT32"), "context length"),
+    ("llama", (2**64 - 1, "UINT64"), "context length"),  # crashed SQLite
+])
+def test_a_file_whose_header_cannot_be_a_signed_manifest_is_refused_and_nothing_is_listed(tmp_path, arch, context,
+                                                                                        says):
+    import gguf
+
+    from model_distribution import operations
+    from model_distribution.signing import Repository
+
+    if context is not None:
+        context = (context[0], getattr(gguf.GGUFValueType, context[1]))
+    bad = _gguf(tmp_path / "bad.gguf", arch, context)
+    repo = Repository(tmp_path / "fleet")
+    repo.init()
+    reg = Registry(tmp_path / "fleet")
+    with pytest.raises(RegistryError, match=says):
+        operations.push(reg, repo, bad, "tiny", "1.0.0")
+    assert reg.models() == [] and not repo.has_target("tiny", "1.0.0")
+    reg.close()
+
+
+# -- what the attacker helper reproduced (its report's defects 4, 5, 9, 10, 11) ------------------------
+
+def test_repeating_the_same_progress_is_no_word_and_the_step_timeout_applies(fleet):
+    r = start_rollout(fleet.registry, fleet.devices, fleet.rollouts,
+                      RolloutSpec("tiny@1.1.0", "kiosks", [5, 100], step_timeout_s=5))
+    fleet.tick()
+    (d,) = fleet.devices_told("tiny@1.1.0")
+    for _ in range(20):  # "DOWNLOADING 1%" with a fresh time, twice a second
+        fleet.report(d, "DOWNLOADING", done=10, total=1000)
+        fleet.tick(0.5)
+    stopped = fleet.rollouts.get(r.rollout_id)  # it timed out, and the install failure gate (0) rolled back
+    assert stopped.state == "ROLLED_BACK" and "failure rate" in stopped.reason, stopped.reason
+    assert "no word" in " ".join(fleet.rollouts.decisions(r.rollout_id)[-1]["reasons"])
+
+
+def test_a_tiny_decode_time_gives_no_speed_and_no_infinity_reaches_a_decision(fleet):
+    from model_distribution.rollout_ops import status
+
+    r = start_rollout(fleet.registry, fleet.devices, fleet.rollouts,
+                      RolloutSpec("tiny@1.1.0", "kiosks", [25, 100], bake_s=10, gates=["decode_tps>=0.9x"]))
+    fleet.tick()
+    finish_wave(fleet)
+    for d in (d.device_id for d in fleet.devices.list()):
+        fleet.devices.telemetry(d, {"id": f"{d}-a", "ts": fleet.now, "uptime_s": 100.0})
+    fleet.tick()
+    fleet.tick(5)
+    for d in (d.device_id for d in fleet.devices.list()):
+        fleet.devices.telemetry(d, {"id": f"{d}-b", "ts": fleet.now, "uptime_s": 105.0,
+                                    "decode": {"tokens": 1000, "seconds": 5e-324}})
+    fleet.tick(6)
+    shown = status(fleet.rollouts, r.rollout_id)
+    json.dumps(shown, allow_nan=False)  # what GET /v1/fleet/rollouts/{id} answers: strict JSON
+    assert shown["decisions"][-1]["updated"]["decode_tps"] is None
+
+
+def test_a_record_without_uptime_is_refused_and_a_first_record_counts_no_more_than_its_window(fleet):
+    from model_distribution.serving import window_metrics
+
+    with pytest.raises(RefusedMessage, match="uptime_s"):
+        fleet.devices.telemetry("k00", {"id": "x", "ts": fleet.now, "requests": {"chat/200": 2**53}})
+    first = {"id": "y", "ts": 1010.0, "uptime_s": 1e9, "requests": {"chat/200": 1e12}}  # "up for 31 years"
+    m = window_metrics({"k00": [first]}, 1000.0, 1060.0)
+    assert m["requests"] <= (60 + 300) * 1000  # the window, plus the clock's allowance, at 1,000 a second
+
+
+def test_invisible_format_characters_are_refused_like_control_characters():
+    for text in ("ok\\u202e DELIAF ton", "a\\u200bb", "x\\u2066y", "\\ufeffz"):
+        with pytest.raises(RefusedMessage, match="control"):
+            decode("reported", ('{"state": "FAILED", "reason": "' + text + '"}').encode())
+
+
+def test_invented_names_neither_fill_the_throttle_nor_lift_a_devices(tmp_path):
+    from model_distribution.credentials import DeviceCredentials
+    from model_distribution.devices import DeviceStore
+
+    store = DeviceStore(tmp_path)
+    store.add("d1", [])
+    creds = DeviceCredentials(store, ttl_s=0, max_pairs=1000)
+    for _ in range(11):
+        creds.check("d1", "wrong", "10.0.0.9")
+    for i in range(5000):
+        assert creds.check(f"nobody-{i}", "wrong", "10.0.0.9") is False
+    assert creds.check("d1", "wrong", "10.0.0.9") > 0  # still throttled
     store.close()
