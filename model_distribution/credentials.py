@@ -81,24 +81,25 @@ class DeviceCredentials:
         """The device endpoints' check (call it on a thread): True for the right pair, False for a
         wrong one (counted against ``client``), or the seconds to wait when ``client`` is throttled
         and this pair was not checked (a wrong one, or one whose check would be slow)."""
-        kind = self.store.secret_kind(device_id)
-        if kind is None:  # no such device: nothing to guess, nothing to count (no entry for invented names)
-            return False
         wait = self.throttled(device_id, client)
-        if wait and kind == "scrypt":
+        if wait and self.store.secret_kind(device_id) == "scrypt":
             return wait
-        if self.verify(device_id, secret):
+        verdict = self.verify(device_id, secret)
+        if verdict is None:  # no such device: nothing to guess, nothing to count (no entry for invented names)
+            return False
+        if verdict:
             return True
         self.failed(device_id, client)
         return wait or False
 
-    def verify(self, device_id: str, secret: str) -> bool:
-        """Check the pair against the stored hash; remember it when it holds."""
+    def verify(self, device_id: str, secret: str) -> bool | None:
+        """Check the pair against the stored hash; remember it when it holds (None: no such device)."""
         if self.cached(device_id, secret):
             return True
         with self._checks:
-            if not self.store.authenticate(device_id, secret):
-                return False
+            verdict = self.store.authenticate(device_id, secret)
+            if not verdict:
+                return verdict
         now = self.clock()
         with self._lock:
             if len(self._until) >= self.max_pairs:  # bounded: drop what expired, else start over

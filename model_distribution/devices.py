@@ -143,9 +143,9 @@ class DeviceStore:
         """Its retained status: "online", or "offline" (said on the way out, or its last will)."""
         if status not in messages.STATUSES:
             raise messages.RefusedMessage("status", f"a status is online or offline, not {status[:20]!r}")
-        with self._lock:
-            self._db.execute("UPDATE devices SET last_seen = ?, status = ? WHERE device_id = ?",
-                             (self.clock(), status, device_id))
+        with self._lock:  # the same status again (a retained copy sent once more) changes nothing
+            self._db.execute("UPDATE devices SET last_seen = ?, status = ? WHERE device_id = ? AND "
+                             "(status IS NULL OR status <> ?)", (self.clock(), status, device_id, status))
 
     def event(self, device_id: str, event: dict | Event) -> None:
         """The device's latest event (say, a desired-state document it refused)."""
@@ -239,12 +239,13 @@ class DeviceStore:
                                 "ORDER BY device_id").fetchall()
         return [r for r in rows if not reserved(r[0])]
 
-    def authenticate(self, device_id: str, secret: str) -> bool:
+    def authenticate(self, device_id: str, secret: str) -> bool | None:
+        """Whether ``secret`` is the device's; None when no such device may log in (one query)."""
         if reserved(device_id):
-            return False
+            return None
         with self._lock:  # the lookup only: checks run side by side
             row = self._db.execute("SELECT secret_hash FROM devices WHERE device_id = ?", (device_id,)).fetchone()
-        return row is not None and check_secret(secret, row[0])
+        return None if row is None else check_secret(secret, row[0])
 
     def secret_kind(self, device_id: str) -> str | None:
         """How this device's secret is kept: "sha256" (a keyed hash), "scrypt" (a slow KDF, stores made

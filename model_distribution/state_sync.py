@@ -31,7 +31,7 @@ from sync.mqtt_link import LinkConfig, MQTTLink, parse_broker_url
 
 log = logging.getLogger(__name__)
 CONTROL_PLANE_USER = "cascade-control-plane"
-RESYNC_S = 60.0  # how often the control plane asks the broker for every device's retained state again
+RESYNC_S = 300.0  # how often the control plane asks the broker for every device's retained state again
 
 
 def topic(fleet: str, device: str, kind: str) -> str:

@@ -127,6 +127,14 @@ class MQTTLink:
         """``handler(message)`` for each message on ``topic_filter``, subscribed at every connect."""
         with self._lock:
             self._subscriptions[topic_filter] = (qos, handler)
+
+        def guarded(client, userdata, message) -> None:
+            try:
+                handler(message)
+            except Exception:  # never into paho: its loop would end, the message never be acknowledged
+                log.exception("handling a message on %s failed", message.topic[:200])
+
+        self.client.message_callback_add(topic_filter, guarded)  # paho's own topic trie picks the handler
         if self._connected.is_set():
             self.client.subscribe(topic_filter, qos)
 
@@ -209,13 +217,7 @@ class MQTTLink:
             self._call(peer, "on_publish", mid)
 
     def _on_message(self, client, userdata, message) -> None:
-        with self._lock:
-            handlers = [h for f, (_, h) in self._subscriptions.items() if mqtt.topic_matches_sub(f, message.topic)]
-        for handler in handlers:
-            try:
-                handler(message)
-            except Exception:  # never into paho: its loop would end, the message never be acknowledged
-                log.exception("handling a message on %s failed", message.topic[:200])
+        """A message no subscription's handler took (another filter of the same session): dropped."""
 
     @staticmethod
     def _call(peer, name: str, *args):
