@@ -65,11 +65,14 @@ def _int64(text: str) -> int:
 
 
 _DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float, parse_int=_int64)
+_ANY_INT_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float)
 
 
 def loads(data: bytes | bytearray | memoryview | str, *, limit: int, max_depth: int = MAX_DEPTH,
-          text_safe: bool = False) -> Any:
-    """Decode ``data`` as strict JSON (see the module docstring); WireError when refused."""
+          text_safe: bool = False, int64: bool = True) -> Any:
+    """Decode ``data`` as strict JSON (see the module docstring); WireError when refused. With
+    ``int64`` False an integer of any size is kept (up to Python's 4,300 digits), for a caller whose
+    schema then refuses it naming the field (an API's request body)."""
     size = len(data.encode("utf-8", "surrogatepass")) if isinstance(data, str) else len(data)
     if size > limit:
         raise WireError("too_large", f"{size} bytes is over the limit of {limit}")
@@ -83,7 +86,7 @@ def loads(data: bytes | bytearray | memoryview | str, *, limit: int, max_depth: 
     if text.startswith("\ufeff"):  # in json.loads' words
         raise WireError("not_json", str(json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)))
     try:
-        value = _DECODER.decode(text)
+        value = (_DECODER if int64 else _ANY_INT_DECODER).decode(text)
     except WireError:
         raise
     except RecursionError:

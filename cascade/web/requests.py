@@ -34,7 +34,8 @@ async def read_json(request: Request, limit: int) -> dict:
     NaN/Infinity, a number beyond a float or an integer beyond 64 bits."""
     body = await read_body(request, limit)
     try:
-        data = wire.loads(body, limit=limit, max_depth=BODY_MAX_DEPTH)
+        # integers of any size pass here: the request's schema refuses one out of range naming its parameter
+        data = wire.loads(body, limit=limit, max_depth=BODY_MAX_DEPTH, int64=False)
     except wire.WireError as e:
         if e.reason == "too_large":
             raise _too_large(limit) from e

@@ -257,8 +257,10 @@ def test_the_small_ones_head_long_versions_and_a_closed_pipe(http_plane, tmp_pat
     assert head.status_code == 200 and int(head.headers["content-length"]) == strict_json(pushed.stdout)["size"]
     long = cli(home, "push", str(tmp_path / "a.gguf"), "--name", "small", "--version", "1.0.0-" + "a" * 300)
     assert long.returncode == 2 and "at most 64" in long.stderr and len(long.stderr.strip().splitlines()) == 1
-    for i in range(40):
-        cli(home, "devices", "add", f"many-{i}")
+    store = DeviceStore(home / "fleet")  # a table longer than a pipe holds (64 kB): the writer meets the closed end
+    for i in range(1500):
+        store.add(f"many-{i}", [])
+    store.close()
     piped = subprocess.run(" ".join(cascade_command("fleet", "devices", log_level=None)) + " | head -1", shell=True,
                            cwd=REPO, capture_output=True, text=True, env={**os.environ, "CASCADE_HOME": str(home)})
     assert piped.stdout.startswith("DEVICE") and "Traceback" not in piped.stderr, piped.stderr
