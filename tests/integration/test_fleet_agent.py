@@ -31,6 +31,14 @@ def fleet(home, *args):
                           env={**os.environ, "CASCADE_HOME": str(home)}, timeout=60)
 
 
+def device_env(broker: str, device: str, secret: str, control_plane: str, repo: Repository) -> dict:
+    """An agent's [fleet] section, as the environment gives it."""
+    return {"CASCADE_EDGE_FLEET_BROKER": broker, "CASCADE_EDGE_FLEET_DEVICE_ID": device,
+            "CASCADE_EDGE_FLEET_SECRET": secret, "CASCADE_EDGE_FLEET_CONTROL_PLANE": control_plane,
+            "CASCADE_EDGE_FLEET_TRUST_ROOT": str(repo.metadata_dir / "1.root.json"),
+            "CASCADE_EDGE_FLEET_DESIRED_KEY": str(repo.desired_key_file)}
+
+
 def control_plane(tmp_path, smollm2_path, tail: bytes):
     """A started Mosquitto, a fleet home with keys, and a second version of the model: its file
     with the last bytes changed (a different artifact that loads the same way)."""
@@ -130,10 +138,7 @@ def test_an_agent_killed_mid_download_and_mid_switch_comes_back_on_one_model_and
     secret = json.loads(fleet(home, "devices", "add", "kiosk-6", "--json").stdout)["secret"]
     device_home = tmp_path / "device"
     device_home.mkdir()
-    env = {"CASCADE_EDGE_FLEET_BROKER": url, "CASCADE_EDGE_FLEET_DEVICE_ID": "kiosk-6",
-           "CASCADE_EDGE_FLEET_SECRET": secret, "CASCADE_EDGE_FLEET_CONTROL_PLANE": link.url,
-           "CASCADE_EDGE_FLEET_TRUST_ROOT": str(repo.metadata_dir / "1.root.json"),
-           "CASCADE_EDGE_FLEET_DESIRED_KEY": str(repo.desired_key_file)}
+    env = device_env(url, "kiosk-6", secret, link.url, repo)
     states: list[dict] = []
     watcher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="test-watcher")
     watcher.on_message = lambda c, u, m: states.append(json.loads(m.payload))
@@ -290,10 +295,7 @@ def test_a_version_whose_calibration_cannot_be_applied_leaves_the_old_model_serv
     secret = json.loads(fleet(home, "devices", "add", "kiosk-9", "--json").stdout)["secret"]
     device_home = tmp_path / "device"
     device_home.mkdir()
-    env = {"CASCADE_EDGE_FLEET_BROKER": url, "CASCADE_EDGE_FLEET_DEVICE_ID": "kiosk-9",
-           "CASCADE_EDGE_FLEET_SECRET": secret, "CASCADE_EDGE_FLEET_CONTROL_PLANE": plane.url,
-           "CASCADE_EDGE_FLEET_TRUST_ROOT": str(repo.metadata_dir / "1.root.json"),
-           "CASCADE_EDGE_FLEET_DESIRED_KEY": str(repo.desired_key_file)}
+    env = device_env(url, "kiosk-9", secret, plane.url, repo)
 
     def start_agent() -> Agent:
         return Agent(device_home, "--n-ctx", "512", "--threads", "1", "--parallel", "1", "--no-config",

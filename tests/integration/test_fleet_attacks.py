@@ -18,11 +18,10 @@ from cascade.processes import cascade_command, free_port
 from model_distribution.broker import FleetBroker, TLSListener, control_plane_credentials, find_mosquitto
 from model_distribution.desired import AppliedDesired
 from model_distribution.devices import DeviceStore
-from model_distribution.registry import Registry
-from model_distribution.signing import Repository
 from model_distribution.state_sync import DesiredPublisher, DeviceStateClient, topic
 from tests import loopback
 from tests.conftest import REPO, Server
+from tests.integration.test_fleet_broker import scratch_fleet
 from tests.tls import make_ca_and_server
 from tests.unit.sync.test_mqtt import wait_until
 from tests.unit.test_registry import make_gguf
@@ -145,12 +144,7 @@ def broker_fleet(request, tmp_path):
     with a TLS listener too, and the control plane's publisher on it."""
     if request.param == "mosquitto" and find_mosquitto() is None:
         pytest.skip("needs mosquitto (apt-get install mosquitto)")
-    root = tmp_path / "fleet"
-    repo = Repository(root)
-    repo.init()
-    reg, store = Registry(root), DeviceStore(root)
-    v1, _ = reg.push(make_gguf(tmp_path / "a.gguf", 1.0), "tiny", "1.0.0")
-    secrets = {d: store.add(d, ["kiosks"]) for d in ("k0", "k1")}
+    root, repo, reg, store, v1, secrets = scratch_fleet(tmp_path, ("k0", "k1"))
     tls = make_ca_and_server(tmp_path / "tls")
     creds = control_plane_credentials(repo.keys_dir)
     broker = FleetBroker(root, port=0, credentials=creds, prefer=request.param,

@@ -93,16 +93,22 @@ class SimDevice:
             return self.applied[-1]["sha256"] if self.applied else None
 
 
-@pytest.fixture(params=["mosquitto", "embedded"])
-def fleet(request, tmp_path):
-    if request.param == "mosquitto" and find_mosquitto() is None:
-        pytest.skip("needs mosquitto (apt-get install mosquitto)")
+def scratch_fleet(tmp_path, devices) -> tuple:
+    """(root, repo, registry, store, version 1.0.0, secrets): keys made, one tiny version pushed,
+    ``devices`` enrolled in group kiosks."""
     root = tmp_path / "fleet"
     repo = Repository(root)
     repo.init()
     reg, store = Registry(root), DeviceStore(root)
     v1, _ = reg.push(make_gguf(tmp_path / "a.gguf", 1.0), "tiny", "1.0.0")
-    secrets = {d: store.add(d, ["kiosks"]) for d in DEVICES}
+    return root, repo, reg, store, v1, {d: store.add(d, ["kiosks"]) for d in devices}
+
+
+@pytest.fixture(params=["mosquitto", "embedded"])
+def fleet(request, tmp_path):
+    if request.param == "mosquitto" and find_mosquitto() is None:
+        pytest.skip("needs mosquitto (apt-get install mosquitto)")
+    root, repo, reg, store, v1, secrets = scratch_fleet(tmp_path, DEVICES)
     user, secret = control_plane_credentials(repo.keys_dir)
     broker = FleetBroker(root, port=0, credentials=(user, secret), prefer=request.param)
     url = broker.start()
