@@ -464,3 +464,19 @@ def test_invented_names_neither_fill_the_throttle_nor_lift_a_devices(tmp_path):
         assert creds.check(f"nobody-{i}", "wrong", "10.0.0.9") is False
     assert creds.check("d1", "wrong", "10.0.0.9") > 0  # still throttled
     store.close()
+
+
+def test_an_aborted_rollouts_executions_are_not_left_in_progress(fleet):
+    """Item 17: after an abort no one follows an execution, so none may stay IN_PROGRESS for good."""
+    from model_distribution.rollout_controller import abort
+    from model_distribution.rollout_ops import device_rows
+
+    r = start_rollout(fleet.registry, fleet.devices, fleet.rollouts, RolloutSpec("tiny@1.1.0", "kiosks", [10, 100]))
+    fleet.tick()
+    told = fleet.devices_told("tiny@1.1.0")
+    fleet.report(told[0], "DOWNLOADING", done=1, total=10)
+    fleet.tick()
+    abort(fleet.rollouts, r.rollout_id, fleet.devices)
+    assert "IN_PROGRESS" not in set(states(fleet, r.rollout_id).values())
+    shown = {row["device"]: row["rollout"]["state"] for row in device_rows(fleet.devices, fleet.rollouts)}
+    assert {shown[d] for d in told} == {"CANCELED"} and fleet.devices.get(told[0]).desired == "tiny@1.1.0"
