@@ -46,12 +46,18 @@ def cmd_edge_run(args) -> int:
     from edge_agent import daemon
     from edge_agent.hardware import MixedOnnxRuntime
     from edge_agent.server.reload import ConfigSource
+    from edge_agent.service_unit import exposed_secrets
     from model_distribution.catalog import ModelNotFound
     from model_distribution.onnx_model import OnnxModelError
 
-    source = ConfigSource(_edge_config_path(args), _edge_overrides(args))  # SIGHUP reads it the same way
+    path = _edge_config_path(args)
+    source = ConfigSource(path, _edge_overrides(args))  # SIGHUP reads it the same way
     try:
-        daemon.run(source.load(), source)
+        config = source.load()
+        if exposed := exposed_secrets(path, config):
+            print(f"cascade: warning: {path} holds {', '.join(exposed)} and every user on this machine may read it "
+                  f"(chmod 0640 it, owned by root and the agent's group)", file=sys.stderr)
+        daemon.run(config, source)
     except (ConfigError, ModelNotFound, OnnxModelError, MixedOnnxRuntime) as e:
         print(f"cascade: {e}", file=sys.stderr)
         return 2
@@ -82,7 +88,7 @@ def cmd_edge_install_service(args) -> int:
 
     from cascade.config import ConfigError
     from edge_agent.config import EdgeConfig, ServerConfig
-    from edge_agent.service_unit import ServiceSpec, next_steps, unit_text
+    from edge_agent.service_unit import DEFAULT_UNIT_PATH, ServiceSpec, next_steps, unit_text
 
     command = [args.exec] if args.exec else [args.python, "-m", "cascade_cli"] if args.python else _cascade_executable()
     config_exists = Path(args.config).is_file()
@@ -99,6 +105,15 @@ def cmd_edge_install_service(args) -> int:
         print(f"cascade: {command[0]} is not an executable file (--exec or --python)", file=sys.stderr)
         return 2
     text = unit_text(spec)
+    if args.output is None:  # the default: say where, and never replace another unit unasked
+        args.output = DEFAULT_UNIT_PATH
+        print(f"cascade: writing {DEFAULT_UNIT_PATH} (--output PATH elsewhere, --output - to print it)",
+              file=sys.stderr)
+    unit = Path(args.output)
+    if args.output != "-" and not args.force and unit.is_file() and unit.read_text(errors="replace") != text:
+        print(f"cascade: {args.output} exists with other contents (--force to replace it, --output - to print "
+              f"the new unit)", file=sys.stderr)
+        return 2
     if args.output == "-":
         sys.stdout.write(text)
         out = sys.stderr  # the unit alone on standard output
@@ -347,7 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     svc.add_argument("--group", help="its group (default: the user's name)")
     svc.add_argument("--state-dir", default="/var/lib/cascade", help="its $CASCADE_HOME, the one writable directory")
     svc.add_argument("--config", default="/etc/cascade/edge.toml", help="the edge.toml it runs with")
-    svc.add_argument("--output", default=DEFAULT_UNIT_PATH, help="where to write the unit; - prints it")
+    svc.add_argument("--output", default=None,
+                     help=f"where to write the unit (default {DEFAULT_UNIT_PATH}, said when used); - prints it")
+    svc.add_argument("--force", action="store_true", help="replace an existing unit file with other contents")
     how = svc.add_mutually_exclusive_group()
     how.add_argument("--exec", help="the cascade executable (default: the one next to this Python, else on PATH)")
     how.add_argument("--python", help="an interpreter to run `-m cascade_cli` with, instead of --exec")

@@ -119,7 +119,8 @@ def next_steps(spec: ServiceSpec, unit_path: str, config_exists: bool) -> list[s
     if spec.state_directory is None:
         steps.append(f"sudo install -d -m 0750 -o {spec.user} -g {spec.group} {spec.state_dir}")
     if not config_exists:
-        steps.append(f"sudo install -D -m 0644 edge.toml {spec.config}   # the agent's config (see README)")
+        steps.append(f"sudo install -D -m 0640 -o root -g {spec.group or spec.user} edge.toml {spec.config}"
+                     "   # the agent's config: it holds the device's secrets, so its group reads it, nobody else")
     if unit_path == "-":
         steps.append(f"sudo tee /etc/systemd/system/{name} < the-unit-printed-above")
     steps += ["sudo systemctl daemon-reload", f"sudo systemctl enable --now {name}",
@@ -130,3 +131,21 @@ def next_steps(spec: ServiceSpec, unit_path: str, config_exists: bool) -> list[s
 def _under_home(path: str) -> bool:
     parts = PurePosixPath(path).parts
     return parts[1:2] in (("home",), ("root",)) or parts[1:3] == ("run", "user")
+
+
+def exposed_secrets(path: str | None, config) -> list[str]:
+    """The secrets an edge config file holds while every user may read it (mode o+r): the keys
+    to name in a warning. Empty for no file, a private file, or a file without secrets."""
+    import os
+    import stat
+
+    if not path:
+        return []
+    try:
+        if not os.stat(path).st_mode & stat.S_IROTH:
+            return []
+    except OSError:
+        return []
+    held = {"[fleet] secret": config.fleet.secret, "[upstream] api_key": config.upstream.api_key,
+            "[server] api_key": config.server.api_key, "[mqtt] password": config.mqtt.password}
+    return [name for name, value in held.items() if value]
