@@ -228,6 +228,17 @@ class GatewayConfig:
     batch_concurrency: int = 4  # lines in flight at once, per gateway
     batch_kv_share: float = 0.5  # new lines start only while the decode pool's KV use is under this share ...
     batch_online_busy: int = 0  # ... and while fewer online requests are in flight (0: no such limit; CPU hosts)
+    # a line refused for a reason that passes (429: a quota, a budget, its SLO; 503) runs again after a back-off
+    # of its tenant's (doubling from batch_backoff_s up to batch_backoff_max_s), at most batch_max_refusals
+    # times: then it ends in the error file with that refusal
+    batch_max_refusals: int = 10
+    batch_backoff_s: float = 1.0
+    batch_backoff_max_s: float = 60.0
+    # stored files (uploads and batch outputs), per tenant: a cap on their bytes and their number (an upload
+    # past either is refused), and how long one is kept (0: until deleted; an upload's expires_after wins)
+    batch_tenant_max_bytes: int = 1 << 30
+    batch_tenant_max_files: int = 1000
+    batch_file_ttl_s: int = 30 * 86400
 
     @property
     def k8s_discovery(self) -> bool:
@@ -268,6 +279,12 @@ class GatewayConfig:
             raise ValueError("batch_online_busy must be >= 0 (0: no limit)")
         if not 0 < self.batch_kv_share <= 1:
             raise ValueError("batch_kv_share must be in (0, 1]")
+        if self.batch_max_refusals < 1 or self.batch_tenant_max_bytes < 1 or self.batch_tenant_max_files < 1:
+            raise ValueError("batch_max_refusals, batch_tenant_max_bytes and batch_tenant_max_files must be >= 1")
+        if not 0 < self.batch_backoff_s <= self.batch_backoff_max_s <= 86400:
+            raise ValueError("batch_backoff_s must be > 0 and at most batch_backoff_max_s (at most 86400)")
+        if self.batch_file_ttl_s < 0:
+            raise ValueError("batch_file_ttl_s must be >= 0 (0: files are kept until deleted)")
         parse_model_prices(self.model_prices)
         parse_class_slos(self.class_slos)
 
