@@ -8,7 +8,9 @@ missing goes first (without a target, at arrival + ``untargeted_slack_s``: FCFS 
 
 Admission keeps the running decodes within their TPOT target: a step's prefill tokens are capped
 at what the learned step cost (``slo.StepCostModel``) allows next to the decodes, and a request
-joins the running set only while one step of all of them fits the tightest target. Long prompts
+joins the running set only while one step of all of them fits the tightest target of its own
+tenant's (``slo.TpotPolicy``: a target is served no tighter than a step of ``tpot_min_batch``
+decodes, and one tenant's targets never cut the batch another's requests run in). Long prompts
 take at most ``1 - short_lane_share`` of a step's prefill tokens while a short prompt waits, so a
 short request is never stuck behind a long prefill. A request that would miss its TTFT target
 anyway is refused when it comes (``SLOMissError``: the server's 429 + Retry-After, reason "slo").
@@ -40,7 +42,7 @@ from dataclasses import dataclass, field
 
 from cloud_tier.engine.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from cloud_tier.engine.request import Request, RequestStatus
-from cloud_tier.engine.slo import Reservations, StepCostModel, estimate_ttft, prefill_delay
+from cloud_tier.engine.slo import Reservations, StepCostModel, TpotPolicy, estimate_ttft, prefill_delay
 from cloud_tier.engine.swap import SwapIn, SwapOut, SwapSpace
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,10 @@ class SchedulerConfig:
     short_lane_share: float = 0.25  # ... which keeps this share of a step's prefill tokens while one waits
     min_prefill_chunk: int = 32  # the least prefill a step takes under a TPOT cap, so prompts progress
     reservations: str = ""  # "tenant=share,...": KV blocks and running slots kept for each tenant
+    # what a TPOT target may ask (slo.TpotPolicy): never a batch under this many, nor a step shorter than
+    # theirs or than min_tpot_s; a tighter target is served best-effort at that floor
+    tpot_min_batch: int = 8
+    min_tpot_s: float = 0.0
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
@@ -80,6 +86,9 @@ class SchedulerConfig:
         if not 0 <= self.slo_headroom < 1:
             raise ValueError(f"slo_headroom must be in [0, 1), got {self.slo_headroom!r}")
         Reservations.parse(self.reservations)
+        if self.tpot_min_batch < 1 or not 0 <= self.min_tpot_s < math.inf:
+            raise ValueError(f"tpot_min_batch must be >= 1 and min_tpot_s a number >= 0, got "
+                             f"{self.tpot_min_batch!r}, {self.min_tpot_s!r}")
 
 
 class SLOMissError(ValueError):
@@ -138,6 +147,11 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def _tpot_key(request: Request) -> str:
+    """The blocked-pool key of a tenant held out by its own TPOT targets (never a reservation group's)."""
+    return f"\0tpot:{request.tenant}"
+
+
 def _is_decode(s: ScheduledRequest) -> bool:
     return s.num_new_tokens == 1 and s.samples
 
@@ -150,6 +164,7 @@ class Scheduler:
         self.clock = clock
         self.cost = cost or StepCostModel()
         self.reservations = Reservations.parse(config.reservations)
+        self.tpot = TpotPolicy(config.tpot_min_batch, config.min_tpot_s, config.max_num_seqs)
         self.waiting: list[Request] = []  # sorted by Request.sort_key
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -185,7 +200,10 @@ class Scheduler:
         return request.slo.ttft_s if request.slo.ttft_s is not None else self.config.default_ttft_s
 
     def tpot_target(self, request: Request) -> float | None:
-        return request.slo.tpot_s if request.slo.tpot_s is not None else self.config.default_tpot_s
+        """The TPOT target ``request`` is served at: its own or the default, raised to the engine's
+        floor (``TpotPolicy.floor``)."""
+        asked = request.slo.tpot_s if request.slo.tpot_s is not None else self.config.default_tpot_s
+        return self.tpot.effective(asked, self.cost)
 
     def estimate_ttft(self, request: Request) -> float:
         """Seconds until ``request``'s first token if queued now: the prefill ahead of it (requests
@@ -238,16 +256,15 @@ class Scheduler:
         """The tightest TPOT target among the running requests (inf: none has one)."""
         return min((t for r in self.running if (t := self.tpot_target(r)) is not None), default=math.inf)
 
-    def _step_cap(self, request: Request, floor: float | None = None) -> float:
-        """The longest a step may take with ``request`` running: the tightest TPOT target among the
-        running (``floor``, when the caller has it) and ``request``'s own (inf: none has one)."""
-        return min(self._tpot_floor() if floor is None else floor, self.tpot_target(request) or math.inf)
+    def _step_cap(self, request: Request) -> float:
+        """The longest a step may take with ``request`` running, as far as its admission goes: the
+        tightest TPOT target of its own and its tenant's running requests (inf: none has one)."""
+        return self.tpot.binding_cap(request.tenant, self.tpot_target(request),
+                                     ((r.tenant, self.tpot_target(r)) for r in self.running))
 
     def _slot_capacity(self, step_cap_s: float) -> int:
-        """Running requests at once: max_num_seqs, fewer when one step of them all would exceed
-        ``step_cap_s`` (``_step_cap``)."""
-        cap = self.config.max_num_seqs
-        return cap if step_cap_s == math.inf else min(cap, self.cost.decodes_within(step_cap_s))
+        """Running requests at once under ``step_cap_s`` (``_step_cap``; ``TpotPolicy.capacity``)."""
+        return self.tpot.capacity(self.cost, step_cap_s)
 
     def _check_ttft(self, request: Request, ttft: float) -> float:
         """Seconds from now to ``request``'s first token, as estimated (SLOMissError: past what an
@@ -479,7 +496,7 @@ class Scheduler:
         finds no room stays first in line and nothing that draws on the same pool jumps ahead of
         it (FCFS); a request on another tenant's reservation, or a short one passing a long prompt
         whose lane is spent this step, goes on."""
-        blocked: set[str] = set()  # reservation groups that found no room this step
+        blocked: set[str] = set()  # reservation groups (and tenants' TPOT bounds) that found no room this step
         yielded: set[str] = set()  # preempted this step for a higher class: not admitted again in it
         hits = False  # a request admitted this step took prefix-cache hits (maybe on blocks this step writes)
         long_spent = False
@@ -487,13 +504,14 @@ class Scheduler:
         while i < len(self.waiting) and budget > 0:
             req = self.waiting[i]
             group = self.reservations.group(req.tenant)
-            if group in blocked or req.request_id in yielded or (long_spent and not self._is_short(req)):
+            if ({group, _tpot_key(req)} & blocked or req.request_id in yielded
+                    or (long_spent and not self._is_short(req))):
                 i += 1
                 continue
-            if not self._has_slot(req):
+            if (short := self._slot_shortage(req)) is not None:
                 freed = self._yield_to(req, out, yielded, hits)
                 if freed is None:
-                    blocked.add(group)
+                    blocked.add(short)
                     i += 1
                 else:  # a lower class gave its slot up: this request again (it is still at i)
                     budget += freed
@@ -553,15 +571,23 @@ class Scheduler:
         yielded.add(victim.request_id)
         return self._unschedule(out, victim)
 
-    def _has_slot(self, request: Request) -> bool:
-        """Whether ``request`` may join the running set: within max_num_seqs less the other
-        tenants' unused slot reservations, and within the TPOT targets' slot capacity."""
-        limit = self._slot_capacity(self._step_cap(request, self._floor))
+    def _slot_shortage(self, request: Request) -> str | None:
+        """None when ``request`` may join the running set; else the pool nothing behind it may pass
+        this step: its reservation group when max_num_seqs (less the other tenants' unused slot
+        reservations) is reached, only its own tenant (``_tpot_key``) when its own or its tenant's
+        TPOT targets keep it out (those of other tenants go on). Past its due time its own targets
+        no longer keep it out: it runs best-effort rather than wait for a batch this small."""
+        limit = self.config.max_num_seqs
         if self.reservations:
             _, slots = self._usage()
-            limit = min(limit, self.config.max_num_seqs - self.reservations.held_back(
-                self.reservations.group(request.tenant), self.config.max_num_seqs, slots))
-        return len(self.running) < max(1, limit)
+            limit -= self.reservations.held_back(self.reservations.group(request.tenant), self.config.max_num_seqs,
+                                                 slots)
+        if len(self.running) >= max(1, limit):
+            return self.reservations.group(request.tenant)
+        if len(self.running) >= self._slot_capacity(self._step_cap(request)) and not (
+                request.due is not None and self.clock() >= request.due):
+            return _tpot_key(request)
+        return None
 
     # -- deadlines and targets -----------------------------------------------------------
 

@@ -300,7 +300,8 @@ def test_the_first_chunk_of_a_step_under_a_tpot_target_still_progresses():
 
 
 def test_the_tpot_target_bounds_how_many_decode_at_once():
-    s, _ = make(num_blocks=256, budget=512, max_seqs=32)  # decodes_within(0.05) = (0.05 - 0.01) / 0.01 = 4
+    # decodes_within(0.05) = (0.05 - 0.01) / 0.01 = 4 (with no guaranteed batch: test_slo_tenants.py has the floor)
+    s, _ = make(num_blocks=256, budget=512, max_seqs=32, tpot_min_batch=1)
     for i in range(6):
         s.add_request(req(s, f"r{i}", 4, max_tokens=50, start=10 + 10 * i, tpot_s=0.05))
     plan, _ = step(s)
