@@ -89,6 +89,11 @@ class EngineConfig:
     short_prompt_tokens: int = 256
     short_lane_share: float = 0.25
     reservations: str = ""  # "tenant=share,...": KV blocks and running slots kept free for each tenant
+    # what a request's TPOT target may ask of an engine that serves everyone: a batch of at least this many
+    # decodes, and a step no shorter than theirs nor than min_tpot_slo_s (0: the step's only); a tighter
+    # target is served best-effort at that floor, and a tenant's targets bound only its own requests' slots
+    tpot_min_batch: int = 8
+    min_tpot_slo_s: float = 0.0
     # a preempted request's KV: swapped to host memory or recomputed, "auto": whichever costs less
     preemption_mode: str = "auto"
     swap_space_bytes: int = 1 << 30  # host memory for swapped-out KV
@@ -120,6 +125,8 @@ class EngineConfig:
         if not 0 <= self.short_lane_share < 1 or self.short_prompt_tokens < 1:
             raise ValueError("short_lane_share must be in [0, 1) and short_prompt_tokens >= 1")
         parse_reservations(self.reservations)
+        if self.tpot_min_batch < 1 or not 0 <= self.min_tpot_slo_s < math.inf:
+            raise ValueError("tpot_min_batch must be >= 1 and min_tpot_slo_s a number of seconds >= 0")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
                              f"got {self.preemption_mode!r}")
@@ -184,6 +191,11 @@ class GatewayConfig:
     # service-level objectives: admission rejects early what would miss the TTFT one
     ttft_slo_s: float = 10.0
     tpot_slo_s: float = 0.25
+    # the tightest ttft_slo_s / tpot_slo_s a request may ask (400 below, naming the parameter); a tenant's own
+    # floors (`cascade cloud keys limits`) replace these; our workers serve a TPOT target no tighter than
+    # [engine] min_tpot_slo_s and tpot_min_batch allow whatever a gateway lets through
+    min_ttft_slo_s: float = 0.1
+    min_tpot_slo_s: float = 0.02
     # the TTFT:TPOT targets (seconds) our workers' schedulers get, by priority class, for requests that
     # name none ("interactive=2:0.2,escalation=5:0.5"; a class not named: no target, as ""): the engine then
     # refuses early (429, reason slo) what would miss its TTFT target and keeps decodes within the TPOT one
@@ -267,6 +279,8 @@ class GatewayConfig:
             raise ValueError("kv_high_watermark must be in (0, 1]")
         if self.ttft_slo_s <= 0 or self.tpot_slo_s <= 0:
             raise ValueError("SLOs must be positive")
+        if not (0 <= self.min_ttft_slo_s < math.inf and 0 <= self.min_tpot_slo_s < math.inf):
+            raise ValueError("min_ttft_slo_s and min_tpot_slo_s must be numbers of seconds >= 0 (0: no floor)")
         if not 0 < self.idempotency_lease_s <= self.idempotency_ttl_s:
             raise ValueError("idempotency_lease_s must be > 0 and at most idempotency_ttl_s")
         if not 0 < self.k8s_port <= 65535:
@@ -286,7 +300,10 @@ class GatewayConfig:
         if self.batch_file_ttl_s < 0:
             raise ValueError("batch_file_ttl_s must be >= 0 (0: files are kept until deleted)")
         parse_model_prices(self.model_prices)
-        parse_class_slos(self.class_slos)
+        for klass, (ttft, tpot) in parse_class_slos(self.class_slos).items():
+            if ttft < self.min_ttft_slo_s or tpot < self.min_tpot_slo_s:
+                raise ValueError(f"class_slos: {klass}'s targets {ttft:g}:{tpot:g} are under the floors min_ttft_slo_s "
+                                 f"{self.min_ttft_slo_s:g} / min_tpot_slo_s {self.min_tpot_slo_s:g}")
 
 
 def _items(text: str):
