@@ -205,7 +205,8 @@ def cmd_cloud_worker(args) -> int:
                    "max_model_len": args.max_model_len,
                    "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "threads": args.threads, "ttft_slo_s": args.ttft_slo_s, "tpot_slo_s": args.tpot_slo_s,
-                   "slo_headroom": args.slo_headroom, "reservations": args.reservations},
+                   "slo_headroom": args.slo_headroom, "reservations": args.reservations,
+                   "tpot_min_batch": args.tpot_min_batch, "min_tpot_slo_s": args.min_tpot_slo_s},
         "worker": {"role": args.role},
     }
     try:
@@ -249,12 +250,14 @@ def cmd_cloud_serve(args) -> int:
                     "both": args.both, "workers": args.workers, "worker_threads": args.worker_threads,
                     "kv_transport": args.kv_transport, "worker_type": args.worker_type,
                     "prefill_workers": prefill_urls, "decode_workers": decode_urls,
-                    "kv_connector": args.kv_connector, "class_slos": args.class_slos},
+                    "kv_connector": args.kv_connector, "class_slos": args.class_slos,
+                    "min_ttft_slo_s": args.request_min_ttft_slo_s, "min_tpot_slo_s": args.request_min_tpot_slo_s},
         "server": {"api_key": args.worker_api_key},
         "engine": {"model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
                    "kv_cache_dtype": args.kv_cache_dtype, "kv_cache_memory_bytes": args.kv_cache_bytes,
                    "ttft_slo_s": args.ttft_slo_s, "tpot_slo_s": args.tpot_slo_s, "slo_headroom": args.slo_headroom,
-                   "reservations": args.reservations},
+                   "reservations": args.reservations, "tpot_min_batch": args.tpot_min_batch,
+                   "min_tpot_slo_s": args.min_tpot_slo_s},
     }
     overrides["gateway"].update(k8s_namespace=args.k8s_namespace, k8s_selector=args.k8s_selector,
                                 k8s_prefill_selector=args.k8s_prefill_selector,
@@ -305,6 +308,13 @@ def _add_service_levels(p: argparse.ArgumentParser, lead: str = "") -> None:
     p.add_argument("--reservations", metavar="TENANT=SHARE,...",
                    help=f"{lead}shares of the KV blocks and running slots kept for tenants, e.g. gold=0.3 "
                         "(default: none)")
+    p.add_argument("--tpot-min-batch", type=int, metavar="N",
+                   help=f"{lead}a TPOT target never holds the running batch under N requests nor asks a step shorter "
+                        "than N decodes take (tighter: served best-effort at that floor); one tenant's targets bound "
+                        f"only its own requests' slots (default: {EngineConfig().tpot_min_batch})")
+    p.add_argument("--min-tpot-slo-s", type=float, metavar="S",
+                   help=f"{lead}serve no TPOT target tighter than S seconds, whatever a request asks "
+                        "(default: 0, only --tpot-min-batch's floor)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -468,6 +478,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--class-slos", metavar="CLASS=TTFT:TPOT,...",
                        help="TTFT and TPOT targets (seconds) by priority class for requests that name none, e.g. "
                             "interactive=2:0.2,batch=60:1 (default: none)")
+    serve.add_argument("--request-min-ttft-slo-s", type=float, metavar="S",
+                       help="the tightest ttft_slo_s a request may ask (400 below), for tenants with no floor of "
+                            f"their own (`cascade cloud keys limits`; 0: none) (default: {gw.min_ttft_slo_s})")
+    serve.add_argument("--request-min-tpot-slo-s", type=float, metavar="S",
+                       help="the tightest tpot_slo_s a request may ask (400 below), for tenants with no floor of "
+                            f"their own (0: none) (default: {gw.min_tpot_slo_s})")
     serve.add_argument("--kv-transport", choices=["tcp", "shm", "auto"],
                        help=f"prefill -> decode KV transport; auto: shm on one host (default: {gw.kv_transport})")
     serve.add_argument("--max-model-len", type=int, help=f"for the workers it starts (default: {eng.max_model_len})")

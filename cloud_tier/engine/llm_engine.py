@@ -93,7 +93,7 @@ class LLMEngine:
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
             long_prefill_token_threshold=config.long_prefill_token_threshold, default_ttft_s=config.ttft_slo_s,
             default_tpot_s=config.tpot_slo_s, slo_reject=config.slo_reject, slo_headroom=config.slo_headroom,
-            reservations=config.reservations,
+            reservations=config.reservations, tpot_min_batch=config.tpot_min_batch, min_tpot_s=config.min_tpot_slo_s,
             short_prompt_tokens=config.short_prompt_tokens, short_lane_share=config.short_lane_share), self.kv)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype,
                                   self.device, config.seed, config.kv_cache_dtype,

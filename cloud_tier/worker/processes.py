@@ -69,7 +69,8 @@ def worker_command(config: CloudConfig, role: str, host: str, port: int, threads
                         ("--reservations", e.reservations)):
         if value:
             cmd += [flag, str(value)]
-    cmd += ["--slo-headroom", str(e.slo_headroom)]
+    cmd += ["--slo-headroom", str(e.slo_headroom), "--tpot-min-batch", str(e.tpot_min_batch),
+            "--min-tpot-slo-s", str(e.min_tpot_slo_s)]
     if config_path:
         cmd += ["--config", config_path]
     if config.server.api_key:
