@@ -169,6 +169,10 @@ class GatewayConfig:
     shed_step: float = 0.1  # priority p > 0 is shed from pressure 1 - shed_step * p (floor 0.5)
     connect_timeout_s: float = 2.0
     first_token_timeout_s: float = 60.0
+    # a worker's answer, bounded while read: one SSE event or NDJSON line, and a whole non-streamed body;
+    # past either the answer is a 502 (or, once started, the stream ends with an error event and [DONE])
+    worker_max_event_bytes: int = 1 << 20
+    worker_max_body_bytes: int = 32 << 20
     retries: int = 2  # further attempts on another worker, before the first byte only
     retry_backoff_s: float = 0.1
     breaker_threshold: int = 3  # failures in a row that open a worker's circuit breaker ...
@@ -268,6 +272,8 @@ class GatewayConfig:
         if min(self.connect_timeout_s, self.first_token_timeout_s, self.metrics_interval_s, self.stale_after_s,
                self.breaker_open_s) <= 0:
             raise ValueError("timeouts and intervals must be > 0")
+        if not 1024 <= self.worker_max_event_bytes <= self.worker_max_body_bytes:
+            raise ValueError("worker_max_event_bytes must be >= 1024 and <= worker_max_body_bytes")
         if self.kv_transport not in ("tcp", "shm", "auto"):
             raise ValueError(f"kv_transport must be tcp, shm or auto, got {self.kv_transport!r}")
         if min(self.prefill, self.decode, self.both) < 0:
