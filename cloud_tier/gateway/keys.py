@@ -105,11 +105,20 @@ class TenantLimits:
     tenant: str
     rps: float = 0.0  # 0: none
     tpm: float = 0.0
+    # the tightest ttft_slo_s / tpot_slo_s its requests may ask; 0: the gateway's [gateway] min_*_slo_s
+    min_ttft_slo_s: float = 0.0
+    min_tpot_slo_s: float = 0.0
 
     def __post_init__(self):
         _check_tenant(self.tenant)
         _check_limit("tenant rps", self.rps)
         _check_limit("tenant tpm", self.tpm)
+        _check_limit("min_ttft_slo_s", self.min_ttft_slo_s)
+        _check_limit("min_tpot_slo_s", self.min_tpot_slo_s)
+
+    def slo_floors(self, default_ttft_s: float, default_tpot_s: float) -> tuple[float, float]:
+        """The tightest (TTFT, TPOT) targets this tenant's requests may ask: its own, else the defaults."""
+        return self.min_ttft_slo_s or default_ttft_s, self.min_tpot_slo_s or default_tpot_s
 
 
 def _hash(key: str) -> str:
@@ -202,15 +211,16 @@ class KeyRecords:
         return [_row_to_key(r) for r in self._read(f"SELECT * FROM api_keys {where} ORDER BY created_at, key_id",
                                                    params)]
 
-    def set_tenant_limits(self, tenant: str, rps: float | None = None,
-                          tpm: float | None = None) -> TenantLimits:
+    def set_tenant_limits(self, tenant: str, rps: float | None = None, tpm: float | None = None,
+                          min_ttft_slo_s: float | None = None, min_tpot_slo_s: float | None = None) -> TenantLimits:
         """Set a tenant's limits (None: leave as is), creating the tenant if new."""
-        TenantLimits(tenant, rps or 0.0, tpm or 0.0)  # validates the values given
+        TenantLimits(tenant, rps or 0.0, tpm or 0.0, min_ttft_slo_s or 0.0, min_tpot_slo_s or 0.0)  # validates
         with self._write() as tx:
             tx.execute("INSERT INTO tenants (name, rps, tpm, created_at) VALUES (?, 0, 0, ?) "
                        "ON CONFLICT (name) DO NOTHING", (tenant, time.time()))
-            tx.execute("UPDATE tenants SET rps = coalesce(?, rps), tpm = coalesce(?, tpm) WHERE name = ?",
-                       (rps, tpm, tenant))
+            tx.execute("UPDATE tenants SET rps = coalesce(?, rps), tpm = coalesce(?, tpm), "
+                       "min_ttft_slo_s = coalesce(?, min_ttft_slo_s), min_tpot_slo_s = coalesce(?, min_tpot_slo_s) "
+                       "WHERE name = ?", (rps, tpm, min_ttft_slo_s, min_tpot_slo_s, tenant))
         return self._refresh(("limits", tenant), lambda: self._read_limits(tenant))
 
     def tenant_limits(self, tenant: str) -> TenantLimits:
@@ -219,8 +229,9 @@ class KeyRecords:
 
     def _read_limits(self, tenant: str) -> TenantLimits:
         _check_tenant(tenant)
-        rows = self._read("SELECT rps, tpm FROM tenants WHERE name = ?", [tenant])
-        return TenantLimits(tenant, rows[0]["rps"], rows[0]["tpm"]) if rows else TenantLimits(tenant)
+        rows = self._read("SELECT rps, tpm, min_ttft_slo_s, min_tpot_slo_s FROM tenants WHERE name = ?", [tenant])
+        return TenantLimits(tenant, **{k: rows[0][k] for k in ("rps", "tpm", "min_ttft_slo_s", "min_tpot_slo_s")}
+                            ) if rows else TenantLimits(tenant)
 
     # -- budgets (cloud_tier/gateway/budgets.py spends them) ----------------------------------
 
@@ -309,6 +320,9 @@ class KeyStore(SQLiteStore, KeyRecords):
             self._db["api_keys"].create_index(["tenant"], if_not_exists=True)
             if "priority" not in self._db["api_keys"].columns_dict:  # a database from before priorities
                 self._db["api_keys"].add_column("priority", int, not_null_default=0)
+            for floor in ("min_ttft_slo_s", "min_tpot_slo_s"):  # ... or from before the tenants' SLO floors
+                if floor not in self._db["tenants"].columns_dict:
+                    self._db["tenants"].add_column(floor, float, not_null_default=0.0)
             self._db["budgets"].create({"scope": str, "name": str, "tokens": float, "usd": float, "period": str},
                                        pk=("scope", "name"), not_null={"tokens", "usd", "period"},
                                        if_not_exists=True)

@@ -1,4 +1,5 @@
-"""``cascade cloud keys``: create, list and revoke the gateway's API keys, and set budgets. ``--db``
+"""``cascade cloud keys``: create, list and revoke the gateway's API keys, set budgets and tenants'
+limits (rates and the floors on the service-level targets their requests may ask). ``--db``
 is the gateway's key store (a SQLite path or a postgresql:// DSN), ``--redis`` where its spend is
 counted (for the spend shown)."""
 
@@ -88,7 +89,7 @@ def cmd_keys_create(args) -> int:
           f"scopes {','.join(sorted(key.scopes))}, priority {key.priority}")
     print(f"  key limits: rps {_limit(key.rps)}, tpm {_limit(key.tpm)}, budget {_budget_text(key_b)}; "
           f"tenant limits: rps {_limit(limits.rps)}, tpm {_limit(limits.tpm)}, budget {_budget_text(tenant_b)}")
-    print("  the key is shown once, on the next line:")
+    print(f"  revoke it with: cascade cloud keys revoke {key.key_id}; the key is shown once, on the next line:")
     print(plaintext)
     return 0
 
@@ -160,12 +161,37 @@ def cmd_keys_budget(args) -> int:
     return 0
 
 
+def _limits_text(limits) -> str:
+    floor = lambda v: f"{v:g} s" if v else "the gateway's"  # noqa: E731
+    return (f"tenant {limits.tenant}: rps {_limit(limits.rps)}, tpm {_limit(limits.tpm)}, min ttft_slo_s "
+            f"{floor(limits.min_ttft_slo_s)}, min tpot_slo_s {floor(limits.min_tpot_slo_s)}")
+
+
+def cmd_keys_limits(args) -> int:
+    from cloud_tier.gateway.keys import TenantLimits
+
+    given = (args.rps, args.tpm, args.min_ttft_slo_s, args.min_tpot_slo_s)
+    TenantLimits(args.tenant, *(v or 0.0 for v in given))  # checked before anything is written
+    with _opened(args) as (store, _):
+        limits = (store.set_tenant_limits(args.tenant, *given) if any(v is not None for v in given)
+                  else store.tenant_limits(args.tenant))
+    print(_limits_text(limits))
+    return 0
+
+
+COMMANDS = ("create", "list", "revoke", "budget", "limits")
+
+
 def add_keys_parser(subparsers) -> None:
-    """Add ``keys create|list|revoke|budget`` to the ``cascade cloud`` subcommands."""
+    """Add ``keys create|list|revoke|budget|limits`` to the ``cascade cloud`` subcommands."""
     from cascade.cli_help import DefaultsHelp as help_format
 
-    keys = subparsers.add_parser("keys", help="the gateway's API keys (works while the gateway runs)").add_subparsers(
-        dest="keys_command", required=True, metavar="COMMAND")
+    about = "the gateway's API keys: create, list, revoke; budgets and tenants' limits (works while the gateway runs)"
+    keys = subparsers.add_parser(
+        "keys", help=about, description=about,
+        epilog="e.g. cascade cloud keys create --tenant acme; cascade cloud keys revoke KEY_ID; "
+               "cascade cloud keys limits acme --min-tpot-slo-s 0.05").add_subparsers(
+        dest="keys_command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
 
     def add(name: str, func, **kwargs):
         p = keys.add_parser(name, formatter_class=help_format, **kwargs)
@@ -212,3 +238,14 @@ def add_keys_parser(subparsers) -> None:
     budget.add_argument("--usd", type=float, help="USD per period, priced by [gateway] model_prices (0: none)")
     budget.add_argument("--period", choices=["day", "month"], help="UTC calendar days or months (default: as set, "
                                                                    "else month)")
+
+    limits = add("limits", cmd_keys_limits, help="set or show a tenant's limits: its rates over all its keys and "
+                                                 "the tightest service-level targets its requests may ask")
+    limits.add_argument("tenant", help="the tenant")
+    limits.add_argument("--rps", type=float, help="requests/s over all its keys (0: none)")
+    limits.add_argument("--tpm", type=float, help="tokens/min over all its keys (0: none)")
+    limits.add_argument("--min-ttft-slo-s", type=float, metavar="S",
+                        help="the tightest ttft_slo_s its requests may ask, a 400 below (0: [gateway] min_ttft_slo_s)")
+    limits.add_argument("--min-tpot-slo-s", type=float, metavar="S",
+                        help="the tightest tpot_slo_s its requests may ask, a 400 below (0: [gateway] min_tpot_slo_s); "
+                             "the workers serve none tighter than [engine] min_tpot_slo_s / tpot_min_batch allow")

@@ -18,6 +18,9 @@ SCHEMA = (
     "rps double precision NOT NULL, tpm double precision NOT NULL, created_at double precision NOT NULL, "
     "revoked integer NOT NULL, priority integer NOT NULL DEFAULT 0)",
     "CREATE INDEX IF NOT EXISTS api_keys_tenant ON api_keys (tenant)",
+    # the tenants' floors on service-level targets (a database from before them gets the columns)
+    "ALTER TABLE tenants ADD COLUMN IF NOT EXISTS min_ttft_slo_s double precision NOT NULL DEFAULT 0",
+    "ALTER TABLE tenants ADD COLUMN IF NOT EXISTS min_tpot_slo_s double precision NOT NULL DEFAULT 0",
     "CREATE TABLE IF NOT EXISTS budgets (scope text NOT NULL, name text NOT NULL, tokens double precision NOT NULL, "
     "usd double precision NOT NULL, period text NOT NULL, PRIMARY KEY (scope, name))",
     "CREATE TABLE IF NOT EXISTS spend (scope text NOT NULL, name text NOT NULL, period text NOT NULL, "
