@@ -157,6 +157,19 @@ def deadline_seconds(raw: str, wall: float | None = None) -> float:
     return max(0.0, value - wall) if value > 1e9 else value
 
 
+def check_slo_floors(extra: Mapping, min_ttft_s: float, min_tpot_s: float) -> None:
+    """A 400 naming ``ttft_slo_s`` or ``tpot_slo_s`` when the body (its extra fields, ``extra``)
+    asks a target tighter than the floor its tenant may ask (0: none), or one that is no number of
+    seconds. A target under the floor is refused, not raised to it: the client learns what it
+    will get. (Our workers serve no TPOT target tighter than their own floor whatever a gateway
+    lets through.)"""
+    for name, floor in (("ttft_slo_s", min_ttft_s), ("tpot_slo_s", min_tpot_s)):
+        value = _extra(extra, name, None, _seconds, "a number of seconds > 0")
+        if value is not None and value < floor:
+            raise errors.bad_request(f"Invalid value for '{name}': {value:g} s is tighter than this API key may ask; "
+                                     f"ask {floor:g} s or more.", name, "slo_below_floor")
+
+
 def _seconds(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e9
 

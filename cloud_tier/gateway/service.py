@@ -33,7 +33,7 @@ from cloud_tier.gateway.stores import Stores
 from cloud_tier.gateway.streams import Flight, Recorder, RunToEnd, observe_chunk
 from cloud_tier.gateway.worker_client import WorkerClient
 from cloud_tier.gateway.worker_pool import WorkerPool
-from cloud_tier.request_builder import RequestBuilder
+from cloud_tier.request_builder import RequestBuilder, check_slo_floors
 from sync.idempotency import ClaimState
 
 
@@ -145,6 +145,12 @@ class GatewayService:
         not served."""
         flight = Flight(key.tenant, key, endpoint, time.perf_counter(), idem_key=idem_key,
                         priority_class=priority_class, deadline_s=deadline_s)
+        try:  # what the tenant may ask of the engines, before anything is claimed
+            check_slo_floors(req.model_extra or {}, *self.keys.tenant_limits(key.tenant).slo_floors(
+                self.config.min_ttft_slo_s, self.config.min_tpot_slo_s))
+        except errors.APIError as e:
+            self._count(flight, outcome_of(e))
+            raise
         if idem_key:
             stored = await self._claim(flight, body)
             if stored is not None:
