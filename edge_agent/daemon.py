@@ -16,12 +16,14 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 from edge_agent.config import EdgeConfig, ServerConfig
 from edge_agent.sd_notify import Notifier
 from edge_agent.server.reload import ConfigSource, hold_sighup
 
 log = logging.getLogger(__name__)
+END_GRACE_S = 2.0  # after the drain time: for the answers still in flight to write their error and end
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # LogRecord's own attributes: whatever else a record carries came as ``extra=`` and goes into the JSON
 _RECORD_FIELDS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "color_message"}
@@ -84,9 +86,11 @@ def _server_class():
         process exits 0: uvicorn would re-raise the signal once it has shut down, which makes a
         clean stop look like death by signal (143)."""
 
-        def __init__(self, config: uvicorn.Config, notifier: Notifier, serving: str):
+        def __init__(self, config: uvicorn.Config, notifier: Notifier, serving: str, drain_s: float,
+                     end_drain: Callable[[], None]):
             super().__init__(config)
             self.notifier, self.serving = notifier, serving
+            self.drain_s, self.end_drain = drain_s, end_drain
             self._watchdog: asyncio.Task | None = None
 
         async def startup(self, sockets=None) -> None:
@@ -97,11 +101,21 @@ def _server_class():
                     self._watchdog = asyncio.create_task(self.notifier.watchdog(), name="watchdog")
 
         async def shutdown(self, sockets=None) -> None:
+            # uvicorn waits drain_s + END_GRACE_S, then cancels what runs (a cut stream); at drain_s
+            # the answers still in flight end in-band instead, and their generations stop
+            deadline = asyncio.get_running_loop().call_later(self.drain_s, self._end_drain)
             try:
                 await super().shutdown(sockets)  # drain, then the lifespan's end (the queue closes)
             finally:
+                deadline.cancel()
                 if self._watchdog is not None:
                     self._watchdog.cancel()
+
+        def _end_drain(self) -> None:
+            n = len(self.server_state.tasks)
+            if n:
+                log.warning("drain time (%.0f s) is over: ending %d answer(s) with an error", self.drain_s, n)
+            self.end_drain()
 
         def handle_exit(self, sig: int, frame) -> None:
             if self.should_exit:
@@ -109,7 +123,7 @@ def _server_class():
                 return
             self.should_exit = True
             n = len(self.server_state.tasks)
-            drain = self.config.timeout_graceful_shutdown
+            drain = self.drain_s
             log.info("%s: draining %d request(s), for up to %.0f s", signal.Signals(sig).name, n, drain)
             self.notifier.notify(STOPPING=1, STATUS=f"draining {n} request(s), up to {drain:.0f} s")
 
@@ -136,10 +150,10 @@ def run(config: EdgeConfig, source: ConfigSource | None = None) -> None:
     notifier.notify(STATUS=f"loading {config.model.name}")
     log.info("edge agent on http://%s:%d (model %s)", s.host, s.port, config.model.name)
     uv = uvicorn.Config(app, host=s.host, port=s.port, log_level=s.log_level, log_config=None,
-                        timeout_graceful_shutdown=s.drain_timeout_s)
+                        timeout_graceful_shutdown=s.drain_timeout_s + END_GRACE_S)
     hold_sighup()  # the lifespan installs the reload handler once the agent serves
     try:
-        _server_class()(uv, notifier, serving).run()
+        _server_class()(uv, notifier, serving, s.drain_timeout_s, app.state.drain.end).run()
     finally:
         notifier.notify(STATUS="stopped")
         notifier.close()

@@ -21,6 +21,7 @@ from cascade.web import build_openai_app
 from edge_agent.backends import load_slots
 from edge_agent.backends.base import Backend
 from edge_agent.config import EdgeConfig
+from edge_agent.server.drain import Drain
 from edge_agent.server.escalation import Escalator
 from edge_agent.server.metrics import EdgeMetrics
 from edge_agent.server.outbox import Outbox
@@ -207,5 +208,6 @@ def build_app(config: EdgeConfig, catalog: Catalog | None = None, source: Config
     from edge_agent.server.status_count import CountAnswers  # every /v1 answer counted once, by status
 
     app = build_openai_app("cascade edge agent", lifespan, config, "edge", ops, v1)
+    app.state.drain = Drain()
     app.add_middleware(CountAnswers)
     return app

@@ -102,7 +102,8 @@ async def _serve(request: Request, endpoint: str, schema, formatter, make_job, p
     fmt = formatter(routed.model or svc.model_id, req.logprobs)
     fmt.cascade = routed.cascade_field
     # answers are counted by status in one place (status_count.CountAnswers); a stream's end is told it
-    resp = await openai_response(request, routed.events, fmt, req.stream, req.include_usage_in_stream(),
+    events = request.app.state.drain.guard(routed.events)  # SIGTERM: ends in-band at the drain's deadline
+    resp = await openai_response(request, events, fmt, req.stream, req.include_usage_in_stream(),
                                  lambda status: settle(request, status))
     resp.headers.update(routed.headers)
     return resp

@@ -78,13 +78,27 @@ class EdgeService:
         self.pool: SlotPool[Backend] = SlotPool(backends, config.queue.max_waiting)
         self.description = backends[0].description
         self.decode_tok_s = 0.0  # moving average of one slot's decode speed (0: not measured yet)
+        self._running: dict[threading.Thread, tuple[LocalJob, Backend]] = {}  # until each thread ends
 
     @property
     def model_id(self) -> str:
         return self.description.name
 
-    def close(self) -> None:
+    def close(self, join_timeout_s: float = 30.0) -> None:
+        """Stop every generation, wait for its thread to leave the backend, then unload. A backend
+        a thread still uses after ``join_timeout_s`` is left loaded: freeing llama.cpp under a
+        running decode crashes the process."""
+        running = dict(self._running)
+        for job, _ in running.values():
+            job.cancel.set()
+        deadline = time.monotonic() + join_timeout_s
+        for thread in running:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        busy = {id(b) for t, (_, b) in running.items() if t.is_alive()}
         for b in self.backends:
+            if id(b) in busy:
+                log.error("a generation did not stop within %.0f s; its model is not unloaded", join_timeout_s)
+                continue
             b.unload()
 
     # -- request -> job --------------------------------------------------------------------
@@ -203,7 +217,6 @@ class EdgeService:
         self.metrics.observe_queue(self.pool)
         events: asyncio.Queue = asyncio.Queue()
         started = time.perf_counter()
-        done = threading.Event()
 
         def work() -> None:
             try:
@@ -212,10 +225,14 @@ class EdgeService:
             except BaseException as e:  # delivered to the consumer, which re-raises it
                 loop.call_soon_threadsafe(events.put_nowait, e)
             finally:
-                done.set()
-                loop.call_soon_threadsafe(self._release, pool, backend, started)
+                self._running.pop(thread, None)
+                try:
+                    loop.call_soon_threadsafe(self._release, pool, backend, started)
+                except RuntimeError:  # the loop is closed: the process is stopping
+                    pass
 
         thread = threading.Thread(target=work, name="edge-generate", daemon=True)
+        self._running[thread] = (job, backend)
         thread.start()
         m = self.metrics
         first = last = None

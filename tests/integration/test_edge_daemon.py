@@ -70,8 +70,8 @@ class NotifySocket:
         self.sock.close()
 
 
-def write_config(path: Path, upstream_port: int, **cascade) -> None:
-    lines = ["[server]", 'log_format = "json"', "drain_timeout_s = 20", "",
+def write_config(path: Path, upstream_port: int, drain_timeout_s: float = 20, **cascade) -> None:
+    lines = ["[server]", 'log_format = "json"', f"drain_timeout_s = {drain_timeout_s}", "",
              "[upstream]", f'url = "http://127.0.0.1:{upstream_port}"', "timeout_s = 5", "",
              "[cascade]", 'offline = "queue"', *(f"{k} = {v!r}" for k, v in cascade.items())]
     path.write_text("\n".join(lines) + "\n")
@@ -95,6 +95,7 @@ class Stream(threading.Thread):
 
     def __init__(self, agent: Agent, max_tokens: int = 120):
         super().__init__(daemon=True)
+        self.error: BaseException | None = None
         self.agent, self.max_tokens = agent, max_tokens
         self.first = threading.Event()
         self.lines: list[str] = []
@@ -104,12 +105,15 @@ class Stream(threading.Thread):
     def run(self) -> None:
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": self.max_tokens, "temperature": 0,
                 "stream": True, "cascade": {"mode": "local"}}
-        with loopback.stream("POST", f"{self.agent.url}/v1/completions", json=body, timeout=120) as r:
-            self.status = r.status_code
-            for line in r.iter_lines():
-                if line.startswith("data:"):
-                    self.lines.append(line)
-                    self.first.set()
+        try:
+            with loopback.stream("POST", f"{self.agent.url}/v1/completions", json=body, timeout=120) as r:
+                self.status = r.status_code
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        self.lines.append(line)
+                        self.first.set()
+        except httpx.HTTPError as e:  # a stream cut short
+            self.error = e
 
     def completed(self) -> bool:
         return (self.status == 200 and len(self.lines) > 2 and self.lines[-1] == "data: [DONE]"
@@ -252,6 +256,31 @@ def test_sigterm_drains_a_running_stream_exits_0_and_keeps_the_queue(tmp_path):
     finally:
         again.stop()
     assert again.proc.returncode == 0
+
+
+def test_sigterm_past_the_drain_time_ends_the_stream_with_an_error_and_exits_0(tmp_path):
+    """Issue 37 item 12: a 1,500-token stream outlives drain_timeout_s; it ends with an SSE error
+    event and [DONE], the generation stops before the model is freed, and the agent exits 0."""
+    home = tmp_path / "home"
+    home.mkdir()
+    config = home / "edge.toml"
+    write_config(config, free_port(), drain_timeout_s=1.0)
+    agent = Agent(home, "--config", str(config), "--threads", "1", "--n-ctx", "2048").wait_healthy()
+    try:
+        stream = Stream(agent, max_tokens=1500)  # ~40 s of tokens here
+        assert stream.first.wait(60)
+        sent = time.monotonic()
+        agent.proc.send_signal(signal.SIGTERM)
+        stream.join(30)
+        assert agent.proc.wait(30) == 0
+        assert time.monotonic() - sent < 1.0 + 5
+    finally:
+        agent.stop()
+    assert stream.error is None and stream.status == 200
+    assert stream.lines[-1] == "data: [DONE]", stream.lines[-3:]
+    error = json.loads(stream.lines[-2][len("data:"):])["error"]
+    assert error["code"] == "shutting_down" and error["message"] and "type" in error and "param" in error
+    assert len(stream.lines) > 3  # tokens came before it
 
 
 def cascade(*args, home):
