@@ -12,12 +12,14 @@ from contextlib import asynccontextmanager
 
 import httpx
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 
 from cascade.web import build_openai_app
 from cloud_tier import tokenizer_files
 from cloud_tier.config import CloudConfig
 from cloud_tier.disagg.protocol import ServedModel
-from cloud_tier.gateway.batch_routes import batch_api
+from cloud_tier.gateway.batch_files import FileLimits
+from cloud_tier.gateway.batch_routes import UPLOAD_FORM_OVERHEAD, batch_api, body_too_large
 from cloud_tier.gateway.batch_runner import BatchRunner, RunnerConfig
 from cloud_tier.gateway.batch_store import BatchStore
 from cloud_tier.gateway.http_pool import KEEPALIVE_EXPIRY_S, ShardedTransport
@@ -133,10 +135,12 @@ def build_app(config: CloudConfig, worker_urls: list[str]) -> FastAPI:
                                            config.server.api_key)
         app.state.service.max_model_len = max_model_len
         collector = asyncio.create_task(_collect(stores.idempotency))
-        app.state.batches = BatchStore(batch_db_path(g))
+        app.state.batches = BatchStore(batch_db_path(g), limits=FileLimits(
+            g.batch_tenant_max_bytes, g.batch_tenant_max_files, g.batch_file_ttl_s))
         runner = asyncio.create_task(BatchRunner(app.state.service, app.state.batches, RunnerConfig(
             concurrency=g.batch_concurrency, kv_share=g.batch_kv_share, online_busy=g.batch_online_busy,
-            max_lines=g.batch_max_lines)).run())
+            max_lines=g.batch_max_lines, backoff_s=g.batch_backoff_s, backoff_max_s=g.batch_backoff_max_s,
+            max_refusals=g.batch_max_refusals, max_line_bytes=g.max_body_bytes)).run())
         try:
             yield
         finally:
@@ -150,8 +154,49 @@ def build_app(config: CloudConfig, worker_urls: list[str]) -> FastAPI:
             await client.aclose()
             stores.close()
 
-    return build_openai_app("cascade cloud gateway", lifespan, config, "cloud", generation, ops, v1, admin,
-                            batch_api)
+    app = build_openai_app("cascade cloud gateway", lifespan, config, "cloud", generation, ops, v1, admin,
+                           batch_api)
+    app.add_middleware(BodyLimit, limit=g.max_body_bytes,
+                       routes={("POST", "/v1/files"): g.batch_max_file_bytes + UPLOAD_FORM_OVERHEAD})
+    return app
+
+
+class BodyLimit:
+    """Every request body bounded while it arrives: a declared Content-Length over the route's
+    limit is a 413 before a byte is read, and a body (chunked or not) that grows past it is a
+    413 (raised from ``receive``, so the route stops reading there) - an upload is never read or
+    spooled past its limit. ``routes``: (method, path) -> a limit of its own."""
+
+    def __init__(self, app, limit: int, routes: dict[tuple[str, str], int]):
+        self.app = app
+        self.limit = limit
+        self.routes = routes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.routes.get((scope["method"], scope["path"]), self.limit)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            err = body_too_large(limit)
+            return await JSONResponse(err.body(), err.status, {"connection": "close"})(scope, receive, send)
+        seen = 0
+
+        async def bounded():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise body_too_large(limit)
+            return message
+
+        async def closing(message):  # past the limit: the connection closes, the rest is never read
+            if message["type"] == "http.response.start" and seen > limit:
+                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, bounded, closing)
 
 
 async def _collect(idem: IdempotencyRecords, every_s: float = 600.0) -> None:

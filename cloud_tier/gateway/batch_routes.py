@@ -9,12 +9,13 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import Response
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.datastructures import UploadFile
 
 from cascade import errors
 from cascade.web import openapi, parse_body, read_json
+from cloud_tier.gateway.batch_files import StorageFull
 from cloud_tier.gateway.batch_jsonl import ENDPOINTS, count_lines
 from cloud_tier.gateway.batch_state import CANCELLABLE, InvalidTransition, Status, window_seconds
 from cloud_tier.gateway.batch_store import BatchStore, batch_object
@@ -54,20 +55,41 @@ def _page(data: list[dict], has_more: bool) -> dict:
             "last_id": data[-1]["id"] if data else None, "has_more": has_more}
 
 
+UPLOAD_FORM_OVERHEAD = 64 << 10  # an upload's body: the file and the form's own parts
+_COUNT_CHUNK = 64 << 10  # counting a file's lines reads it in pieces this size
+_EXPIRES = (3600, 30 * 86400)  # OpenAI's bounds on expires_after[seconds]
+
+
+def body_too_large(limit: int) -> errors.APIError:
+    return errors.APIError(413, f"The request body exceeds {limit} bytes.", "invalid_request_error", None,
+                           "request_too_large")
+
+
 def _too_big(limit: int) -> errors.APIError:
-    return errors.bad_request(f"The file is larger than this gateway's limit of {limit} bytes.", "file",
-                              "file_too_large")
+    return errors.APIError(413, f"The file is larger than this gateway's limit of {limit} bytes.",
+                           "invalid_request_error", "file", "file_too_large")
+
+
+def _expires_after(form) -> int | None:
+    """OpenAI's ``expires_after`` ({anchor: created_at, seconds}) from the form, in seconds."""
+    anchor, seconds = form.get("expires_after[anchor]"), form.get("expires_after[seconds]")
+    if anchor is None and seconds is None:
+        return None
+    if anchor != "created_at" or not isinstance(seconds, str) or not seconds.isdigit() or not (
+            _EXPIRES[0] <= int(seconds) <= _EXPIRES[1]):
+        raise errors.bad_request(f"expires_after must be {{anchor: 'created_at', seconds: {_EXPIRES[0]} to "
+                                 f"{_EXPIRES[1]}}}.", "expires_after", "invalid_value")
+    return int(seconds)
 
 
 @batch_api.post("/files", openapi_extra=_UPLOAD, responses=_ERRORS)
 async def upload_file(request: Request):
     svc, store, key = _parts(request)
     limit = svc.config.batch_max_file_bytes
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit + (64 << 10):  # before reading it: the form's own parts aside
-        raise _too_big(limit)
     try:
         form = await request.form(max_files=1, max_fields=8)
+    except errors.APIError:  # the body grew past its limit while it was read
+        raise
     except Exception as e:  # starlette's MultiPartException and friends: the body is not a form
         raise errors.bad_request(f"The body is not a multipart form: {e}.", "file", "invalid_form") from e
     try:
@@ -77,14 +99,18 @@ async def upload_file(request: Request):
                                      "purpose", "invalid_value")
         if not isinstance(upload, UploadFile):
             raise errors.bad_request("The form needs a 'file' part.", "file", "missing_file")
-        if upload.size is not None and upload.size > limit:
+        if upload.size is None or upload.size > limit:
             raise _too_big(limit)
-        content = await upload.read()
-        if len(content) > limit:
-            raise _too_big(limit)
+        expires = _expires_after(form)
+        upload.file.seek(0)
+        chunks = iter(lambda: upload.file.read(1 << 20), b"")
+        try:
+            return await asyncio.to_thread(store.add_file, key.tenant, purpose, upload.filename or "input.jsonl",
+                                           chunks, upload.size, expires)
+        except StorageFull as e:
+            raise errors.APIError(403, str(e), "invalid_request_error", "file", "storage_limit_exceeded") from e
     finally:
         await form.close()
-    return await asyncio.to_thread(store.add_file, key.tenant, purpose, upload.filename or "input.jsonl", content)
 
 
 @batch_api.get("/files", responses=_ERRORS)
@@ -106,10 +132,16 @@ async def get_file(request: Request, file_id: str):
 @batch_api.get("/files/{file_id}/content", responses={**_JSONL, **_ERRORS})
 async def file_content(request: Request, file_id: str):
     _, store, key = _parts(request)
-    content = await asyncio.to_thread(store.file_content, key.tenant, file_id)
-    if content is None:
+    found = store.get_file(key.tenant, file_id)
+    if found is None:
         raise _not_found("File", file_id)
-    return Response(content, media_type="application/jsonl")
+
+    def chunks():  # iterated in a worker thread, a chunk at a time
+        with store.open_content(key.tenant, file_id) as content:
+            yield from content or ()
+
+    return StreamingResponse(chunks(), media_type="application/jsonl",
+                             headers={"content-length": str(found["bytes"])})
 
 
 @batch_api.delete("/files/{file_id}", responses=_ERRORS)
@@ -137,14 +169,18 @@ async def create_batch(request: Request):
     if found["purpose"] != "batch":
         raise errors.bad_request(f"The file {new.input_file_id} has purpose {found['purpose']!r}, not 'batch'.",
                                  "input_file_id", "invalid_file")
-    content = await asyncio.to_thread(store.file_content, key.tenant, new.input_file_id)
-    lines = await asyncio.to_thread(count_lines, content or b"")
+    lines = await asyncio.to_thread(_count, store, key.tenant, new.input_file_id, svc.config.max_body_bytes)
     if lines > svc.config.batch_max_lines:
         raise errors.bad_request(f"The input file has {lines} requests; a batch holds at most "
                                  f"{svc.config.batch_max_lines}.", "input_file_id", "too_many_requests")
     batch_id = store.create_batch(key.tenant, key.key_id, new.endpoint, new.input_file_id, new.completion_window,
                                   window_s, new.metadata)
     return batch_object(store.batch(batch_id), store.counts(batch_id))
+
+
+def _count(store: BatchStore, tenant: str, file_id: str, max_line_bytes: int) -> int:
+    with store.open_content(tenant, file_id, _COUNT_CHUNK) as chunks:
+        return count_lines(chunks or (), max_line_bytes)
 
 
 @batch_api.get("/batches", responses=_ERRORS)

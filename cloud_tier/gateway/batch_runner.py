@@ -4,9 +4,14 @@ quotas, budgets, the result cache, KV admission, routing, as an online request o
 in the ``batch`` class), a few at a time and only into spare capacity: no line starts while an
 online request waits for KV room, while a worker's engine has requests waiting, once the decode
 pool's KV use passes ``kv_share``, or (where compute is the limit, as on a CPU) while
-``online_busy`` online requests are in flight. A line refused for a reason that passes (a quota, no capacity)
-goes back to pending and the runner holds off a while; one refused for its content (a 4xx) is
-answered in the error file."""
+``online_busy`` online requests are in flight. The spare slots are shared across tenants (each
+goes to the tenant with the fewest lines in flight, in turn), oldest batch first within one.
+A line refused for a reason that passes (a quota, a budget, its SLO, no capacity) goes back to
+pending and its tenant, alone, is held off a while (doubling up to ``backoff_max_s``); after
+``max_refusals`` refusals the line ends in the error file with the last one. A line refused for
+its content (a 4xx) is answered in the error file; one that fails on the cloud's side (5xx) is
+tried ``_SERVER_ATTEMPTS`` times. A line whose run ends any other way (a failure of ours, the
+gateway stopping) goes back to pending in ``finally``: no line stays running."""
 
 from __future__ import annotations
 
@@ -16,13 +21,14 @@ import json
 import logging
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 
 from cascade import errors
 from cascade.openai_format import ChatFormatter, CompletionFormatter
 from cascade.protocol import ChatCompletionRequest, CompletionRequest
 from cascade.web import parse_body
-from cloud_tier.gateway.batch_jsonl import ENDPOINTS, validate
+from cloud_tier.gateway.batch_jsonl import ENDPOINTS, MAX_LINE_BYTES, file_errors, parse_lines
 from cloud_tier.gateway.batch_state import InvalidTransition, Status, next_status
 from cloud_tier.gateway.batch_store import BatchStore
 from cloud_tier.gateway.keys import ApiKey
@@ -45,7 +51,11 @@ class RunnerConfig:
     online_busy: int = 0  # ... and while fewer online requests than this are in flight (0: no such limit)
     max_lines: int = 50_000
     interval_s: float = 0.2  # between looks at the batches
-    backoff_s: float = 1.0  # after a passing refusal, no new line for this long
+    backoff_s: float = 1.0  # after a passing refusal, no new line of its tenant for this long, doubling ...
+    backoff_max_s: float = 60.0  # ... up to this
+    max_refusals: int = 10  # a line refused this often ends with the refusal as its answer
+    max_line_bytes: int = MAX_LINE_BYTES
+    sweep_every_s: float = 60.0  # between deletions of expired files
 
 
 def spare_slots(config: RunnerConfig, in_flight: int, online_in_flight: int, online_waiting: int,
@@ -91,20 +101,26 @@ async def run_line(svc: GatewayService, key: ApiKey, endpoint: str, body: dict) 
         return 500, errors.APIError(500, "Internal server error.", "server_error").body(), request_id
 
 
+Line = tuple[str, int]  # (batch id, index)
+
+
 class BatchRunner:
     def __init__(self, svc: GatewayService, store: BatchStore, config: RunnerConfig, clock=time.time):
         self.svc = svc
         self.store = store
         self.config = config
         self.clock = clock
-        self.in_flight: dict[tuple[str, int], asyncio.Task] = {}
-        self.server_failures: dict[tuple[str, int], int] = {}
-        self.hold_until = 0.0  # monotonic: no new line before
+        self.in_flight: dict[Line, tuple[str, asyncio.Task]] = {}  # -> (tenant, task)
+        self.refusals: Counter[Line] = Counter()
+        self.server_failures: Counter[Line] = Counter()
+        self.hold_until: dict[str, float] = {}  # tenant -> monotonic time before which none of its lines start
+        self.turns: dict[str, int] = {}  # tenant -> when one of its lines last started (a count)
+        self.next_sweep = 0.0
 
     async def run(self) -> None:
         requeued = self.store.requeue_running()
         if requeued:
-            log.info("%d batch lines left running by the last gateway run again", requeued)
+            log.info("%d batch lines left running by the last gateway run again (or end, if cancelled)", requeued)
         try:
             while True:
                 try:
@@ -113,11 +129,12 @@ class BatchRunner:
                     log.exception("batch runner step failed")
                 await asyncio.sleep(self.config.interval_s)
         finally:
-            for task in self.in_flight.values():
-                task.cancel()  # their lines stay running in the store: the next start runs them again
-            await asyncio.gather(*self.in_flight.values(), return_exceptions=True)
+            for _, task in self.in_flight.values():
+                task.cancel()  # each puts its line back (the store's state is what the next start reads)
+            await asyncio.gather(*(task for _, task in self.in_flight.values()), return_exceptions=True)
 
     async def step(self) -> None:
+        ready = []
         for row in self.store.open_batches():
             status = Status(row["status"])
             if status is Status.VALIDATING:
@@ -128,25 +145,46 @@ class BatchRunner:
             if nxt is Status.EXPIRED:
                 self._stop_lines(row["id"])
                 self.store.expire(row["id"])
+                self._forget(row["id"])
             elif nxt in (Status.FINALIZING, Status.CANCELLED):
                 self.store.finish(row["id"], Status.COMPLETED if nxt is Status.FINALIZING else nxt)
-            elif status is Status.IN_PROGRESS:
-                self._start_lines(row)
+                self._forget(row["id"])
+            elif status is Status.IN_PROGRESS and counts["pending"]:
+                ready.append(row)
+        self._start_lines(ready)
+        if time.monotonic() >= self.next_sweep:
+            self.next_sweep = time.monotonic() + self.config.sweep_every_s
+            swept = await asyncio.to_thread(self.store.sweep_expired)
+            if swept:
+                log.info("deleted %d expired batch files", swept)
 
     async def _validate(self, row: dict) -> None:
-        content = self.store.file_content(row["tenant"], row["input_file_id"])
         try:
-            if content is None:
+            problems = await asyncio.to_thread(self._check, row)
+            if problems is None:
                 self.store.fail(row["id"], [{"code": "file_not_found", "message": "The input file was deleted.",
                                              "param": "input_file_id", "line": None}])
-                return
-            checked = await asyncio.to_thread(validate, content, row["endpoint"], self.config.max_lines)
-            if checked.errors:
-                self.store.fail(row["id"], checked.errors)
-            else:
-                self.store.start(row["id"], checked.lines)
+            elif problems:
+                self.store.fail(row["id"], problems)
+            elif not await asyncio.to_thread(self._start, row):
+                self.store.fail(row["id"], [{"code": "file_not_found", "message": "The input file was deleted.",
+                                             "param": "input_file_id", "line": None}])
         except InvalidTransition:  # cancelled while it was being validated
             pass
+
+    def _check(self, row: dict) -> list[dict] | None:
+        with self.store.open_content(row["tenant"], row["input_file_id"]) as chunks:
+            if chunks is None:
+                return None
+            return file_errors(chunks, row["endpoint"], self.config.max_lines, self.config.max_line_bytes)
+
+    def _start(self, row: dict) -> bool:
+        """Its lines stored as they are read from the file again (never all in memory)."""
+        with self.store.open_content(row["tenant"], row["input_file_id"]) as chunks:
+            if chunks is None:
+                return False
+            self.store.start(row["id"], parse_lines(chunks, row["endpoint"], self.config.max_line_bytes))
+            return True
 
     def _shares(self) -> list[float]:
         now = time.monotonic()
@@ -162,25 +200,49 @@ class BatchRunner:
                 shares.append(1.0 if queued or not load.kv_blocks_total else load.kv_blocks_used / load.kv_blocks_total)
         return shares
 
-    def _start_lines(self, row: dict) -> None:
-        if time.monotonic() < self.hold_until:
+    def _start_lines(self, rows: list[dict]) -> None:
+        """Claim lines into the spare slots, one at a time to the tenant with the fewest lines in
+        flight (ties: the one whose turn is oldest), from its oldest batch with lines pending."""
+        now = time.monotonic()
+        self.hold_until = {t: until for t, until in self.hold_until.items() if until > now}
+        queues: dict[str, list[dict]] = {}
+        for row in rows:  # oldest first
+            if row["tenant"] not in self.hold_until:
+                queues.setdefault(row["tenant"], []).append(row)
+        if not queues:
             return
         mine = len(self.in_flight)
         online = max(0, sum(w.in_flight for w in self.svc.pool.workers.values()) - mine)
-        n = spare_slots(self.config, mine, online, self.svc.admission.waiting, self._shares())
-        if n <= 0:
-            return
-        for index, custom_id, body in self.store.claim(row["id"], n):
-            task = asyncio.create_task(self._run(row, index, custom_id, body))
-            self.in_flight[row["id"], index] = task
+        free = spare_slots(self.config, mine, online, self.svc.admission.waiting, self._shares())
+        running = Counter(tenant for tenant, _ in self.in_flight.values())
+        while free > 0 and queues:
+            tenant = min(queues, key=lambda t: (running[t], self.turns.get(t, 0)))
+            row = queues[tenant][0]
+            claimed = self.store.claim(row["id"], 1)
+            if not claimed:
+                queues[tenant].pop(0)
+                if not queues[tenant]:
+                    del queues[tenant]
+                continue
+            ((index, custom_id, body),) = claimed
+            self.turns[tenant] = max(self.turns.values(), default=0) + 1
+            running[tenant] += 1
+            free -= 1
+            self.in_flight[row["id"], index] = (tenant, asyncio.create_task(self._run(row, index, custom_id, body)))
 
     def _stop_lines(self, batch_id: str) -> None:
-        for (bid, _), task in list(self.in_flight.items()):
+        for (bid, _), (_, task) in list(self.in_flight.items()):
             if bid == batch_id:
                 task.cancel()
 
+    def _forget(self, batch_id: str) -> None:
+        for counter in (self.refusals, self.server_failures):
+            for line in [line for line in counter if line[0] == batch_id]:
+                del counter[line]
+
     async def _run(self, row: dict, index: int, custom_id: str | None, body: dict) -> None:
         line = (row["id"], index)
+        settled = False
         try:
             key = self._key(row)
             if key is None:
@@ -188,21 +250,31 @@ class BatchRunner:
             else:
                 status, answer, request_id = await run_line(self.svc, key, ENDPOINTS[row["endpoint"]], body)
             if self._passes(line, status, answer):
-                self.store.release(*line)
-                self.hold_until = time.monotonic() + self.config.backoff_s
-                return
-            self.server_failures.pop(line, None)
-            self.store.record(row["id"], index, custom_id, status, answer, request_id)
+                tries = self.refusals[line] + self.server_failures[line]
+                wait = min(self.config.backoff_max_s, self.config.backoff_s * 2 ** (tries - 1))
+                tenant = row["tenant"]
+                self.hold_until[tenant] = max(self.hold_until.get(tenant, 0.0), time.monotonic() + wait)
+            else:
+                self.refusals.pop(line, None)
+                self.server_failures.pop(line, None)
+                self.store.record(row["id"], index, custom_id, status, answer, request_id)
+                settled = True
         finally:
             self.in_flight.pop(line, None)
+            if not settled:  # a passing refusal, a failure of ours, the runner stopping: the line goes back
+                try:
+                    self.store.release(*line)
+                except Exception:  # the next start's requeue_running puts it back
+                    log.exception("batch line %s could not be put back", line)
 
-    def _passes(self, line: tuple[str, int], status: int, answer: dict) -> bool:
-        """Whether a refusal is one to run the line again for, later."""
+    def _passes(self, line: Line, status: int, answer: dict) -> bool:
+        """Whether a refusal is one to run the line again for, later (each kind a bounded number of times)."""
         code = (answer.get("error") or {}).get("code")
         if status in _PASSING and code not in _FINAL_CODES:
-            return True
+            self.refusals[line] += 1
+            return self.refusals[line] < self.config.max_refusals
         if status >= 500:
-            self.server_failures[line] = self.server_failures.get(line, 0) + 1
+            self.server_failures[line] += 1
             return self.server_failures[line] < _SERVER_ATTEMPTS
         return False
 

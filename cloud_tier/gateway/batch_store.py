@@ -1,28 +1,28 @@
 """The Batch API's durable state in SQLite (``sync.sqlite.SQLiteStore``: WAL, one writer, BEGIN
-IMMEDIATE): a table of files (their bytes with them), one of batches, one of a batch's lines. A
-line is ``pending`` -> ``running`` -> ``done`` (in the output file) or ``failed`` (in the error
-file), and its result is written the moment it finishes, only while it is still ``running``: a
-line ends exactly once, whatever else (a cancel, an expiry) happens at the same time. A gateway
-that starts again puts its lines left ``running`` back to ``pending`` (``requeue_running``): they
-run again, the finished ones never. Everything is looked up by tenant: another tenant's id is
-not found."""
+IMMEDIATE): the files (``batch_files``), a table of batches, one of a batch's lines. A line is
+``pending`` -> ``running`` -> ``done`` (in the output file) or ``failed`` (in the error file), and
+its result is written the moment it finishes, only while it is still ``running``: a line ends
+exactly once, whatever else (a cancel, an expiry) happens at the same time. Only a batch in
+progress has its lines claimed; a line that goes back (a refusal that passes, a gateway started
+again: ``release``, ``requeue_running``) goes back to ``pending`` only while its batch is in
+progress, and ends as ``batch_cancelled`` while it cancels: every line of a finished batch is in
+exactly one of its files (done + failed == total). Everything is looked up by tenant: another
+tenant's id is not found."""
 
 from __future__ import annotations
 
 import json
-import secrets
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
-from cloud_tier.gateway.batch_jsonl import InputLine, line_error, output_line, to_jsonl
+from cloud_tier.gateway.batch_files import FileLimits, FileStore, file_object, new_id
+from cloud_tier.gateway.batch_jsonl import InputLine, line_error, output_line
 from cloud_tier.gateway.batch_state import Status, check_transition
-from sync.sqlite import SQLiteStore
+
+__all__ = ["BatchStore", "batch_object", "file_object", "new_id"]
 
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS files (
-    id TEXT PRIMARY KEY, tenant TEXT NOT NULL, purpose TEXT NOT NULL, filename TEXT NOT NULL,
-    bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, content BLOB NOT NULL);
-CREATE INDEX IF NOT EXISTS files_by_tenant ON files (tenant, id);
 CREATE TABLE IF NOT EXISTS batches (
     id TEXT PRIMARY KEY, tenant TEXT NOT NULL, key_id TEXT NOT NULL, endpoint TEXT NOT NULL,
     input_file_id TEXT NOT NULL, completion_window TEXT NOT NULL, status TEXT NOT NULL, errors TEXT,
@@ -33,61 +33,23 @@ CREATE INDEX IF NOT EXISTS batches_by_tenant ON batches (tenant, id);
 CREATE TABLE IF NOT EXISTS batch_lines (
     batch_id TEXT NOT NULL, idx INTEGER NOT NULL, custom_id TEXT, body TEXT, status TEXT NOT NULL,
     result TEXT, PRIMARY KEY (batch_id, idx));
-CREATE INDEX IF NOT EXISTS lines_by_status ON batch_lines (batch_id, status, idx);
+CREATE INDEX IF NOT EXISTS lines_by_status ON batch_lines (batch_id, status, idx)
 """
-_FILE_FIELDS = "id, purpose, filename, bytes, created_at"
 _OPEN = tuple(s.value for s in Status if not s.final)
+_CANCELLED = ("batch_cancelled", "The batch was cancelled before this request was answered.")
 
 
-def new_id(prefix: str) -> str:
-    """Time-sortable (listings go newest first, ``after`` pages by id) and unguessable."""
-    return f"{prefix}{time.time_ns():016x}{secrets.token_hex(6)}"
+def _dump(obj) -> str:
+    """A result as its line of an output file: compact, ASCII (no raw U+2028 for a reader to split on)."""
+    return json.dumps(obj, separators=(",", ":"))
 
 
-def file_object(row: dict) -> dict:
-    return {"id": row["id"], "object": "file", "bytes": row["bytes"], "created_at": row["created_at"],
-            "filename": row["filename"], "purpose": row["purpose"], "status": "processed", "status_details": None}
-
-
-class BatchStore(SQLiteStore):
-    def __init__(self, path: Path | str, clock=time.time):
-        super().__init__(path)
-        self.clock = clock
+class BatchStore(FileStore):
+    def __init__(self, path: Path | str, clock=time.time, limits: FileLimits = FileLimits()):
+        super().__init__(path, clock, limits)
         with self._write() as conn:
             for statement in _SCHEMA.split(";"):
-                if statement.strip():
-                    conn.execute(statement)
-
-    def _now(self) -> int:
-        return int(self.clock())
-
-    # -- files -------------------------------------------------------------------------------
-
-    def add_file(self, tenant: str, purpose: str, filename: str, content: bytes) -> dict:
-        row = {"id": new_id("file-"), "tenant": tenant, "purpose": purpose, "filename": filename,
-               "bytes": len(content), "created_at": self._now()}
-        with self._write() as conn:
-            conn.execute("INSERT INTO files (id, tenant, purpose, filename, bytes, created_at, content) "
-                         "VALUES (?, ?, ?, ?, ?, ?, ?)", (*row.values(), content))
-        return file_object(row)
-
-    def get_file(self, tenant: str, file_id: str) -> dict | None:
-        rows = self._read(f"SELECT {_FILE_FIELDS} FROM files WHERE tenant = ? AND id = ?", (tenant, file_id))
-        return file_object(rows[0]) if rows else None
-
-    def file_content(self, tenant: str, file_id: str) -> bytes | None:
-        rows = self._read("SELECT content FROM files WHERE tenant = ? AND id = ?", (tenant, file_id))
-        return rows[0]["content"] if rows else None
-
-    def delete_file(self, tenant: str, file_id: str) -> bool:
-        with self._write() as conn:
-            return conn.execute("DELETE FROM files WHERE tenant = ? AND id = ?", (tenant, file_id)).rowcount > 0
-
-    def list_files(self, tenant: str, purpose: str | None, after: str | None, limit: int) -> tuple[list[dict], bool]:
-        rows = self._read(f"SELECT {_FILE_FIELDS} FROM files WHERE tenant = ? AND (? IS NULL OR purpose = ?) "
-                          "AND (? IS NULL OR id < ?) ORDER BY id DESC LIMIT ?",
-                          (tenant, purpose, purpose, after, after, limit + 1))
-        return [file_object(r) for r in rows[:limit]], len(rows) > limit
+                conn.execute(statement)
 
     # -- batches -----------------------------------------------------------------------------
 
@@ -130,15 +92,16 @@ class BatchStore(SQLiteStore):
         sets = ", ".join(f"{k} = ?" for k in fields)
         conn.execute(f"UPDATE batches SET {sets} WHERE id = ?", (*fields.values(), batch_id))
 
-    def start(self, batch_id: str, lines: list[InputLine]) -> None:
-        """Validated: its lines stored (the unreadable ones failed at once), and in_progress."""
+    def start(self, batch_id: str, lines: Iterable[InputLine]) -> None:
+        """Validated: its lines stored (the unreadable ones failed at once), and in_progress; ``lines``
+        may be a generator over the input file (they are inserted as they come)."""
         with self._write() as conn:
             conn.executemany(
                 "INSERT INTO batch_lines (batch_id, idx, custom_id, body, status, result) VALUES (?, ?, ?, ?, ?, ?)",
-                [(batch_id, ln.index, ln.custom_id, json.dumps(ln.body) if ln.body is not None else None,
+                ((batch_id, ln.index, ln.custom_id, json.dumps(ln.body) if ln.body is not None else None,
                   "pending" if ln.error is None else "failed",
-                  None if ln.error is None else json.dumps(line_error(ln.custom_id, **ln.error)))
-                 for ln in lines])
+                  None if ln.error is None else _dump(line_error(ln.custom_id, **ln.error)))
+                 for ln in lines))
             self._move(conn, batch_id, Status.IN_PROGRESS)
 
     def fail(self, batch_id: str, errors: list[dict]) -> None:
@@ -149,8 +112,7 @@ class BatchStore(SQLiteStore):
         """cancelling; its lines not started end as ``batch_cancelled`` (those running finish)."""
         with self._write() as conn:
             self._move(conn, batch_id, Status.CANCELLING)
-            self._end_lines(conn, batch_id, ("pending",), "batch_cancelled", "The batch was cancelled before "
-                            "this request started.")
+            self._end_lines(conn, batch_id, ("pending",), *_CANCELLED)
 
     def expire(self, batch_id: str) -> None:
         """Its completion window passed: every unfinished line ends as ``batch_expired``, and the
@@ -162,52 +124,68 @@ class BatchStore(SQLiteStore):
 
     def finish(self, batch_id: str, status: Status) -> None:
         """finalizing -> completed, cancelling -> cancelled: the output and error files written, in
-        one transaction with the status (a restart in between does it again, from the lines)."""
+        one transaction with the status (a restart in between does it again, from the lines). A
+        line a cancelled batch still has unfinished ends as ``batch_cancelled``."""
         with self._write() as conn:
             if status is Status.COMPLETED:
                 self._move(conn, batch_id, Status.FINALIZING)
+            else:
+                self._end_lines(conn, batch_id, ("pending", "running"), *_CANCELLED)
             self._write_files(conn, batch_id, status)
 
-    def _end_lines(self, conn, batch_id: str, statuses: tuple[str, ...], code: str, message: str) -> None:
+    def _end_lines(self, conn, batch_id: str, statuses: tuple[str, ...], code: str, message: str,
+                   index: int | None = None) -> int:
         marks = ", ".join("?" * len(statuses))
-        rows = conn.execute(f"SELECT idx, custom_id FROM batch_lines WHERE batch_id = ? AND status IN ({marks})",
-                            (batch_id, *statuses)).fetchall()
+        rows = conn.execute(f"SELECT idx, custom_id FROM batch_lines WHERE batch_id = ? AND status IN ({marks}) "
+                            "AND (? IS NULL OR idx = ?)", (batch_id, *statuses, index, index)).fetchall()
         conn.executemany("UPDATE batch_lines SET status = 'failed', result = ? WHERE batch_id = ? AND idx = ?",
-                         [(json.dumps(line_error(cid, code, message)), batch_id, idx) for idx, cid in rows])
+                         [(_dump(line_error(cid, code, message)), batch_id, idx) for idx, cid in rows])
+        return len(rows)
 
     def _write_files(self, conn, batch_id: str, status: Status) -> None:
+        """The output and error files, streamed from the lines' results into their BLOBs (a batch's
+        results are never held whole); then the batch's new status. Every line has ended."""
         (tenant,) = conn.execute("SELECT tenant FROM batches WHERE id = ?", (batch_id,)).fetchone()
+        (unfinished,) = conn.execute("SELECT COUNT(*) FROM batch_lines WHERE batch_id = ? AND status IN "
+                                     "('pending', 'running')", (batch_id,)).fetchone()
+        if unfinished:
+            raise RuntimeError(f"batch {batch_id} has {unfinished} unfinished lines: its files would lose them")
         ids = {}
         for line_status, field in (("done", "output_file_id"), ("failed", "error_file_id")):
-            results = [json.loads(r) for (r,) in conn.execute(
-                "SELECT result FROM batch_lines WHERE batch_id = ? AND status = ? ORDER BY idx",
-                (batch_id, line_status))]
-            if not results:
+            (size,) = conn.execute("SELECT SUM(length(CAST(result AS BLOB)) + 1) FROM batch_lines WHERE batch_id = ? "
+                                   "AND status = ?", (batch_id, line_status)).fetchone()
+            if not size:
                 continue
-            content = to_jsonl(results)
-            ids[field] = new_id("file-")
-            conn.execute("INSERT INTO files (id, tenant, purpose, filename, bytes, created_at, content) "
-                         "VALUES (?, ?, 'batch_output', ?, ?, ?, ?)",
-                         (ids[field], tenant, f"{batch_id}_{field.split('_')[0]}.jsonl", len(content), self._now(),
-                          content))
+            rows = conn.execute("SELECT result FROM batch_lines WHERE batch_id = ? AND status = ? ORDER BY idx",
+                                (batch_id, line_status))
+            ids[field] = self.insert_file(conn, tenant, "batch_output", f"{batch_id}_{field.split('_')[0]}.jsonl",
+                                          (r.encode() + b"\n" for (r,) in rows), size)["id"]
         self._move(conn, batch_id, status, **ids)
 
     # -- lines -------------------------------------------------------------------------------
 
     def claim(self, batch_id: str, n: int) -> list[tuple[int, str | None, dict]]:
-        """Up to ``n`` pending lines, in order, now running: (index, custom_id, body)."""
+        """Up to ``n`` pending lines of a batch in progress, in order, now running: (index,
+        custom_id, body)."""
         with self._write() as conn:
             rows = conn.execute(
                 "UPDATE batch_lines SET status = 'running' WHERE batch_id = ? AND idx IN (SELECT idx FROM batch_lines "
-                "WHERE batch_id = ? AND status = 'pending' ORDER BY idx LIMIT ?) RETURNING idx, custom_id, body",
-                (batch_id, batch_id, n)).fetchall()
+                "WHERE batch_id = ? AND status = 'pending' AND (SELECT status FROM batches WHERE id = ?) = ? "
+                "ORDER BY idx LIMIT ?) RETURNING idx, custom_id, body",
+                (batch_id, batch_id, batch_id, Status.IN_PROGRESS.value, n)).fetchall()
         return sorted((idx, cid, json.loads(body)) for idx, cid, body in rows)
 
-    def release(self, batch_id: str, index: int) -> None:
-        """A running line back to pending (a refusal that passes: quota, capacity)."""
+    def release(self, batch_id: str, index: int) -> str | None:
+        """A running line not answered (a refusal that passes, a failure of ours): back to pending
+        while its batch is in progress, ``batch_cancelled`` while it cancels. Its new status (None:
+        it was not running, as a line whose batch expired meanwhile)."""
         with self._write() as conn:
-            conn.execute("UPDATE batch_lines SET status = 'pending' WHERE batch_id = ? AND idx = ? AND "
-                         "status = 'running'", (batch_id, index))
+            row = conn.execute("SELECT status FROM batches WHERE id = ?", (batch_id,)).fetchone()
+            if row is not None and row[0] == Status.IN_PROGRESS.value:
+                moved = conn.execute("UPDATE batch_lines SET status = 'pending' WHERE batch_id = ? AND idx = ? AND "
+                                     "status = 'running'", (batch_id, index)).rowcount
+                return "pending" if moved else None
+            return "failed" if self._end_lines(conn, batch_id, ("running",), *_CANCELLED, index=index) else None
 
     def record(self, batch_id: str, index: int, custom_id: str | None, status_code: int, body: dict,
                request_id: str) -> bool:
@@ -217,12 +195,18 @@ class BatchStore(SQLiteStore):
         with self._write() as conn:
             return conn.execute(
                 "UPDATE batch_lines SET status = ?, result = ? WHERE batch_id = ? AND idx = ? AND status = 'running'",
-                ("done" if status_code == 200 else "failed", json.dumps(line), batch_id, index)).rowcount > 0
+                ("done" if status_code == 200 else "failed", _dump(line), batch_id, index)).rowcount > 0
 
     def requeue_running(self) -> int:
-        """At start-up: the lines a stopped gateway left running run again."""
+        """At start-up: the lines a stopped gateway left running run again (those of a batch that
+        was cancelling end as ``batch_cancelled``). How many lines it moved."""
         with self._write() as conn:
-            return conn.execute("UPDATE batch_lines SET status = 'pending' WHERE status = 'running'").rowcount
+            moved = conn.execute("UPDATE batch_lines SET status = 'pending' WHERE status = 'running' AND batch_id IN "
+                                 "(SELECT id FROM batches WHERE status = ?)", (Status.IN_PROGRESS.value,)).rowcount
+            for (batch_id,) in conn.execute("SELECT DISTINCT batch_id FROM batch_lines WHERE status = 'running'"
+                                            ).fetchall():
+                moved += self._end_lines(conn, batch_id, ("running",), *_CANCELLED)
+            return moved
 
 
 def batch_object(row: dict, counts: dict[str, int]) -> dict:

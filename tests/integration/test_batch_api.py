@@ -148,9 +148,9 @@ def test_a_file_that_is_no_valid_batch_is_refused_or_fails_validation(gateway, k
         c.batches.create(input_file_id=upload(c, [chat_line(f"l{i}", "Hi") for i in range(41)]), endpoint=CHAT,
                          completion_window="24h")
     assert e.value.body["param"] == "input_file_id"
-    with pytest.raises(openai.BadRequestError) as e:  # over batch_max_file_bytes (200 kB here)
+    with pytest.raises(openai.APIStatusError) as e:  # over batch_max_file_bytes (200 kB here)
         upload(c, [chat_line("big", "x" * 250_000)])
-    assert e.value.body["code"] == "file_too_large"
+    assert e.value.status_code == 413 and e.value.body["code"] == "file_too_large"
     with pytest.raises(openai.BadRequestError) as e:
         c.files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")
     assert e.value.body["param"] == "purpose"

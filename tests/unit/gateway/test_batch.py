@@ -62,7 +62,7 @@ def test_a_line_is_answered_whole_in_the_batch_class():
     (jsonl(line("a"), json.dumps({"method": "POST", "url": CHAT, "body": {}})), "missing_custom_id", 2),
     (jsonl(line("a"), line(7)), "missing_custom_id", 2),
     (b"\n\n", "empty_file", None),
-    (b"\xff\xfe", "invalid_file_encoding", None),
+    (b"\xff\xfe", "invalid_file_encoding", 1),  # the line it is on
     (jsonl(line("a"), line("b"), line("c")), "too_many_requests", None),
 ])
 def test_a_file_that_is_no_valid_batch_fails_validation(content, code, line_no):
