@@ -91,9 +91,12 @@ class DeliveryLoop:
         self._wake = asyncio.Event()
         self._callback_tries: dict[str, int] = {}
         self._last_collect = self._last_expire = 0.0
+        self._noted = ""  # the circuit's error last written on what waits
+        self._queued_since_noted = False
 
     def notify(self) -> None:
         """Something was queued: look now rather than at the next poll."""
+        self._queued_since_noted = True
         self._wake.set()
 
     async def run(self) -> None:
@@ -128,6 +131,7 @@ class DeliveryLoop:
             self._last_collect = now
             await asyncio.to_thread(self.queue.collect)
         if not self.breaker.allow():
+            await self._say_why_waiting()
             return max(0.05, min(self.breaker.retry_after_s(), self.config.poll_s, 1.0))
         if self.breaker.probing:  # half-open: this round's one attempt is a cheap probe
             if not await self._probe():
@@ -180,9 +184,16 @@ class DeliveryLoop:
             self.breaker.success()
             return True
         self._unavailable(out)
-        if out.device_refused:  # say why on what waits, so `cascade edge queue list` shows it
-            await asyncio.to_thread(self.queue.note_error, Kind.REQUEST, out.error or f"HTTP {out.status}")
+        await self._say_why_waiting()
         return False
+
+    async def _say_why_waiting(self) -> None:
+        """While the circuit is open, the queued requests carry its error (what `cascade edge queue
+        list` shows): written when the error changes or something was queued since."""
+        error = self.breaker.last_error
+        if error and (error != self._noted or self._queued_since_noted):
+            self._noted, self._queued_since_noted = error, False
+            await asyncio.to_thread(self.queue.note_error, Kind.REQUEST, error)
 
     def _unavailable(self, out: Outcome) -> None:
         error = out.error or f"HTTP {out.status}"

@@ -65,6 +65,10 @@ class CircuitBreaker:
     refused: bool = False  # the last failure was the cloud refusing this device (401/403)
     last_error: str = ""
     threshold: int = 1  # failures in a row before it opens (the gateway's breaker per worker: 3)
+    # the two schedules count apart: an outage's failures must not lengthen the wait after the
+    # cloud, answering again, refuses the key (nor refusals the wait after a failure)
+    refusals: int = 0  # refusals since the last success
+    outage_failures: int = 0  # failures (no answer, 5xx, 429) since the cloud last answered
 
     @property
     def state(self) -> str:
@@ -93,28 +97,37 @@ class CircuitBreaker:
 
     def success(self) -> None:
         self.failures, self.open_until, self.probing, self.refused, self.last_error = 0, 0.0, False, False, ""
+        self.refusals = self.outage_failures = 0
 
     def failure(self, error: str, retry_after_s: float | None = None) -> None:
-        self._open(error, retry_after_s, self.base_backoff_s, self.max_backoff_s, refused=False)
+        self.outage_failures += 1
+        self._open(error, retry_after_s, self.base_backoff_s, self.max_backoff_s, refused=False,
+                   n=self.outage_failures)
 
     def refusal(self, error: str, retry_after_s: float | None = None) -> None:
-        """The cloud refused this device (401/403): open, on the slow schedule."""
+        """The cloud refused this device (401/403): open, on the slow schedule (``refused_backoff_s``
+        doubling per refusal, whatever failures came before the cloud answered)."""
+        self.refusals += 1
+        self.outage_failures = 0  # it answered
         self._open(error, retry_after_s, self.refused_backoff_s,
-                   max(MAX_REFUSED_BACKOFF_S, self.max_backoff_s, self.refused_backoff_s), refused=True)
+                   max(MAX_REFUSED_BACKOFF_S, self.max_backoff_s, self.refused_backoff_s), refused=True,
+                   n=self.refusals)
 
     def abandon(self) -> None:
         """A request let through ended without telling anything (cancelled): free the probe slot
         so the next caller probes, without counting a failure or a success."""
         self.probing = False
 
-    def _open(self, error: str, retry_after_s: float | None, base_s: float, max_s: float, refused: bool) -> None:
+    def _open(self, error: str, retry_after_s: float | None, base_s: float, max_s: float, refused: bool,
+              n: int) -> None:
+        """``n``: the count (of its kind) this failure's backoff doubles with."""
         self.failures += 1
         self.probing = False
         self.refused = refused
         self.last_error = error
         if self.failures < self.threshold and not refused:
             return  # not yet
-        backoff = exponential_backoff_s(self.failures - self.threshold + 1, base_s, max_s)
+        backoff = exponential_backoff_s(n if refused else n - self.threshold + 1, base_s, max_s)
         retry_after_s = clamp_retry_after(retry_after_s, self.max_retry_after_s)
         self.open_until = self.clock() + (max(retry_after_s, base_s if refused else 0.0)
                                           if retry_after_s is not None else backoff)
