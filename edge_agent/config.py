@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cascade.calibration import CascadeConfig
-from cascade.config import load_config
+from cascade.config import cascade_home, load_config
 from edge_agent.hardware import ORT_PROVIDER
 
 
@@ -161,3 +161,10 @@ class EdgeConfig:
     @classmethod
     def load(cls, path=None, overrides=None, environ=None) -> EdgeConfig:
         return load_config(cls, "edge", path, overrides, environ)
+
+
+def default_config_path() -> Path | None:
+    """The file the agent and its commands read when none is named: ``$CASCADE_HOME/edge.toml``
+    (what `cascade calibrate` writes), if it exists."""
+    path = cascade_home() / "edge.toml"
+    return path if path.is_file() else None

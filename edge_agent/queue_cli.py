@@ -17,11 +17,11 @@ import time
 
 def _queue(args):
     from cascade.config import ConfigError
-    from edge_agent.config import EdgeConfig
+    from edge_agent.config import EdgeConfig, default_config_path
     from edge_agent.server.outbox import open_queue, queue_path
 
     try:
-        config = EdgeConfig.load(args.config)
+        config = EdgeConfig.load(args.config or default_config_path())
     except ConfigError as e:
         raise SystemExit(f"cascade: {e}") from e
     if args.db:
@@ -97,7 +97,8 @@ def add_queue_parser(edge_subparsers) -> None:
     queue = edge_subparsers.add_parser("queue", help="the offline queue: backlog, retry, drop (works while the "
                                        "agent runs)", formatter_class=help_format)
     queue.set_defaults(func=cmd_status, queue_command="status", json=False)
-    common = {"--config": "edge.toml (its [sync] path; CASCADE_EDGE_SYNC_PATH too)",
+    common = {"--config": "edge.toml (its [sync] path; CASCADE_EDGE_SYNC_PATH too; default: $CASCADE_HOME/edge.toml "
+                          "if it exists, as the agent)",
               "--db": "the queue file (default: [sync] path, else $CASCADE_HOME/edge/queue.db)"}
     for flag, help_ in common.items():
         queue.add_argument(flag, help=help_)

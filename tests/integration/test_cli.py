@@ -48,6 +48,19 @@ def test_edge_run_reads_the_calibrated_config_in_cascade_home_by_default(tmp_pat
     assert r.returncode == 2 and "no config file" in r.stderr and "min_mean_logprb" not in r.stderr
 
 
+def test_edge_queue_reads_the_agents_default_config_in_cascade_home(tmp_path):
+    """Issue 37 item 14: with no --config, `cascade edge queue` reads $CASCADE_HOME/edge.toml, as the agent does."""
+    from sync.queue import Kind, NewItem, OfflineQueue
+
+    db = tmp_path / "elsewhere" / "outbox.db"
+    q = OfflineQueue(db)
+    (item,) = q.enqueue_many([NewItem(Kind.REQUEST, {"q": 1}, endpoint="chat", session="s")])
+    q.close()
+    (tmp_path / "edge.toml").write_text(f'[sync]\npath = "{db}"\n')
+    listed = cascade("edge", "queue", "list", home=tmp_path)
+    assert listed.returncode == 0 and item in listed.stdout, listed.stderr
+
+
 def test_edge_queue_shows_the_backlog_and_retries_and_drops(tmp_path):
     from sync.queue import Kind, NewItem, OfflineQueue
 
