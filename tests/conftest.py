@@ -25,13 +25,14 @@ class Server:
     runs, the accounting check after every integration test looks at what it holds
     (tests/accounting.py)."""
 
-    def __init__(self, home: Path, command: list[str], *args: str, env: dict | None = None):
+    def __init__(self, home: Path, command: list[str], *args: str, env: dict | None = None,
+                 log_level: str = "WARNING"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = home / f"server-{self.port}.log"
         self.what = "cascade " + " ".join(command)
         self.kind = KINDS[tuple(command[:2])]
-        self.proc = spawn(cascade_command(*command, "--port", str(self.port), *args),
+        self.proc = spawn(cascade_command(*command, "--port", str(self.port), *args, log_level=log_level),
                           env={"CASCADE_HOME": str(home), **(env or {})}, log=self.log, cwd=REPO)
         accounting.LIVE.append(self)
 
@@ -56,8 +57,8 @@ def create_key(home: Path, *args: str) -> str:
 class Agent(Server):
     """A `cascade edge run` process."""
 
-    def __init__(self, home: Path, *args: str, env: dict | None = None):
-        super().__init__(home, ["edge", "run"], *args, env=env)
+    def __init__(self, home: Path, *args: str, env: dict | None = None, log_level: str = "WARNING"):
+        super().__init__(home, ["edge", "run"], *args, env=env, log_level=log_level)
 
 
 @pytest.fixture(scope="session", autouse=True)
