@@ -124,6 +124,7 @@ class Upstream:
             raise UpstreamUnavailable(f"the cloud is backing off ({self.breaker.last_error})",
                                       retry_after_s=self.breaker.retry_after_s(), refused=self.refused)
         key = idempotency_key(self.device, app_key)
+        log.debug("escalating %s to %s (reason %s, idempotency key %s)", endpoint, self.base_url, reason, key)
         headers = {"idempotency-key": key, "x-cascade-reason": reason}
         if session:
             headers["x-cascade-session"] = session

@@ -144,6 +144,9 @@ class DeliveryLoop:
         settled = [(item.id, out.status, out.body, not out.delivered)
                    for item, out in zip(batch, outcomes, strict=True) if out.delivered or out.refused]
         await asyncio.to_thread(self.queue.complete_many, settled)
+        log.debug("delivery round: %d sent, %d delivered, %d refused, %d to retry", len(batch),
+                  sum(o.delivered for o in outcomes), sum(o.refused for o in outcomes),
+                  sum(not (o.delivered or o.refused) for o in outcomes))
         for item_id, status, _, refused in settled:  # counted once recorded
             if refused:
                 self.failed += 1

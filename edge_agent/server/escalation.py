@@ -173,6 +173,10 @@ class Escalator:
             backlog = await asyncio.to_thread(self.outbox.queue.session_pending, session)
             signals = replace(signals, session_backlog=backlog)
         decision = decide(signals, self.policy)
+        log.debug("%s request: %s (%s); prompt %d tokens, max_tokens %d, mode %s, slots %d busy / %d waiting, "
+                  "cloud %s", endpoint, decision.tier, decision.reason, n_prompt, signals.max_tokens, signals.mode,
+                  self.service.pool.busy, self.service.pool.waiting,
+                  self.upstream.breaker.state if self.upstream else "none")
         if decision.tier == "cloud":
             try:
                 return await self._cloud(endpoint, body, decision.reason, app_key=app_key)

@@ -246,6 +246,10 @@ class EdgeService:
                     m.prompt_tokens.inc(event.prompt_tokens)
                     m.cached_prompt_tokens.inc(event.cached_tokens)
                     m.e2e.observe(t - job.arrived)
+                    log.debug("generated %d token(s) (%s) after a %d-token prompt (%d cached) in %.2f s, first "
+                              "token at %s s", event.completion_tokens, event.finish_reason, event.prompt_tokens,
+                              event.cached_tokens, t - job.arrived,
+                              "-" if first is None else f"{first - job.arrived:.3f}")
                     if first is not None and last is not None and last > first and event.completion_tokens > 1:
                         rate = (event.completion_tokens - 1) / (last - first)
                         self.decode_tok_s = rate if not self.decode_tok_s else 0.8 * self.decode_tok_s + 0.2 * rate

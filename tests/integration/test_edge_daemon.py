@@ -260,12 +260,14 @@ def test_sigterm_drains_a_running_stream_exits_0_and_keeps_the_queue(tmp_path):
 
 def test_sigterm_past_the_drain_time_ends_the_stream_with_an_error_and_exits_0(tmp_path):
     """Issue 37 item 12: a 1,500-token stream outlives drain_timeout_s; it ends with an SSE error
-    event and [DONE], the generation stops before the model is freed, and the agent exits 0."""
+    event and [DONE], the generation stops before the model is freed, and the agent exits 0.
+    (And item 17: `cascade --log-level DEBUG` logs each request's route.)"""
     home = tmp_path / "home"
     home.mkdir()
     config = home / "edge.toml"
     write_config(config, free_port(), drain_timeout_s=1.0)
-    agent = Agent(home, "--config", str(config), "--threads", "1", "--n-ctx", "2048").wait_healthy()
+    agent = Agent(home, "--config", str(config), "--threads", "1", "--n-ctx", "2048",
+                  log_level="DEBUG").wait_healthy()
     try:
         stream = Stream(agent, max_tokens=1500)  # ~40 s of tokens here
         assert stream.first.wait(60)
@@ -281,6 +283,8 @@ def test_sigterm_past_the_drain_time_ends_the_stream_with_an_error_and_exits_0(t
     error = json.loads(stream.lines[-2][len("data:"):])["error"]
     assert error["code"] == "shutting_down" and error["message"] and "type" in error and "param" in error
     assert len(stream.lines) > 3  # tokens came before it
+    debug = [r for r in log_records(agent) if r["level"] == "DEBUG" and r["logger"].startswith("edge_agent")]
+    assert any("completions request: edge" in r["msg"] for r in debug), debug
 
 
 def cascade(*args, home):
