@@ -2,7 +2,9 @@
 ``RedisResultCache`` has ``result_cache.ResultCache``'s get/put and stats; the keys are the same
 (``result_cache.cache_key``: per tenant, on the prompt's token ids and the sampling settings).
 Each value is its JSON under one key, set with an expiry of ``ttl_s``; Redis' own ``maxmemory``
-policy (e.g. allkeys-lru) bounds the total, which ResultCache bounds itself in one process.
+policy (e.g. allkeys-lru) bounds the total, which ResultCache bounds itself in one process (there
+fairly per tenant; here Redis' LRU is not per tenant: a tenant filling Redis evicts others' entries,
+though never reads or replaces them, since every key holds its tenant).
 
 A cache is an optimisation: when Redis fails a lookup or a store, the request runs as a miss
 (logged) rather than failing."""
@@ -52,9 +54,10 @@ class RedisResultCache:
         self._decoded.put(key, (raw, value), len(raw))
         return value
 
-    def put(self, key: str, value: Any, size_bytes: int) -> None:
+    def put(self, key: str, value: Any, size_bytes: int, owner: str = "") -> None:
         """Store the JSON-serialisable ``value`` for ``ttl_s`` (replacing any value under key).
-        A value whose JSON is larger than max_bytes is not stored (and removes the old one)."""
+        A value whose JSON is larger than max_bytes is not stored (and removes the old one).
+        ``owner`` is ResultCache's (unused: Redis evicts)."""
         if size_bytes < 0:
             raise ValueError(f"size_bytes must be >= 0, got {size_bytes}")
         payload = json.dumps(value, separators=(",", ":"))

@@ -33,6 +33,10 @@ class GatewayMetrics:
                               t, buckets=_LATENCY, registry=r)
         self.tpot = Histogram("cascade_gateway_time_per_output_token_seconds", "Mean time between tokens",
                               t, buckets=_TPOT, registry=r)
+        self.worker_usage_refused = Counter(
+            "cascade_gateway_worker_usage_refused_total",
+            "A worker's usage numbers not taken as they came: not_integer or negative (refused: the gateway's own "
+            "count charged), over_bound (clamped to what the request could use)", ["reason"], registry=r)
         self.cache = Counter("cascade_gateway_result_cache_total", "Result cache lookups", ["result"], registry=r)
         self._cache_hit, self._cache_miss = self.cache.labels("hit"), self.cache.labels("miss")
         # (metric, label values) -> its child: labels() takes a lock and builds the key every call, on

@@ -3,9 +3,14 @@ relaying its answer: the chunks of a stream (``stream_options.include_usage`` fo
 gateway learns the worker's real usage; the usage chunk is dropped again for a client that did
 not ask for it) or its one JSON body. ``X-Request-Id`` goes to the worker and back.
 
-Failures: a worker that cannot be reached, or answers 408, 429 or 5xx, is retried on another
-worker with backoff, but only before the first byte has been passed on; a stream whose first
-chunk does not come within ``first_token_timeout_s`` fails (504). Each failure counts on the
+Failures: a worker that cannot be reached, answers 408, 429 or 5xx, or ends its stream with no
+chunk, is retried on another worker with backoff, but only before the first byte has been passed
+on; a stream whose first chunk does not come within ``first_token_timeout_s``, or an answer not
+whole within ``answer_timeout_s``, fails (504). A request's deadline (X-Cascade-Deadline, the
+body's ``timeout``) goes to the worker as ``X-Cascade-Deadline`` (ours ends the answer there) and
+is kept by the gateway too, ``DEADLINE_GRACE_S`` later: before the first byte a 504, after it the
+stream ends with an error event. A worker's answer is read bounded (``worker_stream``: an event
+up to ``max_event_bytes``, a body up to ``max_body_bytes``). Each failure counts on the
 worker's circuit breaker (and a connect error takes it out of the pool until its health check
 passes again), each success closes it.
 
@@ -21,13 +26,14 @@ import asyncio
 import json
 import logging
 import random
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import httpx
 
 from cascade import errors
-from cascade.sse import BrokenStream, next_chunk
+from cloud_tier.gateway import worker_stream
 from cloud_tier.gateway.admission import Ticket
 from cloud_tier.gateway.priority import with_vllm_priority
 from cloud_tier.gateway.worker_client import _error_of
@@ -36,6 +42,7 @@ from cloud_tier.gateway.worker_pool import Worker, WorkerPool
 log = logging.getLogger(__name__)
 
 _RETRY_STATUS = {408, 429}
+DEADLINE_GRACE_S = 0.5  # a worker that keeps the deadline itself (ours) ends its answer within this
 _NIXL_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
@@ -45,6 +52,9 @@ class ProxyConfig:
     retries: int = 2  # further attempts, before the first byte only
     retry_backoff_s: float = 0.1  # doubled per attempt, with jitter
     first_token_timeout_s: float = 60.0
+    answer_timeout_s: float = 600.0  # a non-streamed answer, whole
+    max_event_bytes: int = 1 << 20  # one SSE event of a worker's stream
+    max_body_bytes: int = 32 << 20  # a worker's non-streamed answer (or its error body)
     kv_connector: str = ""  # "nixl": prefill/decode pairs of vLLM workers
     pd_min_prompt_chars: int = 1024  # shorter prompts skip the prefill step
     pd_skip_hit_share: float = 0.8  # ... as do prompts the decode worker holds this much of
@@ -62,6 +72,10 @@ class Attempt:
     prompt_chars: int
     hashes_total: int  # prompt blocks (for the share a hit covers)
     priority_class: str = "interactive"
+    deadline: float | None = None  # time.perf_counter() when the request must be over
+
+    def time_left(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.perf_counter())
 
 
 class OpenAIProxy:
@@ -114,13 +128,16 @@ class OpenAIProxy:
 
     async def _send(self, w: Worker, a: Attempt, body: dict) -> AsyncIterator[dict]:
         headers = {**self.headers, "x-request-id": a.request_id}
+        if (left := a.time_left()) is not None:
+            headers["x-cascade-deadline"] = f"{left:.3f}"
         request = self.client.build_request("POST", f"{w.url}{a.path}", content=json.dumps(body), headers=headers)
+        cfg = self.config
         resp = None
         try:
-            async with asyncio.timeout(self.config.first_token_timeout_s if a.stream else None):
+            async with asyncio.timeout(_within(cfg.first_token_timeout_s if a.stream else cfg.answer_timeout_s, a)):
                 resp = await self.client.send(request, stream=True)  # headers, then the first chunk, in time
                 if resp.status_code != 200:
-                    content = await resp.aread()
+                    content = await worker_stream.read_body(resp, cfg.max_body_bytes)
                     err = _error_of(content, resp.status_code, resp.headers)
                     if resp.status_code in _RETRY_STATUS or resp.status_code >= 500:
                         if resp.status_code >= 500:
@@ -129,22 +146,32 @@ class OpenAIProxy:
                     self._ok(w)
                     raise err
                 if not a.stream:
-                    content = await resp.aread()
+                    first = _json_body(await worker_stream.read_body(resp, cfg.max_body_bytes), cfg.max_body_bytes)
                     self._ok(w)
-                    first = _json_body(content)
                 else:
-                    lines = resp.aiter_lines()
-                    first = await _next_data(lines)
+                    lines = worker_stream.lines(resp.aiter_bytes(), cfg.max_event_bytes)
+                    first = await worker_stream.next_sse_chunk(lines, cfg.max_event_bytes)
+                    if first is None:
+                        self._failed(w, "a stream with no chunk")
+                        raise _Retryable(errors.APIError(502, "The cloud worker's stream ended with no chunk.",
+                                                         "server_error", code="worker_empty_stream"))
                     self._ok(w)
             yield first
             if a.stream:
-                while (item := await _next_data(lines)) is not None:
+                while True:
+                    async with asyncio.timeout(_within(None, a)):
+                        item = await worker_stream.next_sse_chunk(lines, cfg.max_event_bytes)
+                    if item is None:
+                        break
                     yield item
         except httpx.ConnectError as e:
             self._failed(w, repr(e), down=True)
             raise _Retryable(errors.APIError(502, f"The cloud worker could not be reached: {e!r}", "server_error",
                                              code="worker_unreachable")) from e
         except (TimeoutError, httpx.TimeoutException) as e:
+            if a.deadline is not None and time.perf_counter() >= a.deadline:
+                raise errors.APIError(504, "The request's deadline passed before the cloud worker's answer was "
+                                      "whole.", "server_error", code="deadline_exceeded") from e
             self._failed(w, "no first token in time" if isinstance(e, TimeoutError) else repr(e))
             raise errors.APIError(504, "The cloud worker did not answer in time.", "server_error",
                                   code="worker_timeout") from e
@@ -172,14 +199,20 @@ class OpenAIProxy:
             req["max_completion_tokens"] = 1
         p.in_flight += 1
         try:
-            r = await self.client.post(f"{p.url}{a.path}", content=json.dumps(req),
-                                       headers={**self.headers, "x-request-id": a.request_id},
-                                       timeout=httpx.Timeout(self.config.first_token_timeout_s, connect=2.0))
-            if r.status_code != 200:
-                raise ValueError(f"answered {r.status_code}")
-            params = r.json().get("kv_transfer_params")
+            limit = self.config.max_body_bytes
+            r = await self.client.send(self.client.build_request(
+                "POST", f"{p.url}{a.path}", content=json.dumps(req),
+                headers={**self.headers, "x-request-id": a.request_id},
+                timeout=httpx.Timeout(self.config.first_token_timeout_s, connect=2.0)), stream=True)
+            try:
+                if r.status_code != 200:
+                    raise ValueError(f"answered {r.status_code}")
+                answer = worker_stream.decode(await worker_stream.read_body(r, limit), limit, "a prefill answer")
+            finally:
+                await r.aclose()
+            params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
             self._ok(p)
-        except (httpx.HTTPError, ValueError) as e:
+        except (httpx.HTTPError, ValueError, errors.APIError) as e:
             self._failed(p, repr(e), down=isinstance(e, httpx.ConnectError))
             log.warning("prefill on %s failed (%r); decoding on %s alone", p.url, e, decode.url)
             return body
@@ -205,21 +238,17 @@ class _Retryable(Exception):
         self.error = error
 
 
-async def _next_data(lines: AsyncIterator[str]) -> dict | None:
-    """The next chunk of the worker's stream; None at [DONE]. A broken stream or an in-band error
-    is a 502."""
-    try:
-        return await next_chunk(lines)
-    except BrokenStream as e:
-        code = "worker_error" if e.error is not None else "worker_bad_stream"
-        raise errors.APIError(502, f"The cloud worker's stream broke: {e}", "server_error", code=code) from None
+def _within(timeout_s: float | None, a: Attempt) -> float | None:
+    """``timeout_s``, or less when the request's deadline (and its grace) comes first."""
+    left = a.time_left()
+    if left is None:
+        return timeout_s
+    left += DEADLINE_GRACE_S
+    return left if timeout_s is None else min(timeout_s, left)
 
 
-def _json_body(content: bytes) -> dict:
-    try:
-        obj = json.loads(content)
-    except ValueError:
-        obj = None
+def _json_body(content: bytes, limit: int) -> dict:
+    obj = worker_stream.decode(content, limit, "an answer")
     if not isinstance(obj, dict) or "choices" not in obj:
         raise errors.APIError(502, "The cloud worker answered something that is not a completion.", "server_error",
                               code="worker_bad_response")

@@ -42,15 +42,28 @@ def max_tokens_of(body: dict) -> int | None:
     return None
 
 
-def usage_of(obj: dict) -> tuple[int, int] | None:
-    """(prompt_tokens, completion_tokens) of a chunk or a body that carries usage, else None."""
+def usage_of(obj: dict) -> tuple[object, object] | None:
+    """(prompt_tokens, completion_tokens) of a chunk or a body that carries usage, as the worker
+    wrote them (checked by ``worker_usage.checked``), else None."""
     u = obj.get("usage") if isinstance(obj, dict) else None
     if not isinstance(u, dict):
         return None
-    p, c = u.get("prompt_tokens"), u.get("completion_tokens")
-    if not (isinstance(p, int) and isinstance(c, int)):
-        return None
-    return p, c
+    return u.get("prompt_tokens"), u.get("completion_tokens")
+
+
+def answer_chars(obj: dict) -> int:
+    """The characters of answer text in a chunk (a delta's or a choice's text) or a body (its
+    messages), for an estimate of the tokens when the worker gives no usage."""
+    n = 0
+    for c in obj.get("choices") or ():
+        if not isinstance(c, dict):
+            continue
+        for part in (c.get("delta"), c.get("message")):
+            if isinstance(part, dict):
+                n += sum(len(v) for k in ("content", "reasoning_content") if isinstance(v := part.get(k), str))
+        if isinstance(c.get("text"), str):
+            n += len(c["text"])
+    return n
 
 
 def is_deterministic(body: dict) -> bool:

@@ -13,7 +13,8 @@ _EPS = 1e-9  # float slack so that waiting exactly the returned time is enough
 class TokenBucket:
     """capacity tokens, refilled at rate per second (continuous), starting full. clock injectable.
     The level may go negative after charge(): the debt is repaid by refill before anything else
-    can be taken."""
+    can be taken. The debt is at most one capacity, so no wait is ever longer than two full
+    refills (a charge past it, a worker's usage that lied, is not carried over)."""
 
     def __init__(self, rate: float, capacity: float, clock: Callable[[], float] = time.monotonic):
         if rate <= 0 or capacity <= 0:
@@ -51,8 +52,8 @@ class TokenBucket:
         self._level = min(self.capacity, self.level + amount)
 
     def charge(self, amount: float) -> None:
-        """Take unconditionally (may go negative)."""
-        self._level = self.level - amount
+        """Take unconditionally (may go negative, down to -capacity)."""
+        self._level = max(-self.capacity, self.level - amount)
 
 
 @dataclass(frozen=True)

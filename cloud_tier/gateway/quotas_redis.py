@@ -15,7 +15,8 @@ from cloud_tier.gateway.quotas import _EPS, Limits, QuotaDecision
 
 # KEYS: the buckets. ARGV[1]: "admit" or "reconcile"; ARGV[2]: idle seconds kept after a full refill;
 # admit: then (rate, capacity, amount) per bucket; reconcile: then the tokens to add per bucket
-# (a refund > 0, capped at the capacity; a charge < 0, which may go into debt).
+# (a refund > 0, capped at the capacity; a charge < 0, which may go into debt, down to -capacity as in
+# quotas.TokenBucket).
 _SCRIPT = """
 if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
@@ -34,7 +35,7 @@ if ARGV[1] == 'reconcile' then
     local b = redis.call('HMGET', key, 'level', 'at', 'rate', 'cap')
     if b[1] then
       local rate, cap = tonumber(b[3]), tonumber(b[4])
-      store(key, math.min(cap, level_of(b, rate, cap) + tonumber(ARGV[2 + i])), rate, cap)
+      store(key, math.max(-cap, math.min(cap, level_of(b, rate, cap) + tonumber(ARGV[2 + i]))), rate, cap)
     end
   end
   return 1

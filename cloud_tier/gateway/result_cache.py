@@ -1,5 +1,7 @@
 """Exact-match cache of deterministic results, keyed per tenant on the prompt's token ids and the
-sampling settings, bounded by count, bytes and age."""
+sampling settings, bounded by count, bytes and age, and shared fairly: when it is full, the owner
+(tenant) holding the most loses its least recently used entry, so no tenant's requests can evict
+another's entries while holding less than it."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -48,10 +50,21 @@ class _Entry:
     value: Any
     size_bytes: int
     expires_at: float
+    owner: str
+
+
+@dataclass
+class _Holding:
+    """One owner's entries (least recently used first) and their bytes."""
+
+    keys: OrderedDict = field(default_factory=OrderedDict)
+    size_bytes: int = 0
 
 
 class ResultCache:
-    """LRU of results, bounded by max_entries and max_bytes; an entry lives ttl_s seconds."""
+    """LRU of results, bounded by max_entries and max_bytes; an entry lives ttl_s seconds. Past a
+    bound, the owner with the most entries (or bytes, for the byte bound) loses its least recently
+    used one: a single owner's cache is a plain LRU."""
 
     def __init__(self, max_entries: int = 4096, max_bytes: int = 64 << 20, ttl_s: float = 600.0,
                  clock: Callable[[], float] = time.monotonic):
@@ -61,7 +74,8 @@ class ResultCache:
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
         self._clock = clock
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._entries: dict[str, _Entry] = {}
+        self._owners: dict[str, _Holding] = {}
         self.total_bytes = 0
         self.stats = CacheStats()
 
@@ -77,24 +91,36 @@ class ResultCache:
         if entry is None:
             self.stats.misses += 1
             return None
-        self._entries.move_to_end(key)
+        self._owners[entry.owner].keys.move_to_end(key)
         self.stats.hits += 1
         return entry.value
 
-    def put(self, key: str, value: Any, size_bytes: int) -> None:
-        """Store (replacing any entry under key), evicting least recently used entries to stay
-        under both bounds. An entry bigger than max_bytes is not stored."""
+    def put(self, key: str, value: Any, size_bytes: int, owner: str = "") -> None:
+        """Store (replacing any entry under key), evicting entries to stay under both bounds: the
+        least recently used of whichever owner holds the most. An entry bigger than max_bytes is
+        not stored."""
         if size_bytes < 0:
             raise ValueError(f"size_bytes must be >= 0, got {size_bytes}")
         if key in self._entries:
             self._remove(key)  # the new value supersedes the old one even if it is not stored
         if size_bytes > self.max_bytes:
             return
-        self._entries[key] = _Entry(value, size_bytes, self._clock() + self.ttl_s)
+        self._entries[key] = _Entry(value, size_bytes, self._clock() + self.ttl_s, owner)
+        holding = self._owners.setdefault(owner, _Holding())
+        holding.keys[key] = None
+        holding.size_bytes += size_bytes
         self.total_bytes += size_bytes
         while len(self._entries) > self.max_entries or self.total_bytes > self.max_bytes:
-            self._remove(next(iter(self._entries)))
+            by_bytes = len(self._entries) <= self.max_entries
+            largest = max(self._owners.values(), key=lambda h: h.size_bytes if by_bytes else len(h.keys))
+            self._remove(next(iter(largest.keys)))
             self.stats.evictions += 1
 
     def _remove(self, key: str) -> None:
-        self.total_bytes -= self._entries.pop(key).size_bytes
+        entry = self._entries.pop(key)
+        self.total_bytes -= entry.size_bytes
+        holding = self._owners[entry.owner]
+        del holding.keys[key]
+        holding.size_bytes -= entry.size_bytes
+        if not holding.keys:
+            del self._owners[entry.owner]

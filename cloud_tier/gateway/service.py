@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import time
 import uuid
@@ -30,12 +31,14 @@ from cloud_tier.gateway.placement import PrefixIndex, RouterConfig, text_block_h
 from cloud_tier.gateway.quotas import Limits
 from cloud_tier.gateway.result_cache import ResultCache, cache_key
 from cloud_tier.gateway.stores import Stores
-from cloud_tier.gateway.streams import Flight, Recorder, RunToEnd, observe_chunk
+from cloud_tier.gateway.streams import Flight, Recorder, RunToEnd, estimated_usage, observe_chunk
 from cloud_tier.gateway.worker_client import WorkerClient
 from cloud_tier.gateway.worker_pool import WorkerPool
+from cloud_tier.gateway.worker_usage import UsageBounds, foreign_bounds
 from cloud_tier.request_builder import RequestBuilder, check_slo_floors
 from sync.idempotency import ClaimState
 
+log = logging.getLogger(__name__)
 
 def request_hash(endpoint: str, body: dict) -> str:
     """What an Idempotency-Key is bound to: the request minus how it is delivered."""
@@ -105,7 +108,8 @@ class GatewayService:
             block_size=pool.block_size)
         self.index = PrefixIndex(pool.block_size, self.router_config.index_blocks_per_worker)
         self.workers = WorkerClient(pool, client, self.admission, self.index, self.router_config, config.kv_transport,
-                                    config.ttft_slo_s, worker_api_key, parse_class_slos(config.class_slos))
+                                    config.ttft_slo_s, worker_api_key, parse_class_slos(config.class_slos),
+                                    config.worker_max_event_bytes, config.worker_max_body_bytes)
         # foreign workers (vLLM, SGLang, any OpenAI-compatible server): no tokenizer, their own load numbers
         self.routing = ForeignRouting(
             max_waiting=config.worker_max_waiting, kv_high_watermark=config.kv_high_watermark,
@@ -114,7 +118,9 @@ class GatewayService:
         self.text_index = PrefixIndex(1, self.router_config.index_blocks_per_worker)
         self.proxy = OpenAIProxy(pool, client, ProxyConfig(
             retries=config.retries, retry_backoff_s=config.retry_backoff_s,
-            first_token_timeout_s=config.first_token_timeout_s, kv_connector=config.kv_connector,
+            first_token_timeout_s=config.first_token_timeout_s, answer_timeout_s=config.request_timeout_s,
+            max_event_bytes=config.worker_max_event_bytes, max_body_bytes=config.worker_max_body_bytes,
+            kv_connector=config.kv_connector,
             pd_min_prompt_chars=config.pd_min_prompt_chars, pd_skip_hit_share=config.pd_skip_hit_share,
             vllm_priority=config.foreign_priority),
             worker_api_key)
@@ -170,7 +176,7 @@ class GatewayService:
                 plan = self._plan(endpoint, req, priority)
                 flight.cache_key = cache_key(key.tenant, self.model_id, endpoint, plan)
                 if flight.cache_key:
-                    self.cache_keys.put(seen, flight.cache_key, 0)
+                    self.cache_keys.put(seen, flight.cache_key, 0, owner=key.tenant)
             hit = self.cache.get(flight.cache_key) if flight.cache_key else None
             self.metrics.cache_lookup(hit is not None)
             if hit is not None:
@@ -183,6 +189,7 @@ class GatewayService:
             self._check_quota(flight, plan.max_total_tokens)
             flight.predicted_tokens = plan.max_total_tokens
             flight.prompt_tokens = len(plan.prompt_token_ids)
+            flight.bounds = UsageBounds(len(plan.prompt_token_ids), plan.params.max_tokens)
             need = math.ceil(plan.max_total_tokens / self.pool.block_size)
             flight.ticket = await self.workers.admit(flight, plan, need)
         except BaseException as e:
@@ -220,6 +227,7 @@ class GatewayService:
             self._check_quota(flight, predicted)
             flight.predicted_tokens = predicted
             flight.prompt_tokens = openai_results.estimate_tokens(text)
+            flight.bounds = foreign_bounds(endpoint, body, text, max_tokens, self.max_model_len)
             need = math.ceil(predicted / 16)
             hashes = text_block_hashes(str(body.get("model", "")), text)
             roles = ("decode",) if self.pool.by_role("decode", healthy=False) else ("both",)
@@ -240,7 +248,7 @@ class GatewayService:
 
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         attempt = Attempt(path, body, bool(body.get("stream")), request_id, len(text), len(hashes),
-                          flight.priority_class)
+                          flight.priority_class, deadline_of(flight, body))
         events = Recorder(self.proxy.run(attempt, flight.ticket, hit_blocks, rechoose, on_ticket), flight,
                           self._settle, observe_chunk)
         return (RunToEnd(events) if flight.idem_key else events), headers
@@ -293,59 +301,80 @@ class GatewayService:
 
     def _settle(self, f: Flight) -> None:
         """The end of a served flight: free its KV commitment, true up its token charge, keep
-        its result (cache, idempotency), count it."""
-        if f.ticket is not None:
-            self.admission.release(f.ticket)
+        its result (cache, idempotency), count it. Every step is taken whatever another one
+        raised: the claim is completed or released and the request counted on every path."""
         if f.finish is None and f.ended and f.openai:  # a worker that sent no usage: our estimate
-            f.finish = Finish("stop", f.prompt_tokens, f.generated_tokens)
-        fin = f.finish
-        used = tokens_used(f)
-        self.quotas.reconcile(f.tenant, f.key.key_id, f.predicted_tokens, used)
-        completion = fin.completion_tokens if fin is not None else f.generated_tokens
-        self.budgets.charge(f.key, f.model or self.model_id, used - completion, completion)
+            f.finish = Finish("stop", *estimated_usage(f))
+        fin, stored = (f.finish if f.error is None else None), None  # a stream that failed after its usage failed
         if fin is None:
-            self._end_claim(f)
-            self._count(f, outcome_of(f.error) if f.error is not None else "499")  # no error: the client left
-            return
-        stored = {"events": f.events, **({"openai": f.openai} if f.openai else {})}
-        if f.cache_key and not fin.truncated:  # an answer cut at its deadline is not the answer to keep
-            self.cache.put(f.cache_key, stored, sum(len(json.dumps(e)) for e in f.events))
-        self._end_claim(f, stored)
-        m, t = self.metrics, f.tenant
-        m.of(m.tokens_in, t).inc(fin.prompt_tokens)
-        m.of(m.tokens_out, t).inc(fin.completion_tokens)
-        ttft = (f.first_token_at or time.perf_counter()) - f.arrived
-        tpot = ((f.last_token_at - f.first_token_at) / (fin.completion_tokens - 1)
-                if fin.completion_tokens > 1 and f.first_token_at else 0.0)
-        m.of(m.ttft, t).observe(ttft)
-        m.of(m.tpot, t).observe(tpot)
-        if ttft <= self.config.ttft_slo_s and tpot <= self.config.tpot_slo_s:
-            m.of(m.goodput, t).inc()
-        self._count(f, "ok")
+            outcome = outcome_of(f.error) if f.error is not None else "499"  # no error: the client left
+        else:
+            outcome, stored = "ok", {"events": f.events, **({"openai": f.openai} if f.openai else {})}
+        try:
+            _each(lambda: f.ticket is not None and self.admission.release(f.ticket),
+                  lambda: self._charge(f),
+                  lambda: f.usage_problem and self.metrics.worker_usage_refused.labels(f.usage_problem).inc(),
+                  lambda: fin is not None and self._keep(f, fin, stored))
+        finally:
+            self._end_claim(f, stored)
+            self._count(f, outcome)
+
+    def _charge(self, f: Flight) -> None:
+        used = tokens_used(f)
+        completion = f.finish.completion_tokens if f.finish is not None else f.generated_tokens
+        try:
+            self.quotas.reconcile(f.tenant, f.key.key_id, f.predicted_tokens, used)
+        finally:
+            self.budgets.charge(f.key, f.model or self.model_id, used - completion, completion)
+
+    def _keep(self, f: Flight, fin: Finish, stored: dict) -> None:
+        """A finished flight's result into the cache, its tokens and times into the metrics."""
+        try:
+            if f.cache_key and not fin.truncated:  # an answer cut at its deadline is not the answer to keep
+                self.cache.put(f.cache_key, stored, sum(len(json.dumps(e)) for e in f.events), owner=f.tenant)
+        finally:
+            m, t = self.metrics, f.tenant
+            m.of(m.tokens_in, t).inc(fin.prompt_tokens)
+            m.of(m.tokens_out, t).inc(fin.completion_tokens)
+            ttft = (f.first_token_at or time.perf_counter()) - f.arrived
+            tpot = ((f.last_token_at - f.first_token_at) / (fin.completion_tokens - 1)
+                    if fin.completion_tokens > 1 and f.first_token_at else 0.0)
+            m.of(m.ttft, t).observe(ttft)
+            m.of(m.tpot, t).observe(tpot)
+            if ttft <= self.config.ttft_slo_s and tpot <= self.config.tpot_slo_s:
+                m.of(m.goodput, t).inc()
 
     def _settle_early(self, f: Flight, error: BaseException) -> None:
         """Not served (an APIError before streaming, or cancelled): undo what was taken."""
         f.settled = True
-        if f.ticket is not None:
-            self.admission.release(f.ticket)
-        if f.predicted_tokens:
-            self.quotas.reconcile(f.tenant, f.key.key_id, f.predicted_tokens, 0)
-        self._end_claim(f)
-        self._count(f, "499" if isinstance(error, asyncio.CancelledError) else outcome_of(error))
+        try:
+            _each(lambda: f.ticket is not None and self.admission.release(f.ticket),
+                  lambda: f.predicted_tokens and self.quotas.reconcile(f.tenant, f.key.key_id, f.predicted_tokens, 0))
+        finally:
+            self._end_claim(f)
+            self._count(f, "499" if isinstance(error, asyncio.CancelledError) else outcome_of(error))
 
     def _end_claim(self, f: Flight, result: dict | None = None) -> None:
         """Stop renewing the flight's Idempotency-Key claim, then store its result, or free the key
-        when there is none (a no-op for a claim another request has taken over meanwhile)."""
+        when there is none or it cannot be stored (a no-op for a claim another request has taken
+        over meanwhile): a retry with the key gets the result or runs again, never waits on it."""
         if f.heartbeat is not None:
             f.heartbeat.cancel()
             f.heartbeat = None
         if f.idem_owner is None:
             return
         owner, f.idem_owner = f.idem_owner, None
-        if result is None:
+        if result is not None:
+            try:
+                self.idempotency.complete(f.tenant, f.idem_key, result, owner=owner)
+                return
+            except Exception:
+                log.exception("the result of idempotency key %r (tenant %s) was not stored; the key is freed",
+                              f.idem_key, f.tenant)
+        try:
             self.idempotency.release(f.tenant, f.idem_key, owner=owner)
-        else:
-            self.idempotency.complete(f.tenant, f.idem_key, result, owner=owner)
+        except Exception:  # the claim's lease ends it then
+            log.exception("idempotency key %r (tenant %s) was not released", f.idem_key, f.tenant)
 
     def _count(self, f: Flight, outcome: str) -> None:
         self.count(f.tenant, f.endpoint, outcome, f.priority_class)
@@ -353,3 +382,20 @@ class GatewayService:
     def count(self, tenant: str, endpoint: str, outcome: str, priority_class: str = "interactive") -> None:
         self.metrics.of(self.metrics.requests, tenant, endpoint, outcome).inc()
         self.metrics.of_class(priority_class, outcome).inc()
+
+
+def _each(*steps) -> None:
+    """Run every step, whatever the others raise (each failure logged)."""
+    for step in steps:
+        try:
+            step()
+        except Exception:
+            log.exception("a settlement step failed")
+
+
+def deadline_of(f: Flight, body: dict) -> float | None:
+    """When a request sent to an OpenAI-compatible worker must be over (``time.perf_counter``): the
+    earlier of its X-Cascade-Deadline and its body's ``timeout`` (seconds), None without either."""
+    limits = [t for t in (f.deadline_s, body.get("timeout")) if isinstance(t, (int, float))
+              and not isinstance(t, bool) and 0 <= t < 1e9]
+    return f.arrived + min(limits) if limits else None

@@ -5,6 +5,7 @@ stored result."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -15,7 +16,8 @@ from cascade import errors
 from cascade.generation import Finish, TokenEvent, event_from_wire, event_to_wire
 from cloud_tier.gateway.admission import Ticket
 from cloud_tier.gateway.keys import ApiKey
-from cloud_tier.gateway.openai_results import usage_of
+from cloud_tier.gateway.openai_results import CHARS_PER_TOKEN, answer_chars, usage_of
+from cloud_tier.gateway.worker_usage import UNBOUNDED, UsageBounds, checked
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,9 @@ class Flight:
     predicted_tokens: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0  # token events received so far
+    answer_chars: int = 0  # an OpenAI-compatible worker's answer: the characters of its text so far
+    bounds: UsageBounds = UNBOUNDED  # the most a worker may say this request used (``worker_usage``)
+    usage_problem: str = ""  # why the worker's usage was refused or clamped ("": it was not)
     ticket: Ticket | None = None
     cache_key: str | None = None
     idem_key: str | None = None
@@ -49,34 +54,59 @@ class Flight:
     deadline_s: float | None = None  # X-Cascade-Deadline: seconds left at arrival
 
 
-def observe_event(f: Flight, ev) -> None:
-    """What our workers' events tell a flight: tokens, their times, the finish."""
-    f.events.append(event_to_wire(ev))
+def observe_event(f: Flight, ev):
+    """What our workers' events tell a flight: tokens, their times, the finish (its usage checked
+    against the flight's bounds: what is passed on, stored and charged). The event to pass on."""
     if isinstance(ev, TokenEvent):
         f.generated_tokens += 1
         f.last_token_at = time.perf_counter()
         if f.first_token_at is None:
             f.first_token_at = f.last_token_at
     elif isinstance(ev, Finish):
+        usage, problem = checked(ev.prompt_tokens, ev.completion_tokens, f.bounds)
+        f.usage_problem = problem or f.usage_problem
+        prompt, completion = usage or (f.prompt_tokens, f.generated_tokens)
+        if (prompt, completion) != (ev.prompt_tokens, ev.completion_tokens) or not 0 <= ev.cached_tokens <= prompt:
+            ev = dataclasses.replace(ev, prompt_tokens=prompt, completion_tokens=completion,
+                                     cached_tokens=min(max(0, ev.cached_tokens), prompt))
         f.finish = ev
+    f.events.append(event_to_wire(ev))
+    return ev
 
 
-def observe_chunk(f: Flight, chunk: dict) -> None:
+def observe_chunk(f: Flight, chunk: dict) -> dict:
     """What an OpenAI-compatible worker's chunks (or its one body) tell a flight: a chunk with
-    text counts as a token until the worker's usage, which ends the flight, says how many."""
+    text counts as a token until the worker's usage, which ends the flight, says how many. A usage
+    refused or clamped (``worker_usage``) is replaced in the chunk by the numbers charged."""
     f.events.append(chunk)
-    choices = chunk.get("choices") or ()
-    if any((c.get("delta") or {}).get("content") or c.get("text") or (c.get("message") or {}).get("content")
-           for c in choices if isinstance(c, dict)):
+    chars = answer_chars(chunk)
+    if chars:
+        f.answer_chars += chars
         f.generated_tokens += 1
         f.last_token_at = time.perf_counter()
         if f.first_token_at is None:
             f.first_token_at = f.last_token_at
     usage = usage_of(chunk)
+    if usage is None and f.openai == "body":  # a whole answer without usage: ours, estimated, in its place
+        usage = estimated_usage(f)
+        chunk["usage"] = {"prompt_tokens": usage[0], "completion_tokens": usage[1], "total_tokens": sum(usage)}
     if usage is not None:
         reasons = [ch.get("finish_reason") for ev in f.events for ch in (ev.get("choices") or ())
-                   if isinstance(ch, dict) and ch.get("finish_reason")]
-        f.finish = Finish(reasons[-1] if reasons else "stop", usage[0], usage[1])
+                   if isinstance(ch, dict) and isinstance(ch.get("finish_reason"), str)]
+        checked_usage, f.usage_problem = checked(*usage, f.bounds)
+        prompt, completion = checked_usage or estimated_usage(f)
+        if f.usage_problem:
+            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                              "total_tokens": prompt + completion}
+        f.finish = Finish(reasons[-1] if reasons else "stop", prompt, completion)
+    return chunk
+
+
+def estimated_usage(f: Flight) -> tuple[int, int]:
+    """A foreign answer's usage when its worker gives none (or one refused): the prompt's estimate,
+    and the answer's (its characters, or the chunks with text where those are more)."""
+    completion = max(f.generated_tokens, f.answer_chars // CHARS_PER_TOKEN, 1) if f.answer_chars else 0
+    return f.prompt_tokens, min(completion, f.bounds.completion)
 
 
 class Recorder:
@@ -85,7 +115,7 @@ class Recorder:
     to the end, failed, or abandoned by the client)."""
 
     def __init__(self, events: AsyncIterator, flight: Flight, settle: Callable[[Flight], None],
-                 observe: Callable[[Flight, object], None] = observe_event):
+                 observe: Callable[[Flight, object], object] = observe_event):
         self._events = events
         self.flight = flight
         self._settle = settle
@@ -106,8 +136,7 @@ class Recorder:
         except Exception as e:
             f.error = e
             raise
-        self._observe(f, ev)
-        return ev
+        return self._observe(f, ev)
 
     async def aclose(self) -> None:
         try:
@@ -231,13 +260,17 @@ async def replay_chunks(chunks: list[dict]) -> AsyncIterator[dict]:
 
 
 async def first_of(events) -> dict:
-    """The one item of a stream that has one (a worker's JSON body), the stream closed after."""
+    """The one item of a stream that has one (a worker's JSON body), read to the stream's end (so
+    that the flight counts as answered), the stream closed after."""
+    items = []
     try:
         async for item in events:
-            return item
+            items.append(item)
     finally:
         await events.aclose()
-    raise errors.APIError(502, "The cloud worker gave no answer.", "server_error", code="worker_failed")
+    if not items:
+        raise errors.APIError(502, "The cloud worker gave no answer.", "server_error", code="worker_failed")
+    return items[0]
 
 
 async def relay_sse(chunks, include_usage: bool) -> AsyncIterator[str]:
@@ -257,9 +290,12 @@ async def relay_sse(chunks, include_usage: bool) -> AsyncIterator[str]:
         yield e.sse()
     except Exception as e:
         log.exception("relaying a worker's stream failed")
-        yield errors.APIError(500, f"relaying the stream failed: {e}", "server_error").sse()
+        yield errors.APIError(502, f"relaying the stream failed: {e}", "server_error", code="worker_failed").sse()
     finally:
         aclose = getattr(chunks, "aclose", None)
         if aclose is not None:
-            await aclose()
+            try:
+                await aclose()
+            except Exception:  # settling is exception-safe on its own; the stream still ends
+                log.exception("closing a worker's stream failed")
     yield "data: [DONE]\n\n"

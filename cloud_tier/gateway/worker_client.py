@@ -2,11 +2,14 @@
 call the decode worker's ``/internal/generate`` and relay its NDJSON events; retry on another
 attempt what failed before the first token for a reason a retry can fix (a prefill worker
 unreachable, a transfer that failed, no KV room), and find another decode worker when the
-chosen one cannot be reached."""
+chosen one cannot be reached. The worker's answer is read bounded (``worker_stream``: a line up to
+``max_event_bytes``, an error body up to ``max_body_bytes``), each line by the strict decoder; a
+worker that stalls is a 504 (a timeout, or the request's deadline passed by ``DEADLINE_GRACE_S``:
+the worker keeps the deadline itself, the gateway only in case it does not)."""
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import time
 import uuid
@@ -15,10 +18,11 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from cascade import errors
+from cascade import errors, wire
 from cascade.generation import Finish, TokenEvent, event_from_wire
 from cloud_tier.disagg.messages import RequestRecord
 from cloud_tier.disagg.protocol import GenerateRequest
+from cloud_tier.gateway import worker_stream
 from cloud_tier.gateway.admission import Admission, Ticket
 from cloud_tier.gateway.placement import NoWorkerError, PrefixIndex, RouterConfig, choose_prefill
 from cloud_tier.gateway.streams import Flight
@@ -29,12 +33,14 @@ log = logging.getLogger(__name__)
 
 _RETRYABLE = {"prefill_unreachable", "transfer_failed", "no_capacity", "prefill_error"}
 ATTEMPTS = 3
+DEADLINE_GRACE_S = 0.5
 
 
 class WorkerClient:
     def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, admission: Admission, index: PrefixIndex,
                  router_config: RouterConfig, kv_transport: str, ttft_slo_s: float, worker_api_key: str = "",
-                 class_slos: dict[str, tuple[float, float]] | None = None):
+                 class_slos: dict[str, tuple[float, float]] | None = None, max_event_bytes: int = 1 << 20,
+                 max_body_bytes: int = 32 << 20):
         self.pool = pool
         self.client = client
         self.admission = admission
@@ -43,6 +49,8 @@ class WorkerClient:
         self.kv_transport = kv_transport
         self.ttft_slo_s = ttft_slo_s
         self.class_slos = class_slos or {}
+        self.max_event_bytes = max_event_bytes
+        self.max_body_bytes = max_body_bytes
         self.worker_headers = {"content-type": "application/json"}
         if worker_api_key:
             self.worker_headers["authorization"] = f"Bearer {worker_api_key}"
@@ -90,6 +98,7 @@ class WorkerClient:
                                priority_class=flight.priority_class, tenant=flight.tenant,
                                ttft_slo_s=ttft, tpot_slo_s=tpot,
                                timeout_s=time_left(flight, plan))
+        deadline = None if record.timeout_s is None else time.perf_counter() + record.timeout_s
         for attempt in range(ATTEMPTS):
             worker = flight.ticket.worker
             prefill_url, prefill_worker, work = self.route(plan, worker)
@@ -104,21 +113,36 @@ class WorkerClient:
                 async with self.client.stream("POST", f"{worker.url}/internal/generate",
                                               content=body.model_dump_json(), headers=self.worker_headers) as resp:
                     if resp.status_code != 200:
-                        err = _error_of(await resp.aread(), resp.status_code, resp.headers)
+                        content = await worker_stream.read_body(resp, self.max_body_bytes)
+                        err = _error_of(content, resp.status_code, resp.headers)
                         if err.code in _RETRYABLE and attempt < ATTEMPTS - 1:
                             log.warning("attempt %d of %s failed (%s); retrying", attempt, rid, err.message)
                             if err.code == "prefill_unreachable" and prefill_url:
                                 self.pool.mark_down(prefill_url, err.message)
                             continue
                         raise err
-                    async for line in resp.aiter_lines():
-                        if not line:
+                    lines = worker_stream.lines(resp.aiter_bytes(), self.max_event_bytes)
+                    while True:
+                        async with asyncio.timeout(_backstop(deadline)):
+                            line = await anext(lines, None)
+                        if line is None:
+                            break
+                        if not line.strip():
                             continue
-                        data = json.loads(line)
-                        if "error" in data:
-                            raise errors.APIError(502, data["error"].get("message", "worker error"), "server_error",
+                        data = worker_stream.decode(line, self.max_event_bytes, "an event")
+                        if isinstance(data, dict) and "error" in data:
+                            message = data["error"].get("message") if isinstance(data["error"], dict) else None
+                            raise errors.APIError(502, str(message or "worker error")[:500], "server_error",
                                                   code="worker_error")
-                        ev = event_from_wire(data)
+                        if isinstance(data, dict) and isinstance(fin := data.get("finish"), list) and not all(
+                                isinstance(x, int) and not isinstance(x, bool) for x in fin[1:4]):
+                            flight.usage_problem = "not_integer"  # refused: our own counts stand in
+                            fin[1:4] = [flight.prompt_tokens, flight.generated_tokens, 0]
+                        try:
+                            ev = event_from_wire(data)
+                        except (ValueError, TypeError, AttributeError):
+                            raise errors.APIError(502, f"The cloud worker sent an event that is not one: "
+                                                  f"{line[:100]!r}", "server_error", code="worker_bad_stream") from None
                         if not started:
                             started = True
                             prefill_worker.pending_prefill_tokens -= work
@@ -127,6 +151,11 @@ class WorkerClient:
                             return
                 raise errors.APIError(502, "The cloud worker ended the stream without finishing.", "server_error",
                                       code="worker_failed")
+            except (TimeoutError, httpx.TimeoutException) as e:
+                late = deadline is not None and time.perf_counter() >= deadline
+                raise errors.APIError(504, "The request's deadline passed." if late else
+                                      "The cloud worker did not answer in time.", "server_error",
+                                      code="deadline_exceeded" if late else "worker_timeout") from e
             except httpx.HTTPError as e:
                 self.pool.mark_down(worker.url, repr(e))
                 if not started and attempt < ATTEMPTS - 1 and isinstance(e, httpx.ConnectError):
@@ -147,8 +176,8 @@ def _error_of(content: bytes, status: int, headers: httpx.Headers | dict) -> err
     as it is (but a 401/403: that refuses the gateway's own credentials, a 502 to the client); a
     5xx stays a server error, 503 and 429 with the worker's Retry-After (else 1 s)."""
     try:
-        e = json.loads(content)["error"]
-        message, code = str(e.get("message", "")), str(e.get("code") or "worker_error")
+        e = wire.loads(content, limit=max(len(content), 1))["error"]
+        message, code = str(e.get("message", ""))[:2000], str(e.get("code") or "worker_error")[:100]
     except (ValueError, KeyError, TypeError, AttributeError):
         e, message, code = {}, f"the worker answered {status}", "worker_error"
     if status in (401, 403):
@@ -177,3 +206,9 @@ def time_left(flight: Flight, plan: Plan) -> float | None:
     if not limits:
         return None
     return max(0.0, min(limits) - (time.perf_counter() - flight.arrived))
+
+
+def _backstop(deadline: float | None) -> float | None:
+    """Seconds the next line may take: until the request's deadline (``time.perf_counter``, kept
+    by the worker too) and its grace; None without a deadline."""
+    return None if deadline is None else max(0.0, deadline + DEADLINE_GRACE_S - time.perf_counter())

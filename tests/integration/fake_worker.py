@@ -1,7 +1,8 @@
 """A worker in front of a real one, to inject faults between the gateway and it: it passes
 ``/internal/load``, ``/internal/tokenizer``, ``/internal/stats`` and ``/healthz`` through, and answers
 ``/internal/generate`` as ``mode`` says (pass through, an HTTP error, a stream cut after a few
-events, a slow start or slow events). It records the body of every generate call."""
+events, a slow start or slow events, or a ``script`` of raw lines and stalls: the hostile worker).
+It records the body of every generate call."""
 
 from __future__ import annotations
 
@@ -29,6 +30,19 @@ class Mode:
     cut_after: int | None = None  # end the stream after this many events, without a finish
     first_delay_s: float = 0.0  # before the response starts
     event_delay_s: float = 0.0  # before each event is passed on
+    # answer 200 with exactly these parts instead (str: bytes sent as they are; float: a stall of that many
+    # seconds, after the headers): see ``token_line``, ``finish_line``
+    script: list | None = None
+
+
+def token_line(text: str = "hi", token_id: int = 42) -> str:
+    """One token event as our worker sends it (a line of NDJSON; the text as it is, raw)."""
+    return json.dumps({"token": [token_id, text, text.encode().hex(), -0.5, 0.1, []]}, ensure_ascii=False) + "\n"
+
+
+def finish_line(prompt: object = 9, completion: object = 2, reason: str = "stop") -> str:
+    """The finish event, with whatever usage numbers it is given."""
+    return json.dumps({"finish": [reason, prompt, completion, 0, ""]}) + "\n"
 
 
 class FaultyWorker:
@@ -76,6 +90,8 @@ class FaultyWorker:
                 await asyncio.sleep(mode.first_delay_s)
             if mode.status != 200:
                 return JSONResponse({"error": mode.error}, status_code=mode.status, headers=mode.headers)
+            if mode.script is not None:
+                return StreamingResponse(_play(mode.script), media_type="application/x-ndjson")
             req = client.build_request("POST", f"{self.target}/internal/generate", content=body,
                                        headers={"content-type": "application/json"})
             resp = await client.send(req, stream=True)
@@ -100,3 +116,11 @@ class FaultyWorker:
                 yield line + "\n"
         finally:
             await resp.aclose()
+
+
+async def _play(script: list):
+    for part in script:
+        if isinstance(part, float):
+            await asyncio.sleep(part)
+        else:
+            yield part.encode() if isinstance(part, str) else part

@@ -1,7 +1,9 @@
 """An OpenAI-compatible worker in front of a real one, to inject faults between the gateway and
 it: health, models and metrics pass through; the completion endpoints answer as ``mode`` says
 (pass through, an HTTP error, an HTML page, a stream cut after a few chunks, a stall before the
-first byte). It records every completion body and request id it was sent."""
+first byte, or a ``script`` of raw bytes and stalls: the hostile worker). With no target it is a
+worker of its own: /v1/models names ``MODEL`` and an honest request gets a short synthetic answer
+(no model needed). It records every completion body and request id it was sent."""
 
 from __future__ import annotations
 
@@ -28,15 +30,56 @@ class Mode:
     stall_s: float = 0.0  # before the response starts
     health_status: int = 200
     kv_params: dict | None = None  # add these kv_transfer_params to a JSON answer (a KV connector's reply)
+    # answer 200 with exactly these parts (str: bytes sent as they are; float: a stall of that many seconds,
+    # after the headers), whatever the request asked (stream or not): see ``sse``, ``honest_chunks``
+    script: list | None = None
+
+
+MODEL = "smollm2-135m"
+
+
+def sse(*chunks) -> list[str]:
+    """SSE events: a dict as ``data: {json}``, "[DONE]" as the end, a str as it is."""
+    return [c if isinstance(c, str) and c != "[DONE]" else
+            "data: [DONE]\n\n" if c == "[DONE]" else f"data: {json.dumps(c, ensure_ascii=False)}\n\n"
+            for c in chunks]
+
+
+def honest_chunks(chat: bool = True, words: tuple[str, ...] = ("Red", ",", " blue")) -> list[dict]:
+    """The chunks of a short streamed answer (the usage chunk last), as vLLM sends them."""
+    base = {"id": "cmpl-fake", "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": 1, "model": MODEL}
+    chunks = []
+    for i, w in enumerate(words):
+        choice = {"index": 0, "delta": {"role": "assistant", "content": w}} if chat else {"index": 0, "text": w}
+        chunks.append({**base, "choices": [{**choice, "finish_reason": "stop" if i == len(words) - 1 else None}]})
+    return chunks + [{**base, "choices": [], "usage": usage(9, len(words))}]
+
+
+def honest_body(chat: bool = True, text: str = "Red, blue", usage_: object = None) -> dict:
+    """A non-streamed answer: ``usage_`` as given (None: an honest one; "missing": none)."""
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"} if chat
+              else {"index": 0, "text": text, "finish_reason": "stop"})
+    body = {"id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion", "created": 1,
+            "model": MODEL, "choices": [choice]}
+    if usage_ != "missing":
+        body["usage"] = usage(9, 3) if usage_ is None else usage_
+    return body
+
+
+def usage(prompt: object, completion: object) -> dict:
+    total = prompt + completion if all(isinstance(x, int) for x in (prompt, completion)) else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": total}
 
 
 class FaultyOpenAIWorker:
-    def __init__(self, target_url: str, metrics_text: str | None = None):
+    def __init__(self, target_url: str | None = None, metrics_text: str | None = None):
         self.target = target_url
         self.metrics_text = metrics_text  # answer /metrics with this (e.g. a vLLM scrape) instead of passing through
         self.mode = Mode()
         self.bodies: list[dict] = []
         self.request_ids: list[str | None] = []
+        self.headers: list[dict[str, str]] = []
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._server = uvicorn.Server(uvicorn.Config(self._app(), host="127.0.0.1", port=self.port,
@@ -64,13 +107,15 @@ class FaultyOpenAIWorker:
         async def health() -> Response:
             if self.mode.health_status != 200:
                 return Response(status_code=self.mode.health_status)
+            if self.target is None:
+                return Response(status_code=200)
             r = await client.get(f"{self.target}/health")
             return Response(r.content, status_code=r.status_code)
 
         @app.get("/metrics")
         async def metrics() -> Response:
-            if self.metrics_text is not None:
-                return Response(self.metrics_text, media_type="text/plain")
+            if self.metrics_text is not None or self.target is None:
+                return Response(self.metrics_text or "", media_type="text/plain")
             r = await client.get(f"{self.target}/metrics")
             return Response(r.content, status_code=r.status_code, media_type="text/plain")
 
@@ -81,6 +126,9 @@ class FaultyOpenAIWorker:
 
         @app.get("/v1/models")
         async def models() -> Response:
+            if self.target is None:
+                return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model",
+                                                                 "max_model_len": 1024}]})
             r = await client.get(f"{self.target}/v1/models")
             return Response(r.content, status_code=r.status_code, media_type="application/json")
 
@@ -90,6 +138,7 @@ class FaultyOpenAIWorker:
             body = await request.body()
             self.bodies.append(json.loads(body))
             self.request_ids.append(request.headers.get("x-request-id"))
+            self.headers.append(dict(request.headers))
             mode = self.mode
             if mode.stall_s:
                 await asyncio.sleep(mode.stall_s)
@@ -97,6 +146,14 @@ class FaultyOpenAIWorker:
                 return Response("<html><body>502 Bad Gateway</body></html>", media_type="text/html")
             if mode.status != 200:
                 return JSONResponse({"error": mode.error}, status_code=mode.status)
+            if mode.script is not None:
+                return StreamingResponse(_play(mode.script), media_type="text/event-stream")
+            if self.target is None:
+                chat = request.url.path.endswith("chat/completions")
+                if json.loads(body).get("stream"):
+                    return StreamingResponse(_play(sse(*honest_chunks(chat), "[DONE]")),
+                                             media_type="text/event-stream")
+                return JSONResponse(honest_body(chat))
             req = client.build_request("POST", f"{self.target}{request.url.path}", content=body,
                                        headers={"content-type": "application/json"})
             resp = await client.send(req, stream=True)
@@ -121,3 +178,11 @@ class FaultyOpenAIWorker:
                 yield line + "\n\n"
         finally:
             await resp.aclose()
+
+
+async def _play(script: list):
+    for part in script:
+        if isinstance(part, float):
+            await asyncio.sleep(part)
+        else:
+            yield part.encode() if isinstance(part, str) else part

@@ -1,0 +1,81 @@
+"""Reading a worker's answer, bounded while it is read: its lines (split on b"\\n" only, so a
+U+2028 inside a chunk's text stays in it; no line longer than ``max_line_bytes`` is ever held),
+the chunks of an OpenAI SSE stream, a whole body (up to ``limit`` bytes), each decoded by the
+strict decoder (``cascade.wire``). Whatever breaks the rules is a 502 APIError naming why."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+
+from cascade import errors, wire
+
+
+def _bad(message: str, code: str = "worker_bad_stream") -> errors.APIError:
+    return errors.APIError(502, message, "server_error", code=code)
+
+
+async def lines(chunks: AsyncIterator[bytes], max_line_bytes: int) -> AsyncIterator[bytes]:
+    """The lines of a byte stream, without their b"\\n" (and a b"\\r" before it); the last one
+    even without a b"\\n". A line over ``max_line_bytes`` fails as soon as it gets there."""
+    buf = bytearray()
+    async for data in chunks:
+        start = 0
+        while (end := data.find(b"\n", start)) >= 0:
+            if len(buf) + end - start > max_line_bytes:
+                raise _too_large(max_line_bytes)
+            buf += data[start:end]
+            yield bytes(buf[:-1] if buf.endswith(b"\r") else buf)
+            buf.clear()
+            start = end + 1
+        buf += data[start:]
+        if len(buf) > max_line_bytes:
+            raise _too_large(max_line_bytes)
+    if buf:
+        yield bytes(buf)
+
+
+def _too_large(limit: int) -> errors.APIError:
+    return _bad(f"The cloud worker sent an event over {limit} bytes.", "worker_event_too_large")
+
+
+def decode(data: bytes, limit: int, what: str) -> object:
+    """``data`` as JSON by the strict decoder; integers of any size are kept (a worker's usage is
+    clamped where it is read, ``worker_usage``), NaN and the like refused."""
+    try:
+        return wire.loads(data, limit=limit, int64=False)
+    except wire.WireError as e:
+        raise _bad(f"The cloud worker sent {what} that is not JSON ({e.reason}): {str(e)[:120]}") from None
+
+
+async def next_sse_chunk(stream: AsyncIterator[bytes], limit: int) -> dict | None:
+    """The next chunk of an OpenAI stream (``stream``: its ``lines``); None at ``data: [DONE]``; a
+    502 for a chunk that is not a JSON object, an in-band error, or an end without [DONE]."""
+    async for line in stream:
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return None
+        chunk = decode(data, limit, "a chunk")
+        if not isinstance(chunk, dict):
+            raise _bad(f"The cloud worker's stream broke: a chunk that is not an object: {data[:100]!r}")
+        if "error" in chunk or chunk.get("object") == "error":
+            err = chunk["error"] if "error" in chunk else chunk
+            message = (err.get("message") if isinstance(err, dict) else None) or str(err)[:200]
+            raise _bad(f"The cloud worker's stream broke: {str(message)[:500]}", "worker_error")
+        return chunk
+    raise _bad("The cloud worker's stream broke: the stream was cut (no [DONE])")
+
+
+async def read_body(resp: httpx.Response, limit: int) -> bytes:
+    """The whole body of ``resp``, refused (502) as soon as it passes ``limit`` bytes."""
+    if (declared := resp.headers.get("content-length", "")).isdigit() and int(declared) > limit:
+        raise _bad(f"The cloud worker's answer is over {limit} bytes.", "worker_answer_too_large")
+    body = bytearray()
+    async for data in resp.aiter_bytes():
+        body += data
+        if len(body) > limit:
+            raise _bad(f"The cloud worker's answer is over {limit} bytes.", "worker_answer_too_large")
+    return bytes(body)

@@ -1,0 +1,197 @@
+"""The hostile-worker harness for OpenAI-compatible workers (`--worker-type openai`): a fake
+worker (tests/integration/faulty_openai.py, no model behind it) that lies about usage, sends
+empty streams, only [DONE], giant chunks, malformed JSON, U+2028 inside a chunk, and stalls at
+every stage. Whatever it does, every answer is a well-formed 200 or an OpenAI-style 502/504
+(never a 500), every stream ends with [DONE], the tenant's charge, quota bucket and counters stay
+within what its requests could use, an Idempotency-Key's retry is answered at once, and the next
+honest request succeeds. Also: an answer without usage is a completed answer (issue 37 item 5),
+X-Cascade-Deadline is kept (item 7)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import openai
+import pytest
+
+from tests.conftest import Server, create_key
+from tests.integration.faulty_openai import MODEL, FaultyOpenAIWorker, Mode, honest_body, honest_chunks, sse, usage
+from tests.integration.worker_checks import idem, new_key, post, samples, total, well_formed
+
+STALL = 1.5  # the fake's stalls; the gateway below gives up after 0.5 s (first chunk) or 1 s (anything else)
+ASK = {"model": MODEL, "messages": [{"role": "user", "content": "Name two colours."}], "max_tokens": 8,
+       "temperature": 0}
+LIES = {"negative": usage(-5, -3), "huge": usage(10**12, 10**12), "overflow": usage(10**400, 1),
+        "float": usage(9.5, 3.0), "string": usage("9", "3"), "missing": "missing"}
+
+
+def lying_stream(lie) -> list:
+    chunks = honest_chunks()
+    if lie == "missing":
+        return sse(*chunks[:-1], "[DONE]")
+    return sse(*chunks[:-1], {**chunks[-1], "usage": lie}, "[DONE]")
+
+
+def script(case: str, stream: bool) -> Mode:
+    """What the worker answers in ``case``, to a streamed request or not."""
+    chunks, body = sse(*honest_chunks(), "[DONE]"), json.dumps(honest_body())
+    if case in LIES:
+        return Mode(script=lying_stream(LIES[case]) if stream else [json.dumps(honest_body(usage_=LIES[case]))])
+    return Mode(**{
+        "empty": dict(script=[]),
+        "only_done": dict(script=sse("[DONE]")),
+        "giant_chunk": dict(script=sse(*honest_chunks(words=("x" * (100 << 10),)), "[DONE]") if stream
+                            else [json.dumps(honest_body(text="x" * (200 << 10)))]),
+        "malformed": dict(script=[*sse(honest_chunks()[0]), "data: {not json\n\n"] if stream else ["{not json"]),
+        "nan_usage": dict(script=[*chunks[:-2], 'data: {"choices":[],"usage":{"prompt_tokens":NaN}}\n\n', chunks[-1]]
+                          if stream else [body.replace('"prompt_tokens": 9', '"prompt_tokens": NaN')]),
+        "in_band_error": dict(script=sse({"error": {"message": "boom", "type": "server_error"}}, "[DONE]")),
+        "stall_before_headers": dict(stall_s=STALL, script=chunks if stream else [body]),
+        "stall_after_headers": dict(script=[STALL, *chunks] if stream else [STALL, body]),
+        "stall_mid_stream": dict(script=[chunks[0], STALL, *chunks[1:]] if stream else [body[:20], STALL, body[20:]]),
+        "stall_before_done": dict(script=[*chunks[:-1], STALL, chunks[-1]] if stream else [body[:-1], STALL, "}"]),
+    }[case])
+
+
+CASES = [*LIES, "empty", "only_done", "giant_chunk", "malformed", "nan_usage", "in_band_error",
+         "stall_before_headers", "stall_after_headers", "stall_mid_stream", "stall_before_done"]
+FAILS = {"empty", "only_done", "giant_chunk", "malformed", "nan_usage", "in_band_error",
+         "stall_before_headers", "stall_after_headers", "stall_mid_stream", "stall_before_done"}
+MID_STREAM = {"malformed", "nan_usage", "stall_mid_stream", "stall_before_done"}  # streamed: after the first chunk
+
+
+@pytest.fixture(scope="module")
+def fake():
+    w = FaultyOpenAIWorker().start()
+    yield w
+    w.stop()
+
+
+@pytest.fixture(autouse=True)
+def honest_again(fake):
+    fake.mode = Mode()
+    yield
+    fake.mode = Mode()
+
+
+def start_gateway(home, fake, **env) -> Server:
+    g = Server(home, ["cloud", "serve"], "--workers", fake.url, "--worker-type", "openai",
+               env={f"CASCADE_CLOUD_GATEWAY_{k.upper()}": str(v) for k, v in env.items()}).wait_healthy(60)
+    g.home = home
+    g.admin = create_key(home, "--tenant", "owner", "--admin")
+    return g
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory, fake):
+    g = start_gateway(tmp_path_factory.mktemp("hostile-openai"), fake, first_token_timeout_s=0.5,
+                      request_timeout_s=1.0, retries=0, breaker_threshold=1000, worker_max_event_bytes=65536,
+                      worker_max_body_bytes=131072, metrics_interval_s=0.2)
+    yield g
+    g.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_whatever_the_worker_does_the_answer_is_well_formed_and_the_charge_bounded(gateway, fake, stream):
+    before = {k: total(gateway.url, f"cascade_gateway_{k}_tokens_total", tenant="owner")
+              for k in ("prompt", "completion")}
+    for case in CASES:
+        key = new_key(gateway.url, gateway.admin, tpm=1000)
+        fake.mode = script(case, stream)
+        ik = idem()
+        t0 = time.monotonic()
+        body = {**ASK, "temperature": 0.5, "stream": stream}  # not cached: every case reaches the worker
+        r = post(gateway.url, key, body, idempotency_key=ik)
+        status, kind, what = well_formed(r, stream)
+        assert time.monotonic() - t0 < STALL + 1.0, case  # a stall is cut by the gateway's own bounds
+        assert kind == ("error" if case in FAILS else "ok"), (case, status, what)
+        if kind == "error":
+            assert (status == 200) == (stream and case in MID_STREAM), (case, status, what)
+            assert status != 504 or case.startswith("stall"), (case, what)
+        fake.mode = Mode()
+        again = post(gateway.url, key, body, idempotency_key=ik, timeout=5)
+        assert again.status_code == 200, (case, again.text[:300])  # the stored result or a prompt new run
+        if case not in FAILS:
+            assert again.headers.get("x-cascade-idempotent-replay") == "true", case
+        ok = post(gateway.url, key, {**body, "temperature": 0.7})  # the key's bucket is not in debt
+        assert well_formed(ok, stream)[1] == "ok", (case, ok.status_code, ok.text[:300])
+    n = 3 * len(CASES)  # requests sent; each may use a prompt of ~300 tokens and 8 answer tokens at most
+    assert total(gateway.url, "cascade_gateway_completion_tokens_total", tenant="owner") - before["completion"] <= 8 * n
+    assert total(gateway.url, "cascade_gateway_prompt_tokens_total", tenant="owner") - before["prompt"] <= 400 * n
+    outcomes = samples(gateway.url, "cascade_gateway_requests_total", tenant="owner")
+    assert not any(dict(k)["outcome"] == "499" for k, v in outcomes.items() if v), outcomes
+    refused = {dict(k)["reason"] for k, v in samples(gateway.url, "cascade_gateway_worker_usage_refused_total").items()
+               if v}
+    assert refused == {"negative", "over_bound", "not_integer"}
+
+
+def test_a_lying_worker_on_one_tenant_leaves_another_tenants_bucket_alone(gateway, fake):
+    """Noisy neighbours on the quotas: P's worker says 10**12 tokens, P exhausts its own bucket; Q's
+    requests and Retry-After are what they were, and P's own Retry-After stays bounded."""
+    p = create_key(gateway.home, "--tenant", "p", "--tpm", "300")
+    q = create_key(gateway.home, "--tenant", "q", "--tpm", "300")
+    fake.mode = Mode(script=[json.dumps(honest_body(usage_=usage(10**12, 10**12)))])
+    assert post(gateway.url, p, ASK).status_code == 200
+    fake.mode = Mode()
+    refused = None
+    for _ in range(40):  # P spends its own bucket down
+        r = post(gateway.url, p, {**ASK, "temperature": 0.5})
+        if r.status_code == 429:
+            refused = r
+            break
+    assert refused is not None and 0 < float(refused.headers["retry-after"]) <= 120, refused
+    for _ in range(3):
+        assert post(gateway.url, q, {**ASK, "temperature": 0.5}).status_code == 200
+
+
+def test_an_answer_without_usage_is_a_completed_answer(gateway, fake):
+    """Item 5: cached (the same greedy request again is a hit), counted ok (not 499), and charged
+    by its answer's length, not the prompt's characters / 4 + 1."""
+    key = create_key(gateway.home, "--tenant", "no-usage")
+    fake.mode = Mode(script=[json.dumps(honest_body(text="word " * 80, usage_="missing"))])
+    ask = {**ASK, "max_tokens": 200}
+    first = post(gateway.url, key, ask)
+    assert first.status_code == 200 and first.headers["x-cascade-cache"] == "miss", first.text[:300]
+    fake.mode = Mode()
+    second = post(gateway.url, key, ask)
+    assert second.status_code == 200 and second.headers["x-cascade-cache"] == "hit"
+    assert second.json()["choices"][0]["message"]["content"] == "word " * 80
+    outcomes = {dict(k)["outcome"]: v for k, v in samples(gateway.url, "cascade_gateway_requests_total",
+                                                          tenant="no-usage").items() if v}
+    assert outcomes == {"ok": 1, "cache_hit": 1}
+    assert total(gateway.url, "cascade_gateway_completion_tokens_total", tenant="no-usage") >= 80  # 400 characters
+
+
+def test_the_next_honest_request_through_the_official_client_succeeds(gateway, fake):
+    c = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=new_key(gateway.url, gateway.admin), max_retries=0,
+                      timeout=10)
+    whole = c.chat.completions.create(**ASK)
+    assert whole.choices[0].message.content and whole.usage.completion_tokens == 3
+    chunks = list(c.chat.completions.create(**{**ASK, "temperature": 0.3}, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "Red, blue"
+
+
+@pytest.fixture(scope="module")
+def patient(tmp_path_factory, fake):
+    """A gateway with the default timeouts (60 s to the first chunk, 600 s for an answer)."""
+    g = start_gateway(tmp_path_factory.mktemp("hostile-patient"), fake, retries=0)
+    yield g
+    g.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("stage", ["before_headers", "mid_stream"])
+def test_x_cascade_deadline_is_kept_against_a_stalled_worker(patient, fake, stream, stage):
+    """Item 7: the deadline bounds the wait (0.5 s and its grace), and the worker is told it."""
+    chunks = sse(*honest_chunks(), "[DONE]")
+    whole = chunks if stream else [json.dumps(honest_body())]
+    fake.mode = (Mode(stall_s=4.0, script=whole) if stage == "before_headers"
+                 else Mode(script=[chunks[0], 4.0, *chunks[1:]] if stream else ['{"id":', 4.0, '"x"}']))
+    t0 = time.monotonic()
+    r = post(patient.url, patient.admin, {**ASK, "stream": stream}, x_cascade_deadline="0.5")
+    assert time.monotonic() - t0 < 2.5
+    status, kind, err = well_formed(r, stream)
+    assert kind == "error" and err["code"] == "deadline_exceeded", (status, err)
+    assert status == (200 if stream and stage == "mid_stream" else 504)
+    assert 0 < float(fake.headers[-1]["x-cascade-deadline"]) <= 0.5
