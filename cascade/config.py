@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import tomllib
 import types
 import typing
@@ -54,8 +55,13 @@ def load_config(
     for section, table in values.items():
         if section not in sections or not isinstance(table, dict):
             raise ConfigError(f"unknown config section [{section}] in {path}")
-    _merge(values, _from_environ(sections, deployable, os.environ if environ is None else environ))
+    from_env = _from_environ(sections, deployable, os.environ if environ is None else environ)
+    _merge(values, from_env)
     _merge(values, overrides or {})
+    # where a value that is still in force came from, for the error that refuses it
+    flagged = {(s, k) for s, t in (overrides or {}).items() for k, v in t.items() if v is not None}
+    env_names = {(s, k): f"{env_prefix(deployable)}{s}_{k}".upper()
+                 for s, t in from_env.items() for k in t if (s, k) not in flagged}
     kwargs = {}
     for section, section_cls in sections.items():
         fields = {f.name: f for f in dataclasses.fields(section_cls)}
@@ -64,12 +70,28 @@ def load_config(
         if unknown:
             raise ConfigError(f"unknown key(s) in [{section}]: {', '.join(sorted(unknown))}")
         hints = typing.get_type_hints(section_cls)
-        coerced = {k: _coerce(v, hints[k], f"{section}.{k}") for k, v in given.items()}
+        coerced = {k: _coerce(v, hints[k], _where(section, k, env_names)) for k, v in given.items()}
         try:
             kwargs[section] = section_cls(**coerced)
         except (TypeError, ValueError) as e:
+            # a section's check names its key in words: then name the variable that set that key, if one did
+            named = [(k, name) for (s, k), name in env_names.items()
+                     if s == section and re.search(rf"\b{re.escape(k)}\b", str(e))]
+            if named:
+                key, name = named[0]
+                raise ConfigError(f"{name}={given[key]}: [{section}] {e}") from e
             raise ConfigError(f"[{section}]: {e}") from e
     return cls(**kwargs)
+
+
+def env_prefix(deployable: str) -> str:
+    return f"CASCADE_{deployable.upper()}_"
+
+
+def _where(section: str, key: str, env_names: dict[tuple[str, str], str]) -> str:
+    """How an error names a value: its environment variable when one set it."""
+    name = env_names.get((section, key))
+    return f"{name} ({section}.{key})" if name else f"{section}.{key}"
 
 
 def _section_types(cls: type) -> dict[str, type]:
@@ -78,7 +100,7 @@ def _section_types(cls: type) -> dict[str, type]:
 
 
 def _from_environ(sections: dict[str, type], deployable: str, environ) -> dict[str, dict[str, Any]]:
-    prefix = f"CASCADE_{deployable.upper()}_"
+    prefix = env_prefix(deployable)
     out: dict[str, dict[str, Any]] = {}
     for name, raw in environ.items():
         if not name.startswith(prefix):

@@ -22,8 +22,9 @@ def _queue(args):
 
     try:
         config = EdgeConfig.load(args.config or default_config_path())
-    except ConfigError as e:
-        raise SystemExit(f"cascade: {e}") from e
+    except ConfigError as e:  # a bad config is exit 2, as for the agent
+        print(f"cascade: {e}", file=sys.stderr)
+        raise SystemExit(2) from e
     if args.db:
         config.sync.path = args.db
     path = queue_path(config.sync)

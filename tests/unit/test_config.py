@@ -35,13 +35,23 @@ def test_environment_values_are_typed():
 
 
 @pytest.mark.parametrize("env, match", [
-    ({"CASCADE_EDGE_SERVER_PORT": "eighty"}, "server.port"),
-    ({"CASCADE_EDGE_MODEL_PARALLEL": "0"}, "parallel"),
-    ({"CASCADE_EDGE_SERVER_PORT": "70000"}, "port"),
+    ({"CASCADE_EDGE_SERVER_PORT": "eighty"}, r"^CASCADE_EDGE_SERVER_PORT \(server.port\): expected int"),
+    ({"CASCADE_EDGE_MODEL_PARALLEL": "0"}, r"^CASCADE_EDGE_MODEL_PARALLEL=0: \[model\] parallel"),
+    ({"CASCADE_EDGE_SERVER_PORT": "70000"}, r"^CASCADE_EDGE_SERVER_PORT=70000: \[server\] port"),
 ])
-def test_bad_values_are_refused_with_the_key_named(env, match):
+def test_bad_values_from_the_environment_are_refused_naming_the_variable(env, match):
+    """Issue 37 item 17: the variable is named, not only the key it sets."""
     with pytest.raises(ConfigError, match=match):
         EdgeConfig.load(environ=env)
+
+
+def test_a_bad_value_a_flag_replaced_or_a_file_gave_names_no_variable(tmp_path):
+    f = tmp_path / "edge.toml"
+    f.write_text("[model]\nparallel = 0\n")
+    with pytest.raises(ConfigError, match=r"^\[model\]: parallel"):
+        EdgeConfig.load(f, environ={})
+    with pytest.raises(ConfigError, match=r"^\[server\]: port"):
+        EdgeConfig.load(overrides={"server": {"port": 70000}}, environ={"CASCADE_EDGE_SERVER_PORT": "1"})
 
 
 def test_unknown_section_or_key_in_file_is_an_error(tmp_path):
