@@ -18,6 +18,36 @@ from cascade.eval.calibration import Sample, SignalResult
 from cascade.eval.scoring import Task
 from cascade.eval.tasks import generate
 from cascade.policy.backpressure import parse_retry_after
+from cascade.wire import WireError, loads
+
+MAX_ANSWER_BYTES = 8 << 20  # an answer of either tier, decoded strictly
+
+
+class Unreachable(RuntimeError):
+    """A tier calibration needs did not answer: the message says which, at what URL, and how to start it."""
+
+
+def _v1(url: str) -> str:
+    return url.rstrip("/").removesuffix("/v1") + "/v1"
+
+
+def served_model(url: str, headers: dict, what: str, start: str) -> str:
+    """The first model ``GET /v1/models`` at ``url`` lists; Unreachable naming ``what`` and how to
+    ``start`` it when nothing (or not an OpenAI server) answers there."""
+    models = f"{_v1(url)}/models"
+    try:
+        r = httpx.get(models, timeout=10, headers=headers)
+    except httpx.HTTPError as e:
+        raise Unreachable(f"cannot reach {what} at {models} ({type(e).__name__}: {e}); {start}") from e
+    if r.status_code in (401, 403):
+        raise Unreachable(f"{what} at {models} refused the key (HTTP {r.status_code}): pass --api-key or set "
+                          "[upstream] api_key")
+    if not r.is_success:
+        raise Unreachable(f"{what} at {models} answered HTTP {r.status_code}: {r.text[:200]}")
+    try:
+        return loads(r.content, limit=MAX_ANSWER_BYTES)["data"][0]["id"]
+    except (WireError, KeyError, IndexError, TypeError) as e:
+        raise Unreachable(f"{what} at {models} did not answer an OpenAI model list ({e!r}); is that its URL?") from e
 
 
 def load_prompts(source: str, n: int, seed: int) -> list[Task]:
@@ -47,13 +77,12 @@ async def _ask(client: httpx.AsyncClient, url: str, headers: dict, prompt: str, 
             "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
             **(extra or {})}
     for attempt in range(5):
-        r = await client.post(f"{url.rstrip('/').removesuffix('/v1')}/v1/chat/completions", json=body,
-                              headers=headers)
+        r = await client.post(f"{_v1(url)}/chat/completions", json=body, headers=headers)
         if r.status_code == 429 and attempt < 4:
             await asyncio.sleep(parse_retry_after(r.headers.get("retry-after"), limit_s=60.0) or 1.0)
             continue
         r.raise_for_status()
-        return r.json()
+        return loads(r.content, limit=MAX_ANSWER_BYTES)
     raise RuntimeError("unreachable")
 
 
@@ -124,11 +153,17 @@ def run(args) -> int:
         return 2
     key = args.api_key if args.api_key is not None else edge_cfg.upstream.api_key
     try:
-        edge_model = args.edge_model or httpx.get(f"{args.edge.rstrip('/')}/v1/models",
-                                                  timeout=10).json()["data"][0]["id"]
-        cloud_model = args.cloud_model or edge_cfg.upstream.model or httpx.get(
-            f"{cloud_url.rstrip('/').removesuffix('/v1')}/v1/models", timeout=10,
-            headers={"authorization": f"Bearer {key}"} if key else {}).json()["data"][0]["id"]
+        # both tiers are asked first, so that one not running is named with how to start it
+        edge_model = served_model(args.edge, {}, "the edge agent",
+                                  "start it with `cascade edge run` (or pass --edge URL)")
+        edge_model = args.edge_model or edge_model
+        cloud_model = served_model(cloud_url, {"authorization": f"Bearer {key}"} if key else {}, "the cloud tier",
+                                   "start it with `cascade cloud serve` (or pass --cloud URL, or set [upstream] url)")
+        cloud_model = args.cloud_model or edge_cfg.upstream.model or cloud_model
+    except Unreachable as e:
+        print(f"cascade: {e}", file=sys.stderr)
+        return 1
+    try:
         tasks = load_prompts(args.prompts, args.num_prompts, args.seed)
         done = [0]
 
@@ -138,8 +173,15 @@ def run(args) -> int:
                 print(f"  {done[0]}/{len(tasks)} prompts answered by both tiers", file=sys.stderr)
         samples = asyncio.run(collect(tasks, args.edge, edge_model, cloud_url, cloud_model, key,
                                           args.max_tokens, args.concurrency, tick))
-    except (httpx.HTTPError, OSError, KeyError, ValueError) as e:
-        print(f"cascade: calibration failed: {e}", file=sys.stderr)
+    except httpx.HTTPError as e:
+        try:
+            where = e.request.url
+        except RuntimeError:  # an error httpx raised before it had a request
+            where = "?"
+        print(f"cascade: calibration failed at {where}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except (OSError, KeyError, IndexError, TypeError, ValueError) as e:
+        print(f"cascade: calibration failed: {e!r}", file=sys.stderr)
         return 1
     calib, held = cal.split(samples, args.holdout, args.seed)
     results, info = cal.evaluate(calib, held, args.target_escalation)

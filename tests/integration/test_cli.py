@@ -62,6 +62,16 @@ def test_edge_queue_reads_the_agents_default_config_in_cascade_home(tmp_path):
     assert listed.returncode == 0 and item in listed.stdout, listed.stderr
 
 
+def test_calibrate_with_nothing_running_says_what_it_tried_and_how_to_start_it(tmp_path):
+    """Issue 37 item 17: not only "Connection refused"."""
+    from cascade.processes import free_port
+
+    edge = f"http://127.0.0.1:{free_port()}"
+    r = cascade("calibrate", "--edge", edge, "--cloud", f"http://127.0.0.1:{free_port()}", "-n", "2", home=tmp_path)
+    assert r.returncode == 1 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert f"{edge}/v1/models" in r.stderr and "the edge agent" in r.stderr and "cascade edge run" in r.stderr
+
+
 def test_edge_queue_shows_the_backlog_and_retries_and_drops(tmp_path):
     from sync.queue import Kind, NewItem, OfflineQueue
 
