@@ -2,7 +2,7 @@
 -> result cache (on the prompt's token ids) -> quotas -> KV admission -> routing and the decode worker's event stream
 (``worker_client``), relayed as OpenAI SSE or JSON. Whatever happens, a request's commitments
 (KV ticket, quota charge, idempotency claim) are settled exactly once when its event stream
-closes (``streams.Recorder``)."""
+closes (``streams.Recorder``, ``settlement``)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator
 import httpx
 
 from cascade import errors
-from cascade.generation import Finish
 from cloud_tier.config import GatewayConfig, parse_class_slos
 from cloud_tier.gateway import openai_results
 from cloud_tier.gateway.admission import Admission
@@ -30,8 +29,9 @@ from cloud_tier.gateway.openai_route import ForeignRouting, choose
 from cloud_tier.gateway.placement import PrefixIndex, RouterConfig, text_block_hashes
 from cloud_tier.gateway.quotas import Limits
 from cloud_tier.gateway.result_cache import ResultCache, cache_key
+from cloud_tier.gateway.settlement import Settlement, outcome_of, tokens_used  # noqa: F401 (tokens_used: re-exported)
 from cloud_tier.gateway.stores import Stores
-from cloud_tier.gateway.streams import Flight, Recorder, RunToEnd, estimated_usage, observe_chunk
+from cloud_tier.gateway.streams import Flight, Recorder, RunToEnd, observe_chunk
 from cloud_tier.gateway.worker_client import WorkerClient
 from cloud_tier.gateway.worker_pool import WorkerPool
 from cloud_tier.gateway.worker_usage import UsageBounds, foreign_bounds
@@ -45,13 +45,6 @@ def request_hash(endpoint: str, body: dict) -> str:
     core = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
     return hashlib.sha256(json.dumps([endpoint, core], sort_keys=True, separators=(",", ":"),
                                      default=str).encode()).hexdigest()
-
-
-def outcome_of(error: BaseException) -> str:
-    """The outcome label of a request that failed with ``error`` (not one its client left)."""
-    if isinstance(error, errors.APIError):
-        return f"429_{error.code or ''}" if error.status == 429 else f"{error.status // 100}xx"
-    return "5xx"
 
 
 def request_priority(key: ApiKey, requested: object) -> int:
@@ -71,17 +64,6 @@ def request_priority(key: ApiKey, requested: object) -> int:
     return requested
 
 
-def tokens_used(f: Flight) -> int:
-    """What a served flight is charged: all it used when it finished, or when its client left
-    (the prompt and the tokens generated until then); only the tokens it received when the cloud
-    failed it."""
-    if f.finish is not None:
-        return f.finish.prompt_tokens + f.finish.completion_tokens
-    if f.error is not None:
-        return f.generated_tokens
-    return f.prompt_tokens + f.generated_tokens
-
-
 class GatewayService:
     def __init__(self, config: GatewayConfig, pool: WorkerPool, stores: Stores, builder: RequestBuilder,
                  model_id: str, aliases: set[str], client: httpx.AsyncClient,
@@ -95,6 +77,7 @@ class GatewayService:
         self.model_names = {model_id, *aliases}
         self.max_model_len = builder.max_model_len if builder is not None else None
         self.metrics = GatewayMetrics(config.metrics_tenant_labels)
+        self.settlement = Settlement(self)
         self.quotas = stores.quotas
         self.cache = stores.cache
         # (tenant, endpoint, a body's digest) -> its result cache key: the prompt's token ids need the
@@ -155,12 +138,12 @@ class GatewayService:
             check_slo_floors(req.model_extra or {}, *self.keys.tenant_limits(key.tenant).slo_floors(
                 self.config.min_ttft_slo_s, self.config.min_tpot_slo_s))
         except errors.APIError as e:
-            self._count(flight, outcome_of(e))
+            self.settlement.count_flight(flight, outcome_of(e))
             raise
         if idem_key:
             stored = await self._claim(flight, body)
             if stored is not None:
-                self._count(flight, "replay")
+                self.settlement.count_flight(flight, "replay")
                 return stored, {"X-Cascade-Idempotent-Replay": "true", "X-Cascade-Cache": "miss"}
         if self.pool.foreign:
             return await self._begin_foreign(flight, endpoint, body, req, request_id or uuid.uuid4().hex)
@@ -181,8 +164,8 @@ class GatewayService:
             self.metrics.cache_lookup(hit is not None)
             if hit is not None:
                 self._check_quota(flight, 0)
-                self._end_claim(flight, hit)
-                self._count(flight, "cache_hit")
+                self.settlement.end_claim(flight, hit)
+                self.settlement.count_flight(flight, "cache_hit")
                 return hit, {"X-Cascade-Cache": "hit"}
             if plan is None:  # seen before, but its answer is no longer cached
                 plan = self._plan(endpoint, req, priority)
@@ -193,9 +176,9 @@ class GatewayService:
             need = math.ceil(plan.max_total_tokens / self.pool.block_size)
             flight.ticket = await self.workers.admit(flight, plan, need)
         except BaseException as e:
-            self._settle_early(flight, e)
+            self.settlement.settle_early(flight, e)
             raise
-        events = Recorder(self.workers.generate(flight, plan, need), flight, self._settle)
+        events = Recorder(self.workers.generate(flight, plan, need), flight, self.settlement.settle)
         return (RunToEnd(events) if idem_key else events), {"X-Cascade-Cache": "miss"}
 
     def _plan(self, endpoint: str, req, priority: int):
@@ -221,8 +204,8 @@ class GatewayService:
             self.metrics.cache.labels("hit" if hit else "miss").inc()
             if hit is not None:
                 self._check_quota(flight, 0)
-                self._end_claim(flight, hit)
-                self._count(flight, "cache_hit")
+                self.settlement.end_claim(flight, hit)
+                self.settlement.count_flight(flight, "cache_hit")
                 return hit, {**headers, "X-Cascade-Cache": "hit"}
             self._check_quota(flight, predicted)
             flight.predicted_tokens = predicted
@@ -239,7 +222,7 @@ class GatewayService:
             flight.ticket, hit_blocks = choose(self.pool.by_role(*roles), self.text_index, hashes, priority,
                                                self.routing, need)
         except BaseException as e:
-            self._settle_early(flight, e)
+            self.settlement.settle_early(flight, e)
             raise
 
         def on_ticket(ticket) -> None:
@@ -250,7 +233,7 @@ class GatewayService:
         attempt = Attempt(path, body, bool(body.get("stream")), request_id, len(text), len(hashes),
                           flight.priority_class, deadline_of(flight, body))
         events = Recorder(self.proxy.run(attempt, flight.ticket, hit_blocks, rechoose, on_ticket), flight,
-                          self._settle, observe_chunk)
+                          self.settlement.settle, observe_chunk)
         return (RunToEnd(events) if flight.idem_key else events), headers
 
     async def _claim(self, flight: Flight, body: dict) -> dict | None:
@@ -297,100 +280,8 @@ class GatewayService:
             f"The {d.scope}'s {'requests per second' if d.reason == 'rps' else 'tokens per minute'} quota "
             "is used up.", d.retry_after_s, f"quota_{d.reason}")
 
-    # -- settling --------------------------------------------------------------------------
-
-    def _settle(self, f: Flight) -> None:
-        """The end of a served flight: free its KV commitment, true up its token charge, keep
-        its result (cache, idempotency), count it. Every step is taken whatever another one
-        raised: the claim is completed or released and the request counted on every path."""
-        if f.finish is None and f.ended and f.openai:  # a worker that sent no usage: our estimate
-            f.finish = Finish("stop", *estimated_usage(f))
-        fin, stored = (f.finish if f.error is None else None), None  # a stream that failed after its usage failed
-        if fin is None:
-            outcome = outcome_of(f.error) if f.error is not None else "499"  # no error: the client left
-        else:
-            outcome, stored = "ok", {"events": f.events, **({"openai": f.openai} if f.openai else {})}
-        try:
-            _each(lambda: f.ticket is not None and self.admission.release(f.ticket),
-                  lambda: self._charge(f),
-                  lambda: f.usage_problem and self.metrics.worker_usage_refused.labels(f.usage_problem).inc(),
-                  lambda: fin is not None and self._keep(f, fin, stored))
-        finally:
-            self._end_claim(f, stored)
-            self._count(f, outcome)
-
-    def _charge(self, f: Flight) -> None:
-        used = tokens_used(f)
-        completion = f.finish.completion_tokens if f.finish is not None else f.generated_tokens
-        try:
-            self.quotas.reconcile(f.tenant, f.key.key_id, f.predicted_tokens, used)
-        finally:
-            self.budgets.charge(f.key, f.model or self.model_id, used - completion, completion)
-
-    def _keep(self, f: Flight, fin: Finish, stored: dict) -> None:
-        """A finished flight's result into the cache, its tokens and times into the metrics."""
-        try:
-            if f.cache_key and not fin.truncated:  # an answer cut at its deadline is not the answer to keep
-                self.cache.put(f.cache_key, stored, sum(len(json.dumps(e)) for e in f.events), owner=f.tenant)
-        finally:
-            m, t = self.metrics, f.tenant
-            m.of(m.tokens_in, t).inc(fin.prompt_tokens)
-            m.of(m.tokens_out, t).inc(fin.completion_tokens)
-            ttft = (f.first_token_at or time.perf_counter()) - f.arrived
-            tpot = ((f.last_token_at - f.first_token_at) / (fin.completion_tokens - 1)
-                    if fin.completion_tokens > 1 and f.first_token_at else 0.0)
-            m.of(m.ttft, t).observe(ttft)
-            m.of(m.tpot, t).observe(tpot)
-            if ttft <= self.config.ttft_slo_s and tpot <= self.config.tpot_slo_s:
-                m.of(m.goodput, t).inc()
-
-    def _settle_early(self, f: Flight, error: BaseException) -> None:
-        """Not served (an APIError before streaming, or cancelled): undo what was taken."""
-        f.settled = True
-        try:
-            _each(lambda: f.ticket is not None and self.admission.release(f.ticket),
-                  lambda: f.predicted_tokens and self.quotas.reconcile(f.tenant, f.key.key_id, f.predicted_tokens, 0))
-        finally:
-            self._end_claim(f)
-            self._count(f, "499" if isinstance(error, asyncio.CancelledError) else outcome_of(error))
-
-    def _end_claim(self, f: Flight, result: dict | None = None) -> None:
-        """Stop renewing the flight's Idempotency-Key claim, then store its result, or free the key
-        when there is none or it cannot be stored (a no-op for a claim another request has taken
-        over meanwhile): a retry with the key gets the result or runs again, never waits on it."""
-        if f.heartbeat is not None:
-            f.heartbeat.cancel()
-            f.heartbeat = None
-        if f.idem_owner is None:
-            return
-        owner, f.idem_owner = f.idem_owner, None
-        if result is not None:
-            try:
-                self.idempotency.complete(f.tenant, f.idem_key, result, owner=owner)
-                return
-            except Exception:
-                log.exception("the result of idempotency key %r (tenant %s) was not stored; the key is freed",
-                              f.idem_key, f.tenant)
-        try:
-            self.idempotency.release(f.tenant, f.idem_key, owner=owner)
-        except Exception:  # the claim's lease ends it then
-            log.exception("idempotency key %r (tenant %s) was not released", f.idem_key, f.tenant)
-
-    def _count(self, f: Flight, outcome: str) -> None:
-        self.count(f.tenant, f.endpoint, outcome, f.priority_class)
-
     def count(self, tenant: str, endpoint: str, outcome: str, priority_class: str = "interactive") -> None:
-        self.metrics.of(self.metrics.requests, tenant, endpoint, outcome).inc()
-        self.metrics.of_class(priority_class, outcome).inc()
-
-
-def _each(*steps) -> None:
-    """Run every step, whatever the others raise (each failure logged)."""
-    for step in steps:
-        try:
-            step()
-        except Exception:
-            log.exception("a settlement step failed")
+        self.settlement.count(tenant, endpoint, outcome, priority_class)
 
 
 def deadline_of(f: Flight, body: dict) -> float | None:
