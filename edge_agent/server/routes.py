@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import cascade
+from cascade import errors
 from cascade.openai_format import ChatFormatter, CompletionFormatter
 from cascade.protocol import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList
 from cascade.web import openai_response, openapi, parse_body, read_json, require_api_key
@@ -89,11 +90,30 @@ async def completions(request: Request):
                         lambda req: req.prompt if isinstance(req.prompt, str) else "")
 
 
+def refuse_unserved(req) -> None:
+    """400 naming the first OpenAI parameter the agent would otherwise ignore silently: tools and
+    structured output are not served yet (a local answer would not keep to them, whatever tier
+    the cascade picks)."""
+    extra = req.model_extra or {}
+    for name in ("tools", "functions"):
+        if extra.get(name):
+            raise errors.bad_request(f"The edge agent does not serve `{name}` yet; send the request without it.",
+                                     name, "unsupported_parameter")
+    for name in ("tool_choice", "function_call"):
+        if extra.get(name) not in (None, "none"):
+            raise errors.bad_request(f"The edge agent does not serve `{name}` yet; send the request without it.",
+                                     name, "unsupported_parameter")
+    if extra.get("response_format") not in (None, {"type": "text"}):
+        raise errors.bad_request("The edge agent serves only `response_format` {\"type\": \"text\"} for now; "
+                                 "send the request without it.", "response_format", "unsupported_parameter")
+
+
 async def _serve(request: Request, endpoint: str, schema, formatter, make_job, prompt_text):
     """Parse, route (edge, cloud or queue) and answer one OpenAI request."""
     svc = service(request)
     body = await read_json(request, request.app.state.config.server.max_body_bytes)
     req = parse_body(schema, body)
+    refuse_unserved(req)
     svc.check_model(req.model)
     routed = await escalator(request).route(req, endpoint, body, lambda: make_job(svc, req), prompt_text(req),
                                             _session(request, req), request.headers.get("idempotency-key"))
