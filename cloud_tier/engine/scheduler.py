@@ -174,7 +174,8 @@ class Scheduler:
         self.num_expired = 0
         # this step's allowances (_plan_prefill): prefill tokens, the long lane's part, the tightest TPOT
         self._token_room = self._long_room = config.max_num_batched_tokens
-        self._floor, self._decodes, self._prefill_s = math.inf, 0, 0.0
+        self._caps: dict[str, float] = {}  # by tenant: the tightest TPOT target of its running requests
+        self._decodes, self._prefill_s = 0, 0.0
         self.swap = SwapSpace()  # the engine gives it a mode, a budget and its costs
 
     # -- requests in and out -------------------------------------------------------------
@@ -251,10 +252,6 @@ class Scheduler:
             request.due = max(r.due for r in blocking)
             passed = [r for r in passed if r.sort_key() > request.sort_key()]
         return passed, delay
-
-    def _tpot_floor(self) -> float:
-        """The tightest TPOT target among the running requests (inf: none has one)."""
-        return min((t for r in self.running if (t := self.tpot_target(r)) is not None), default=math.inf)
 
     def _step_cap(self, request: Request) -> float:
         """The longest a step may take with ``request`` running, as far as its admission goes: the
@@ -375,24 +372,28 @@ class Scheduler:
     def _plan_prefill(self) -> None:
         """This step's prefill allowance: the token budget and, under a TPOT target among the running
         (``_prefill_room``), the time the decodes leave; the long prompts' part of it while a short one waits."""
-        self._floor = self._tpot_floor()  # kept up to date as this step admits requests
+        self._caps = {}  # kept up to date as this step admits requests
+        for r in self.running:
+            if (t := self.tpot_target(r)) is not None:
+                self._caps[r.tenant] = min(self._caps.get(r.tenant, math.inf), t)
         self._token_room = self.config.max_num_batched_tokens
         self._decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         self._prefill_s = 0.0  # the prefill chunks taken so far this step, in the cost model's seconds
-        room = self._prefill_room
+        room = self._token_room
         short_waiting = any(self._is_short(r) for r in self.waiting)
         self._long_room = int(room * (1 - self.config.short_lane_share)) if short_waiting else room
 
-    @property
-    def _prefill_room(self) -> int:
-        """Prefill tokens the step can still take: within the token budget and, under a TPOT target,
+    def _prefill_room(self, request: Request) -> int:
+        """Prefill tokens the step can still take for ``request``: within the token budget and, under
+        its own or its tenant's running TPOT targets (another tenant's never cut its prefill),
         within the time the decodes and the chunks taken so far leave, each chunk charged its own
         cost as well (many short prompts cost more than one long one of their length); the first
         chunk at least ``min_prefill_chunk`` tokens, so prompts progress."""
         room = self._token_room
-        if self._floor < math.inf:
+        cap = self.tpot.binding_cap(request.tenant, self.tpot_target(request), self._caps.items())
+        if cap < math.inf:
             c = self.cost
-            left = self._floor - c.base_s - c.per_decode_s * self._decodes - self._prefill_s - c.per_prefill_seq_s
+            left = cap - c.base_s - c.per_decode_s * self._decodes - self._prefill_s - c.per_prefill_seq_s
             timed = int(left / max(c.per_prefill_token_s, 1e-9)) if left > 0 else 0
             if self._prefill_s == 0:
                 timed = max(self.config.min_prefill_chunk, timed)
@@ -411,7 +412,8 @@ class Scheduler:
         if self.config.long_prefill_token_threshold:
             n = min(n, self.config.long_prefill_token_threshold)
         if self.config.enable_chunked_prefill:  # without chunks a prompt goes whole: no allowance to cut it to
-            n = min(n, self._prefill_room if self._is_short(request) else min(self._prefill_room, self._long_room))
+            room = self._prefill_room(request)
+            n = min(n, room if self._is_short(request) else min(room, self._long_room))
         return max(0, min(n, budget))
 
     def _took_prefill(self, request: Request, n: int) -> None:
@@ -525,8 +527,11 @@ class Scheduler:
                 break
             n = self._chunk(req, budget, num_hit)
             if n <= 0:
-                if self._is_short(req) or self._prefill_room <= 0:
+                if self._token_room <= 0:
                     break  # no prefill allowance left this step
+                if self._is_short(req) or self._prefill_room(req) <= 0:
+                    i += 1  # none for its tenant's TPOT targets: another tenant's may still go
+                    continue
                 long_spent = True  # the long lane is spent: short prompts behind it still go
                 i += 1
                 continue
@@ -547,7 +552,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             if (t := self.tpot_target(req)) is not None:
-                self._floor = min(self._floor, t)
+                self._caps[req.tenant] = min(self._caps.get(req.tenant, math.inf), t)
             out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_ids(req.request_id)))
             self._took_prefill(req, n)
             budget -= n

@@ -59,13 +59,15 @@ def test_a_request_its_own_target_keeps_out_does_not_block_the_queue_behind_it()
     assert "later" in plan and "tight" not in plan  # ... and what comes after it still starts
 
 
-def test_a_tight_target_takes_no_more_of_anothers_prefill_than_the_floor_allows():
+def test_a_tenants_tight_target_does_not_cut_anothers_prefill():
     s, _ = make(num_blocks=256, budget=512, max_seqs=32, min_prefill_chunk=16, tpot_min_batch=8)
     s.add_request(req(s, "a", 4, max_tokens=60, tpot_s=0.001, tenant="a"))
     step(s)
     s.add_request(req(s, "long", 200, max_tokens=4, start=300, tenant="b"))
+    s.add_request(req(s, "a-long", 200, max_tokens=4, start=600, tenant="a"))
     plan, _ = step(s)
-    assert plan["long"] == 70  # (0.09 floor - 0.01 base - 1 decode x 0.01) / 0.001, not min_prefill_chunk
+    assert plan["long"] == 200  # the whole prompt, not min_prefill_chunk tokens
+    assert "a-long" not in plan  # a's own prefill waits under a's target (the step is past it already)
 
 
 def test_the_policy_bounds_capacity_between_the_guaranteed_batch_and_max_num_seqs():
