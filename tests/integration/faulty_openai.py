@@ -154,8 +154,9 @@ class FaultyOpenAIWorker:
                     return StreamingResponse(_play(sse(*honest_chunks(chat), "[DONE]")),
                                              media_type="text/event-stream")
                 return JSONResponse(honest_body(chat))
+            passed = {k: v for k, v in request.headers.items() if k in ("x-request-id", "x-cascade-deadline")}
             req = client.build_request("POST", f"{self.target}{request.url.path}", content=body,
-                                       headers={"content-type": "application/json"})
+                                       headers={"content-type": "application/json", **passed})
             resp = await client.send(req, stream=True)
             if resp.status_code != 200 or "text/event-stream" not in resp.headers.get("content-type", ""):
                 content = await resp.aread()

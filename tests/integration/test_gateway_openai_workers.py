@@ -142,6 +142,24 @@ def test_a_stream_cut_mid_way_ends_with_an_error_event(pair, proxies):
     assert '"error"' in events[-2] and events[-1] == "data: [DONE]"
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_our_worker_behind_the_openai_path_keeps_x_cascade_deadline(pair, proxies, stream):
+    """Issue 37 item 7: the deadline reaches the worker (ours ends its answer there, finish
+    "length", a clean 200) instead of all 200 tokens (~12 s here)."""
+    c = client_of(pair, f"oa-deadline-{stream}")
+    t0 = time.monotonic()
+    ask = dict(model="smollm2-135m", messages=CHAT, max_tokens=200, temperature=0.5,
+               extra_body={"ignore_eos": True}, extra_headers={"X-Cascade-Deadline": "1"})
+    if stream:
+        chunks = list(c.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+        finish, used = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1], chunks[-1].usage
+    else:
+        r = c.chat.completions.create(**ask)
+        finish, used = r.choices[0].finish_reason, r.usage
+    assert time.monotonic() - t0 < 6 and finish == "length" and used.completion_tokens < 200
+    assert 0 < float([h for w in proxies for h in w.headers][-1]["x-cascade-deadline"]) <= 1
+
+
 def test_replays_and_cache_hits_come_back_in_the_shape_asked_for(pair):
     c = client_of(pair, "oa-replay")
     args = dict(model="smollm2-135m", messages=CHAT, max_tokens=8, temperature=0)

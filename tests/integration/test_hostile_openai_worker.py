@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import Server, create_key
 from tests.integration.faulty_openai import MODEL, FaultyOpenAIWorker, Mode, honest_body, honest_chunks, sse, usage
-from tests.integration.worker_checks import idem, new_key, post, samples, total, well_formed
+from tests.integration.worker_checks import new_key, post, run_harness, samples, total, well_formed
 
 STALL = 1.5  # the fake's stalls; the gateway below gives up after 0.5 s (first chunk) or 1 s (anything else)
 ASK = {"model": MODEL, "messages": [{"role": "user", "content": "Name two colours."}], "max_tokens": 8,
@@ -94,36 +94,9 @@ def gateway(tmp_path_factory, fake):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_whatever_the_worker_does_the_answer_is_well_formed_and_the_charge_bounded(gateway, fake, stream):
-    before = {k: total(gateway.url, f"cascade_gateway_{k}_tokens_total", tenant="owner")
-              for k in ("prompt", "completion")}
-    for case in CASES:
-        key = new_key(gateway.url, gateway.admin, tpm=1000)
-        fake.mode = script(case, stream)
-        ik = idem()
-        t0 = time.monotonic()
-        body = {**ASK, "temperature": 0.5, "stream": stream}  # not cached: every case reaches the worker
-        r = post(gateway.url, key, body, idempotency_key=ik)
-        status, kind, what = well_formed(r, stream)
-        assert time.monotonic() - t0 < STALL + 1.0, case  # a stall is cut by the gateway's own bounds
-        assert kind == ("error" if case in FAILS else "ok"), (case, status, what)
-        if kind == "error":
-            assert (status == 200) == (stream and case in MID_STREAM), (case, status, what)
-            assert status != 504 or case.startswith("stall"), (case, what)
-        fake.mode = Mode()
-        again = post(gateway.url, key, body, idempotency_key=ik, timeout=5)
-        assert again.status_code == 200, (case, again.text[:300])  # the stored result or a prompt new run
-        if case not in FAILS:
-            assert again.headers.get("x-cascade-idempotent-replay") == "true", case
-        ok = post(gateway.url, key, {**body, "temperature": 0.7})  # the key's bucket is not in debt
-        assert well_formed(ok, stream)[1] == "ok", (case, ok.status_code, ok.text[:300])
-    n = 3 * len(CASES)  # requests sent; each may use a prompt of ~300 tokens and 8 answer tokens at most
-    assert total(gateway.url, "cascade_gateway_completion_tokens_total", tenant="owner") - before["completion"] <= 8 * n
-    assert total(gateway.url, "cascade_gateway_prompt_tokens_total", tenant="owner") - before["prompt"] <= 400 * n
-    outcomes = samples(gateway.url, "cascade_gateway_requests_total", tenant="owner")
-    assert not any(dict(k)["outcome"] == "499" for k, v in outcomes.items() if v), outcomes
-    refused = {dict(k)["reason"] for k, v in samples(gateway.url, "cascade_gateway_worker_usage_refused_total").items()
-               if v}
-    assert refused == {"negative", "over_bound", "not_integer"}
+    # each request may use a prompt of ~300 tokens (its bytes and a template's) and 8 answer tokens at most
+    run_harness(gateway, fake, Mode, {**ASK, "stream": stream}, CASES, lambda case: script(case, stream),
+                FAILS, MID_STREAM if stream else set(), STALL, prompt_bound=400)
 
 
 def test_a_lying_worker_on_one_tenant_leaves_another_tenants_bucket_alone(gateway, fake):

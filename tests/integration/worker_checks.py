@@ -6,6 +6,7 @@ tests share (keys made through the admin API, the gateway's counters)."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 
 import httpx
@@ -87,3 +88,44 @@ def total(gateway_url: str, name: str, **labels: str) -> float:
 
 def idem() -> str:
     return uuid.uuid4().hex
+
+
+def run_harness(gateway, fake, honest_mode, ask: dict, cases: list[str], script, fails: set[str],
+                mid_stream: set[str], stall_s: float, prompt_bound: int) -> None:
+    """Every case in turn against ``fake`` (``script(case)``: its mode), each on a new key of the
+    admin's tenant ("owner") with a quota: the answer is well formed (an error exactly for the
+    ``fails``, in-band exactly for ``mid_stream``; a stall cut by the gateway's own bounds), a
+    retry with its Idempotency-Key is answered at once (the stored result, or a new run), and the
+    key's next honest request succeeds (its bucket is not in debt). Then: the tenant's counted
+    tokens are within ``prompt_bound`` and max_tokens a request, and none was counted a hang-up."""
+    stream = ask["stream"]
+    before = {k: total(gateway.url, f"cascade_gateway_{k}_tokens_total", tenant="owner")
+              for k in ("prompt", "completion")}
+    for case in cases:
+        key = new_key(gateway.url, gateway.admin, tpm=1000)
+        fake.mode = script(case)
+        ik = idem()
+        t0 = time.monotonic()
+        body = {**ask, "temperature": 0.5}  # not cached: every case reaches the worker
+        r = post(gateway.url, key, body, idempotency_key=ik)
+        status, kind, what = well_formed(r, stream)
+        assert time.monotonic() - t0 < stall_s + 1.0, case
+        assert kind == ("error" if case in fails else "ok"), (case, status, what)
+        if kind == "error":
+            assert (status == 200) == (case in mid_stream), (case, status, what)
+            assert status != 504 or case.startswith("stall"), (case, what)
+        fake.mode = honest_mode()
+        again = post(gateway.url, key, body, idempotency_key=ik, timeout=10)
+        assert again.status_code == 200, (case, again.text[:300])
+        if case not in fails:
+            assert again.headers.get("x-cascade-idempotent-replay") == "true", case
+        ok = post(gateway.url, key, {**body, "temperature": 0.7})
+        assert well_formed(ok, stream)[1] == "ok", (case, ok.status_code, ok.text[:300])
+    n = 3 * len(cases)
+    spent = {k: total(gateway.url, f"cascade_gateway_{k}_tokens_total", tenant="owner") - v for k, v in before.items()}
+    assert spent["completion"] <= ask["max_tokens"] * n and spent["prompt"] <= prompt_bound * n, spent
+    outcomes = samples(gateway.url, "cascade_gateway_requests_total", tenant="owner")
+    assert not any(dict(k)["outcome"] == "499" for k, v in outcomes.items() if v), outcomes
+    refused = {dict(k)["reason"] for k, v in samples(gateway.url, "cascade_gateway_worker_usage_refused_total").items()
+               if v}
+    assert refused == {"negative", "over_bound", "not_integer"}, refused
