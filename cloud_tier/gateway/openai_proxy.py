@@ -249,7 +249,7 @@ def _within(timeout_s: float | None, a: Attempt) -> float | None:
 
 def _json_body(content: bytes, limit: int) -> dict:
     obj = worker_stream.decode(content, limit, "an answer")
-    if not isinstance(obj, dict) or "choices" not in obj:
+    if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list):
         raise errors.APIError(502, "The cloud worker answered something that is not a completion.", "server_error",
                               code="worker_bad_response")
     return obj

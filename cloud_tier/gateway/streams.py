@@ -136,7 +136,11 @@ class Recorder:
         except Exception as e:
             f.error = e
             raise
-        return self._observe(f, ev)
+        try:
+            return self._observe(f, ev)
+        except Exception as e:  # what the worker sent made no sense: its failure, not the client's
+            f.error = e
+            raise
 
     async def aclose(self) -> None:
         try:

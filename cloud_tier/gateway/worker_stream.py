@@ -59,8 +59,8 @@ async def next_sse_chunk(stream: AsyncIterator[bytes], limit: int) -> dict | Non
         if data == b"[DONE]":
             return None
         chunk = decode(data, limit, "a chunk")
-        if not isinstance(chunk, dict):
-            raise _bad(f"The cloud worker's stream broke: a chunk that is not an object: {data[:100]!r}")
+        if not isinstance(chunk, dict) or not isinstance(chunk.get("choices", []), list):
+            raise _bad(f"The cloud worker's stream broke: a chunk that is not one: {data[:100]!r}")
         if "error" in chunk or chunk.get("object") == "error":
             err = chunk["error"] if "error" in chunk else chunk
             message = (err.get("message") if isinstance(err, dict) else None) or str(err)[:200]

@@ -47,6 +47,7 @@ def script(case: str, stream: bool) -> Mode:
         "nan_usage": dict(script=[*chunks[:-2], 'data: {"choices":[],"usage":{"prompt_tokens":NaN}}\n\n', chunks[-1]]
                           if stream else [body.replace('"prompt_tokens": 9', '"prompt_tokens": NaN')]),
         "in_band_error": dict(script=sse({"error": {"message": "boom", "type": "server_error"}}, "[DONE]")),
+        "choices_not_a_list": dict(script=sse({"choices": 5}, "[DONE]") if stream else ['{"choices": 5}']),
         "stall_before_headers": dict(stall_s=STALL, script=chunks if stream else [body]),
         "stall_after_headers": dict(script=[STALL, *chunks] if stream else [STALL, body]),
         "stall_mid_stream": dict(script=[chunks[0], STALL, *chunks[1:]] if stream else [body[:20], STALL, body[20:]]),
@@ -54,9 +55,9 @@ def script(case: str, stream: bool) -> Mode:
     }[case])
 
 
-CASES = [*LIES, "empty", "only_done", "giant_chunk", "malformed", "nan_usage", "in_band_error",
+CASES = [*LIES, "empty", "only_done", "giant_chunk", "malformed", "nan_usage", "in_band_error", "choices_not_a_list",
          "stall_before_headers", "stall_after_headers", "stall_mid_stream", "stall_before_done"]
-FAILS = {"empty", "only_done", "giant_chunk", "malformed", "nan_usage", "in_band_error",
+FAILS = {"empty", "only_done", "giant_chunk", "malformed", "nan_usage", "in_band_error", "choices_not_a_list",
          "stall_before_headers", "stall_after_headers", "stall_mid_stream", "stall_before_done"}
 MID_STREAM = {"malformed", "nan_usage", "stall_mid_stream", "stall_before_done"}  # streamed: after the first chunk
 
