@@ -144,3 +144,18 @@ def test_the_cache_keys_hold_the_tenant():
     from cloud_tier.gateway.openai_results import cache_key
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
     assert cache_key("p", "chat", body) != cache_key("q", "chat", body)
+
+
+def test_a_redis_bucket_never_owes_more_than_its_capacity(redis_url):
+    import uuid
+
+    from cloud_tier.gateway.quotas_redis import RedisQuotas
+
+    q = RedisQuotas(redis_url, prefix=f"test:{uuid.uuid4().hex[:8]}:")
+    try:
+        assert q.admit("p", "kp", Limits(), Limits(tpm=600), 10).allowed
+        q.reconcile("p", "kp", 10, 10**12)
+        refused = q.admit("p", "kp", Limits(), Limits(tpm=600), 10)
+        assert not refused.allowed and refused.retry_after_s <= 121
+    finally:
+        q.close()
