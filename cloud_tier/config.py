@@ -207,6 +207,10 @@ class GatewayConfig:
     # admission control on the decode pool's KV blocks
     kv_high_watermark: float = 0.9
     max_queue: int = 64  # requests waiting for KV room; beyond it, 429
+    # fair shares of that KV between tenants (cloud_tier/gateway/tenant_share.py): the room a tenant active in the
+    # last tenant_kv_window_s wanted (up to an equal share) is kept from the others; off: first come, first served
+    tenant_kv_fair: bool = True
+    tenant_kv_window_s: float = 10.0
     # routing (see cloud_tier/gateway/placement.py)
     route_alpha: float = 1.0
     route_beta: float = 1.0
@@ -281,6 +285,8 @@ class GatewayConfig:
         if not (self.workers or self.prefill_workers or self.k8s_discovery) and not (
                 self.both or (self.prefill and self.decode)):
             raise ValueError("start at least one prefill and one decode worker, or one 'both' worker")
+        if not 0 <= self.tenant_kv_window_s < math.inf:
+            raise ValueError(f"tenant_kv_window_s must be a number of seconds >= 0, got {self.tenant_kv_window_s}")
         if not 0 < self.kv_high_watermark <= 1:
             raise ValueError("kv_high_watermark must be in (0, 1]")
         if self.ttft_slo_s <= 0 or self.tpot_slo_s <= 0:
