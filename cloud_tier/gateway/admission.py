@@ -2,7 +2,9 @@
 predicted peak KV (prompt + max_tokens, in blocks) fits under a worker's high watermark after
 what is already committed there. Otherwise it waits in a bounded line, but only if the drain
 rate says it will fit before its time-to-first-token deadline; else 429 + Retry-After now,
-rather than being served late. A request that could never fit is a 400."""
+rather than being served late. A request that could never fit is a 400. Between tenants, an
+online request also passes the fair-share pass (``tenant_share``): it leaves free the room kept for
+the other active tenants."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from cascade import errors
-from cloud_tier.gateway.placement import choose_decode, fits_ever
+from cloud_tier.config import GatewayConfig
+from cloud_tier.gateway.placement import WorkerLoad, choose_decode, fits_ever, watermark_blocks
+from cloud_tier.gateway.tenant_share import TenantShares
 from cloud_tier.gateway.worker_pool import Worker, WorkerPool
 
 
@@ -28,18 +32,28 @@ class Ticket:
     epoch: int = -1  # the worker's scrape it was sent after (foreign workers: its count lags until the next)
     probe: bool = False  # it is the half-open breaker's one probe
     batch: bool = False  # for a batch-class request: online requests may take its blocks (the engine preempts it)
+    tenant: str = ""  # whose fair share of KV it counts in (online requests)
 
 
 class Admission:
     def __init__(self, pool: WorkerPool, high_watermark: float = 0.9, max_queue: int = 64,
-                 rng: random.Random | None = None, window_s: float = 30.0):
+                 rng: random.Random | None = None, window_s: float = 30.0, shares: TenantShares | None = None):
+        """``shares``: the tenants' fair shares of KV (None: first come, first served between tenants)."""
         self.pool = pool
+        self.shares = shares
         self.high_watermark = high_watermark
         self.max_queue = max_queue
         self.rng = rng or random.Random(0)
         self.window_s = window_s
         self.waiting = 0
         self._released: deque[tuple[float, int]] = deque()  # (when, blocks) for the drain rate
+
+    @classmethod
+    def of(cls, pool: WorkerPool, config: GatewayConfig) -> Admission:
+        """The gateway's admission as ``config`` says (``[gateway] kv_high_watermark``, ``max_queue``,
+        ``tenant_kv_fair``, ``tenant_kv_window_s``)."""
+        shares = TenantShares(config.tenant_kv_window_s) if config.tenant_kv_fair else None
+        return cls(pool, config.kv_high_watermark, config.max_queue, shares=shares)
 
     def drain_rate(self) -> float:
         """KV blocks given back per second, over the last window."""
@@ -52,12 +66,13 @@ class Admission:
         return sum(b for _, b in self._released) / span
 
     async def admit(self, need_blocks: int, deadline_s: float, roles: tuple[str, ...],
-                    reason: str = "kv_capacity", batch: bool = False) -> Ticket:
+                    reason: str = "kv_capacity", batch: bool = False, tenant: str = "") -> Ticket:
         """A worker with room for ``need_blocks``, waiting at most ``deadline_s`` for one; else 429 +
         Retry-After with ``reason`` as its code ("slo" where the wait is the request's own TTFT target).
         ``batch``: a batch-class request; any other may count the blocks committed to those as free,
-        since our engines preempt batch requests for it (batch work runs in what online work leaves)."""
-        ticket = self._try(need_blocks, roles, batch)
+        since our engines preempt batch requests for it (batch work runs in what online work leaves).
+        ``tenant``: whose fair share an online request counts in."""
+        ticket = self._try(need_blocks, roles, batch, tenant)
         if ticket is not None:
             return ticket
         deficit = self._deficit(need_blocks, roles, batch)
@@ -69,15 +84,20 @@ class Admission:
             raise _busy("Not enough KV cache free to start this request within the time-to-first-token "
                         "objective.", estimate, reason)
         self.waiting += 1
+        fair = self.shares is not None and not batch
+        if fair:
+            self.shares.wait(tenant, need_blocks)
         try:
             end = time.monotonic() + deadline_s
             while time.monotonic() < end:
                 await asyncio.sleep(0.02)
-                ticket = self._try(need_blocks, roles, batch)
+                ticket = self._try(need_blocks, roles, batch, tenant)
                 if ticket is not None:
                     return ticket
         finally:
             self.waiting -= 1
+            if fair:
+                self.shares.unwait(tenant, need_blocks)
         rate = self.drain_rate()
         raise _busy("Not enough KV cache became free within the time-to-first-token objective.",
                     self._deficit(need_blocks, roles, batch) / rate if rate > 0 else deadline_s, reason)
@@ -90,6 +110,8 @@ class Admission:
         w.committed_blocks -= ticket.blocks
         if ticket.batch:
             w.batch_blocks -= ticket.blocks
+        elif self.shares is not None:
+            self.shares.gave_back(ticket.tenant, ticket.blocks)
         w.in_flight -= 1
         if ticket.probe and w.breaker is not None:
             w.breaker.abandon()  # ended without a success or failure (the client left): the next one probes
@@ -98,7 +120,7 @@ class Admission:
             w.blocks_since_scrape -= ticket.blocks
         self._released.append((time.monotonic(), ticket.blocks))
 
-    def _try(self, need: int, roles: tuple[str, ...], batch: bool = False) -> Ticket | None:
+    def _try(self, need: int, roles: tuple[str, ...], batch: bool = False, tenant: str = "") -> Ticket | None:
         workers = self.pool.by_role(*roles)
         if not workers:
             raise errors.APIError(503, "No healthy cloud worker is available.", "server_error",
@@ -108,6 +130,8 @@ class Admission:
             raise errors.bad_request(
                 f"This request may need {need} KV blocks (prompt + max_tokens), more than any worker "
                 "can hold; lower max_tokens.", "max_tokens", "kv_capacity_exceeded")
+        if not batch and not self._fair(tenant, need, loads):
+            return None
         choice = choose_decode(loads, need, self.high_watermark, self.rng)
         if choice is None:
             return None
@@ -115,8 +139,20 @@ class Admission:
         worker.committed_blocks += need
         if batch:
             worker.batch_blocks += need
+        elif self.shares is not None:
+            self.shares.took(tenant, need)
         worker.in_flight += 1
-        return Ticket(worker, need, batch=batch)
+        return Ticket(worker, need, batch=batch, tenant=tenant)
+
+    def _fair(self, tenant: str, need: int, loads: list[WorkerLoad]) -> bool:
+        """The fair-share pass: whether ``tenant`` may take ``need`` blocks of the pool's room under
+        the watermark, leaving what is kept for the other tenants (``TenantShares.allows``)."""
+        if self.shares is None:
+            return True
+        healthy = [w for w in loads if w.healthy]
+        pool = sum(watermark_blocks(w, self.high_watermark) for w in healthy)
+        free = sum(max(0, watermark_blocks(w, self.high_watermark) - w.kv_blocks_used) for w in healthy)
+        return self.shares.allows(tenant, need, free, pool)
 
     def _deficit(self, need: int, roles: tuple[str, ...], batch: bool = False) -> float:
         loads = [w.load(over_batch=not batch) for w in self.pool.by_role(*roles)]

@@ -99,13 +99,14 @@ def choose_prefill(workers: Sequence[WorkerLoad], hit_tokens: Mapping[str, int],
     return PrefillChoice(best.worker_id, hit_tokens.get(best.worker_id, 0), score(best), reason)
 
 
-def _watermark_blocks(w: WorkerLoad, high_watermark: float) -> int:
+def watermark_blocks(w: WorkerLoad, high_watermark: float) -> int:
+    """The blocks of ``w`` under the high watermark."""
     # floor with slack: 0.29 * 100 is 28.999999999999996 in floats, and blocks are whole
     return math.floor(high_watermark * w.kv_blocks_total + 1e-9)
 
 
 def _fits(w: WorkerLoad, need_blocks: int, high_watermark: float) -> bool:
-    return w.healthy and w.kv_blocks_used + need_blocks <= _watermark_blocks(w, high_watermark)
+    return w.healthy and w.kv_blocks_used + need_blocks <= watermark_blocks(w, high_watermark)
 
 
 def choose_decode(workers: Sequence[WorkerLoad], need_blocks: int, high_watermark: float,
@@ -121,7 +122,7 @@ def choose_decode(workers: Sequence[WorkerLoad], need_blocks: int, high_watermar
 
 def fits_ever(workers: Sequence[WorkerLoad], need_blocks: int, high_watermark: float) -> bool:
     """Whether any healthy worker could hold need_blocks when empty (else waiting is pointless)."""
-    return any(w.healthy and need_blocks <= _watermark_blocks(w, high_watermark) for w in workers)
+    return any(w.healthy and need_blocks <= watermark_blocks(w, high_watermark) for w in workers)
 
 
 class PrefixIndex:

@@ -84,7 +84,7 @@ class GatewayService:
         # tokenizer, by far the costliest step of a cache hit (a body's plan never changes)
         self.cache_keys = ResultCache(config.result_cache_entries, ttl_s=config.result_cache_ttl_s)
         self.budgets = stores.budgets
-        self.admission = Admission(pool, config.kv_high_watermark, config.max_queue)
+        self.admission = Admission.of(pool, config)
         self.router_config = RouterConfig(
             alpha=config.route_alpha, beta=config.route_beta, prefill_ms_per_token=config.prefill_ms_per_token,
             overload_percentile=config.overload_percentile, overload_min_tokens=config.overload_min_tokens,

@@ -68,7 +68,7 @@ class WorkerClient:
         wait_s, reason = ((self.ttft_slo_s, "kv_capacity") if target is None else
                           (max(0.0, target - (time.perf_counter() - flight.arrived)), "slo"))
         return await self.admission.admit(need, wait_s, ("decode", "both"), reason=reason,
-                                          batch=flight.priority_class == "batch")
+                                          batch=flight.priority_class == "batch", tenant=flight.tenant)
 
     def route(self, plan: Plan, worker: Worker) -> tuple[str | None, Worker | None, int]:
         """(prefill URL or None for local prefill, the prefill worker, prompt tokens it computes)."""
