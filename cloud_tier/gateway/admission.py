@@ -85,9 +85,9 @@ class Admission:
                         "objective.", estimate, reason)
         self.waiting += 1
         fair = self.shares is not None and not batch
-        if fair:
-            self.shares.wait(tenant, need_blocks)
         try:
+            if fair:
+                self.shares.wait(tenant, need_blocks)
             end = time.monotonic() + deadline_s
             while time.monotonic() < end:
                 await asyncio.sleep(0.02)
