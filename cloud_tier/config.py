@@ -255,10 +255,12 @@ class GatewayConfig:
     batch_backoff_s: float = 1.0
     batch_backoff_max_s: float = 60.0
     # stored files (uploads and batch outputs), per tenant: a cap on their bytes and their number (an upload
-    # past either is refused), and how long one is kept (0: until deleted; an upload's expires_after wins)
+    # past either is refused), and how long one is kept (0: until deleted; an upload's expires_after wins);
+    # a batch's stored lines count against the bytes until its files are written (a batch past it is a 403)
     batch_tenant_max_bytes: int = 1 << 30
     batch_tenant_max_files: int = 1000
     batch_file_ttl_s: int = 30 * 86400
+    batch_tenant_max_active: int = 16  # a tenant's batches not yet ended; one more is a 429
 
     @property
     def k8s_discovery(self) -> bool:
@@ -305,8 +307,10 @@ class GatewayConfig:
             raise ValueError("batch_online_busy must be >= 0 (0: no limit)")
         if not 0 < self.batch_kv_share <= 1:
             raise ValueError("batch_kv_share must be in (0, 1]")
-        if self.batch_max_refusals < 1 or self.batch_tenant_max_bytes < 1 or self.batch_tenant_max_files < 1:
-            raise ValueError("batch_max_refusals, batch_tenant_max_bytes and batch_tenant_max_files must be >= 1")
+        if min(self.batch_max_refusals, self.batch_tenant_max_bytes, self.batch_tenant_max_files,
+               self.batch_tenant_max_active) < 1:
+            raise ValueError("batch_max_refusals, batch_tenant_max_bytes, batch_tenant_max_files and "
+                             "batch_tenant_max_active must be >= 1")
         if not 0 < self.batch_backoff_s <= self.batch_backoff_max_s <= 86400:
             raise ValueError("batch_backoff_s must be > 0 and at most batch_backoff_max_s (at most 86400)")
         if self.batch_file_ttl_s < 0:
