@@ -4,15 +4,20 @@ gateway learns the worker's real usage; the usage chunk is dropped again for a c
 not ask for it) or its one JSON body. ``X-Request-Id`` goes to the worker and back.
 
 Failures: a worker that cannot be reached, answers 408, 429 or 5xx, or ends its stream with no
-chunk, is retried on another worker with backoff, but only before the first byte has been passed
-on; a stream whose first chunk does not come within ``first_token_timeout_s``, or an answer not
-whole within ``answer_timeout_s``, fails (504). A request's deadline (X-Cascade-Deadline, the
-body's ``timeout``) goes to the worker as ``X-Cascade-Deadline`` (ours ends the answer there) and
-is kept by the gateway too, ``DEADLINE_GRACE_S`` later: before the first byte a 504, after it the
-stream ends with an error event. A worker's answer is read bounded (``worker_stream``: an event
-up to ``max_event_bytes``, a body up to ``max_body_bytes``). Each failure counts on the
-worker's circuit breaker (and a connect error takes it out of the pool until its health check
-passes again), each success closes it.
+chunk, is retried on another worker with backoff (never on one that already failed this request:
+the same request there fails the same way), but only before the first byte has been passed on; a
+stream whose first chunk does not come within ``first_token_timeout_s``, or an answer not whole
+within ``answer_timeout_s``, fails (504). A request's deadline (X-Cascade-Deadline, the body's
+``timeout``) goes to the worker as ``X-Cascade-Deadline`` (ours ends the answer there) and is kept
+by the gateway too, ``DEADLINE_GRACE_S`` later: before the first byte a 504, after it the stream
+ends with an error event. A worker's answer is read bounded (``worker_stream``: an event up to
+``max_event_bytes``, a body up to ``max_body_bytes``) and its shape checked (``openai_shape``)
+before anything of it is relayed or stored: one that is not OpenAI-shaped is a 502. A request
+counts at most once on the worker's circuit breaker, and only for what says the worker itself is
+unwell (``worker_is_unwell``: no connection, a timeout, 502/503/504, an answer that is not
+OpenAI-shaped; a connect error also takes it out of the pool until its health check passes
+again), never for a 500 with an OpenAI error body or a 429, which one tenant's request can cause;
+a success closes it.
 
 vLLM prefill/decode pairs (NixlConnector): the prompt is prefilled on a prefill worker with
 ``max_tokens`` 1 and ``kv_transfer_params: {do_remote_decode: true}``, then decoded on a decode
@@ -35,6 +40,7 @@ import httpx
 from cascade import errors
 from cloud_tier.gateway import worker_stream
 from cloud_tier.gateway.admission import Ticket
+from cloud_tier.gateway.openai_shape import body_problem, chunk_problem, is_openai_error
 from cloud_tier.gateway.priority import with_vllm_priority
 from cloud_tier.gateway.worker_client import _error_of
 from cloud_tier.gateway.worker_pool import Worker, WorkerPool
@@ -114,16 +120,14 @@ class OpenAIProxy:
             except _Retryable as e:
                 if started or attempt == self.config.retries:
                     raise e.error from None
-                log.warning("worker %s: %s; retrying elsewhere (attempt %d)", worker.url, e.error.message, attempt + 1)
-                await asyncio.sleep(self.config.retry_backoff_s * (2 ** attempt) * (0.5 + self.rng.random()))
-                try:
+                try:  # never the worker that just failed it: the same request there fails the same way
                     ticket = rechoose(frozenset(tried))
                 except errors.APIError:
-                    try:
-                        ticket = rechoose(frozenset())  # only the ones tried are left: try again
-                    except errors.APIError:
-                        raise e.error from None
+                    raise e.error from None
                 on_ticket(ticket)
+                log.warning("worker %s: %s; retrying on %s (attempt %d)", worker.url, e.error.message,
+                            ticket.worker.url, attempt + 1)
+                await asyncio.sleep(self.config.retry_backoff_s * (2 ** attempt) * (0.5 + self.rng.random()))
                 hit_blocks = 0
 
     async def _send(self, w: Worker, a: Attempt, body: dict) -> AsyncIterator[dict]:
@@ -132,7 +136,17 @@ class OpenAIProxy:
             headers["x-cascade-deadline"] = f"{left:.3f}"
         request = self.client.build_request("POST", f"{w.url}{a.path}", content=json.dumps(body), headers=headers)
         cfg = self.config
+        chat = a.path.endswith("/chat/completions")
         resp = None
+        counted = False  # a request counts at most once on the worker's breaker
+
+        def failed(why: str, down: bool = False) -> None:
+            nonlocal counted
+            if not counted:
+                counted = True
+                self._failed(w, why, down)
+
+        yielded = False
         try:
             async with asyncio.timeout(_within(cfg.first_token_timeout_s if a.stream else cfg.answer_timeout_s, a)):
                 resp = await self.client.send(request, stream=True)  # headers, then the first chunk, in time
@@ -140,22 +154,25 @@ class OpenAIProxy:
                     content = await worker_stream.read_body(resp, cfg.max_body_bytes)
                     err = _error_of(content, resp.status_code, resp.headers)
                     if resp.status_code in _RETRY_STATUS or resp.status_code >= 500:
-                        if resp.status_code >= 500:
-                            self._failed(w, f"answered {resp.status_code}")
+                        if worker_is_unwell(resp.status_code, content):
+                            failed(f"answered {resp.status_code}")
                         raise _Retryable(err)
                     self._ok(w)
                     raise err
                 if not a.stream:
-                    first = _json_body(await worker_stream.read_body(resp, cfg.max_body_bytes), cfg.max_body_bytes)
-                    self._ok(w)
+                    first = worker_stream.decode(await worker_stream.read_body(resp, cfg.max_body_bytes),
+                                                 cfg.max_body_bytes, "an answer")
+                    if why := body_problem(first, chat):
+                        raise _bad_answer(f"The cloud worker answered something that is not a completion: {why}.",
+                                          "worker_bad_response")
                 else:
                     lines = worker_stream.lines(resp.aiter_bytes(), cfg.max_event_bytes)
                     first = await worker_stream.next_sse_chunk(lines, cfg.max_event_bytes)
                     if first is None:
-                        self._failed(w, "a stream with no chunk")
-                        raise _Retryable(errors.APIError(502, "The cloud worker's stream ended with no chunk.",
-                                                         "server_error", code="worker_empty_stream"))
-                    self._ok(w)
+                        raise _bad_answer("The cloud worker's stream ended with no chunk.", "worker_empty_stream")
+                    _check_chunk(first, chat)
+                self._ok(w)
+            yielded = True
             yield first
             if a.stream:
                 while True:
@@ -163,20 +180,29 @@ class OpenAIProxy:
                         item = await worker_stream.next_sse_chunk(lines, cfg.max_event_bytes)
                     if item is None:
                         break
+                    _check_chunk(item, chat)
                     yield item
+        except errors.APIError as e:
+            # the worker's 200 that is not an OpenAI answer: its own failure (retried elsewhere before
+            # the first byte); an OpenAI error event in its stream is the request's, as a 500 is
+            if resp is not None and resp.status_code == 200 and e.code in _UNWELL_CODES:
+                failed(e.message)
+                if not yielded:
+                    raise _Retryable(e) from None
+            raise
         except httpx.ConnectError as e:
-            self._failed(w, repr(e), down=True)
+            failed(repr(e), down=True)
             raise _Retryable(errors.APIError(502, f"The cloud worker could not be reached: {e!r}", "server_error",
                                              code="worker_unreachable")) from e
         except (TimeoutError, httpx.TimeoutException) as e:
             if a.deadline is not None and time.perf_counter() >= a.deadline:
                 raise errors.APIError(504, "The request's deadline passed before the cloud worker's answer was "
                                       "whole.", "server_error", code="deadline_exceeded") from e
-            self._failed(w, "no first token in time" if isinstance(e, TimeoutError) else repr(e))
+            failed("no first token in time" if isinstance(e, TimeoutError) else repr(e))
             raise errors.APIError(504, "The cloud worker did not answer in time.", "server_error",
                                   code="worker_timeout") from e
         except httpx.HTTPError as e:
-            self._failed(w, repr(e))
+            failed(repr(e))
             raise errors.APIError(502, f"The cloud worker failed: {e!r}", "server_error", code="worker_failed") from e
         finally:
             if resp is not None:
@@ -247,9 +273,22 @@ def _within(timeout_s: float | None, a: Attempt) -> float | None:
     return left if timeout_s is None else min(timeout_s, left)
 
 
-def _json_body(content: bytes, limit: int) -> dict:
-    obj = worker_stream.decode(content, limit, "an answer")
-    if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list):
-        raise errors.APIError(502, "The cloud worker answered something that is not a completion.", "server_error",
-                              code="worker_bad_response")
-    return obj
+_UNWELL_CODES = {"worker_bad_stream", "worker_bad_response", "worker_empty_stream", "worker_event_too_large",
+                 "worker_answer_too_large"}
+
+
+def worker_is_unwell(status: int, content: bytes) -> bool:
+    """Whether a refusal says the worker itself is unwell (counted on its breaker): a 502, 503 or
+    504, or a 5xx that is not an OpenAI error body. A 500 (or 501, ...) with one is what this
+    request's content did to a worker that serves others (its health check says otherwise), and
+    a 408 or 429 is load; neither shuts the worker out for every tenant."""
+    return status in (502, 503, 504) or (status >= 500 and not is_openai_error(content))
+
+
+def _bad_answer(message: str, code: str) -> errors.APIError:
+    return errors.APIError(502, message, "server_error", code=code)
+
+
+def _check_chunk(chunk: dict, chat: bool) -> None:
+    if why := chunk_problem(chunk, chat):
+        raise _bad_answer(f"The cloud worker's stream broke: a chunk with {why}.", "worker_bad_stream")

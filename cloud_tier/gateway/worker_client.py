@@ -173,8 +173,9 @@ class WorkerClient:
 
 def _error_of(content: bytes, status: int, headers: httpx.Headers | dict) -> errors.APIError:
     """A worker's refusal as the gateway's answer: a 4xx is the request's fault and passes through
-    as it is (but a 401/403: that refuses the gateway's own credentials, a 502 to the client); a
-    5xx stays a server error, 503 and 429 with the worker's Retry-After (else 1 s)."""
+    as it is (but a 401/403: that refuses the gateway's own credentials, a 502 to the client; a 429
+    is always a ``rate_limit_error``); a 5xx stays a server error, 503 and 429 with the worker's
+    Retry-After (else 1 s)."""
     try:
         e = wire.loads(content, limit=max(len(content), 1))["error"]
         message, code = str(e.get("message", ""))[:2000], str(e.get("code") or "worker_error")[:100]
@@ -183,6 +184,8 @@ def _error_of(content: bytes, status: int, headers: httpx.Headers | dict) -> err
     if status in (401, 403):
         return errors.APIError(502, f"The cloud worker refused the gateway ({status}: {message}).", "server_error",
                                code="worker_refused_gateway")
+    if status == 429:  # the worker's load, not the request's fault: the type a client backs off on
+        return errors.APIError(429, message, "rate_limit_error", None, code, _retry_after(status, headers))
     if 400 <= status < 500:
         kind = e.get("type") if isinstance(e.get("type"), str) else "invalid_request_error"
         param = e.get("param") if isinstance(e.get("param"), str) else None
