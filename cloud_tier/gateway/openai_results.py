@@ -84,21 +84,37 @@ def cache_key(tenant: str, endpoint: str, body: dict) -> str | None:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def _str(v: object) -> str:
+    return v if isinstance(v, str) else ""
+
+
+def _index(ch: dict) -> int:
+    i = ch.get("index", 0)
+    return i if isinstance(i, int) and not isinstance(i, bool) else 0
+
+
+def _dicts(items: object) -> list[dict]:
+    return [x for x in items if isinstance(x, dict)] if isinstance(items, list) else []
+
+
 def chunks_to_response(chunks: list[dict], endpoint: str) -> dict[str, Any]:
-    """A stream's chunks as the one JSON body the same request, not streamed, would get."""
+    """A stream's chunks as the one JSON body the same request, not streamed, would get. The
+    chunks were checked when they came (``openai_shape``); what is not as the API says is skipped
+    here all the same, so that no stored answer can make this raise."""
+    chunks = _dicts(chunks)
     first = next((c for c in chunks if c.get("choices")), chunks[0] if chunks else {})
     choices: dict[int, dict] = {}
     usage = None
     for c in chunks:
-        usage = c.get("usage") or usage
-        for ch in c.get("choices") or ():
-            i = ch.get("index", 0)
+        usage = c.get("usage") if isinstance(c.get("usage"), dict) else usage
+        for ch in _dicts(c.get("choices")):
+            i = _index(ch)
             acc = choices.setdefault(i, {"index": i, "text": "", "role": None, "finish_reason": None,
                                          "logprobs": None})
-            delta = ch.get("delta") or {}
-            acc["text"] += (delta.get("content") or "") if endpoint == "chat" else (ch.get("text") or "")
-            acc["role"] = delta.get("role") or acc["role"]
-            acc["finish_reason"] = ch.get("finish_reason") or acc["finish_reason"]
+            delta = ch.get("delta") if isinstance(ch.get("delta"), dict) else {}
+            acc["text"] += _str(delta.get("content")) if endpoint == "chat" else _str(ch.get("text"))
+            acc["role"] = _str(delta.get("role")) or acc["role"]
+            acc["finish_reason"] = _str(ch.get("finish_reason")) or acc["finish_reason"]
             lp = ch.get("logprobs")
             if isinstance(lp, dict):
                 acc["logprobs"] = _merge_logprobs(acc["logprobs"], lp)
@@ -129,20 +145,22 @@ def _merge_logprobs(acc: dict | None, lp: dict) -> dict:
 
 def response_to_chunks(body: dict, endpoint: str) -> list[dict]:
     """One JSON body as the stream of chunks a streamed request would get (one per choice, then
-    the usage chunk)."""
+    the usage chunk); like ``chunks_to_response``, never raising on a body not as the API says."""
+    body = body if isinstance(body, dict) else {}
     obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
     base = {"id": body.get("id"), "object": obj, "created": body.get("created"), "model": body.get("model")}
     chunks = []
-    for ch in body.get("choices") or ():
+    for ch in _dicts(body.get("choices")):
+        lp = ch.get("logprobs") if isinstance(ch.get("logprobs"), dict) else None
+        finish = ch.get("finish_reason") if isinstance(ch.get("finish_reason"), str) else None
         if endpoint == "chat":
-            msg = ch.get("message") or {}
-            c = {"index": ch.get("index", 0), "delta": {"role": msg.get("role", "assistant"),
-                                                        "content": msg.get("content") or ""},
-                 "logprobs": ch.get("logprobs"), "finish_reason": ch.get("finish_reason")}
+            msg = ch.get("message") if isinstance(ch.get("message"), dict) else {}
+            c = {"index": _index(ch), "delta": {"role": _str(msg.get("role")) or "assistant",
+                                                "content": _str(msg.get("content"))},
+                 "logprobs": lp, "finish_reason": finish}
         else:
-            c = {"index": ch.get("index", 0), "text": ch.get("text") or "", "logprobs": ch.get("logprobs"),
-                 "finish_reason": ch.get("finish_reason")}
+            c = {"index": _index(ch), "text": _str(ch.get("text")), "logprobs": lp, "finish_reason": finish}
         chunks.append({**base, "choices": [c]})
-    if body.get("usage") is not None:
+    if isinstance(body.get("usage"), dict):
         chunks.append({**base, "choices": [], "usage": body["usage"]})
     return chunks
