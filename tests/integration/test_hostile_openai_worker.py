@@ -1,11 +1,11 @@
 """The hostile-worker harness for OpenAI-compatible workers (`--worker-type openai`): a fake
 worker (tests/integration/faulty_openai.py, no model behind it) that lies about usage, sends
-empty streams, only [DONE], giant chunks, malformed JSON, U+2028 inside a chunk, and stalls at
-every stage. Whatever it does, every answer is a well-formed 200 or an OpenAI-style 502/504
-(never a 500), every stream ends with [DONE], the tenant's charge, quota bucket and counters stay
-within what its requests could use, an Idempotency-Key's retry is answered at once, and the next
-honest request succeeds. Also: an answer without usage is a completed answer (issue 37 item 5),
-X-Cascade-Deadline is kept (item 7)."""
+empty streams, only [DONE], giant chunks, malformed JSON, chunks and bodies not OpenAI-shaped
+(item 2), U+2028 inside a chunk, and stalls at every stage. Whatever it does, every answer is a
+well-formed 200 or an OpenAI-style 502/504 (never a 500), every stream ends with [DONE], the
+tenant's charge, quota bucket and counters stay within what its requests could use, an
+Idempotency-Key's retry is answered at once, and the next honest request succeeds. Also: an
+answer without usage is a completed answer (issue 37 item 5), X-Cascade-Deadline is kept (item 7)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,14 @@ def script(case: str, stream: bool) -> Mode:
                           if stream else [body.replace('"prompt_tokens": 9', '"prompt_tokens": NaN')]),
         "in_band_error": dict(script=sse({"error": {"message": "boom", "type": "server_error"}}, "[DONE]")),
         "choices_not_a_list": dict(script=sse({"choices": 5}, "[DONE]") if stream else ['{"choices": 5}']),
+        # item 2: shapes that once passed, were cached, and broke the other shape's replay (a 500)
+        "string_delta": dict(script=sse({"choices": [{"index": 0, "delta": "stringdelta"}]}, "[DONE]") if stream
+                             else ['{"choices": [{"index": 0, "message": "stringmessage"}]}']),
+        "choice_not_a_dict": dict(script=sse({"choices": ["notadict"]}, "[DONE]") if stream
+                                  else ['{"choices": ["notadict"]}']),
+        "bad_mid_stream": dict(script=sse(*honest_chunks()[:1], {"choices": [{"index": 0, "delta": {"content": 5}}]},
+                                          "[DONE]") if stream
+                               else ['{"choices": [{"index": 0, "message": {"content": 5}}]}']),
         "stall_before_headers": dict(stall_s=STALL, script=chunks if stream else [body]),
         "stall_after_headers": dict(script=[STALL, *chunks] if stream else [STALL, body]),
         "stall_mid_stream": dict(script=[chunks[0], STALL, *chunks[1:]] if stream else [body[:20], STALL, body[20:]]),
@@ -55,11 +63,13 @@ def script(case: str, stream: bool) -> Mode:
     }[case])
 
 
+SHAPES = ["string_delta", "choice_not_a_dict", "bad_mid_stream"]
 CASES = [*LIES, "empty", "only_done", "giant_chunk", "malformed", "nan_usage", "in_band_error", "choices_not_a_list",
-         "stall_before_headers", "stall_after_headers", "stall_mid_stream", "stall_before_done"]
+         *SHAPES, "stall_before_headers", "stall_after_headers", "stall_mid_stream", "stall_before_done"]
 FAILS = {"empty", "only_done", "giant_chunk", "malformed", "nan_usage", "in_band_error", "choices_not_a_list",
-         "stall_before_headers", "stall_after_headers", "stall_mid_stream", "stall_before_done"}
-MID_STREAM = {"malformed", "nan_usage", "stall_mid_stream", "stall_before_done"}  # streamed: after the first chunk
+         *SHAPES, "stall_before_headers", "stall_after_headers", "stall_mid_stream", "stall_before_done"}
+# streamed: after the first chunk
+MID_STREAM = {"malformed", "nan_usage", "bad_mid_stream", "stall_mid_stream", "stall_before_done"}
 
 
 @pytest.fixture(scope="module")
