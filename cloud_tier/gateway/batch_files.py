@@ -3,12 +3,18 @@ written and read a chunk at a time (never held whole: ``open_content`` reads thr
 of its own, so a long read holds no lock of the store). Each tenant has a cap on the bytes and on
 the number of its files (``FileLimits``; an upload past either is ``StorageFull``), and a file
 expires (OpenAI's ``expires_after``, else ``ttl_s`` after its creation): an expired file is not
-found at once and ``sweep_expired`` deletes it. Everything is looked up by tenant."""
+found at once and ``sweep_expired`` deletes it. Everything is looked up by tenant.
+
+Reads go through read-only connections of their own (one per thread: WAL readers never wait for
+the writer), so a long write holds no reader up; and the database gives back the space of what
+is deleted (incremental auto-vacuum, the WAL truncated: ``reclaim``)."""
 
 from __future__ import annotations
 
+import logging
 import secrets
 import sqlite3
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -17,7 +23,9 @@ from pathlib import Path
 
 from sync.sqlite import SQLiteStore
 
+log = logging.getLogger(__name__)
 CHUNK = 1 << 20
+_WAL_LIMIT = 8 << 20  # the WAL file is cut back to this after a checkpoint
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
     id TEXT PRIMARY KEY, tenant TEXT NOT NULL, purpose TEXT NOT NULL, filename TEXT NOT NULL,
@@ -57,6 +65,19 @@ class FileStore(SQLiteStore):
         self.path = Path(path)
         self.clock = clock
         self.limits = limits
+        self._readers: list[sqlite3.Connection] = []
+        self._local = threading.local()
+        with self._lock:
+            conn = self._db.conn
+            conn.execute(f"PRAGMA journal_size_limit = {_WAL_LIMIT}")
+            if conn.execute("PRAGMA auto_vacuum").fetchone()[0] != 2:  # a new file, or one of before: once
+                if conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()[0]:
+                    log.info("converting %s to incremental auto-vacuum (once)", self.path)
+                conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
+                try:
+                    conn.execute("VACUUM")
+                except sqlite3.OperationalError as e:  # another process reads it now: the next start converts it
+                    log.warning("%s keeps its deleted space until a later start: %s", self.path, e)
         with self._write() as conn:
             for statement in _SCHEMA.split(";"):
                 conn.execute(statement)
@@ -67,6 +88,42 @@ class FileStore(SQLiteStore):
     def _now(self) -> int:
         return int(self.clock())
 
+    def close(self) -> None:
+        with self._lock:
+            for reader in self._readers:
+                reader.close()
+            self._readers.clear()
+        super().close()
+
+    def _read(self, sql: str, params=()) -> list[dict]:
+        """The rows of one query, through this thread's read-only connection (no lock)."""
+        reader = getattr(self._local, "reader", None)
+        if reader is None:
+            reader = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=10.0,
+                                     check_same_thread=False)
+            reader.row_factory = sqlite3.Row
+            self._local.reader = reader
+            with self._lock:
+                self._readers.append(reader)
+        return [dict(row) for row in reader.execute(sql, params)]
+
+    def reclaim(self) -> None:
+        """Give the space of deleted rows back to the file system: the free pages cut off the
+        database's end, the WAL checkpointed and truncated (skipped while a reader needs it)."""
+        with self._lock:
+            self._db.conn.executescript("PRAGMA incremental_vacuum;")
+            self._db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+
+    def _used(self, conn: sqlite3.Connection, tenant: str, now: int) -> int:
+        """The bytes a tenant stores, as its cap counts them (here: its live files)."""
+        return conn.execute(f"SELECT COALESCE(SUM(bytes), 0) FROM files WHERE tenant = ? AND {_LIVE}",
+                            (tenant, now)).fetchone()[0]
+
+    def used_bytes(self, tenant: str) -> int:
+        """The bytes a tenant stores, as its cap counts them."""
+        with self._lock:
+            return self._used(self._db.conn, tenant, self._now())
+
     def add_file(self, tenant: str, purpose: str, filename: str, content: bytes | Iterable[bytes],
                  size: int | None = None, expires_after_s: int | None = None) -> dict:
         """Store an upload of ``size`` bytes (``content``: bytes, or chunks adding up to ``size``),
@@ -75,8 +132,9 @@ class FileStore(SQLiteStore):
         size = len(content) if isinstance(content, bytes | bytearray) else size
         now, cap = self._now(), self.limits
         with self._write() as conn:
-            used, count = conn.execute(f"SELECT COALESCE(SUM(bytes), 0), COUNT(*) FROM files WHERE tenant = ? "
-                                       f"AND {_LIVE}", (tenant, now)).fetchone()
+            (count,) = conn.execute(f"SELECT COUNT(*) FROM files WHERE tenant = ? AND {_LIVE}",
+                                    (tenant, now)).fetchone()
+            used = self._used(conn, tenant, now)
             if count >= cap.tenant_max_files:
                 raise StorageFull(f"This tenant has {count} stored files, its limit; delete some to upload more.")
             if used + size > cap.tenant_max_bytes:
@@ -133,7 +191,9 @@ class FileStore(SQLiteStore):
 
     def delete_file(self, tenant: str, file_id: str) -> bool:
         with self._write() as conn:
-            return conn.execute("DELETE FROM files WHERE tenant = ? AND id = ?", (tenant, file_id)).rowcount > 0
+            deleted = conn.execute("DELETE FROM files WHERE tenant = ? AND id = ?", (tenant, file_id)).rowcount > 0
+        self.reclaim()
+        return deleted
 
     def list_files(self, tenant: str, purpose: str | None, after: str | None, limit: int) -> tuple[list[dict], bool]:
         rows = self._read(f"SELECT {_FIELDS} FROM files WHERE tenant = ? AND (? IS NULL OR purpose = ?) "
@@ -144,8 +204,11 @@ class FileStore(SQLiteStore):
     def sweep_expired(self) -> int:
         """Delete the files whose time has come; how many."""
         with self._write() as conn:
-            return conn.execute("DELETE FROM files WHERE expires_at IS NOT NULL AND expires_at <= ?",
-                                (self._now(),)).rowcount
+            swept = conn.execute("DELETE FROM files WHERE expires_at IS NOT NULL AND expires_at <= ?",
+                                 (self._now(),)).rowcount
+        if swept:
+            self.reclaim()
+        return swept
 
 
 def _coalesce(chunks: Iterable[bytes]) -> Iterator[bytes]:

@@ -2,7 +2,8 @@
 (multipart upload of a JSONL with purpose "batch", its object, content, deletion, listing) and
 ``/v1/batches`` (create, retrieve, list, cancel). Thin handlers: the store (``batch_store``) keeps
 the state, the runner (``batch_runner``) does the work. A file or batch of another tenant is not
-found."""
+found. Every call of the store runs in a worker thread (``_call``): it may wait for the store's
+lock or the disk, and the event loop serves every other tenant meanwhile."""
 
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ from cascade.web import openapi, parse_body, read_json
 from cloud_tier.gateway.batch_files import StorageFull
 from cloud_tier.gateway.batch_jsonl import ENDPOINTS, count_lines
 from cloud_tier.gateway.batch_state import CANCELLABLE, InvalidTransition, Status, window_seconds
-from cloud_tier.gateway.batch_store import BatchStore, batch_object
+from cloud_tier.gateway.batch_store import BatchStore, TooManyBatches, batch_object
 from cloud_tier.gateway.keys import ApiKey
 from cloud_tier.gateway.service import GatewayService
 
 batch_api = APIRouter(prefix="/v1")
-_ERRORS = openapi.errors(400, 401, 403, 404, 409, 413, 500)
+_ERRORS = openapi.errors(400, 401, 403, 404, 409, 413, 429, 500)
 _UPLOAD = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
     "type": "object", "required": ["file", "purpose"],
     "properties": {"file": {"type": "string", "format": "binary"},
@@ -44,6 +45,23 @@ class NewBatch(BaseModel):
 def _parts(request: Request) -> tuple[GatewayService, BatchStore, ApiKey]:
     svc: GatewayService = request.app.state.service
     return svc, request.app.state.batches, svc.authenticate(request.headers.get("authorization", ""))
+
+
+async def _call(fn, *args):
+    """A store call, in a worker thread."""
+    return await asyncio.to_thread(fn, *args)
+
+
+async def _batch(store: BatchStore, row: dict) -> dict:
+    return batch_object(row, await _call(store.counts, row["id"]))
+
+
+def _storage_full(e: StorageFull, param: str) -> errors.APIError:
+    return errors.APIError(403, str(e), "invalid_request_error", param, "storage_limit_exceeded")
+
+
+def _too_many(message: str) -> errors.APIError:
+    return errors.APIError(429, message, "invalid_request_error", None, "too_many_active_batches")
 
 
 def _not_found(what: str, ident: str) -> errors.APIError:
@@ -108,7 +126,7 @@ async def upload_file(request: Request):
             return await asyncio.to_thread(store.add_file, key.tenant, purpose, upload.filename or "input.jsonl",
                                            chunks, upload.size, expires)
         except StorageFull as e:
-            raise errors.APIError(403, str(e), "invalid_request_error", "file", "storage_limit_exceeded") from e
+            raise _storage_full(e, "file") from e
     finally:
         await form.close()
 
@@ -117,13 +135,13 @@ async def upload_file(request: Request):
 async def list_files(request: Request, purpose: str | None = None, after: str | None = None,
                      limit: int = Query(10000, ge=1, le=10000)):
     _, store, key = _parts(request)
-    return _page(*store.list_files(key.tenant, purpose, after, limit))
+    return _page(*await _call(store.list_files, key.tenant, purpose, after, limit))
 
 
 @batch_api.get("/files/{file_id}", responses=_ERRORS)
 async def get_file(request: Request, file_id: str):
     _, store, key = _parts(request)
-    found = store.get_file(key.tenant, file_id)
+    found = await _call(store.get_file, key.tenant, file_id)
     if found is None:
         raise _not_found("File", file_id)
     return found
@@ -132,7 +150,7 @@ async def get_file(request: Request, file_id: str):
 @batch_api.get("/files/{file_id}/content", responses={**_JSONL, **_ERRORS})
 async def file_content(request: Request, file_id: str):
     _, store, key = _parts(request)
-    found = store.get_file(key.tenant, file_id)
+    found = await _call(store.get_file, key.tenant, file_id)
     if found is None:
         raise _not_found("File", file_id)
 
@@ -147,7 +165,7 @@ async def file_content(request: Request, file_id: str):
 @batch_api.delete("/files/{file_id}", responses=_ERRORS)
 async def delete_file(request: Request, file_id: str):
     _, store, key = _parts(request)
-    if not store.delete_file(key.tenant, file_id):
+    if not await _call(store.delete_file, key.tenant, file_id):
         raise _not_found("File", file_id)
     return {"id": file_id, "object": "file", "deleted": True}
 
@@ -163,7 +181,11 @@ async def create_batch(request: Request):
         window_s = window_seconds(new.completion_window)
     except ValueError as e:
         raise errors.bad_request(str(e), "completion_window", "invalid_value") from e
-    found = store.get_file(key.tenant, new.input_file_id)
+    limit = svc.config.batch_tenant_max_active
+    if await _call(store.active_batches, key.tenant) >= limit:  # before the file is read to count its lines
+        raise _too_many(f"This tenant has {limit} batches not yet ended, its limit; wait for one to end or "
+                        "cancel one.")
+    found = await _call(store.get_file, key.tenant, new.input_file_id)
     if found is None:
         raise _not_found("File", new.input_file_id)
     if found["purpose"] != "batch":
@@ -173,9 +195,16 @@ async def create_batch(request: Request):
     if lines > svc.config.batch_max_lines:
         raise errors.bad_request(f"The input file has {lines} requests; a batch holds at most "
                                  f"{svc.config.batch_max_lines}.", "input_file_id", "too_many_requests")
-    batch_id = store.create_batch(key.tenant, key.key_id, new.endpoint, new.input_file_id, new.completion_window,
-                                  window_s, new.metadata)
-    return batch_object(store.batch(batch_id), store.counts(batch_id))
+    try:
+        batch_id = await _call(store.create_batch, key.tenant, key.key_id, new.endpoint, new.input_file_id,
+                               new.completion_window, window_s, new.metadata, limit)
+    except StorageFull as e:
+        raise _storage_full(e, "input_file_id") from e
+    except TooManyBatches as e:
+        raise _too_many(str(e)) from e
+    if batch_id is None:  # deleted meanwhile
+        raise _not_found("File", new.input_file_id)
+    return await _batch(store, await _call(store.batch, batch_id))
 
 
 def _count(store: BatchStore, tenant: str, file_id: str, max_line_bytes: int) -> int:
@@ -186,32 +215,32 @@ def _count(store: BatchStore, tenant: str, file_id: str, max_line_bytes: int) ->
 @batch_api.get("/batches", responses=_ERRORS)
 async def list_batches(request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100)):
     _, store, key = _parts(request)
-    rows, more = store.list_batches(key.tenant, after, limit)
-    return _page([batch_object(r, store.counts(r["id"])) for r in rows], more)
+    rows, more = await _call(store.list_batches, key.tenant, after, limit)
+    return _page([await _batch(store, r) for r in rows], more)
 
 
 @batch_api.get("/batches/{batch_id}", responses=_ERRORS)
 async def get_batch(request: Request, batch_id: str):
     _, store, key = _parts(request)
-    row = store.batch(batch_id, key.tenant)
+    row = await _call(store.batch, batch_id, key.tenant)
     if row is None:
         raise _not_found("Batch", batch_id)
-    return batch_object(row, store.counts(batch_id))
+    return await _batch(store, row)
 
 
 @batch_api.post("/batches/{batch_id}/cancel", responses=_ERRORS)
 async def cancel_batch(request: Request, batch_id: str):
     _, store, key = _parts(request)
-    row = store.batch(batch_id, key.tenant)
+    row = await _call(store.batch, batch_id, key.tenant)
     if row is None:
         raise _not_found("Batch", batch_id)
     status = Status(row["status"])
     if status in CANCELLABLE:
         try:
-            store.cancel(batch_id)
+            await _call(store.cancel, batch_id)
         except InvalidTransition:  # it ended meanwhile
-            status = Status(store.batch(batch_id)["status"])
+            status = Status((await _call(store.batch, batch_id))["status"])
     if status not in (*CANCELLABLE, Status.CANCELLING, Status.CANCELLED):  # cancelling twice is no error
         raise errors.APIError(409, f"A batch that is {status} cannot be cancelled.", "invalid_request_error",
                               None, "batch_not_cancellable")
-    return batch_object(store.batch(batch_id), store.counts(batch_id))
+    return await _batch(store, await _call(store.batch, batch_id))

@@ -11,7 +11,8 @@ pending and its tenant, alone, is held off a while (doubling up to ``backoff_max
 ``max_refusals`` refusals the line ends in the error file with the last one. A line refused for
 its content (a 4xx) is answered in the error file; one that fails on the cloud's side (5xx) is
 tried ``_SERVER_ATTEMPTS`` times. A line whose run ends any other way (a failure of ours, the
-gateway stopping) goes back to pending in ``finally``: no line stays running."""
+gateway stopping) goes back to pending in ``finally``: no line stays running. Every call of the
+store runs in a worker thread: a wait for its lock never stalls the event loop."""
 
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ class BatchRunner:
         self.next_sweep = 0.0
 
     async def run(self) -> None:
-        requeued = self.store.requeue_running()
+        requeued = await asyncio.to_thread(self.store.requeue_running)
         if requeued:
             log.info("%d batch lines left running by the last gateway run again (or end, if cancelled)", requeued)
         try:
@@ -135,23 +136,24 @@ class BatchRunner:
 
     async def step(self) -> None:
         ready = []
-        for row in self.store.open_batches():
+        for row in await asyncio.to_thread(self.store.open_batches):
             status = Status(row["status"])
             if status is Status.VALIDATING:
                 await self._validate(row)
                 continue
-            counts = self.store.counts(row["id"])
+            counts = await asyncio.to_thread(self.store.counts, row["id"])
             nxt = next_status(status, counts["pending"], counts["running"], self.clock(), row["expires_at"])
             if nxt is Status.EXPIRED:
                 self._stop_lines(row["id"])
-                self.store.expire(row["id"])
+                await asyncio.to_thread(self.store.expire, row["id"])
                 self._forget(row["id"])
             elif nxt in (Status.FINALIZING, Status.CANCELLED):
-                self.store.finish(row["id"], Status.COMPLETED if nxt is Status.FINALIZING else nxt)
+                await asyncio.to_thread(self.store.finish, row["id"],
+                                        Status.COMPLETED if nxt is Status.FINALIZING else nxt)
                 self._forget(row["id"])
             elif status is Status.IN_PROGRESS and counts["pending"]:
                 ready.append(row)
-        self._start_lines(ready)
+        await self._start_lines(ready)
         if time.monotonic() >= self.next_sweep:
             self.next_sweep = time.monotonic() + self.config.sweep_every_s
             swept = await asyncio.to_thread(self.store.sweep_expired)
@@ -159,16 +161,16 @@ class BatchRunner:
                 log.info("deleted %d expired batch files", swept)
 
     async def _validate(self, row: dict) -> None:
+        gone = [{"code": "file_not_found", "message": "The input file was deleted.", "param": "input_file_id",
+                 "line": None}]
         try:
             problems = await asyncio.to_thread(self._check, row)
             if problems is None:
-                self.store.fail(row["id"], [{"code": "file_not_found", "message": "The input file was deleted.",
-                                             "param": "input_file_id", "line": None}])
+                await asyncio.to_thread(self.store.fail, row["id"], gone)
             elif problems:
-                self.store.fail(row["id"], problems)
+                await asyncio.to_thread(self.store.fail, row["id"], problems)
             elif not await asyncio.to_thread(self._start, row):
-                self.store.fail(row["id"], [{"code": "file_not_found", "message": "The input file was deleted.",
-                                             "param": "input_file_id", "line": None}])
+                await asyncio.to_thread(self.store.fail, row["id"], gone)
         except InvalidTransition:  # cancelled while it was being validated
             pass
 
@@ -200,7 +202,7 @@ class BatchRunner:
                 shares.append(1.0 if queued or not load.kv_blocks_total else load.kv_blocks_used / load.kv_blocks_total)
         return shares
 
-    def _start_lines(self, rows: list[dict]) -> None:
+    async def _start_lines(self, rows: list[dict]) -> None:
         """Claim lines into the spare slots, one at a time to the tenant with the fewest lines in
         flight (ties: the one whose turn is oldest), from its oldest batch with lines pending."""
         now = time.monotonic()
@@ -218,7 +220,7 @@ class BatchRunner:
         while free > 0 and queues:
             tenant = min(queues, key=lambda t: (running[t], self.turns.get(t, 0)))
             row = queues[tenant][0]
-            claimed = self.store.claim(row["id"], 1)
+            claimed = await asyncio.to_thread(self.store.claim, row["id"], 1)
             if not claimed:
                 queues[tenant].pop(0)
                 if not queues[tenant]:
@@ -257,13 +259,13 @@ class BatchRunner:
             else:
                 self.refusals.pop(line, None)
                 self.server_failures.pop(line, None)
-                self.store.record(row["id"], index, custom_id, status, answer, request_id)
+                await asyncio.to_thread(self.store.record, row["id"], index, custom_id, status, answer, request_id)
                 settled = True
         finally:
             self.in_flight.pop(line, None)
             if not settled:  # a passing refusal, a failure of ours, the runner stopping: the line goes back
                 try:
-                    self.store.release(*line)
+                    await asyncio.to_thread(self.store.release, *line)
                 except Exception:  # the next start's requeue_running puts it back
                     log.exception("batch line %s could not be put back", line)
 
