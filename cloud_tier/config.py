@@ -146,6 +146,22 @@ class WorkerConfig:
     def __post_init__(self):
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        check_seconds(self, ("prefill_timeout_s",))
+
+
+# the gateway's timers: each a finite number of seconds > 0 (a NaN or an infinity would hang or spin a wait)
+GATEWAY_TIMERS = ("connect_timeout_s", "first_token_timeout_s", "metrics_interval_s", "stale_after_s",
+                  "breaker_open_s", "health_interval_s", "startup_timeout_s", "request_timeout_s",
+                  "idempotency_ttl_s", "idempotency_lease_s", "ttft_slo_s", "tpot_slo_s")
+
+
+def check_seconds(section, names: tuple[str, ...], zero: bool = False) -> None:
+    """ValueError naming the first of ``names`` that is not a finite number of seconds > 0 (>= 0 with ``zero``)."""
+    for name in names:
+        value = getattr(section, name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                0 <= value < math.inf if zero else 0 < value < math.inf):
+            raise ValueError(f"{name} must be a finite number of seconds {'>=' if zero else '>'} 0, got {value!r}")
 
 
 @dataclass
@@ -275,9 +291,8 @@ class GatewayConfig:
             raise ValueError("prefill and decode worker URLs go together: give both")
         if self.worker_max_waiting < 1 or self.retries < 0 or self.breaker_threshold < 1:
             raise ValueError("worker_max_waiting and breaker_threshold must be >= 1, retries >= 0")
-        if min(self.connect_timeout_s, self.first_token_timeout_s, self.metrics_interval_s, self.stale_after_s,
-               self.breaker_open_s) <= 0:
-            raise ValueError("timeouts and intervals must be > 0")
+        check_seconds(self, GATEWAY_TIMERS)
+        check_seconds(self, ("retry_backoff_s", "result_cache_ttl_s"), zero=True)
         if not 1024 <= self.worker_max_event_bytes <= self.worker_max_body_bytes:
             raise ValueError("worker_max_event_bytes must be >= 1024 and <= worker_max_body_bytes")
         if self.kv_transport not in ("tcp", "shm", "auto"):
@@ -291,8 +306,6 @@ class GatewayConfig:
             raise ValueError(f"tenant_kv_window_s must be a number of seconds >= 0, got {self.tenant_kv_window_s}")
         if not 0 < self.kv_high_watermark <= 1:
             raise ValueError("kv_high_watermark must be in (0, 1]")
-        if self.ttft_slo_s <= 0 or self.tpot_slo_s <= 0:
-            raise ValueError("SLOs must be positive")
         if not (0 <= self.min_ttft_slo_s < math.inf and 0 <= self.min_tpot_slo_s < math.inf):
             raise ValueError("min_ttft_slo_s and min_tpot_slo_s must be numbers of seconds >= 0 (0: no floor)")
         if not 0 < self.idempotency_lease_s <= self.idempotency_ttl_s:
