@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cascade.calibration import CascadeConfig
 from cascade.config import cascade_home, load_config
 from edge_agent.hardware import ORT_PROVIDER
+
+DAY_S = 86400.0
+
+
+def check_range(section: object, bounds: dict[str, tuple[float, float]]) -> None:
+    """Each named number of ``section`` is finite and within its ``(low, high)`` bounds; a
+    ValueError naming the key otherwise (the loader names the variable that set it)."""
+    for key, (low, high) in bounds.items():
+        value = getattr(section, key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                (isinstance(value, int) or math.isfinite(value)) and low <= value <= high):
+            raise ValueError(f"{key} must be a finite number in {_num(low)}..{_num(high)}, got {value!r}")
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
 
 
 @dataclass
@@ -27,8 +44,7 @@ class ServerConfig:
             raise ValueError("max_body_bytes must be >= 1024")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
-        if not 0 <= self.drain_timeout_s <= 3600:
-            raise ValueError(f"drain_timeout_s must be in 0..3600, got {self.drain_timeout_s}")
+        check_range(self, {"drain_timeout_s": (0, 3600)})
 
 
 BACKENDS = ("llama.cpp", "onnx")
@@ -59,6 +75,8 @@ class ModelConfig:
             raise ValueError("parallel must be >= 1")
         if self.n_ctx < 16:
             raise ValueError("n_ctx must be >= 16")
+        check_range(self, {"n_ctx": (16, 1 << 24), "n_batch": (1, 1 << 24), "threads": (0, 4096),
+                           "threads_batch": (0, 4096), "parallel": (1, 4096)})
 
 
 @dataclass
@@ -69,6 +87,7 @@ class QueueConfig:
     def __post_init__(self):
         if self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
+        check_range(self, {"max_waiting": (0, 1 << 20), "default_max_tokens": (1, 1 << 24)})
 
 
 @dataclass
@@ -80,6 +99,10 @@ class UpstreamConfig:
     max_backoff_s: float = 60.0  # the longest the circuit stays open after failures (a 429's Retry-After aside)
     refused_backoff_s: float = 30.0  # after a 401/403 (key wrong or revoked) ask again after this, doubling to 600 s
     max_retry_after_s: float = 3600.0  # a cloud's Retry-After is honoured up to this
+
+    def __post_init__(self):
+        check_range(self, {"timeout_s": (0.1, DAY_S), "max_backoff_s": (0.01, DAY_S),
+                           "refused_backoff_s": (0.01, DAY_S), "max_retry_after_s": (0, 7 * DAY_S)})
 
 
 @dataclass
@@ -97,6 +120,7 @@ class SyncConfig:
     base_backoff_s: float = 0.5
     max_backoff_s: float = 60.0
     poll_s: float = 5.0
+    max_attempts: int = 8  # tries a request may fail for a reason of its own (a 500, a 404), then failed
     callback_hosts: list[str] = field(default_factory=lambda: ["127.0.0.1", "localhost", "::1"])  # "*": any
 
     def __post_init__(self):
@@ -105,6 +129,10 @@ class SyncConfig:
         self.synchronous = self.synchronous.upper()
         if self.max_items < 1 or self.max_bytes < 1 or self.batch_size < 1:
             raise ValueError("max_items, max_bytes and batch_size must be >= 1")
+        check_range(self, {"max_items": (1, 1 << 40), "max_bytes": (1, 1 << 50), "request_ttl_s": (1, 366 * DAY_S),
+                           "telemetry_ttl_s": (1, 366 * DAY_S), "keep_s": (0, 366 * DAY_S),
+                           "batch_size": (1, 10_000), "base_backoff_s": (0, DAY_S), "max_backoff_s": (0, DAY_S),
+                           "poll_s": (0.01, 3600), "max_attempts": (1, 1000)})
 
 
 @dataclass
@@ -125,6 +153,7 @@ class MQTTSection:
     def __post_init__(self):
         if self.telemetry_interval_s <= 0:
             raise ValueError("telemetry_interval_s must be > 0")
+        check_range(self, {"port": (1, 65535), "keepalive_s": (0, 65535), "telemetry_interval_s": (0.01, DAY_S)})
 
 
 @dataclass
@@ -145,6 +174,9 @@ class FleetSection:
     state_dir: str = ""  # staging and installed versions ("": $CASCADE_HOME/edge/fleet)
     disk_budget_bytes: int = 8 << 30  # for installed versions (older ones are dropped to fit a new one)
     memory_budget_bytes: int = 0  # a version larger than this is refused (0: the memory the OS has available)
+
+    def __post_init__(self):
+        check_range(self, {"disk_budget_bytes": (0, 1 << 60), "memory_budget_bytes": (0, 1 << 60)})
 
 
 @dataclass
