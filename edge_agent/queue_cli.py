@@ -14,6 +14,26 @@ import json
 import sys
 import time
 
+from sync.queue_view import MAX_LIST
+
+
+def int_in(low: int, high: int):
+    """An argparse type: an integer in ``low..high`` (else argparse's one-line error, exit 2)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in {low}..{high}, got {text}")
+        return value
+    return parse
+
+
+def _error(it) -> str:
+    """What an item waits on or failed of; nothing for one delivered (an old error is over)."""
+    return "" if it.state == "done" else it.last_error
+
 
 def _queue(args):
     from cascade.config import ConfigError
@@ -60,13 +80,13 @@ def cmd_list(args) -> int:
     if args.json:
         print(json.dumps([{"id": it.id, "kind": it.kind, "state": it.state, "session": it.session,
                            "priority": it.priority, "attempts": it.attempts, "created_at": it.created_at,
-                           "last_error": it.last_error} for it in items], indent=2))
+                           "failures": it.failures, "last_error": _error(it) or None} for it in items], indent=2))
         return 0
     now = time.time()
     print(f"{'id':<38}{'kind':<11}{'state':<9}{'age':>9}{'tries':>6}  session / last error")
     for it in items:
         print(f"{it.id:<38}{it.kind:<11}{it.state:<9}{now - it.created_at:>8.1f}s{it.attempts:>6}  "
-              f"{it.session or '-'} {it.last_error[:60]}")
+              f"{it.session or '-'} {_error(it)[:60]}")
     return 0
 
 
@@ -117,7 +137,7 @@ def add_queue_parser(edge_subparsers) -> None:
     ls = command("list", "items, oldest first", cmd_list)
     ls.add_argument("--state", choices=states, help="only items in this state")
     ls.add_argument("--kind", choices=["request", "telemetry"], help="only items of this kind")
-    ls.add_argument("--limit", type=int, default=50, help="items at most")
+    ls.add_argument("--limit", type=int_in(1, MAX_LIST), default=50, help=f"items at most (1..{MAX_LIST})")
     ls.add_argument("--json", action="store_true", help="print JSON")
     retry = command("retry", "queue failed or expired items again (all of them unless named)", cmd_retry)
     retry.add_argument("ids", nargs="*", help="item ids (none: every failed and expired item)")

@@ -6,6 +6,13 @@ one transaction: the response into the inbox (``done``), a refusal as ``failed``
 failure back to ``queued`` with exponential backoff and jitter. Whether the cloud can be reached
 is learnt from these real attempts, kept in the circuit breaker the cascade's back-pressure
 shares: while it is open nothing is sent; when its time is up one cheap probe decides.
+
+Two kinds of failure are told apart. Signs that the cloud is down (no answer, a timeout, 429,
+502/503/504, an answer that is not an OpenAI one) open the circuit and never count against the
+item: it waits, up to its TTL. A failure of the request's own (a 500 or 404 with an OpenAI error
+body) leaves the circuit closed, other requests go on, and counts against that item: after
+``max_attempts`` of them it ends ``failed`` with its last error, and the next request of its
+session goes out.
 """
 
 from __future__ import annotations
@@ -23,12 +30,23 @@ from sync.queue import Item, Kind, OfflineQueue
 
 log = logging.getLogger(__name__)
 
-# answers that say nothing about the request itself: send it again later
-_PASSING = {408, 409, 425, 429}
-# answers that say the cloud (or this device's access to it) is not usable now
-_UNAVAILABLE = {401, 403, 404, 429}
-# of those, the cloud refusing this device (a wrong or revoked key): the breaker's refused state
+# the request is being run already (its Idempotency-Key in flight): ask again later, nothing learnt
+_PASSING = {409, 425}
+# signs that the cloud is down or overloaded (0: no answer at all): the circuit opens
+_DOWN = {0, 408, 429, 502, 503, 504}
+# the cloud refusing this device (a wrong or revoked key): the breaker's refused state
 _REFUSED = {401, 403}
+# 4xx that are not a refusal of the request for good (it is sent again)
+_AGAIN = _PASSING | _DOWN | _REFUSED | {404}
+
+
+def openai_error(body: Any) -> bool:
+    """Whether ``body`` is an OpenAI error answer: ``{"error": {"message", "type", "code"|"param"}}``
+    (or vLLM's older flat form with ``"object": "error"``): the cloud itself said it."""
+    err = body if isinstance(body, dict) and body.get("object") == "error" else (
+        body.get("error") if isinstance(body, dict) else None)
+    return (isinstance(err, dict) and isinstance(err.get("message"), str) and "type" in err
+            and ("code" in err or "param" in err))
 
 
 @dataclass
@@ -50,11 +68,20 @@ class Outcome:
     def refused(self) -> bool:
         """The cloud looked at the request and said no for good (a 4xx about the request), or
         this device cannot send it at all: either way it is ``failed``, not tried again."""
-        return self.local_error or (400 <= self.status < 500 and self.status not in _PASSING | _UNAVAILABLE)
+        return self.local_error or (400 <= self.status < 500 and self.status not in _AGAIN)
 
     @property
     def cloud_unavailable(self) -> bool:
-        return not self.local_error and (self.status == 0 or self.status >= 500 or self.status in _UNAVAILABLE)
+        """A sign that the cloud is down, or refuses this device: the circuit opens."""
+        if self.local_error or self.delivered or self.refused or self.status in _PASSING:
+            return False
+        return self.status in _DOWN | _REFUSED or not openai_error(self.body)
+
+    @property
+    def own_failure(self) -> bool:
+        """A failure of this request's own (the cloud answered, and not about being down):
+        counted against the item, up to ``max_attempts``."""
+        return not (self.delivered or self.refused) and self.status not in _DOWN | _REFUSED | _PASSING
 
     @property
     def device_refused(self) -> bool:
@@ -69,6 +96,11 @@ class DeliveryConfig:
     poll_s: float = 5.0  # longest idle wait (an enqueue wakes the loop at once)
     lease_s: float = 120.0  # a claimed item returns to the queue if not settled by then
     callback_attempts: int = 3
+    max_attempts: int = 8  # failures of a request's own (Outcome.own_failure) before it ends failed
+
+    def __post_init__(self):
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
 
 
 def backoff_s(attempts: int, config: DeliveryConfig, rng: random.Random = random._inst) -> float:
@@ -141,30 +173,38 @@ class DeliveryLoop:
             due = await asyncio.to_thread(self.queue.next_due, Kind.REQUEST)
             return self.config.poll_s if due is None else min(self.config.poll_s, max(0.0, due - time.time()))
         outcomes = await asyncio.gather(*(self._attempt(it) for it in batch))
-        settled = [(item.id, out.status, out.body, not out.delivered)
+        settled = [(item.id, out.status, out.body, not out.delivered, out.error or f"HTTP {out.status}")
                    for item, out in zip(batch, outcomes, strict=True) if out.delivered or out.refused]
+        settled += [(item.id, out.status, out.body, True,
+                     f"failed {item.failures + 1} times: {out.error or f'HTTP {out.status}'}")
+                    for item, out in zip(batch, outcomes, strict=True) if self._gives_up(item, out)]
         await asyncio.to_thread(self.queue.complete_many, settled)
         log.debug("delivery round: %d sent, %d delivered, %d refused, %d to retry", len(batch),
                   sum(o.delivered for o in outcomes), sum(o.refused for o in outcomes),
                   sum(not (o.delivered or o.refused) for o in outcomes))
-        for item_id, status, _, refused in settled:  # counted once recorded
-            if refused:
+        for item_id, status, _, failed, error in settled:  # counted once recorded
+            if failed:
                 self.failed += 1
-                log.warning("queued request %s refused by the cloud (%d)", item_id, status)
+                log.warning("queued request %s failed (%d): %s", item_id, status, error[:200])
             else:
                 self.delivered += 1
         for item, out in zip(batch, outcomes, strict=True):
-            if not (out.delivered or out.refused):
+            if not (out.delivered or out.refused or self._gives_up(item, out)):
                 self.retried += 1
                 delay = max(backoff_s(item.attempts, self.config), out.retry_after_s or 0.0)
-                await asyncio.to_thread(self.queue.retry_later, item.id, out.error or f"HTTP {out.status}", delay)
+                await asyncio.to_thread(self.queue.retry_later, item.id, out.error or f"HTTP {out.status}", delay,
+                                        out.own_failure)
         if any(o.cloud_unavailable for o in outcomes):
             worst = next((o for o in outcomes if o.device_refused), None) or next(
                 o for o in outcomes if o.cloud_unavailable)
             self._unavailable(worst)
-        elif any(o.delivered or (o.refused and not o.local_error) for o in outcomes):
-            self.breaker.success()
+        elif any(o.delivered or (not o.local_error and (o.refused or o.own_failure)) for o in outcomes):
+            self.breaker.success()  # the cloud answered about the request itself: it is up
         return 0.0
+
+    def _gives_up(self, item: Item, out: Outcome) -> bool:
+        """This failure of the item's own is its ``max_attempts``-th: it ends failed."""
+        return out.own_failure and not out.local_error and item.failures + 1 >= self.config.max_attempts
 
     async def _attempt(self, item: Item) -> Outcome:
         try:

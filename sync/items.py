@@ -72,6 +72,7 @@ class Item:
     reason: str
     updated_at: float
     app_key: str | None = None  # the app's own Idempotency-Key, when it gave one
+    failures: int = 0  # attempts that failed for a reason of the request's own (bounded: [sync] max_attempts)
     result_status: int | None = None  # from the inbox, once done or failed
     result: Any = None
 
@@ -87,7 +88,7 @@ class Item:
 
 COLUMN_NAMES = ("seq", "id", "kind", "state", "endpoint", "session", "priority", "payload", "bytes", "created_at",
           "expires_at", "attempts", "next_attempt_at", "last_error", "callback_url", "reason", "updated_at",
-          "lease_until", "app_key")
+          "lease_until", "app_key", "failures")
 COLUMNS = ", ".join(COLUMN_NAMES)
 O_COLUMNS = ", ".join(f"o.{c}" for c in COLUMN_NAMES)  # the same, in a join with the inbox
 

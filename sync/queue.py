@@ -3,7 +3,8 @@
 An item's life (``State``)::
 
     queued --claim--> sending --complete--> done      (requests: the response is in the inbox)
-      ^                  |    --fail------> failed    (the cloud refused it for good)
+      ^                  |    --fail------> failed    (the cloud refused it for good, or it failed
+      |                  |                             for a reason of its own max_attempts times)
       +---retry_later----+    --ack-------> (deleted) (telemetry: the broker has it)
       +---lease runs out, or the process restarts
     queued --its TTL passes--> expired
@@ -14,7 +15,8 @@ Guarantees:
 - Ids are UUIDv7 (time-sortable) and double as the ``Idempotency-Key``, so a resend after a crash
   is executed once by the cloud.
 - Per-session FIFO: an item with a ``session`` is claimed only when no earlier item of its session
-  is queued or sending. Among claimable items, higher ``priority`` first, then arrival order.
+  is queued or sending (one that ended failed or expired no longer holds the next back). Among
+  claimable items, higher ``priority`` first, then arrival order.
 - Size bound (``max_items``, ``max_bytes`` over queued + sending items): to make room, the oldest
   queued telemetry is dropped first; a request that still does not fit is refused with
   ``QueueFull`` (nothing accepted is ever dropped to make room); telemetry that does not fit is
@@ -79,6 +81,8 @@ class OfflineQueue(QueueView, SQLiteStore):
             self._db["outbox"].create_index(["state"], if_not_exists=True)
             if "app_key" not in self._db["outbox"].columns_dict:
                 conn.execute("ALTER TABLE outbox ADD COLUMN app_key TEXT")
+            if "failures" not in self._db["outbox"].columns_dict:
+                conn.execute("ALTER TABLE outbox ADD COLUMN failures INTEGER NOT NULL DEFAULT 0")
             conn.execute("CREATE UNIQUE INDEX IF NOT EXISTS outbox_app_key ON outbox (app_key) "
                          "WHERE app_key IS NOT NULL")
             self._pending_triggers(conn)
@@ -238,14 +242,18 @@ class OfflineQueue(QueueView, SQLiteStore):
         """The cloud answered: ``done`` (or ``failed`` for a refusal) with its response in the inbox."""
         self.complete_many([(item_id, status, result, failed)])
 
-    def complete_many(self, outcomes: Iterable[tuple[str, int, Any, bool]]) -> None:
+    def complete_many(self, outcomes: Iterable[tuple]) -> None:
+        """Settle items: ``(id, status, result, failed[, error])``. A done item's ``last_error`` is
+        cleared (what it waited on is over); a failed one keeps ``error`` (else its last)."""
         now = self._clock()
         with self._write() as conn:
-            for item_id, status, result, failed in outcomes:
+            for item_id, status, result, failed, *error in outcomes:
                 state = State.FAILED if failed else State.DONE
+                last_error = "" if not failed else (error[0][:500] if error and error[0] else None)
                 changed = conn.execute(
-                    f"UPDATE outbox SET state = ?, updated_at = ?, lease_until = 0 WHERE id = ? "
-                    f"AND state IN {PENDING}", (state.value, now, item_id)).rowcount
+                    f"UPDATE outbox SET state = ?, updated_at = ?, lease_until = 0, "
+                    f"last_error = coalesce(?, last_error) WHERE id = ? AND state IN {PENDING}",
+                    (state.value, now, last_error, item_id)).rowcount
                 if changed:
                     callback = conn.execute("SELECT callback_url FROM outbox WHERE id = ?", (item_id,)).fetchone()[0]
                     conn.execute(
@@ -258,13 +266,14 @@ class OfflineQueue(QueueView, SQLiteStore):
         with self._write() as conn:
             return conn.executemany("DELETE FROM outbox WHERE id = ?", [(i,) for i in item_ids]).rowcount
 
-    def retry_later(self, item_id: str, error: str, delay_s: float) -> None:
-        """A delivery attempt failed for a passing reason: back to queued, due in ``delay_s``."""
+    def retry_later(self, item_id: str, error: str, delay_s: float, failure: bool = False) -> None:
+        """A delivery attempt failed for a passing reason: back to queued, due in ``delay_s``;
+        ``failure``: a failure of the request's own, counted in ``failures``."""
         now = self._clock()
         with self._write() as conn:
             conn.execute("UPDATE outbox SET state = 'queued', next_attempt_at = ?, last_error = ?, lease_until = 0, "
-                         "updated_at = ? WHERE id = ? AND state = 'sending'",
-                         (now + delay_s, error[:500], now, item_id))
+                         "updated_at = ?, failures = failures + ? WHERE id = ? AND state = 'sending'",
+                         (now + delay_s, error[:500], now, int(failure), item_id))
 
     def note_error(self, kind: Kind | str, error: str) -> int:
         """Record why the items of ``kind`` waiting now cannot go (the cloud refuses this device)

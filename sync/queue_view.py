@@ -7,6 +7,8 @@ from collections.abc import Iterable
 
 from sync.items import COLUMNS, O_COLUMNS, PENDING, Item, Kind, State, item_of
 
+MAX_LIST = 1_000_000  # the most items one listing returns
+
 
 class QueueView:
     """Read and operator methods of ``OfflineQueue`` (which provides ``_lock``, ``_db``,
@@ -26,6 +28,9 @@ class QueueView:
         return None if row is None else self.get(row[0])
 
     def items(self, state: str | None = None, kind: str | None = None, limit: int = 100) -> list[Item]:
+        """Items, oldest first, at most ``limit`` (1..MAX_LIST)."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIST:
+            raise ValueError(f"limit must be in 1..{MAX_LIST}, got {limit!r}")
         where, args = [], []
         if state:
             where.append("state = ?")
@@ -84,7 +89,8 @@ class QueueView:
             rows = conn.execute(f"SELECT seq, kind FROM outbox WHERE {sel}", args).fetchall()
             for seq, kind in rows:
                 conn.execute("UPDATE outbox SET state = 'queued', next_attempt_at = 0, expires_at = ?, "
-                             "updated_at = ?, last_error = '' WHERE seq = ?", (now + self.ttl_s[kind], now, seq))
+                             "updated_at = ?, last_error = '', failures = 0 WHERE seq = ?",
+                             (now + self.ttl_s[kind], now, seq))
             conn.executemany("DELETE FROM inbox WHERE id = (SELECT id FROM outbox WHERE seq = ?)",
                              [(seq,) for seq, _ in rows])
         return len(rows)

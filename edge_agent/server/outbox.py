@@ -67,7 +67,8 @@ class Outbox:
             self.loop = DeliveryLoop(
                 self.queue, upstream.deliver, upstream.probe, upstream.breaker,
                 DeliveryConfig(batch_size=config.batch_size, base_backoff_s=config.base_backoff_s,
-                               max_backoff_s=config.max_backoff_s, poll_s=config.poll_s, lease_s=lease_s),
+                               max_backoff_s=config.max_backoff_s, poll_s=config.poll_s, lease_s=lease_s,
+                               max_attempts=config.max_attempts),
                 callback=self._callback)
         self._task: asyncio.Task | None = None
 
