@@ -37,6 +37,11 @@ class GatewayMetrics:
             "cascade_gateway_worker_usage_refused_total",
             "A worker's usage numbers not taken as they came: not_integer or negative (refused: the gateway's own "
             "count charged), over_bound (clamped to what the request could use)", ["reason"], registry=r)
+        self.worker_load_refused = Counter(
+            "cascade_gateway_worker_load_refused_total",
+            "Polls of a worker's load refused for what it said (too_large, not_json, bad_report, not_prometheus, "
+            "not_number, non_finite, negative, out_of_range): the poll counts as failed", ["reason"], registry=r)
+        self._load_refused_seen: dict[str, int] = {}
         self.cache = Counter("cascade_gateway_result_cache_total", "Result cache lookups", ["result"], registry=r)
         self._cache_hit, self._cache_miss = self.cache.labels("hit"), self.cache.labels("miss")
         # (metric, label values) -> its child: labels() takes a lock and builds the key every call, on
@@ -106,4 +111,8 @@ class GatewayMetrics:
             r = w.report
             if r is not None and r.prefix_cache_queries:
                 self.worker_prefix_hit.labels(*labels).set(r.prefix_cache_hits / r.prefix_cache_queries)
+        for reason, n in getattr(pool, "load_refused", {}).items():
+            if n > self._load_refused_seen.get(reason, 0):
+                self.worker_load_refused.labels(reason).inc(n - self._load_refused_seen.get(reason, 0))
+                self._load_refused_seen[reason] = n
         self.admission_waiting.set(admission.waiting)

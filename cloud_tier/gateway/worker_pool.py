@@ -6,13 +6,16 @@ Our workers (kind ``cascade``) report on ``/internal/load``; foreign ones (``vll
 any ``openai``-compatible server) on their own ``/metrics``, scraped about every second, and
 their health on ``/health`` (``/v1/models`` for a plain OpenAI-compatible one). A worker's kind is
 what it was given, else detected: ``/internal/load`` answers -> cascade, else the names in its
-``/metrics``. A worker whose numbers are older than ``stale_after_s`` counts as saturated."""
+``/metrics``. A worker whose numbers are older than ``stale_after_s`` counts as saturated. Every
+answer is read bounded and its numbers checked (``worker_load``): a refused one is a failed poll,
+counted by reason in ``load_refused``."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import httpx
@@ -20,6 +23,7 @@ import httpx
 from cascade.policy.backpressure import CircuitBreaker
 from cloud_tier.disagg.protocol import WorkerLoadReport
 from cloud_tier.gateway.placement import WorkerLoad
+from cloud_tier.gateway.worker_load import LoadRefused, checked_report, get_bounded
 from cloud_tier.gateway.worker_metrics import KINDS, ForeignLoad, detect_kind, parse_load
 
 log = logging.getLogger(__name__)
@@ -92,6 +96,7 @@ class WorkerPool:
         self._task: asyncio.Task | None = None
         self.changed = asyncio.Event()  # set when capacity may have grown
         self.foreign = False  # decide_mode()
+        self.load_refused: Counter[str] = Counter()  # polls refused for what a worker said, by reason
 
     def set_workers(self, roles: dict[str, str], kinds: dict[str, str] | None = None) -> None:
         """The pool becomes these workers (url -> role given for it, "" when its own report says):
@@ -167,19 +172,25 @@ class WorkerPool:
         w.scrape_epoch += 1
         self.changed.set()
 
+    async def _get(self, w: Worker, path: str, timeout_s: float) -> tuple[int, bytes]:
+        return await get_bounded(self.client, f"{w.url}{path}", self.headers, timeout_s)
+
     async def _poll_one(self, w: Worker) -> None:
         try:
             if w.kind == "auto":
                 w.kind = await self._detect(w)
             if w.kind == "cascade":
-                r = await self.client.get(f"{w.url}/internal/load", headers=self.headers, timeout=2.0)
-                r.raise_for_status()
-                w.report = WorkerLoadReport.model_validate_json(r.content)
+                status, body = await self._get(w, "/internal/load", 2.0)
+                _raise_for(status, w.url, "/internal/load")
+                w.report = checked_report(body)
                 w.role = w.report.role
             else:
                 await self._poll_foreign(w)
-        except (httpx.HTTPError, ValueError) as e:
+        except (httpx.HTTPError, ValueError, TimeoutError) as e:
             # refused: down at once; slow or odd (a loaded host): down when it happens twice in a row
+            if isinstance(e, LoadRefused):
+                self.load_refused[e.reason] += 1
+                log.warning("worker %s: its load answer refused (%s): %s", w.url, e.reason, e)
             w.poll_failures += 1
             if isinstance(e, httpx.ConnectError) or w.poll_failures >= 2:
                 self.mark_down(w.url, repr(e))
@@ -189,26 +200,26 @@ class WorkerPool:
 
     async def _detect(self, w: Worker) -> str:
         """cascade when /internal/load answers as ours, else what /metrics names (or openai)."""
-        r = await self.client.get(f"{w.url}/internal/load", headers=self.headers, timeout=2.0)
-        if r.status_code == 200:
+        status, body = await self._get(w, "/internal/load", 2.0)
+        if status == 200:
             try:
-                WorkerLoadReport.model_validate_json(r.content)
+                checked_report(body)
                 return "cascade"
             except ValueError:
                 pass
-        r = await self.client.get(f"{w.url}/metrics", headers=self.headers, timeout=2.0)
-        kind = detect_kind(r.text) if r.status_code == 200 else "openai"
+        status, body = await self._get(w, "/metrics", 2.0)
+        kind = detect_kind(body.decode("utf-8", "replace")) if status == 200 else "openai"
         log.info("worker %s is %s (detected)", w.url, kind)
         return kind
 
     async def _poll_foreign(self, w: Worker) -> None:
         health = "/v1/models" if w.kind == "openai" else "/health"
-        r = await self.client.get(f"{w.url}{health}", headers=self.headers, timeout=3.0)
-        r.raise_for_status()
+        status, _ = await self._get(w, health, 3.0)
+        _raise_for(status, w.url, health)
         if w.kind in ("vllm", "sglang"):
-            m = await self.client.get(f"{w.url}/metrics", headers=self.headers, timeout=3.0)
-            m.raise_for_status()
-            w.foreign = parse_load(w.kind, m.text)
+            status, body = await self._get(w, "/metrics", 3.0)
+            _raise_for(status, w.url, "/metrics")
+            w.foreign = parse_load(w.kind, body.decode("utf-8", "replace"))
         else:
             w.foreign = ForeignLoad()
         if w.role == "unknown":
@@ -221,3 +232,9 @@ class WorkerPool:
                 await self.poll()
             except Exception:  # never let the health loop die
                 log.exception("worker poll failed")
+
+
+def _raise_for(status: int, url: str, path: str) -> None:
+    if not 200 <= status < 300:
+        raise httpx.HTTPStatusError(f"{url}{path} answered {status}", request=httpx.Request("GET", f"{url}{path}"),
+                                    response=httpx.Response(status))
