@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
+import ipaddress
 import logging
 import os
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from cascade import wire
 from cascade.config import ConfigError
 from cloud_tier.gateway.worker_metrics import KINDS
 
@@ -31,6 +32,7 @@ WORKER_TYPES = KINDS  # the worker pool's kinds
 PORT_NAME = "http"  # a container port of this name is the worker's API port
 # in a pod, the namespace it runs in (mounted with its service account token)
 _NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+MAX_POD_LIST_BYTES = 64 << 20  # one list call's answer (a pod is ~5-10 KB of JSON)
 
 
 @dataclass(frozen=True, order=True)
@@ -48,15 +50,21 @@ def pod_is_ready(pod: dict) -> bool:
         return False
     if status.get("phase") != "Running":
         return False
+    try:  # an address a URL can hold, nothing else (an API answer is outside data too)
+        ipaddress.ip_address(status["podIP"])
+    except (ValueError, TypeError):
+        return False
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
 
 
 def pod_port(pod: dict, default: int) -> int:
-    """The container port named ``http`` (any container of the pod), else ``default``."""
+    """The container port named ``http`` (any container of the pod) when it is a port (an integer in
+    1..65535), else ``default``."""
     for container in (pod.get("spec") or {}).get("containers") or []:
         for port in container.get("ports") or []:
-            if port.get("name") == PORT_NAME and port.get("containerPort"):
-                return int(port["containerPort"])
+            number = port.get("containerPort")
+            if port.get("name") == PORT_NAME and type(number) is int and 0 < number <= 65535:
+                return number
     return default
 
 
@@ -139,7 +147,11 @@ class KubernetesDiscovery:
         shape as the recorded lists the tests feed ``pods_to_workers``, and cheaper to read)."""
         response = self.api.list_namespaced_pod(self.namespace, label_selector=selector,
                                                 _preload_content=False, _request_timeout=self.timeout_s)
-        return json.loads(response.data)
+        try:  # bounded while read: one byte past the limit is enough to refuse it (wire's too_large)
+            data = response.read(MAX_POD_LIST_BYTES + 1)
+        finally:
+            response.release_conn()
+        return wire.loads(data, limit=MAX_POD_LIST_BYTES)
 
     def discover(self) -> list[Discovered]:
         """The workers now, sorted by URL. Raises what the API call raises (ApiException,

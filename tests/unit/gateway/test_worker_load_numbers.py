@@ -231,3 +231,17 @@ def test_a_giant_load_report_is_refused_while_read():
     asyncio.run(run())
     assert pool.load_refused["too_large"] == 1 and pool.workers["http://w0"].report.waiting == 4
     assert fake.pulled <= MAX_SCRAPE_BYTES + (1 << 20)
+
+
+def test_a_discovery_answer_with_hostile_ports_and_addresses_routes_nowhere_odd():
+    from cloud_tier.gateway.discovery import pods_to_workers
+
+    def pod(name, ip, port):
+        return {"metadata": {"name": name, "namespace": "n"},
+                "spec": {"containers": [{"ports": [{"name": "http", "containerPort": port}]}]},
+                "status": {"phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}}
+
+    found = pods_to_workers({"items": [pod("a", "10.0.0.1", 2**70), pod("b", "10.0.0.2", -1), pod("c", "10.0.0.3", "x"),
+                                       pod("d", "10.0.0.4/evil?", 8000), pod("e", "fd00::1", 9000)]}, port=8000)
+    assert [d.url for d in found] == ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000",
+                                      "http://[fd00::1]:9000"]
