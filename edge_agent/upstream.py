@@ -15,10 +15,9 @@ from dataclasses import dataclass
 
 import httpx
 
-from cascade import errors
+from cascade import errors, sse, wire
 from cascade.generation import Finish, TokenEvent, TopToken
 from cascade.policy.backpressure import CircuitBreaker, parse_retry_after
-from cascade.sse import BrokenStream, next_chunk
 from edge_agent.config import UpstreamConfig
 from sync.delivery import Outcome
 from sync.queue import Item
@@ -93,6 +92,7 @@ class Upstream:
         self.breaker = CircuitBreaker(max_backoff_s=config.max_backoff_s, refused_backoff_s=config.refused_backoff_s,
                                       max_retry_after_s=config.max_retry_after_s)
         self._cloud_model: str | None = None
+        self.max_event_bytes = sse.MAX_EVENT_BYTES  # one line of the cloud's stream, bounded while read
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -254,26 +254,38 @@ class Upstream:
             if "text/event-stream" not in resp.headers.get("content-type", ""):
                 text = (await resp.aread()).decode("utf-8", "replace")[:200]
                 raise UpstreamBroken(f"HTTP 200 but not an event stream ({_content_type(resp)}): {text}")
-            lines = resp.aiter_lines()
-            first = await _next_chunk(lines)
+            lines = sse.lines(resp.aiter_bytes(), self.max_event_bytes)
+            first = await _next_chunk(lines, self.max_event_bytes)
             if first is None:
                 raise UpstreamBroken("the stream ended before its first chunk")
         except BaseException:
             await resp.aclose()
             raise
-        return Escalation(first.get("model", ""), _events(resp, lines, first, endpoint), key)
+        model = first.get("model")
+        return Escalation(model if isinstance(model, str) else "",
+                          _events(resp, lines, first, endpoint, self.max_event_bytes), key)
 
 
 def _content_type(r: httpx.Response) -> str:
     return r.headers.get("content-type", "no content-type").split(";")[0]
 
 
+MAX_BODY_BYTES = 32 << 20  # a non-streamed answer of the cloud's (a completion, a model list)
+
+
 def _json_object(r: httpx.Response) -> dict | None:
+    """The body as a JSON object by the strict decoder (None when it is not one)."""
     try:
-        body = r.json()
-    except ValueError:
+        body = wire.loads(r.content, limit=MAX_BODY_BYTES)
+    except wire.WireError:
         return None
     return body if isinstance(body, dict) else None
+
+
+def _tokens(usage: dict, name: str) -> int:
+    """A token count of the cloud's usage: an integer, clamped to 0..2**31-1 (0 when it is none)."""
+    v = usage.get(name)
+    return min(max(v, 0), 2**31 - 1) if isinstance(v, int) and not isinstance(v, bool) else 0
 
 
 def _model_ids(body: dict | None) -> list[str] | None:
@@ -284,17 +296,17 @@ def _model_ids(body: dict | None) -> list[str] | None:
     return [m["id"] for m in data]
 
 
-async def _next_chunk(lines: AsyncIterator[str]) -> dict | None:
+async def _next_chunk(lines: AsyncIterator[bytes], limit: int) -> dict | None:
     """The next chunk of an OpenAI stream; None at ``[DONE]``. UpstreamBroken for a stream that
-    ends without ``[DONE]``, a chunk that is not a JSON object, or an in-band error."""
+    ends without ``[DONE]``, a chunk that is not a JSON object, a line over ``limit``, or an in-band error."""
     try:
-        return await next_chunk(lines)
-    except BrokenStream as e:
+        return await sse.next_chunk(lines, limit)
+    except sse.BrokenStream as e:
         raise UpstreamBroken(str(e)) from None
 
 
-async def _events(resp: httpx.Response, lines: AsyncIterator[str], first: dict,
-                  endpoint: str) -> AsyncIterator[TokenEvent | Finish]:
+async def _events(resp: httpx.Response, lines: AsyncIterator[bytes], first: dict,
+                  endpoint: str, limit: int) -> AsyncIterator[TokenEvent | Finish]:
     """OpenAI chunks -> generation events: one TokenEvent per chunk with text, then a Finish.
     A stream that ends with neither ``[DONE]`` nor a finish reason, or breaks (an unreadable
     chunk, an in-band error), is no answer: a 502 (in-band once streaming), never a short "stop"."""
@@ -314,14 +326,13 @@ async def _events(resp: httpx.Response, lines: AsyncIterator[str], first: dict,
                 if choice.get("finish_reason"):
                     finish_reason = str(choice["finish_reason"])
             try:
-                chunk = await _next_chunk(lines)
+                chunk = await _next_chunk(lines, limit)
             except UpstreamBroken:
                 if finish_reason is None:
                     raise
                 chunk = None  # finished, only the end of the stream was lost
         usage = usage or {}
-        yield Finish(finish_reason or "stop", int(usage.get("prompt_tokens", 0)),
-                     int(usage.get("completion_tokens", 0)))
+        yield Finish(finish_reason or "stop", _tokens(usage, "prompt_tokens"), _tokens(usage, "completion_tokens"))
     except (UpstreamBroken, httpx.HTTPError, AttributeError, TypeError, KeyError, ValueError) as e:
         log.warning("the cloud's stream broke: %r", e)
         raise errors.APIError(502, f"The cloud tier's answer broke off: {str(e) or repr(e)}", "server_error",
