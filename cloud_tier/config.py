@@ -237,6 +237,9 @@ class GatewayConfig:
     result_cache_entries: int = 4096
     result_cache_bytes: int = 64 << 20
     result_cache_ttl_s: float = 600.0
+    # with redis: each tenant's entries (count, bytes), its oldest evicted past either, so no tenant evicts another's
+    result_cache_tenant_entries: int = 1024
+    result_cache_tenant_bytes: int = 16 << 20
     idempotency_ttl_s: float = 86400.0
     idempotency_lease_s: float = 600.0  # a claim not renewed for this long was left by a crashed gateway
     health_interval_s: float = 0.5
@@ -316,6 +319,8 @@ class GatewayConfig:
             raise ValueError(f"redis must be a redis://, rediss:// or unix:// URL (or empty), not {self.redis!r}")
         if self.batch_max_file_bytes < 1 or self.batch_max_lines < 1 or self.batch_concurrency < 1:
             raise ValueError("batch_max_file_bytes, batch_max_lines and batch_concurrency must be >= 1")
+        if self.result_cache_tenant_entries < 1 or self.result_cache_tenant_bytes < 1:
+            raise ValueError("result_cache_tenant_entries and result_cache_tenant_bytes must be >= 1")
         if self.batch_online_busy < 0:
             raise ValueError("batch_online_busy must be >= 0 (0: no limit)")
         if not 0 < self.batch_kv_share <= 1:

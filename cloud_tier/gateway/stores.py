@@ -99,7 +99,9 @@ def open_stores(config: CloudConfig) -> Stores:
 
             quotas = RedisQuotas(g.redis)  # loads its script: an unreachable Redis fails the start here
             opened.append(quotas)
-            cache = RedisResultCache(g.redis, g.result_cache_bytes, g.result_cache_ttl_s)
+            cache = RedisResultCache(g.redis, g.result_cache_bytes, g.result_cache_ttl_s,
+                                     tenant_entries=g.result_cache_tenant_entries,
+                                     tenant_bytes=g.result_cache_tenant_bytes)
             opened.append(cache)
         else:
             quotas, cache = Quotas(), ResultCache(g.result_cache_entries, g.result_cache_bytes, g.result_cache_ttl_s)
