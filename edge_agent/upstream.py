@@ -19,7 +19,7 @@ from cascade import errors, sse, wire
 from cascade.generation import Finish, TokenEvent, TopToken
 from cascade.policy.backpressure import CircuitBreaker, parse_retry_after
 from edge_agent.config import UpstreamConfig
-from sync.delivery import Outcome
+from sync.delivery import Outcome, openai_error
 from sync.queue import Item
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,12 @@ class UpstreamUnavailable(Exception):
         self.status = status
         self.retry_after_s = retry_after_s
         self.refused = refused
+
+
+class UpstreamFailedRequest(UpstreamUnavailable):
+    """The cloud is up and failed this request (a 5xx with an OpenAI error body, other than
+    502/503/504): serve it another way, and the circuit stays closed for every other request
+    (one poison prompt must not take the cloud away from the whole device)."""
 
 
 class UpstreamRefused(Exception):
@@ -147,8 +153,8 @@ class Upstream:
                     raise UpstreamUnavailable(f"the cloud is unreachable: {e!r}") from e
                 self.breaker.success()
                 return esc
-        except UpstreamRefused:
-            self.breaker.success()  # it is up; the request itself was refused
+        except (UpstreamRefused, UpstreamFailedRequest):
+            self.breaker.success()  # it is up; the request itself was refused or failed
             raise
         except UpstreamUnavailable as e:
             if e.refused:
@@ -238,11 +244,15 @@ class Upstream:
         resp = await self.client.send(req, stream=True)
         try:
             if resp.status_code != 200:
-                text = (await resp.aread()).decode("utf-8", "replace")[:500]
+                full = await _read_at_most(resp, MAX_ERROR_BODY)
+                text = full[:500]
                 retry_after = parse_retry_after(resp.headers.get("retry-after"))
                 if resp.status_code in REFUSAL:
                     raise UpstreamUnavailable(f"the cloud refused this device ({resp.status_code}): {text}",
                                               resp.status_code, retry_after, refused=True)
+                if resp.status_code >= 500 and resp.status_code not in (502, 503, 504) and _is_error_body(full):
+                    raise UpstreamFailedRequest(f"the cloud failed this request ({resp.status_code}): {text}",
+                                                resp.status_code, retry_after)
                 if resp.status_code in (404, 429) or resp.status_code >= 500 or resp.status_code < 400:
                     # 429/5xx: the cloud is busy or down; 404: this agent's model is not there;
                     # a 1xx-3xx is no answer: either way, serve it another way
@@ -264,6 +274,25 @@ class Upstream:
         model = first.get("model")
         return Escalation(model if isinstance(model, str) else "",
                           _events(resp, lines, first, endpoint, self.max_event_bytes), key)
+
+
+MAX_ERROR_BODY = 65536  # an error body is read this far at most (a hostile cloud's is not held whole)
+
+
+async def _read_at_most(resp: httpx.Response, limit: int) -> str:
+    got = bytearray()
+    async for piece in resp.aiter_bytes():
+        got += piece[:limit - len(got)]
+        if len(got) >= limit:
+            break
+    return got.decode("utf-8", "replace")
+
+
+def _is_error_body(text: str) -> bool:
+    try:
+        return openai_error(wire.loads(text))
+    except ValueError:
+        return False
 
 
 def _content_type(r: httpx.Response) -> str:

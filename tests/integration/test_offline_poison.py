@@ -121,3 +121,29 @@ def test_a_poison_request_fails_after_max_attempts_and_holds_back_neither_the_de
         assert loopback.get(f"{agent.url}/healthz", timeout=10).json()["upstream"]["circuit"] == "closed"
     finally:
         agent.stop()
+
+
+def test_a_live_poison_prompt_is_served_another_way_and_leaves_the_circuit_closed(tmp_path, cloud):
+    """The live escalation path: the cloud failing one prompt (a 500 with an OpenAI error) is that
+    request's failure, not an outage: it is served by its offline policy, the circuit stays
+    closed, and the next prompt still goes up."""
+    env = {"CASCADE_EDGE_UPSTREAM_URL": f"http://127.0.0.1:{cloud.server_port}/v1",
+           "CASCADE_EDGE_UPSTREAM_TIMEOUT_S": "10", "CASCADE_EDGE_UPSTREAM_MAX_BACKOFF_S": "30"}
+    agent = Agent(tmp_path, "--n-ctx", "256", "--threads", "1", "--no-config", env=env).wait_healthy()
+    try:
+        def ask(text: str, offline: str):
+            body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 4,
+                    "cascade": {"mode": "cloud", "offline": offline}}
+            return loopback.post(f"{agent.url}/v1/chat/completions", json=body, timeout=30)
+
+        for _ in range(3):  # offline "fail": answered at once, so the circuit is read right after
+            bad = ask("poison", "fail")
+            assert bad.status_code == 503 and bad.json()["error"]["code"] == "cloud_unavailable", bad.text[:200]
+            upstream = loopback.get(f"{agent.url}/healthz", timeout=10).json()["upstream"]
+            assert upstream["circuit"] == "closed", upstream
+        local = ask("poison", "local")
+        assert local.status_code == 200 and local.headers["x-cascade-tier"] == "edge", local.text[:200]
+        good = ask("an honest question", "fail")
+        assert good.status_code == 200 and good.headers["x-cascade-tier"] == "cloud", good.text[:200]
+    finally:
+        agent.stop()
