@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 
-from cascade import errors, wire
+from cascade import errors, sse, wire
 
 
 def _bad(message: str, code: str = "worker_bad_stream") -> errors.APIError:
@@ -17,23 +17,13 @@ def _bad(message: str, code: str = "worker_bad_stream") -> errors.APIError:
 
 
 async def lines(chunks: AsyncIterator[bytes], max_line_bytes: int) -> AsyncIterator[bytes]:
-    """The lines of a byte stream, without their b"\\n" (and a b"\\r" before it); the last one
-    even without a b"\\n". A line over ``max_line_bytes`` fails as soon as it gets there."""
-    buf = bytearray()
-    async for data in chunks:
-        start = 0
-        while (end := data.find(b"\n", start)) >= 0:
-            if len(buf) + end - start > max_line_bytes:
-                raise _too_large(max_line_bytes)
-            buf += data[start:end]
-            yield bytes(buf[:-1] if buf.endswith(b"\r") else buf)
-            buf.clear()
-            start = end + 1
-        buf += data[start:]
-        if len(buf) > max_line_bytes:
-            raise _too_large(max_line_bytes)
-    if buf:
-        yield bytes(buf)
+    """The lines of a byte stream (``cascade.sse.lines``: split on b"\\n" only, the last one even
+    without it); a line over ``max_line_bytes`` is a 502 as soon as it gets there."""
+    try:
+        async for line in sse.lines(chunks, max_line_bytes):
+            yield line
+    except sse.BrokenStream:
+        raise _too_large(max_line_bytes) from None
 
 
 def _too_large(limit: int) -> errors.APIError:
