@@ -40,7 +40,7 @@ import httpx
 from cascade import errors
 from cloud_tier.gateway import worker_stream
 from cloud_tier.gateway.admission import Ticket
-from cloud_tier.gateway.openai_shape import body_problem, chunk_problem, is_openai_error
+from cloud_tier.gateway.openai_shape import body_problem, chunk_problem, worker_is_unwell
 from cloud_tier.gateway.priority import with_vllm_priority
 from cloud_tier.gateway.worker_client import _error_of
 from cloud_tier.gateway.worker_pool import Worker, WorkerPool
@@ -231,15 +231,17 @@ class OpenAIProxy:
                 headers={**self.headers, "x-request-id": a.request_id},
                 timeout=httpx.Timeout(self.config.first_token_timeout_s, connect=2.0)), stream=True)
             try:
+                content = await worker_stream.read_body(r, limit)
                 if r.status_code != 200:
-                    raise ValueError(f"answered {r.status_code}")
-                answer = worker_stream.decode(await worker_stream.read_body(r, limit), limit, "a prefill answer")
+                    raise _Refused(r.status_code, worker_is_unwell(r.status_code, content))
+                answer = worker_stream.decode(content, limit, "a prefill answer")
             finally:
                 await r.aclose()
             params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
             self._ok(p)
         except (httpx.HTTPError, ValueError, errors.APIError) as e:
-            self._failed(p, repr(e), down=isinstance(e, httpx.ConnectError))
+            if not isinstance(e, _Refused) or e.unwell:  # a refusal of this request's content is not the worker's
+                self._failed(p, repr(e), down=isinstance(e, httpx.ConnectError))
             log.warning("prefill on %s failed (%r); decoding on %s alone", p.url, e, decode.url)
             return body
         finally:
@@ -264,6 +266,12 @@ class _Retryable(Exception):
         self.error = error
 
 
+class _Refused(ValueError):
+    def __init__(self, status: int, unwell: bool):
+        super().__init__(f"answered {status}")
+        self.unwell = unwell
+
+
 def _within(timeout_s: float | None, a: Attempt) -> float | None:
     """``timeout_s``, or less when the request's deadline (and its grace) comes first."""
     left = a.time_left()
@@ -275,14 +283,6 @@ def _within(timeout_s: float | None, a: Attempt) -> float | None:
 
 _UNWELL_CODES = {"worker_bad_stream", "worker_bad_response", "worker_empty_stream", "worker_event_too_large",
                  "worker_answer_too_large"}
-
-
-def worker_is_unwell(status: int, content: bytes) -> bool:
-    """Whether a refusal says the worker itself is unwell (counted on its breaker): a 502, 503 or
-    504, or a 5xx that is not an OpenAI error body. A 500 (or 501, ...) with one is what this
-    request's content did to a worker that serves others (its health check says otherwise), and
-    a 408 or 429 is load; neither shuts the worker out for every tenant."""
-    return status in (502, 503, 504) or (status >= 500 and not is_openai_error(content))
 
 
 def _bad_answer(message: str, code: str) -> errors.APIError:

@@ -3,7 +3,8 @@ converts it: a chunk of a stream and a whole body, for chat and for text complet
 once where the answer comes in (``openai_proxy``), so that every later reader (the relay, the
 result cache, the stream <-> body conversions of ``openai_results``, the batch runner) may rely
 on it. Fields the gateway does not read are left as they are; the ones it reads must be what the
-OpenAI API says (a list of objects, a string or null, ...). ``problem`` names what is wrong."""
+OpenAI API says (a list of objects, a string or null, ...); each check names what is wrong. Also:
+which refusals say the worker itself is unwell (``worker_is_unwell``, what its breaker counts)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,11 @@ def is_openai_error(content: bytes) -> bool:
         return False
     err = err.get("error") if isinstance(err, dict) else None
     return isinstance(err, dict) and isinstance(err.get("message"), str) and err["message"] != ""
+
+
+def worker_is_unwell(status: int, content: bytes) -> bool:
+    """Whether a refusal says the worker itself is unwell (counted on its breaker): a 502, 503 or
+    504, or a 5xx that is not an OpenAI error body. A 500 (or 501, ...) with one is what this
+    request's content did to a worker that serves others (its health check says otherwise), and
+    a 408 or 429 is load; neither shuts the worker out for every tenant."""
+    return status in (502, 503, 504) or (status >= 500 and not is_openai_error(content))

@@ -7,9 +7,8 @@ import json
 
 import pytest
 
-from cloud_tier.gateway.openai_proxy import worker_is_unwell
 from cloud_tier.gateway.openai_results import chunks_to_response, response_to_chunks
-from cloud_tier.gateway.openai_shape import body_problem, chunk_problem, is_openai_error
+from cloud_tier.gateway.openai_shape import body_problem, chunk_problem, is_openai_error, worker_is_unwell
 
 DELTA = {"index": 0, "delta": {"role": "assistant", "content": "Red"}, "finish_reason": None}
 MESSAGE = {"index": 0, "message": {"role": "assistant", "content": "Red"}, "finish_reason": "stop"}
@@ -94,3 +93,40 @@ def test_a_good_answer_survives_both_conversions():
             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
     again = chunks_to_response(response_to_chunks(body, "chat"), "chat")
     assert again["choices"][0]["message"] == MESSAGE["message"] and again["usage"] == body["usage"]
+
+
+@pytest.mark.parametrize("status,content,counted", [
+    (500, {"error": {"message": "this prompt broke it"}}, 0),
+    (400, {"error": {"message": "bad request"}}, 0),
+    (503, {"error": {"message": "overloaded"}}, 1),
+    (500, "Internal Server Error", 1),
+])
+def test_a_prefill_refusal_counts_on_the_prefill_workers_breaker_only_when_it_is_unwell(status, content, counted):
+    """Item 1 for a vLLM P/D pair: one tenant's poison prompt must not open the prefill worker's
+    breaker either (the request decodes alone, as after any failed prefill)."""
+    import asyncio
+
+    import httpx
+
+    from cloud_tier.gateway.openai_proxy import Attempt, OpenAIProxy, ProxyConfig
+    from cloud_tier.gateway.worker_pool import WorkerPool
+
+    sent = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(str(request.url))
+        return httpx.Response(status, **({"json": content} if isinstance(content, dict) else {"text": content}))
+
+    async def run() -> int:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            pool = WorkerPool(["http://p", "http://d"], client, kind="openai", roles={"http://p": "prefill",
+                                                                                      "http://d": "decode"})
+            pool.decide_mode()
+            for w in pool.workers.values():
+                w.healthy = True
+            proxy = OpenAIProxy(pool, client, ProxyConfig(kv_connector="nixl", pd_min_prompt_chars=1))
+            a = Attempt("/v1/chat/completions", {"messages": []}, False, "r1", prompt_chars=10, hashes_total=1)
+            body = await proxy._with_prefill(a, {"messages": []}, pool.workers["http://d"], 0)
+            assert "kv_transfer_params" not in body and sent == ["http://p/v1/chat/completions"]  # decoded alone
+            return pool.workers["http://p"].breaker.failures
+    assert asyncio.run(run()) == counted
