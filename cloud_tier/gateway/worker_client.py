@@ -174,8 +174,8 @@ class WorkerClient:
 def _error_of(content: bytes, status: int, headers: httpx.Headers | dict) -> errors.APIError:
     """A worker's refusal as the gateway's answer: a 4xx is the request's fault and passes through
     as it is (but a 401/403: that refuses the gateway's own credentials, a 502 to the client; a 429
-    is always a ``rate_limit_error``); a 5xx stays a server error, 503 and 429 with the worker's
-    Retry-After (else 1 s)."""
+    is always a ``rate_limit_error``); a 5xx is a server error, a 502 but for 503 and 504 (the
+    gateway answers 500 only for its own bugs), 503 and 429 with the worker's Retry-After (else 1 s)."""
     try:
         e = wire.loads(content, limit=max(len(content), 1))["error"]
         message, code = str(e.get("message", ""))[:2000], str(e.get("code") or "worker_error")[:100]
@@ -190,8 +190,9 @@ def _error_of(content: bytes, status: int, headers: httpx.Headers | dict) -> err
         kind = e.get("type") if isinstance(e.get("type"), str) else "invalid_request_error"
         param = e.get("param") if isinstance(e.get("param"), str) else None
         return errors.APIError(status, message, kind, param, code, _retry_after(status, headers))
-    if status >= 500:
-        return errors.APIError(status, message, "server_error", code=code, headers=_retry_after(status, headers))
+    if status >= 500:  # the worker's failure, never the gateway's own 500: a 502 unless it said 503/504
+        out = status if status in (503, 504) else 502
+        return errors.APIError(out, message, "server_error", code=code, headers=_retry_after(status, headers))
     return errors.APIError(502, f"the worker answered {status}", "server_error", code="worker_error")
 
 

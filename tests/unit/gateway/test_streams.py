@@ -103,7 +103,11 @@ def test_a_failure_after_tokens_is_recorded_as_the_streams_error():
                  (503, "no_capacity", None, "1"), id="503-gets-retry-after"),
     pytest.param(503, {"error": {"message": "full", "code": "no_capacity"}}, {"retry-after": "7"},
                  (503, "no_capacity", None, "7"), id="503-keeps-the-workers-retry-after"),
-    pytest.param(500, b"<html>", {}, (500, "worker_error", None, None), id="not-json"),
+    pytest.param(500, b"<html>", {}, (502, "worker_error", None, None), id="not-json-is-a-502"),
+    pytest.param(500, {"error": {"message": "boom", "type": "server_error", "code": "internal_error"}}, {},
+                 (502, "internal_error", None, None), id="a-workers-500-is-a-502-never-the-gateways-500"),
+    pytest.param(504, {"error": {"message": "slow", "code": "timeout"}}, {}, (504, "timeout", None, None),
+                 id="504-passes-through"),
 ])
 def test_a_workers_refusal_becomes_the_gateways_answer(status, body, headers, want):
     import json
