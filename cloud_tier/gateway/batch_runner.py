@@ -8,7 +8,8 @@ pool's KV use passes ``kv_share``, or (where compute is the limit, as on a CPU) 
 goes to the tenant with the fewest lines in flight, in turn), oldest batch first within one.
 A line refused for a reason that passes (a quota, a budget, its SLO, no capacity) goes back to
 pending and its tenant, alone, is held off a while (doubling up to ``backoff_max_s``); after
-``max_refusals`` refusals the line ends in the error file with the last one. A line refused for
+``max_refusals`` refusals of its own (a quota, a budget, its SLO: not the pool's capacity, which
+only backs off until the completion window ends) the line ends in the error file with the last one. A line refused for
 its content (a 4xx) is answered in the error file; one that fails on the cloud's side (5xx) is
 tried ``_SERVER_ATTEMPTS`` times. A line whose run ends any other way (a failure of ours, the
 gateway stopping) goes back to pending in ``finally``: no line stays running. Every call of the
@@ -42,6 +43,9 @@ log = logging.getLogger(__name__)
 
 _PASSING = {429, 503}  # refusals that pass: the line runs again later ...
 _FINAL_CODES = {"tokens_exceed_quota"}  # ... but not these, which never will
+# the pool, not the line nor its tenant, is short: wait (backing off), without using up the
+# line's refusals; the completion window still ends such a line
+_POOL_CODES = {"pool_saturated", "no_workers", "kv_capacity", "no_capacity"}
 _SERVER_ATTEMPTS = 3  # a line that fails on the cloud's side (5xx) is tried this often
 
 
@@ -113,6 +117,7 @@ class BatchRunner:
         self.clock = clock
         self.in_flight: dict[Line, tuple[str, asyncio.Task]] = {}  # -> (tenant, task)
         self.refusals: Counter[Line] = Counter()
+        self.pool_waits: Counter[Line] = Counter()  # refusals for the pool's capacity: back-off only
         self.server_failures: Counter[Line] = Counter()
         self.hold_until: dict[str, float] = {}  # tenant -> monotonic time before which none of its lines start
         self.turns: dict[str, int] = {}  # tenant -> when one of its lines last started (a count)
@@ -238,7 +243,7 @@ class BatchRunner:
                 task.cancel()
 
     def _forget(self, batch_id: str) -> None:
-        for counter in (self.refusals, self.server_failures):
+        for counter in (self.refusals, self.server_failures, self.pool_waits):
             for line in [line for line in counter if line[0] == batch_id]:
                 del counter[line]
 
@@ -252,13 +257,13 @@ class BatchRunner:
             else:
                 status, answer, request_id = await run_line(self.svc, key, ENDPOINTS[row["endpoint"]], body)
             if self._passes(line, status, answer):
-                tries = self.refusals[line] + self.server_failures[line]
-                wait = min(self.config.backoff_max_s, self.config.backoff_s * 2 ** (tries - 1))
+                tries = self.refusals[line] + self.server_failures[line] + self.pool_waits[line]
+                wait = min(self.config.backoff_max_s, self.config.backoff_s * 2 ** min(tries - 1, 30))
                 tenant = row["tenant"]
                 self.hold_until[tenant] = max(self.hold_until.get(tenant, 0.0), time.monotonic() + wait)
             else:
-                self.refusals.pop(line, None)
-                self.server_failures.pop(line, None)
+                for counter in (self.refusals, self.server_failures, self.pool_waits):
+                    counter.pop(line, None)
                 await asyncio.to_thread(self.store.record, row["id"], index, custom_id, status, answer, request_id)
                 settled = True
         finally:
@@ -272,6 +277,9 @@ class BatchRunner:
     def _passes(self, line: Line, status: int, answer: dict) -> bool:
         """Whether a refusal is one to run the line again for, later (each kind a bounded number of times)."""
         code = (answer.get("error") or {}).get("code")
+        if status in _PASSING and code in _POOL_CODES:
+            self.pool_waits[line] += 1
+            return True
         if status in _PASSING and code not in _FINAL_CODES:
             self.refusals[line] += 1
             return self.refusals[line] < self.config.max_refusals
