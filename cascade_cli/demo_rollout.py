@@ -91,10 +91,10 @@ def rollout_scene(fleet, edge: str, home: str, work: Path, serving: str) -> None
 
     logging.getLogger("model_distribution").setLevel(logging.WARNING)  # the simulated devices' own lines
     print("\n== staged rollouts: the agent and four simulated devices in group demo")
-    sims = []
-    for i in range(1, 5):
-        enrolled = json.loads(fleet.run("fleet", "devices", "add", f"sim-{i}", "--group", "demo", "--json"))
-        sims.append(SimulatedDevice(f"sim-{i}", enrolled["secret"], fleet, work))
+    secrets = {f"sim-{i}": json.loads(fleet.run("fleet", "devices", "add", f"sim-{i}", "--group", "demo",
+                                                 "--json"))["secret"] for i in range(1, 5)}
+    time.sleep(2.0)  # the broker takes new credentials when it reloads (Mosquitto: on SIGHUP, a moment later)
+    sims = [SimulatedDevice(name, secret, fleet, work) for name, secret in secrets.items()]
     print("   (simulated devices serve made-up traffic: about 45% escalated on a Q2_K model, 15% on the others; "
           "the agent's numbers are its own)")
     try:
