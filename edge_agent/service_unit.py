@@ -8,7 +8,9 @@ cache) in one writable directory and the rest of the file system read-only.
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
@@ -136,9 +138,6 @@ def _under_home(path: str) -> bool:
 def exposed_secrets(path: str | None, config) -> list[str]:
     """The secrets an edge config file holds while every user may read it (mode o+r): the keys
     to name in a warning. Empty for no file, a private file, or a file without secrets."""
-    import os
-    import stat
-
     if not path:
         return []
     try:

@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cascade.processes import free_port
+from tests.integration.faulty_openai import play
 
 
 @dataclass
@@ -91,7 +92,7 @@ class FaultyWorker:
             if mode.status != 200:
                 return JSONResponse({"error": mode.error}, status_code=mode.status, headers=mode.headers)
             if mode.script is not None:
-                return StreamingResponse(_play(mode.script), media_type="application/x-ndjson")
+                return StreamingResponse(play(mode.script), media_type="application/x-ndjson")
             req = client.build_request("POST", f"{self.target}/internal/generate", content=body,
                                        headers={"content-type": "application/json"})
             resp = await client.send(req, stream=True)
@@ -116,11 +117,3 @@ class FaultyWorker:
                 yield line + "\n"
         finally:
             await resp.aclose()
-
-
-async def _play(script: list):
-    for part in script:
-        if isinstance(part, float):
-            await asyncio.sleep(part)
-        else:
-            yield part.encode() if isinstance(part, str) else part

@@ -147,11 +147,11 @@ class FaultyOpenAIWorker:
             if mode.status != 200:
                 return JSONResponse({"error": mode.error}, status_code=mode.status)
             if mode.script is not None:
-                return StreamingResponse(_play(mode.script), media_type="text/event-stream")
+                return StreamingResponse(play(mode.script), media_type="text/event-stream")
             if self.target is None:
                 chat = request.url.path.endswith("chat/completions")
                 if json.loads(body).get("stream"):
-                    return StreamingResponse(_play(sse(*honest_chunks(chat), "[DONE]")),
+                    return StreamingResponse(play(sse(*honest_chunks(chat), "[DONE]")),
                                              media_type="text/event-stream")
                 return JSONResponse(honest_body(chat))
             passed = {k: v for k, v in request.headers.items() if k in ("x-request-id", "x-cascade-deadline")}
@@ -181,7 +181,8 @@ class FaultyOpenAIWorker:
             await resp.aclose()
 
 
-async def _play(script: list):
+async def play(script: list):
+    """A script's parts as a response body: strings and bytes sent, floats slept."""
     for part in script:
         if isinstance(part, float):
             await asyncio.sleep(part)
