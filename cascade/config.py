@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import re
 import tomllib
@@ -172,3 +173,17 @@ def write_section(path: Path, section_name: str, updates: dict) -> None:
     section.update(updates)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(tomli_w.dumps(data))
+
+
+def check_range(section: object, bounds: dict[str, tuple[float, float]]) -> None:
+    """Each named number of ``section`` is finite and within its ``(low, high)`` bounds; a
+    ValueError naming the key otherwise (the loader names the variable that set it)."""
+    for key, (low, high) in bounds.items():
+        value = getattr(section, key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                (isinstance(value, int) or math.isfinite(value)) and low <= value <= high):
+            raise ValueError(f"{key} must be a finite number in {_num(low)}..{_num(high)}, got {value!r}")
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)

@@ -2,29 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cascade.calibration import CascadeConfig
-from cascade.config import cascade_home, load_config
+from cascade.config import cascade_home, check_range, load_config
 from edge_agent.hardware import ORT_PROVIDER
 
 DAY_S = 86400.0
-
-
-def check_range(section: object, bounds: dict[str, tuple[float, float]]) -> None:
-    """Each named number of ``section`` is finite and within its ``(low, high)`` bounds; a
-    ValueError naming the key otherwise (the loader names the variable that set it)."""
-    for key, (low, high) in bounds.items():
-        value = getattr(section, key)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not (
-                (isinstance(value, int) or math.isfinite(value)) and low <= value <= high):
-            raise ValueError(f"{key} must be a finite number in {_num(low)}..{_num(high)}, got {value!r}")
-
-
-def _num(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else str(x)
 
 
 @dataclass
