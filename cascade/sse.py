@@ -9,7 +9,7 @@ BrokenStream as soon as it gets there), and each event is decoded by the strict 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from cascade import wire
 
@@ -25,22 +25,25 @@ class BrokenStream(Exception):
         self.error = error  # the in-band error event's body, if that is what it was
 
 
-async def lines(chunks: AsyncIterator[bytes], max_line_bytes: int = MAX_EVENT_BYTES) -> AsyncIterator[bytes]:
+async def lines(chunks: AsyncIterator[bytes], max_line_bytes: int = MAX_EVENT_BYTES,
+                too_long: Callable[[int], Exception] | None = None) -> AsyncIterator[bytes]:
     """The lines of a byte stream, without their b"\\n" (nor a b"\\r" before it); the last one even
-    without a b"\\n". BrokenStream as soon as a line passes ``max_line_bytes``."""
+    without a b"\\n". As soon as a line passes ``max_line_bytes``: ``too_long(max_line_bytes)``
+    raised (default a BrokenStream)."""
+    too_long = too_long or _too_long
     buf = bytearray()
     async for data in chunks:
         start = 0
         while (end := data.find(b"\n", start)) >= 0:
             if len(buf) + end - start > max_line_bytes:
-                raise _too_long(max_line_bytes)
+                raise too_long(max_line_bytes)
             buf += data[start:end]
             yield bytes(buf[:-1] if buf.endswith(b"\r") else buf)
             buf.clear()
             start = end + 1
         buf += data[start:]
         if len(buf) > max_line_bytes:
-            raise _too_long(max_line_bytes)
+            raise too_long(max_line_bytes)
     if buf:
         yield bytes(buf)
 

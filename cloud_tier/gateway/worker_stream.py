@@ -16,14 +16,10 @@ def _bad(message: str, code: str = "worker_bad_stream") -> errors.APIError:
     return errors.APIError(502, message, "server_error", code=code)
 
 
-async def lines(chunks: AsyncIterator[bytes], max_line_bytes: int) -> AsyncIterator[bytes]:
+def lines(chunks: AsyncIterator[bytes], max_line_bytes: int) -> AsyncIterator[bytes]:
     """The lines of a byte stream (``cascade.sse.lines``: split on b"\\n" only, the last one even
     without it); a line over ``max_line_bytes`` is a 502 as soon as it gets there."""
-    try:
-        async for line in sse.lines(chunks, max_line_bytes):
-            yield line
-    except sse.BrokenStream:
-        raise _too_large(max_line_bytes) from None
+    return sse.lines(chunks, max_line_bytes, too_long=_too_large)
 
 
 def _too_large(limit: int) -> errors.APIError:
