@@ -31,6 +31,7 @@ from model_distribution.device_client import DeviceConfig, DeviceUpdater
 from model_distribution.download import fetch
 from model_distribution.registry import file_sha256
 from model_distribution.state_sync import DeviceStateClient
+from sync.mqtt_link import stop_loop
 
 RETRY_MIN_S, RETRY_MAX_S = 5.0, 300.0  # as edge_agent/fleet.py
 
@@ -115,8 +116,7 @@ class SimDevice:
 
     def stop(self) -> None:
         self._wanted.put(None)
-        self.client.link.client.disconnect()
-        self.client.link.client.loop_stop()
+        stop_loop(self.client.link.client)
 
 
 def _download_all(devices: list[SimDevice], url: str, tag: str, info: TargetFile) -> list[tuple]:

@@ -145,8 +145,7 @@ class MQTTLink:
 
     def stop(self) -> None:
         self._stopping = True
-        self.client.disconnect()
-        self.client.loop_stop()
+        stop_loop(self.client)
         self._connected.clear()
 
     @property
@@ -229,3 +228,16 @@ class MQTTLink:
         except Exception:
             log.exception("%s.%s failed", type(peer).__name__, name)
             return None
+
+
+def stop_loop(client: mqtt.Client) -> None:
+    """Disconnect ``client`` and wait for its network thread.
+
+    The DISCONNECT wakes the loop (``loop_stop`` alone waits out a 1 s select). paho 2.x's thread, so ended,
+    clears ``_thread`` between ``loop_stop``'s None check and its ``join()``: an AttributeError there means the
+    thread has already left its loop, and there is nothing left to wait for."""
+    client.disconnect()
+    try:
+        client.loop_stop()
+    except AttributeError:
+        pass

@@ -19,6 +19,7 @@ import pytest
 from cascade.processes import cascade_command
 from model_distribution.registry import Registry
 from model_distribution.signing import Repository
+from sync.mqtt_link import stop_loop
 from tests import loopback
 from tests.conftest import REPO, Agent, Server
 from tests.unit.sync.test_mqtt import MOSQUITTO, Mosquitto, wait_until
@@ -187,8 +188,7 @@ def test_an_agent_killed_mid_download_and_mid_switch_comes_back_on_one_model_and
         wait_until(lambda: states and states[-1].get("state") == "ACTIVE", "ACTIVE reported again", 60)
         assert states[-1]["sha256"] == v2.sha256 and not any(s.get("state") == "DOWNLOADING" for s in states)
     finally:
-        watcher.disconnect()  # wakes its network loop: loop_stop alone waits out a 1 s select
-        watcher.loop_stop()
+        stop_loop(watcher)
         agent.stop()
         link.down()
         plane.stop()

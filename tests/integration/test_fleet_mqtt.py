@@ -19,6 +19,7 @@ from model_distribution.devices import DeviceStore
 from model_distribution.registry import Registry
 from model_distribution.signing import Repository
 from model_distribution.state_sync import DesiredPublisher, DeviceStateClient, topic
+from sync.mqtt_link import stop_loop
 from tests.unit.sync.test_mqtt import MOSQUITTO, Mosquitto, wait_until
 from tests.unit.test_registry import make_gguf
 
@@ -65,8 +66,7 @@ def plane(tmp_path):
         devices = [SimDevice(url, f"k{i}", repo.desired_public_key()) for i in range(N)]
         yield {"broker": broker, "url": url, "store": store, "v1": v1, "v2": v2, "devices": devices, "repo": repo}
         for d in devices:  # a DISCONNECT wakes each network loop: loop_stop alone waits out its 1 s select, 20 times
-            d.client.link.client.disconnect()
-            d.client.link.client.loop_stop()
+            stop_loop(d.client.link.client)
     finally:
         pub.stop()
         broker.stop()
@@ -126,8 +126,7 @@ def test_a_forged_or_misaddressed_document_is_refused(plane):
     attacker.publish(topic("default", "k0", "desired"), misaddressed, qos=1, retain=True).wait_for_publish(5)
     wait_until(lambda: len(d.client.refused) == 2, "both refused")
     assert d.last()["sha256"] == plane["v1"].sha256 and len(d.applied) == 1
-    attacker.disconnect()
-    attacker.loop_stop()
+    stop_loop(attacker)
 
 
 def test_an_apply_that_raises_keeps_the_devices_mqtt_loop_and_the_next_assignment_applies(plane):
@@ -231,7 +230,6 @@ def test_device_credentials_reach_only_the_devices_own_topics_on_a_real_broker(t
         time.sleep(0.5)
         assert not refused.is_connected()  # the broker answered "not authorized"
         for c in (refused, plane, k1):
-            c.disconnect()
-            c.loop_stop()
+            stop_loop(c)
     finally:
         broker.stop()

@@ -18,6 +18,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cascade.processes import cascade_command
 from model_distribution.registry import Registry
 from model_distribution.signing import Repository
+from sync.mqtt_link import stop_loop
 from tests import loopback
 from tests.conftest import REPO, Agent, Server
 from tests.unit.sync.test_mqtt import MOSQUITTO, Mosquitto, wait_until
@@ -122,8 +123,7 @@ def test_what_the_agent_refuses_is_reported_with_the_reason_and_the_old_model_ke
         wait_until(lambda: (json.loads(fleet(home, "devices", "--json"))[0].get("last_event") or {}).get(
             "event") == "desired_refused", "the control plane to record the refusal", 30)
     finally:
-        watcher.disconnect()  # wakes its network loop: loop_stop alone waits out a 1 s select
-        watcher.loop_stop()
+        stop_loop(watcher)
         agent.stop()
         plane.stop()
         broker.stop()

@@ -22,6 +22,7 @@ from model_distribution.devices import DeviceStore
 from model_distribution.download import DownloadError, fetch
 from model_distribution.registry import Registry
 from model_distribution.signing import Repository, verified_target
+from sync.mqtt_link import stop_loop
 from tests import loopback
 from tests.conftest import Server
 from tests.unit.sync.test_mqtt import MOSQUITTO, Mosquitto, wait_until
@@ -197,8 +198,7 @@ def test_the_http_desired_document_is_the_retained_mqtt_message(tmp_path):
         wait_until(lambda: got, "the retained desired message")
         assert got[-1] == http.content
     finally:
-        sub.disconnect()  # wakes its network loop: loop_stop alone waits out a 1 s select
-        sub.loop_stop()
+        stop_loop(sub)
         store.close()
         server.stop()
         broker.stop()

@@ -20,6 +20,7 @@ import pytest
 
 from cascade.processes import free_port
 from sync.mqtt import MQTTConfig, TelemetryPublisher, encode_telemetry, telemetry_topic
+from sync.mqtt_link import stop_loop
 from sync.queue import Kind, NewItem, OfflineQueue
 
 MOSQUITTO = shutil.which("mosquitto") or shutil.which("mosquitto", path="/usr/sbin")
@@ -105,8 +106,7 @@ class Subscriber:
         return {body["id"] for _, body in self.received}
 
     def close(self) -> None:
-        self.client.disconnect()
-        self.client.loop_stop()
+        stop_loop(self.client)
 
 
 class SilentBroker:
