@@ -23,10 +23,12 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/edge_overhead.py
 
-# ruff (style, line length 120) and the layer contract in pyproject.toml (import-linter)
+# ruff (style, line length 120), the layer contract in pyproject.toml (import-linter) and the size
+# rules (no source file over 400 lines, no function over 60: scripts/check_structure.py)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+	$(PY) scripts/check_structure.py
 
 setup: $(STAMP)
 
