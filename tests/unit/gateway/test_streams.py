@@ -10,10 +10,10 @@ import pytest
 
 from cascade import errors
 from cascade.generation import Finish, TokenEvent
-from cloud_tier.gateway.keys import ApiKey
-from cloud_tier.gateway.service import outcome_of, tokens_used
-from cloud_tier.gateway.streams import Flight, Recorder, pull_first
-from cloud_tier.gateway.worker_client import _error_of
+from cloud_tier.gateway.pipeline.flight import Flight, Recorder, pull_first
+from cloud_tier.gateway.pipeline.service import outcome_of, tokens_used
+from cloud_tier.gateway.pipeline.worker_client import _error_of
+from cloud_tier.gateway.tenants.keys import ApiKey
 
 TOKEN = TokenEvent(token_id=1, text="a", piece=b"a", logprob=0.0, entropy=0.0)
 FINISH = Finish("stop", 3, 1)

@@ -1,5 +1,5 @@
 """``build_app(config, worker_urls)``: the gateway. The lifespan opens its stores (SQLite and
-in-process, or PostgreSQL and Redis: ``stores.open_stores``), finds the workers and takes the
+in-process, or PostgreSQL and Redis: ``pipeline.stores.open_stores``), finds the workers and takes the
 model's names and tokenizer from one of them (the gateway never holds the model, nor torch)."""
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from cascade.web import build_openai_app
 from cloud_tier import tokenizer_files
 from cloud_tier.config import CloudConfig
 from cloud_tier.disagg.protocol import ServedModel
-from cloud_tier.gateway.batch_files import FileLimits
-from cloud_tier.gateway.batch_routes import UPLOAD_FORM_OVERHEAD, batch_api, body_too_large
-from cloud_tier.gateway.batch_runner import BatchRunner, RunnerConfig
-from cloud_tier.gateway.batch_store import BatchStore
-from cloud_tier.gateway.http_pool import KEEPALIVE_EXPIRY_S, ShardedTransport
-from cloud_tier.gateway.routes import admin, generation, ops, v1
-from cloud_tier.gateway.service import GatewayService
-from cloud_tier.gateway.stores import batch_db_path, open_stores
-from cloud_tier.gateway.worker_pool import WorkerPool
+from cloud_tier.gateway.batch.files import FileLimits
+from cloud_tier.gateway.batch.routes import UPLOAD_FORM_OVERHEAD, batch_api, body_too_large
+from cloud_tier.gateway.batch.runner import BatchRunner, RunnerConfig
+from cloud_tier.gateway.batch.store import BatchStore
+from cloud_tier.gateway.http.routes import admin, generation, ops, v1
+from cloud_tier.gateway.pipeline.service import GatewayService
+from cloud_tier.gateway.pipeline.stores import batch_db_path, open_stores
+from cloud_tier.gateway.workers.http_pool import KEEPALIVE_EXPIRY_S, ShardedTransport
+from cloud_tier.gateway.workers.pool import WorkerPool
 from cloud_tier.request_builder import RequestBuilder
 from sync.idempotency import IdempotencyRecords
 
@@ -113,7 +113,7 @@ def build_app(config: CloudConfig, worker_urls: list[str]) -> FastAPI:
                           breaker_threshold=g.breaker_threshold, breaker_open_s=g.breaker_open_s)
         watcher = None
         if g.k8s_discovery:  # the pool follows the ready pods the selectors match
-            from cloud_tier.gateway.discovery import KubernetesDiscovery, follow
+            from cloud_tier.gateway.workers.discovery import KubernetesDiscovery, follow
 
             discovery = KubernetesDiscovery(g.k8s_namespace, g.k8s_selector, g.k8s_prefill_selector,
                                             g.k8s_decode_selector, port=g.k8s_port)

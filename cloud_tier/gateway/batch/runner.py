@@ -1,5 +1,5 @@
 """The gateway's batch runner: one background task that moves batches through their states
-(``batch_state``) and runs their lines through the gateway's own pipeline (``GatewayService.begin``:
+(``batch.state``) and runs their lines through the gateway's own pipeline (``GatewayService.begin``:
 quotas, budgets, the result cache, KV admission, routing, as an online request of the batch's key,
 in the ``batch`` class), a few at a time and only into spare capacity: no line starts while an
 online request waits for KV room, while a worker's engine has requests waiting, once the decode
@@ -30,14 +30,14 @@ from cascade import errors
 from cascade.openai_format import ChatFormatter, CompletionFormatter
 from cascade.protocol import ChatCompletionRequest, CompletionRequest
 from cascade.web import parse_body
-from cloud_tier.gateway.batch_jsonl import ENDPOINTS, MAX_LINE_BYTES, file_errors, parse_lines
-from cloud_tier.gateway.batch_state import InvalidTransition, Status, next_status
-from cloud_tier.gateway.batch_store import BatchStore
-from cloud_tier.gateway.keys import ApiKey
-from cloud_tier.gateway.openai_results import chunks_to_response
-from cloud_tier.gateway.openai_route import pressure
-from cloud_tier.gateway.service import GatewayService
-from cloud_tier.gateway.streams import first_of, render_stored
+from cloud_tier.gateway.batch.jsonl import ENDPOINTS, MAX_LINE_BYTES, file_errors, parse_lines
+from cloud_tier.gateway.batch.state import InvalidTransition, Status, next_status
+from cloud_tier.gateway.batch.store import BatchStore
+from cloud_tier.gateway.foreign.answers import chunks_to_response
+from cloud_tier.gateway.foreign.routing import pressure
+from cloud_tier.gateway.pipeline.flight import first_of, render_stored
+from cloud_tier.gateway.pipeline.service import GatewayService
+from cloud_tier.gateway.tenants.keys import ApiKey
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from cascade import wire
 from cascade.config import ConfigError
-from cloud_tier.gateway.worker_metrics import KINDS
+from cloud_tier.gateway.workers.metrics_scrape import KINDS
 
 log = logging.getLogger(__name__)
 

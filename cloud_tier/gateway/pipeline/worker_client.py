@@ -2,7 +2,7 @@
 call the decode worker's ``/internal/generate`` and relay its NDJSON events; retry on another
 attempt what failed before the first token for a reason a retry can fix (a prefill worker
 unreachable, a transfer that failed, no KV room), and find another decode worker when the
-chosen one cannot be reached. The worker's answer is read bounded (``worker_stream``: a line up to
+chosen one cannot be reached. The worker's answer is read bounded (``workers.stream``: a line up to
 ``max_event_bytes``, an error body up to ``max_body_bytes``), each line by the strict decoder; a
 worker that stalls is a 504 (a timeout, or the request's deadline passed by ``DEADLINE_GRACE_S``:
 the worker keeps the deadline itself, the gateway only in case it does not)."""
@@ -22,11 +22,11 @@ from cascade import errors, wire
 from cascade.generation import Finish, TokenEvent, event_from_wire
 from cloud_tier.disagg.messages import RequestRecord
 from cloud_tier.disagg.protocol import GenerateRequest
-from cloud_tier.gateway import worker_stream
-from cloud_tier.gateway.admission import Admission, Ticket
-from cloud_tier.gateway.placement import NoWorkerError, PrefixIndex, RouterConfig, choose_prefill
-from cloud_tier.gateway.streams import Flight
-from cloud_tier.gateway.worker_pool import Worker, WorkerPool
+from cloud_tier.gateway.pipeline.flight import Flight
+from cloud_tier.gateway.workers import stream as worker_stream
+from cloud_tier.gateway.workers.admission import Admission, Ticket
+from cloud_tier.gateway.workers.placement import NoWorkerError, PrefixIndex, RouterConfig, choose_prefill
+from cloud_tier.gateway.workers.pool import Worker, WorkerPool
 from cloud_tier.request_builder import Plan
 
 log = logging.getLogger(__name__)

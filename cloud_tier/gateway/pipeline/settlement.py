@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 from cascade import errors
 from cascade.generation import Finish
-from cloud_tier.gateway.streams import Flight, estimated_usage
+from cloud_tier.gateway.pipeline.flight import Flight, estimated_usage
 
 if TYPE_CHECKING:
-    from cloud_tier.gateway.service import GatewayService
+    from cloud_tier.gateway.pipeline.service import GatewayService
 
 log = logging.getLogger(__name__)
 

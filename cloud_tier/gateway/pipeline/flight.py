@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 from cascade import errors
 from cascade.generation import Finish, TokenEvent, event_from_wire, event_to_wire
-from cloud_tier.gateway.admission import Ticket
-from cloud_tier.gateway.keys import ApiKey
-from cloud_tier.gateway.openai_results import CHARS_PER_TOKEN, answer_chars, usage_of
-from cloud_tier.gateway.worker_usage import UNBOUNDED, UsageBounds, checked
+from cloud_tier.gateway.foreign.answers import CHARS_PER_TOKEN, answer_chars, usage_of
+from cloud_tier.gateway.tenants.keys import ApiKey
+from cloud_tier.gateway.workers.admission import Ticket
+from cloud_tier.gateway.workers.usage import UNBOUNDED, UsageBounds, checked
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class Flight:
     prompt_tokens: int = 0
     generated_tokens: int = 0  # token events received so far
     answer_chars: int = 0  # an OpenAI-compatible worker's answer: the characters of its text so far
-    bounds: UsageBounds = UNBOUNDED  # the most a worker may say this request used (``worker_usage``)
+    bounds: UsageBounds = UNBOUNDED  # the most a worker may say this request used (``workers.usage``)
     usage_problem: str = ""  # why the worker's usage was refused or clamped ("": it was not)
     ticket: Ticket | None = None
     cache_key: str | None = None
@@ -77,7 +77,7 @@ def observe_event(f: Flight, ev):
 def observe_chunk(f: Flight, chunk: dict) -> dict:
     """What an OpenAI-compatible worker's chunks (or its one body) tell a flight: a chunk with
     text counts as a token until the worker's usage, which ends the flight, says how many. A usage
-    refused or clamped (``worker_usage``) is replaced in the chunk by the numbers charged."""
+    refused or clamped (``workers.usage``) is replaced in the chunk by the numbers charged."""
     f.events.append(chunk)
     chars = answer_chars(chunk)
     if chars:

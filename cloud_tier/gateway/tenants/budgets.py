@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from cascade import errors
-from cloud_tier.gateway.keys import Budget
+from cloud_tier.gateway.tenants.keys import Budget
 
 if TYPE_CHECKING:
-    from cloud_tier.gateway.keys import ApiKey, KeyRecords
+    from cloud_tier.gateway.tenants.keys import ApiKey, KeyRecords
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class RedisSpend:
     day after its period ends; one round trip per charge or read."""
 
     def __init__(self, url: str, prefix: str = "cascade:spend:"):
-        from cloud_tier.gateway.quotas_redis import connect
+        from cloud_tier.gateway.tenants.quotas_redis import connect
 
         self._redis = connect(url)
         self._prefix = prefix

@@ -1,5 +1,5 @@
 """The Batch API's durable state in SQLite (``sync.sqlite.SQLiteStore``: WAL, one writer, BEGIN
-IMMEDIATE): the files (``batch_files``), a table of batches, one of a batch's lines. A line is
+IMMEDIATE): the files (``batch.files``), a table of batches, one of a batch's lines. A line is
 ``pending`` -> ``running`` -> ``done`` (in the output file) or ``failed`` (in the error file), and
 its result is written the moment it finishes, only while it is still ``running``: a line ends
 exactly once, whatever else (a cancel, an expiry) happens at the same time. Only a batch in
@@ -22,9 +22,9 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from cloud_tier.gateway.batch_files import FileLimits, FileStore, StorageFull, file_object, new_id
-from cloud_tier.gateway.batch_jsonl import InputLine, line_error, output_line
-from cloud_tier.gateway.batch_state import InvalidTransition, Status, check_transition
+from cloud_tier.gateway.batch.files import FileLimits, FileStore, StorageFull, file_object, new_id
+from cloud_tier.gateway.batch.jsonl import InputLine, line_error, output_line
+from cloud_tier.gateway.batch.state import InvalidTransition, Status, check_transition
 
 __all__ = ["BatchStore", "TooManyBatches", "batch_object", "file_object", "new_id"]
 

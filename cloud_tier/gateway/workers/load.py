@@ -1,6 +1,6 @@
 """A worker's word on its load, checked before it reaches placement, admission, a gauge or a timer:
 the one place those numbers are read (our workers' ``/internal/load`` here, a foreign worker's
-``/metrics`` in ``worker_metrics``, through ``count``).
+``/metrics`` in ``workers.metrics_scrape``, through ``count``).
 
 A poll's body is read bounded (``MAX_SCRAPE_BYTES``, refused as soon as it passes that) and within
 one deadline for the whole answer. A number that is not one (a string, a bool, NaN, an infinity, a

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from cloud_tier.gateway.keys import KeyRecords
+from cloud_tier.gateway.tenants.keys import KeyRecords
 from sync.postgres import PgStore
 
 SCHEMA = (

@@ -11,7 +11,7 @@ import math
 
 import redis
 
-from cloud_tier.gateway.quotas import _EPS, Limits, QuotaDecision
+from cloud_tier.gateway.tenants.quotas import _EPS, Limits, QuotaDecision
 
 # KEYS: the buckets. ARGV[1]: "admit" or "reconcile"; ARGV[2]: idle seconds kept after a full refill;
 # admit: then (rate, capacity, amount) per bucket; reconcile: then the tokens to add per bucket

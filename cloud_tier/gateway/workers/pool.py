@@ -7,7 +7,7 @@ any ``openai``-compatible server) on their own ``/metrics``, scraped about every
 their health on ``/health`` (``/v1/models`` for a plain OpenAI-compatible one). A worker's kind is
 what it was given, else detected: ``/internal/load`` answers -> cascade, else the names in its
 ``/metrics``. A worker whose numbers are older than ``stale_after_s`` counts as saturated. Every
-answer is read bounded and its numbers checked (``worker_load``): a refused one is a failed poll,
+answer is read bounded and its numbers checked (``workers.load``): a refused one is a failed poll,
 counted by reason in ``load_refused``."""
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import httpx
 
 from cascade.policy.backpressure import CircuitBreaker
 from cloud_tier.disagg.protocol import WorkerLoadReport
-from cloud_tier.gateway.placement import WorkerLoad
-from cloud_tier.gateway.worker_load import LoadRefused, checked_report, get_bounded
-from cloud_tier.gateway.worker_metrics import KINDS, ForeignLoad, detect_kind, parse_load
+from cloud_tier.gateway.workers.load import LoadRefused, checked_report, get_bounded
+from cloud_tier.gateway.workers.metrics_scrape import KINDS, ForeignLoad, detect_kind, parse_load
+from cloud_tier.gateway.workers.placement import WorkerLoad
 
 log = logging.getLogger(__name__)
 

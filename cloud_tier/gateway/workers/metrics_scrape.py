@@ -4,7 +4,7 @@ vLLM names its series ``vllm:*`` and SGLang ``sglang:*`` (both Prometheus text);
 the waiting and running requests, the KV cache's use (a fraction, 0..1, in both) and how many
 tokens the KV cache holds (vLLM: ``vllm:cache_config_info``'s ``num_gpu_blocks`` x ``block_size``
 labels; SGLang: ``sglang:max_total_num_tokens``). Series carry a model label; a server with
-several models is summed. Every number read goes through ``worker_load.count``: NaN, an infinity,
+several models is summed. Every number read goes through ``workers.load.count``: NaN, an infinity,
 a negative or text that is no number refuses the scrape (``LoadRefused``); one past what any worker
 has is clamped."""
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from cloud_tier.gateway.worker_load import (
+from cloud_tier.gateway.workers.load import (
     MAX_BLOCK_SIZE,
     MAX_KV_BLOCKS,
     MAX_KV_TOKENS,

@@ -28,7 +28,7 @@ def _too_large(limit: int) -> errors.APIError:
 
 def decode(data: bytes, limit: int, what: str) -> object:
     """``data`` as JSON by the strict decoder; integers of any size are kept (a worker's usage is
-    clamped where it is read, ``worker_usage``), NaN and the like refused."""
+    clamped where it is read, ``workers.usage``), NaN and the like refused."""
     try:
         return wire.loads(data, limit=limit, int64=False)
     except wire.WireError as e:

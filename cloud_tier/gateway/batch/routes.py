@@ -1,7 +1,7 @@
 """The OpenAI Files and Batch API on the gateway, as the official SDK calls it: ``/v1/files``
 (multipart upload of a JSONL with purpose "batch", its object, content, deletion, listing) and
-``/v1/batches`` (create, retrieve, list, cancel). Thin handlers: the store (``batch_store``) keeps
-the state, the runner (``batch_runner``) does the work. A file or batch of another tenant is not
+``/v1/batches`` (create, retrieve, list, cancel). Thin handlers: the store (``batch.store``) keeps
+the state, the runner (``batch.runner``) does the work. A file or batch of another tenant is not
 found. Every call of the store runs in a worker thread (``_call``): it may wait for the store's
 lock or the disk, and the event loop serves every other tenant meanwhile."""
 
@@ -16,12 +16,12 @@ from starlette.datastructures import UploadFile
 
 from cascade import errors
 from cascade.web import openapi, parse_body, read_json
-from cloud_tier.gateway.batch_files import StorageFull
-from cloud_tier.gateway.batch_jsonl import ENDPOINTS, count_lines
-from cloud_tier.gateway.batch_state import CANCELLABLE, InvalidTransition, Status, window_seconds
-from cloud_tier.gateway.batch_store import BatchStore, TooManyBatches, batch_object
-from cloud_tier.gateway.keys import ApiKey
-from cloud_tier.gateway.service import GatewayService
+from cloud_tier.gateway.batch.files import StorageFull
+from cloud_tier.gateway.batch.jsonl import ENDPOINTS, count_lines
+from cloud_tier.gateway.batch.state import CANCELLABLE, InvalidTransition, Status, window_seconds
+from cloud_tier.gateway.batch.store import BatchStore, TooManyBatches, batch_object
+from cloud_tier.gateway.pipeline.service import GatewayService
+from cloud_tier.gateway.tenants.keys import ApiKey
 
 batch_api = APIRouter(prefix="/v1")
 _ERRORS = openapi.errors(400, 401, 403, 404, 409, 413, 429, 500)

@@ -44,7 +44,7 @@ def max_tokens_of(body: dict) -> int | None:
 
 def usage_of(obj: dict) -> tuple[object, object] | None:
     """(prompt_tokens, completion_tokens) of a chunk or a body that carries usage, as the worker
-    wrote them (checked by ``worker_usage.checked``), else None."""
+    wrote them (checked by ``workers.usage.checked``), else None."""
     u = obj.get("usage") if isinstance(obj, dict) else None
     if not isinstance(u, dict):
         return None
@@ -99,7 +99,7 @@ def _dicts(items: object) -> list[dict]:
 
 def chunks_to_response(chunks: list[dict], endpoint: str) -> dict[str, Any]:
     """A stream's chunks as the one JSON body the same request, not streamed, would get. The
-    chunks were checked when they came (``openai_shape``); what is not as the API says is skipped
+    chunks were checked when they came (``foreign.shape``); what is not as the API says is skipped
     here all the same, so that no stored answer can make this raise."""
     chunks = _dicts(chunks)
     first = next((c for c in chunks if c.get("choices")), chunks[0] if chunks else {})

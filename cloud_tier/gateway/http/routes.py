@@ -16,12 +16,12 @@ from cascade.protocol import ChatCompletion, ChatCompletionRequest, Completion, 
 from cascade.web import RequestRoute, openai_response, openapi, parse_body, read_json
 from cascade.web.caller import CallerGone, while_connected
 from cascade.web.requests import bearer_matches
-from cloud_tier.gateway.keys import ApiKey
-from cloud_tier.gateway.openai_results import chunks_to_response, response_to_chunks
-from cloud_tier.gateway.priority import HEADER as PRIORITY_HEADER
-from cloud_tier.gateway.priority import priority_class
-from cloud_tier.gateway.service import GatewayService
-from cloud_tier.gateway.streams import first_of, pull_first, relay_sse, render_stored, replay, replay_chunks
+from cloud_tier.gateway.foreign.answers import chunks_to_response, response_to_chunks
+from cloud_tier.gateway.pipeline.flight import first_of, pull_first, relay_sse, render_stored, replay, replay_chunks
+from cloud_tier.gateway.pipeline.service import GatewayService
+from cloud_tier.gateway.tenants.keys import ApiKey
+from cloud_tier.gateway.tenants.priority import HEADER as PRIORITY_HEADER
+from cloud_tier.gateway.tenants.priority import priority_class
 from cloud_tier.request_builder import deadline_seconds
 
 

@@ -1,7 +1,7 @@
 """The shape an OpenAI-compatible worker's answer must have before the gateway relays, stores or
 converts it: a chunk of a stream and a whole body, for chat and for text completions. Checked
-once where the answer comes in (``openai_proxy``), so that every later reader (the relay, the
-result cache, the stream <-> body conversions of ``openai_results``, the batch runner) may rely
+once where the answer comes in (``foreign.proxy``), so that every later reader (the relay, the
+result cache, the stream <-> body conversions of ``foreign.answers``, the batch runner) may rely
 on it. Fields the gateway does not read are left as they are; the ones it reads must be what the
 OpenAI API says (a list of objects, a string or null, ...); each check names what is wrong. Also:
 which refusals say the worker itself is unwell (``worker_is_unwell``, what its breaker counts)."""

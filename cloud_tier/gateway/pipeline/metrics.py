@@ -7,7 +7,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from cloud_tier.gateway.openai_route import pressure, queue_of
+from cloud_tier.gateway.foreign.routing import pressure, queue_of
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TPOT = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2)

@@ -10,8 +10,8 @@ stream whose first chunk does not come within ``first_token_timeout_s``, or an a
 within ``answer_timeout_s``, fails (504). A request's deadline (X-Cascade-Deadline, the body's
 ``timeout``) goes to the worker as ``X-Cascade-Deadline`` (ours ends the answer there) and is kept
 by the gateway too, ``DEADLINE_GRACE_S`` later: before the first byte a 504, after it the stream
-ends with an error event. A worker's answer is read bounded (``worker_stream``: an event up to
-``max_event_bytes``, a body up to ``max_body_bytes``) and its shape checked (``openai_shape``)
+ends with an error event. A worker's answer is read bounded (``workers.stream``: an event up to
+``max_event_bytes``, a body up to ``max_body_bytes``) and its shape checked (``foreign.shape``)
 before anything of it is relayed or stored: one that is not OpenAI-shaped is a 502. A request
 counts at most once on the worker's circuit breaker, and only for what says the worker itself is
 unwell (``worker_is_unwell``: no connection, a timeout, 502/503/504, an answer that is not
@@ -38,12 +38,12 @@ from dataclasses import dataclass
 import httpx
 
 from cascade import errors
-from cloud_tier.gateway import worker_stream
-from cloud_tier.gateway.admission import Ticket
-from cloud_tier.gateway.openai_shape import body_problem, chunk_problem, worker_is_unwell
-from cloud_tier.gateway.priority import with_vllm_priority
-from cloud_tier.gateway.worker_client import _error_of
-from cloud_tier.gateway.worker_pool import Worker, WorkerPool
+from cloud_tier.gateway.foreign.shape import body_problem, chunk_problem, worker_is_unwell
+from cloud_tier.gateway.pipeline.worker_client import _error_of
+from cloud_tier.gateway.tenants.priority import with_vllm_priority
+from cloud_tier.gateway.workers import stream as worker_stream
+from cloud_tier.gateway.workers.admission import Ticket
+from cloud_tier.gateway.workers.pool import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """The gateway's request pipeline, in order: idempotency -> validation (the model's tokenizer)
 -> result cache (on the prompt's token ids) -> quotas -> KV admission -> routing and the decode worker's event stream
-(``worker_client``), relayed as OpenAI SSE or JSON. Whatever happens, a request's commitments
+(``pipeline.worker_client``), relayed as OpenAI SSE or JSON. Whatever happens, a request's commitments
 (KV ticket, quota charge, idempotency claim) are settled exactly once when its event stream
-closes (``streams.Recorder``, ``settlement``)."""
+closes (``pipeline.flight.Recorder``, ``pipeline.settlement``)."""
 
 from __future__ import annotations
 
@@ -20,21 +20,21 @@ import httpx
 
 from cascade import errors
 from cloud_tier.config import GatewayConfig, parse_class_slos
-from cloud_tier.gateway import openai_results
-from cloud_tier.gateway.admission import Admission
-from cloud_tier.gateway.keys import ApiKey, check_priority
-from cloud_tier.gateway.metrics import GatewayMetrics
-from cloud_tier.gateway.openai_proxy import Attempt, OpenAIProxy, ProxyConfig
-from cloud_tier.gateway.openai_route import ForeignRouting, choose
-from cloud_tier.gateway.placement import PrefixIndex, RouterConfig, text_block_hashes
-from cloud_tier.gateway.quotas import Limits
-from cloud_tier.gateway.result_cache import ResultCache, cache_key
-from cloud_tier.gateway.settlement import Settlement, outcome_of, tokens_used  # noqa: F401 (tokens_used: re-exported)
-from cloud_tier.gateway.stores import Stores
-from cloud_tier.gateway.streams import Flight, Recorder, RunToEnd, observe_chunk
-from cloud_tier.gateway.worker_client import WorkerClient
-from cloud_tier.gateway.worker_pool import WorkerPool
-from cloud_tier.gateway.worker_usage import UsageBounds, foreign_bounds
+from cloud_tier.gateway.foreign import answers
+from cloud_tier.gateway.foreign.proxy import Attempt, OpenAIProxy, ProxyConfig
+from cloud_tier.gateway.foreign.routing import ForeignRouting, choose
+from cloud_tier.gateway.pipeline.flight import Flight, Recorder, RunToEnd, observe_chunk
+from cloud_tier.gateway.pipeline.metrics import GatewayMetrics
+from cloud_tier.gateway.pipeline.result_cache import ResultCache, cache_key
+from cloud_tier.gateway.pipeline.settlement import Settlement, outcome_of, tokens_used  # noqa: F401 (tokens_used: re-exported)
+from cloud_tier.gateway.pipeline.stores import Stores
+from cloud_tier.gateway.pipeline.worker_client import WorkerClient
+from cloud_tier.gateway.tenants.keys import ApiKey, check_priority
+from cloud_tier.gateway.tenants.quotas import Limits
+from cloud_tier.gateway.workers.admission import Admission
+from cloud_tier.gateway.workers.placement import PrefixIndex, RouterConfig, text_block_hashes
+from cloud_tier.gateway.workers.pool import WorkerPool
+from cloud_tier.gateway.workers.usage import UsageBounds, foreign_bounds
 from cloud_tier.request_builder import RequestBuilder, check_slo_floors
 from sync.idempotency import ClaimState
 
@@ -189,17 +189,17 @@ class GatewayService:
                              ) -> tuple[AsyncIterator | dict, dict[str, str]]:
         """The pipeline for OpenAI-compatible workers: the body goes to the worker as it is; tokens
         are estimated from its characters until the worker's usage says (quotas are trued up then);
-        routing and admission read the workers' own load numbers (``openai_route``)."""
+        routing and admission read the workers' own load numbers (``foreign.routing``)."""
         headers = {"X-Cascade-Cache": "miss", "X-Request-Id": request_id}
         flight.openai = "chunks" if body.get("stream") else "body"
         flight.model = str(body.get("model", ""))  # a foreign pool may serve several: priced by the one asked
         try:
             priority = request_priority(flight.key, (req.model_extra or {}).get("priority"))
-            text = openai_results.prompt_text(endpoint, body)
-            max_tokens = openai_results.max_tokens_of(body)
-            predicted = openai_results.estimate_tokens(text) + (
+            text = answers.prompt_text(endpoint, body)
+            max_tokens = answers.max_tokens_of(body)
+            predicted = answers.estimate_tokens(text) + (
                 self.config.default_max_tokens if max_tokens is None else max_tokens)
-            flight.cache_key = openai_results.cache_key(flight.tenant, endpoint, body)
+            flight.cache_key = answers.cache_key(flight.tenant, endpoint, body)
             hit = self.cache.get(flight.cache_key) if flight.cache_key else None
             self.metrics.cache.labels("hit" if hit else "miss").inc()
             if hit is not None:
@@ -209,7 +209,7 @@ class GatewayService:
                 return hit, {**headers, "X-Cascade-Cache": "hit"}
             self._check_quota(flight, predicted)
             flight.predicted_tokens = predicted
-            flight.prompt_tokens = openai_results.estimate_tokens(text)
+            flight.prompt_tokens = answers.estimate_tokens(text)
             flight.bounds = foreign_bounds(endpoint, body, text, max_tokens, self.max_model_len)
             need = math.ceil(predicted / 16)
             hashes = text_block_hashes(str(body.get("model", "")), text)

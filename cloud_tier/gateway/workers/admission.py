@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from cascade import errors
 from cloud_tier.config import GatewayConfig
-from cloud_tier.gateway.placement import WorkerLoad, choose_decode, fits_ever, watermark_blocks
-from cloud_tier.gateway.tenant_share import TenantShares
-from cloud_tier.gateway.worker_pool import Worker, WorkerPool
+from cloud_tier.gateway.tenants.tenant_share import TenantShares
+from cloud_tier.gateway.workers.placement import WorkerLoad, choose_decode, fits_ever, watermark_blocks
+from cloud_tier.gateway.workers.pool import Worker, WorkerPool
 
 
 @dataclass

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from cascade.config import cascade_home
 from cloud_tier.config import CloudConfig, parse_model_prices
-from cloud_tier.gateway.budgets import Budgets, SpendCounters
-from cloud_tier.gateway.keys import KeyRecords, KeyStore
-from cloud_tier.gateway.quotas import Quotas
-from cloud_tier.gateway.result_cache import ResultCache
+from cloud_tier.gateway.pipeline.result_cache import ResultCache
+from cloud_tier.gateway.tenants.budgets import Budgets, SpendCounters
+from cloud_tier.gateway.tenants.keys import KeyRecords, KeyStore
+from cloud_tier.gateway.tenants.quotas import Quotas
 from sync.idempotency import IdempotencyRecords, IdempotencyStore
 
 POSTGRES_PREFIXES = ("postgresql://", "postgres://")
@@ -47,7 +47,7 @@ def open_key_store(db: str) -> KeyRecords:
         return KeyStore(sqlite_path(db))
     import psycopg
 
-    from cloud_tier.gateway.keys_pg import PgKeyStore
+    from cloud_tier.gateway.tenants.keys_pg import PgKeyStore
 
     try:
         return PgKeyStore(db)
@@ -58,7 +58,7 @@ def open_key_store(db: str) -> KeyRecords:
 def open_spend(keys: KeyRecords, redis_url: str) -> SpendCounters:
     if not redis_url:
         return keys
-    from cloud_tier.gateway.budgets import RedisSpend
+    from cloud_tier.gateway.tenants.budgets import RedisSpend
 
     return RedisSpend(redis_url)
 
@@ -94,8 +94,8 @@ def open_stores(config: CloudConfig) -> Stores:
                                     lease_s=g.idempotency_lease_s)
         opened.append(idem)
         if g.redis:
-            from cloud_tier.gateway.cache_redis import RedisResultCache
-            from cloud_tier.gateway.quotas_redis import RedisQuotas
+            from cloud_tier.gateway.pipeline.result_cache_redis import RedisResultCache
+            from cloud_tier.gateway.tenants.quotas_redis import RedisQuotas
 
             quotas = RedisQuotas(g.redis)  # loads its script: an unreachable Redis fails the start here
             opened.append(quotas)

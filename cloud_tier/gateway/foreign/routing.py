@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cascade import errors
-from cloud_tier.gateway.admission import Ticket
-from cloud_tier.gateway.placement import TEXT_BLOCK_CHARS, PrefixIndex
-from cloud_tier.gateway.worker_pool import Worker
+from cloud_tier.gateway.workers.admission import Ticket
+from cloud_tier.gateway.workers.placement import TEXT_BLOCK_CHARS, PrefixIndex
+from cloud_tier.gateway.workers.pool import Worker
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ from typing import Any
 import redis
 
 from cascade import wire
-from cloud_tier.gateway.quotas_redis import connect
-from cloud_tier.gateway.result_cache import CacheStats, ResultCache
+from cloud_tier.gateway.pipeline.result_cache import CacheStats, ResultCache
+from cloud_tier.gateway.tenants.quotas_redis import connect
 
 log = logging.getLogger(__name__)
 
