@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -33,9 +32,7 @@ from cascade.web import parse_body
 from cloud_tier.gateway.batch.jsonl import ENDPOINTS, MAX_LINE_BYTES, file_errors, parse_lines
 from cloud_tier.gateway.batch.state import InvalidTransition, Status, next_status
 from cloud_tier.gateway.batch.store import BatchStore
-from cloud_tier.gateway.foreign.answers import chunks_to_response
 from cloud_tier.gateway.foreign.routing import pressure
-from cloud_tier.gateway.pipeline.flight import first_of, render_stored
 from cloud_tier.gateway.pipeline.service import GatewayService
 from cloud_tier.gateway.tenants.keys import ApiKey
 
@@ -83,22 +80,8 @@ async def run_line(svc: GatewayService, key: ApiKey, endpoint: str, body: dict) 
     try:
         req = parse_body(schema, body)
         svc.check_model(req.model)
-        result, _ = await svc.begin(key, endpoint, body, req, None, request_id, "batch")
-        if isinstance(result, dict) and "openai" in result:  # a foreign pool's stored answer
-            return 200, (result["events"][0] if result["openai"] == "body"
-                         else chunks_to_response(result["events"], endpoint)), request_id
-        if svc.pool.foreign:
-            return 200, await first_of(result), request_id
-        fmt = formatter(svc.model_id, req.logprobs)
-        if isinstance(result, dict):  # a result cache hit
-            return 200, json.loads(render_stored(result, fmt)), request_id
-        tokens = []
-        try:
-            async for ev in result:
-                tokens.append(ev)
-        finally:
-            await result.aclose()
-        return 200, fmt.response(tokens[:-1], tokens[-1]).model_dump(exclude_none=True), request_id
+        result = await svc.begin(key, endpoint, body, req, None, request_id, "batch")
+        return 200, await result.whole(endpoint, formatter(svc.model_id, req.logprobs)), request_id
     except errors.APIError as e:
         return e.status, e.body(), request_id
     except Exception:  # a bug of ours, answered as the app shell would answer it (the line is not lost)

@@ -39,7 +39,6 @@ import httpx
 
 from cascade import errors
 from cloud_tier.gateway.foreign.shape import body_problem, chunk_problem, worker_is_unwell
-from cloud_tier.gateway.pipeline.worker_client import _error_of
 from cloud_tier.gateway.tenants.priority import with_vllm_priority
 from cloud_tier.gateway.workers import stream as worker_stream
 from cloud_tier.gateway.workers.admission import Ticket
@@ -131,10 +130,7 @@ class OpenAIProxy:
                 hit_blocks = 0
 
     async def _send(self, w: Worker, a: Attempt, body: dict) -> AsyncIterator[dict]:
-        headers = {**self.headers, "x-request-id": a.request_id}
-        if (left := a.time_left()) is not None:
-            headers["x-cascade-deadline"] = f"{left:.3f}"
-        request = self.client.build_request("POST", f"{w.url}{a.path}", content=json.dumps(body), headers=headers)
+        request = self._request(w, a, body)
         cfg = self.config
         chat = a.path.endswith("/chat/completions")
         resp = None
@@ -150,27 +146,7 @@ class OpenAIProxy:
         try:
             async with asyncio.timeout(_within(cfg.first_token_timeout_s if a.stream else cfg.answer_timeout_s, a)):
                 resp = await self.client.send(request, stream=True)  # headers, then the first chunk, in time
-                if resp.status_code != 200:
-                    content = await worker_stream.read_body(resp, cfg.max_body_bytes)
-                    err = _error_of(content, resp.status_code, resp.headers)
-                    if resp.status_code in _RETRY_STATUS or resp.status_code >= 500:
-                        if worker_is_unwell(resp.status_code, content):
-                            failed(f"answered {resp.status_code}")
-                        raise _Retryable(err)
-                    self._ok(w)
-                    raise err
-                if not a.stream:
-                    first = worker_stream.decode(await worker_stream.read_body(resp, cfg.max_body_bytes),
-                                                 cfg.max_body_bytes, "an answer")
-                    if why := body_problem(first, chat):
-                        raise _bad_answer(f"The cloud worker answered something that is not a completion: {why}.",
-                                          "worker_bad_response")
-                else:
-                    lines = worker_stream.lines(resp.aiter_bytes(), cfg.max_event_bytes)
-                    first = await worker_stream.next_sse_chunk(lines, cfg.max_event_bytes)
-                    if first is None:
-                        raise _bad_answer("The cloud worker's stream ended with no chunk.", "worker_empty_stream")
-                    _check_chunk(first, chat)
+                first, lines = await self._first(resp, w, a, chat, failed)
                 self._ok(w)
             yielded = True
             yield first
@@ -207,6 +183,40 @@ class OpenAIProxy:
         finally:
             if resp is not None:
                 await resp.aclose()
+
+    def _request(self, w: Worker, a: Attempt, body: dict) -> httpx.Request:
+        headers = {**self.headers, "x-request-id": a.request_id}
+        if (left := a.time_left()) is not None:
+            headers["x-cascade-deadline"] = f"{left:.3f}"
+        return self.client.build_request("POST", f"{w.url}{a.path}", content=json.dumps(body), headers=headers)
+
+    async def _first(self, resp: httpx.Response, w: Worker, a: Attempt, chat: bool,
+                     failed: Callable[[str], None]) -> tuple[dict, AsyncIterator[bytes] | None]:
+        """The answer's first part: the whole body, or a stream's first chunk and the stream's lines
+        to read on. A refusal raises, as ``_Retryable`` where another worker may answer it."""
+        cfg = self.config
+        if resp.status_code != 200:
+            content = await worker_stream.read_body(resp, cfg.max_body_bytes)
+            err = worker_stream.error_of(content, resp.status_code, resp.headers)
+            if resp.status_code in _RETRY_STATUS or resp.status_code >= 500:
+                if worker_is_unwell(resp.status_code, content):
+                    failed(f"answered {resp.status_code}")
+                raise _Retryable(err)
+            self._ok(w)
+            raise err
+        if not a.stream:
+            first = worker_stream.decode(await worker_stream.read_body(resp, cfg.max_body_bytes),
+                                         cfg.max_body_bytes, "an answer")
+            if why := body_problem(first, chat):
+                raise _bad_answer(f"The cloud worker answered something that is not a completion: {why}.",
+                                  "worker_bad_response")
+            return first, None
+        lines = worker_stream.lines(resp.aiter_bytes(), cfg.max_event_bytes)
+        first = await worker_stream.next_sse_chunk(lines, cfg.max_event_bytes)
+        if first is None:
+            raise _bad_answer("The cloud worker's stream ended with no chunk.", "worker_empty_stream")
+        _check_chunk(first, chat)
+        return first, lines
 
     async def _with_prefill(self, a: Attempt, body: dict, decode: Worker, hit_blocks: int) -> dict:
         """The body for the decode worker, after the prefill step of a vLLM P/D pair (if any)."""

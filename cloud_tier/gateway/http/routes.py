@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
@@ -13,11 +13,10 @@ import cascade
 from cascade import errors
 from cascade.openai_format import ChatFormatter, CompletionFormatter
 from cascade.protocol import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList
-from cascade.web import RequestRoute, openai_response, openapi, parse_body, read_json
+from cascade.web import RequestRoute, openapi, parse_body, read_json
 from cascade.web.caller import CallerGone, while_connected
 from cascade.web.requests import bearer_matches
-from cloud_tier.gateway.foreign.answers import chunks_to_response, response_to_chunks
-from cloud_tier.gateway.pipeline.flight import first_of, pull_first, relay_sse, render_stored, replay, replay_chunks
+from cloud_tier.gateway.http.render import respond
 from cloud_tier.gateway.pipeline.service import GatewayService
 from cloud_tier.gateway.tenants.keys import ApiKey
 from cloud_tier.gateway.tenants.priority import HEADER as PRIORITY_HEADER
@@ -97,50 +96,12 @@ async def _serve(request: Request, endpoint: str, schema, formatter):
         svc.count(key.tenant, endpoint, "4xx")
         raise
     try:  # a client that leaves while its request waits (admission, a duplicate's result) is let go
-        result, headers = await while_connected(
+        result = await while_connected(
             request, svc.begin(key, endpoint, body, req, request.headers.get("idempotency-key"),
                                request.headers.get("x-request-id"), klass, deadline_s))
     except CallerGone:
         return Response(status_code=499)
-    if (isinstance(result, dict) and "openai" in result) or (not isinstance(result, dict) and svc.pool.foreign):
-        return await _serve_foreign(request, endpoint, result, bool(req.stream), req.include_usage_in_stream(),
-                                    headers)
-    fmt = formatter(svc.model_id, req.logprobs)
-    if isinstance(result, dict):  # a cache hit or a replay: nothing to wait for
-        if not req.stream:
-            return Response(render_stored(result, fmt), media_type="application/json", headers=headers)
-        result = replay(result)
-    elif req.stream:  # a failure before the first token is an HTTP error, not a 200 with an error inside
-        result = await pull_first(result, request.is_disconnected)
-        if result is None:
-            return Response(status_code=499)  # the client left before the first token
-    resp = await openai_response(request, result, fmt, req.stream, req.include_usage_in_stream(), lambda _: None)
-    resp.headers.update(headers)
-    return resp
-
-
-async def _serve_foreign(request: Request, endpoint: str, result, stream: bool, include_usage: bool,
-                         headers: dict[str, str]):
-    """An OpenAI-compatible worker's answer, passed on as it came (or its stored copy)."""
-    if isinstance(result, dict):  # a cache hit or a replay, in the shape this request wants
-        shape = result["openai"]
-        if not stream:
-            body = result["events"][0] if shape == "body" else chunks_to_response(result["events"], endpoint)
-            return JSONResponse(body, headers=headers)
-        chunks = result["events"] if shape == "chunks" else response_to_chunks(result["events"][0], endpoint)
-        return StreamingResponse(relay_sse(replay_chunks(chunks), include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", **headers})
-    if not stream:
-        try:
-            body = await while_connected(request, first_of(result))
-        except CallerGone:
-            return Response(status_code=499)
-        return JSONResponse(body, headers=headers)
-    result = await pull_first(result, request.is_disconnected)
-    if result is None:
-        return Response(status_code=499)  # the client left before the first chunk
-    return StreamingResponse(relay_sse(result, include_usage), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", **headers})
+    return await respond(request, result, endpoint, req, lambda: formatter(svc.model_id, req.logprobs))
 
 
 @generation.post("/chat/completions", openapi_extra=openapi.body(ChatCompletionRequest),

@@ -1,40 +1,41 @@
-"""The gateway's request pipeline, in order: idempotency -> validation (the model's tokenizer)
--> result cache (on the prompt's token ids) -> quotas -> KV admission -> routing and the decode worker's event stream
-(``pipeline.worker_client``), relayed as OpenAI SSE or JSON. Whatever happens, a request's commitments
-(KV ticket, quota charge, idempotency claim) are settled exactly once when its event stream
-closes (``pipeline.flight.Recorder``, ``pipeline.settlement``)."""
+"""The gateway's request pipeline, in order: idempotency -> validation (our model's tokenizer,
+or a foreign request's text) -> result cache -> quotas -> admission and routing -> the worker's
+event stream, handed back as a typed result (``pipeline.results``) that the HTTP shell relays as
+OpenAI SSE or JSON and the batch runner reads whole. The steps where our workers and foreign
+ones differ are behind one interface (``pipeline.steps``). Whatever happens, a request's
+commitments (KV ticket, quota charge, idempotency claim) are settled exactly once when its event
+stream closes (``pipeline.recorder``, ``pipeline.settlement``)."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import json
 import logging
-import math
 import time
-import uuid
-from collections.abc import AsyncIterator
 
 import httpx
 
 from cascade import errors
 from cloud_tier.config import GatewayConfig, parse_class_slos
-from cloud_tier.gateway.foreign import answers
-from cloud_tier.gateway.foreign.proxy import Attempt, OpenAIProxy, ProxyConfig
-from cloud_tier.gateway.foreign.routing import ForeignRouting, choose
-from cloud_tier.gateway.pipeline.flight import Flight, Recorder, RunToEnd, observe_chunk
+from cloud_tier.gateway.foreign.proxy import OpenAIProxy, ProxyConfig
+from cloud_tier.gateway.foreign.routing import ForeignRouting
+from cloud_tier.gateway.pipeline.flight import Flight
+from cloud_tier.gateway.pipeline.foreign_workers import ForeignWorkers
 from cloud_tier.gateway.pipeline.metrics import GatewayMetrics
-from cloud_tier.gateway.pipeline.result_cache import ResultCache, cache_key
-from cloud_tier.gateway.pipeline.settlement import Settlement, outcome_of, tokens_used  # noqa: F401 (tokens_used: re-exported)
+from cloud_tier.gateway.pipeline.own_workers import OwnWorkers
+from cloud_tier.gateway.pipeline.recorder import Recorder, RunToEnd
+from cloud_tier.gateway.pipeline.result_cache import ResultCache
+from cloud_tier.gateway.pipeline.results import Result, stored
+from cloud_tier.gateway.pipeline.settlement import Settlement, outcome_of
+from cloud_tier.gateway.pipeline.steps import WorkerSteps
 from cloud_tier.gateway.pipeline.stores import Stores
 from cloud_tier.gateway.pipeline.worker_client import WorkerClient
 from cloud_tier.gateway.tenants.keys import ApiKey, check_priority
 from cloud_tier.gateway.tenants.quotas import Limits
 from cloud_tier.gateway.workers.admission import Admission
-from cloud_tier.gateway.workers.placement import PrefixIndex, RouterConfig, text_block_hashes
+from cloud_tier.gateway.workers.placement import PrefixIndex, RouterConfig
 from cloud_tier.gateway.workers.pool import WorkerPool
-from cloud_tier.gateway.workers.usage import UsageBounds, foreign_bounds
 from cloud_tier.request_builder import RequestBuilder, check_slo_floors
 from sync.idempotency import ClaimState
 
@@ -65,48 +66,31 @@ def request_priority(key: ApiKey, requested: object) -> int:
 
 
 class GatewayService:
-    def __init__(self, config: GatewayConfig, pool: WorkerPool, stores: Stores, builder: RequestBuilder,
-                 model_id: str, aliases: set[str], client: httpx.AsyncClient,
-                 worker_api_key: str = ""):
+    """The pipeline over one pool of workers; ``begin`` runs a request through it. The steps in
+    which the pool's kind of worker differs are ``own`` (our workers) or ``foreign`` (OpenAI-
+    compatible ones), chosen per request by the pool's mode (``pipeline.steps``)."""
+
+    def __init__(self, config: GatewayConfig, pool: WorkerPool, stores: Stores, builder: RequestBuilder | None,
+                 model_id: str, aliases: set[str], client: httpx.AsyncClient, worker_api_key: str = "",
+                 max_model_len: int | None = None):
         self.config = config
         self.pool = pool
         self.keys = stores.keys
         self.idempotency = stores.idempotency
-        self.builder = builder
         self.model_id = model_id
         self.model_names = {model_id, *aliases}
-        self.max_model_len = builder.max_model_len if builder is not None else None
+        self.max_model_len = max_model_len
         self.metrics = GatewayMetrics(config.metrics_tenant_labels)
-        self.settlement = Settlement(self)
         self.quotas = stores.quotas
         self.cache = stores.cache
-        # (tenant, endpoint, a body's digest) -> its result cache key: the prompt's token ids need the
-        # tokenizer, by far the costliest step of a cache hit (a body's plan never changes)
-        self.cache_keys = ResultCache(config.result_cache_entries, ttl_s=config.result_cache_ttl_s)
         self.budgets = stores.budgets
         self.admission = Admission.of(pool, config)
-        self.router_config = RouterConfig(
-            alpha=config.route_alpha, beta=config.route_beta, prefill_ms_per_token=config.prefill_ms_per_token,
-            overload_percentile=config.overload_percentile, overload_min_tokens=config.overload_min_tokens,
-            block_size=pool.block_size)
-        self.index = PrefixIndex(pool.block_size, self.router_config.index_blocks_per_worker)
-        self.workers = WorkerClient(pool, client, self.admission, self.index, self.router_config, config.kv_transport,
-                                    config.ttft_slo_s, worker_api_key, parse_class_slos(config.class_slos),
-                                    config.worker_max_event_bytes, config.worker_max_body_bytes)
-        # foreign workers (vLLM, SGLang, any OpenAI-compatible server): no tokenizer, their own load numbers
-        self.routing = ForeignRouting(
-            max_waiting=config.worker_max_waiting, kv_high_watermark=config.kv_high_watermark,
-            stale_after_s=config.stale_after_s, shed_step=config.shed_step, prefix_weight=config.route_prefix_weight,
-            queue_weight=config.route_queue_weight, kv_weight=config.route_kv_weight)
-        self.text_index = PrefixIndex(1, self.router_config.index_blocks_per_worker)
-        self.proxy = OpenAIProxy(pool, client, ProxyConfig(
-            retries=config.retries, retry_backoff_s=config.retry_backoff_s,
-            first_token_timeout_s=config.first_token_timeout_s, answer_timeout_s=config.request_timeout_s,
-            max_event_bytes=config.worker_max_event_bytes, max_body_bytes=config.worker_max_body_bytes,
-            kv_connector=config.kv_connector,
-            pd_min_prompt_chars=config.pd_min_prompt_chars, pd_skip_hit_share=config.pd_skip_hit_share,
-            vllm_priority=config.foreign_priority),
-            worker_api_key)
+        self.settlement = Settlement(config, stores, self.admission, self.metrics, model_id)
+        self.own = OwnWorkers(builder, model_id, pool, _worker_client(config, pool, client, self.admission,
+                                                                      worker_api_key),
+                              ResultCache(config.result_cache_entries, ttl_s=config.result_cache_ttl_s))
+        self.foreign = _foreign_workers(config, pool, client, self.admission, worker_api_key, max_model_len)
+        self.routing = self.foreign.routing  # the foreign workers' load, as /metrics and the batch runner read it
 
     # -- auth ----------------------------------------------------------------------------
 
@@ -128,10 +112,10 @@ class GatewayService:
 
     async def begin(self, key: ApiKey, endpoint: str, body: dict, req, idem_key: str | None,
                     request_id: str | None = None, priority_class: str = "interactive",
-                    deadline_s: float | None = None) -> tuple[AsyncIterator | dict, dict[str, str]]:
-        """The request's event stream, or the stored result of a cache hit or a replay, and the
-        response headers to add. Raises APIError (with everything already settled) when it is
-        not served."""
+                    deadline_s: float | None = None) -> Result:
+        """The request's result (``pipeline.results``): its event stream, or the stored answer of
+        a cache hit or a replay, with the response headers to add. Raises APIError (with
+        everything already settled) when it is not served."""
         flight = Flight(key.tenant, key, endpoint, time.perf_counter(), idem_key=idem_key,
                         priority_class=priority_class, deadline_s=deadline_s)
         try:  # what the tenant may ask of the engines, before anything is claimed
@@ -141,100 +125,32 @@ class GatewayService:
             self.settlement.count_flight(flight, outcome_of(e))
             raise
         if idem_key:
-            stored = await self._claim(flight, body)
-            if stored is not None:
+            replayed = await self._claim(flight, body)
+            if replayed is not None:
                 self.settlement.count_flight(flight, "replay")
-                return stored, {"X-Cascade-Idempotent-Replay": "true", "X-Cascade-Cache": "miss"}
-        if self.pool.foreign:
-            return await self._begin_foreign(flight, endpoint, body, req, request_id or uuid.uuid4().hex)
+                return stored(replayed, {"X-Cascade-Idempotent-Replay": "true", "X-Cascade-Cache": "miss"})
+        steps: WorkerSteps = self.foreign if self.pool.foreign else self.own
         try:
             priority = request_priority(key, (req.model_extra or {}).get("priority"))
-            # a body this tenant sent before has the same plan, so the same cache key: a hit is
-            # looked up without rendering and tokenizing the prompt again (the digest of the body's
-            # repr: the same for the same JSON object, at a third of request_hash's cost)
-            seen = (key.tenant, endpoint, hashlib.sha256(repr(body).encode()).digest())
-            flight.cache_key = self.cache_keys.get(seen)
-            plan = None
-            if flight.cache_key is None:
-                plan = self._plan(endpoint, req, priority)
-                flight.cache_key = cache_key(key.tenant, self.model_id, endpoint, plan)
-                if flight.cache_key:
-                    self.cache_keys.put(seen, flight.cache_key, 0, owner=key.tenant)
+            job = steps.prepare(flight, endpoint, body, req, priority, request_id)
             hit = self.cache.get(flight.cache_key) if flight.cache_key else None
             self.metrics.cache_lookup(hit is not None)
             if hit is not None:
                 self._check_quota(flight, 0)
                 self.settlement.end_claim(flight, hit)
                 self.settlement.count_flight(flight, "cache_hit")
-                return hit, {"X-Cascade-Cache": "hit"}
-            if plan is None:  # seen before, but its answer is no longer cached
-                plan = self._plan(endpoint, req, priority)
-            self._check_quota(flight, plan.max_total_tokens)
-            flight.predicted_tokens = plan.max_total_tokens
-            flight.prompt_tokens = len(plan.prompt_token_ids)
-            flight.bounds = UsageBounds(len(plan.prompt_token_ids), plan.params.max_tokens)
-            need = math.ceil(plan.max_total_tokens / self.pool.block_size)
-            flight.ticket = await self.workers.admit(flight, plan, need)
+                return stored(hit, {**job.headers, "X-Cascade-Cache": "hit"})
+            estimate = job.estimate()
+            self._check_quota(flight, estimate.predicted_tokens)
+            flight.predicted_tokens = estimate.predicted_tokens
+            flight.prompt_tokens = estimate.prompt_tokens
+            flight.bounds = estimate.bounds
+            await job.admit()
         except BaseException as e:
             self.settlement.settle_early(flight, e)
             raise
-        events = Recorder(self.workers.generate(flight, plan, need), flight, self.settlement.settle)
-        return (RunToEnd(events) if idem_key else events), {"X-Cascade-Cache": "miss"}
-
-    def _plan(self, endpoint: str, req, priority: int):
-        plan = self.builder.chat(req) if endpoint == "chat" else self.builder.completion(req)
-        return dataclasses.replace(plan, priority=priority)
-
-    async def _begin_foreign(self, flight: Flight, endpoint: str, body: dict, req, request_id: str
-                             ) -> tuple[AsyncIterator | dict, dict[str, str]]:
-        """The pipeline for OpenAI-compatible workers: the body goes to the worker as it is; tokens
-        are estimated from its characters until the worker's usage says (quotas are trued up then);
-        routing and admission read the workers' own load numbers (``foreign.routing``)."""
-        headers = {"X-Cascade-Cache": "miss", "X-Request-Id": request_id}
-        flight.openai = "chunks" if body.get("stream") else "body"
-        flight.model = str(body.get("model", ""))  # a foreign pool may serve several: priced by the one asked
-        try:
-            priority = request_priority(flight.key, (req.model_extra or {}).get("priority"))
-            text = answers.prompt_text(endpoint, body)
-            max_tokens = answers.max_tokens_of(body)
-            predicted = answers.estimate_tokens(text) + (
-                self.config.default_max_tokens if max_tokens is None else max_tokens)
-            flight.cache_key = answers.cache_key(flight.tenant, endpoint, body)
-            hit = self.cache.get(flight.cache_key) if flight.cache_key else None
-            self.metrics.cache.labels("hit" if hit else "miss").inc()
-            if hit is not None:
-                self._check_quota(flight, 0)
-                self.settlement.end_claim(flight, hit)
-                self.settlement.count_flight(flight, "cache_hit")
-                return hit, {**headers, "X-Cascade-Cache": "hit"}
-            self._check_quota(flight, predicted)
-            flight.predicted_tokens = predicted
-            flight.prompt_tokens = answers.estimate_tokens(text)
-            flight.bounds = foreign_bounds(endpoint, body, text, max_tokens, self.max_model_len)
-            need = math.ceil(predicted / 16)
-            hashes = text_block_hashes(str(body.get("model", "")), text)
-            roles = ("decode",) if self.pool.by_role("decode", healthy=False) else ("both",)
-
-            def rechoose(exclude: frozenset[str]):
-                return choose(self.pool.by_role(*roles), self.text_index, hashes, priority, self.routing, need,
-                              exclude)[0]
-
-            flight.ticket, hit_blocks = choose(self.pool.by_role(*roles), self.text_index, hashes, priority,
-                                               self.routing, need)
-        except BaseException as e:
-            self.settlement.settle_early(flight, e)
-            raise
-
-        def on_ticket(ticket) -> None:
-            self.admission.release(flight.ticket)
-            flight.ticket = ticket
-
-        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-        attempt = Attempt(path, body, bool(body.get("stream")), request_id, len(text), len(hashes),
-                          flight.priority_class, deadline_of(flight, body))
-        events = Recorder(self.proxy.run(attempt, flight.ticket, hit_blocks, rechoose, on_ticket), flight,
-                          self.settlement.settle, observe_chunk)
-        return (RunToEnd(events) if flight.idem_key else events), headers
+        events = Recorder(job.events(), flight, self.settlement.settle, job.observe)
+        return job.answer(RunToEnd(events) if idem_key else events)
 
     async def _claim(self, flight: Flight, body: dict) -> dict | None:
         t, k = flight.tenant, flight.idem_key
@@ -284,9 +200,31 @@ class GatewayService:
         self.settlement.count(tenant, endpoint, outcome, priority_class)
 
 
-def deadline_of(f: Flight, body: dict) -> float | None:
-    """When a request sent to an OpenAI-compatible worker must be over (``time.perf_counter``): the
-    earlier of its X-Cascade-Deadline and its body's ``timeout`` (seconds), None without either."""
-    limits = [t for t in (f.deadline_s, body.get("timeout")) if isinstance(t, (int, float))
-              and not isinstance(t, bool) and 0 <= t < 1e9]
-    return f.arrived + min(limits) if limits else None
+def _worker_client(config: GatewayConfig, pool: WorkerPool, client: httpx.AsyncClient, admission: Admission,
+                   worker_api_key: str) -> WorkerClient:
+    router_config = RouterConfig(
+        alpha=config.route_alpha, beta=config.route_beta, prefill_ms_per_token=config.prefill_ms_per_token,
+        overload_percentile=config.overload_percentile, overload_min_tokens=config.overload_min_tokens,
+        block_size=pool.block_size)
+    index = PrefixIndex(pool.block_size, router_config.index_blocks_per_worker)
+    return WorkerClient(pool, client, admission, index, router_config, config.kv_transport, config.ttft_slo_s,
+                        worker_api_key, parse_class_slos(config.class_slos), config.worker_max_event_bytes,
+                        config.worker_max_body_bytes)
+
+
+def _foreign_workers(config: GatewayConfig, pool: WorkerPool, client: httpx.AsyncClient, admission: Admission,
+                     worker_api_key: str, max_model_len: int | None) -> ForeignWorkers:
+    """Foreign workers (vLLM, SGLang, any OpenAI-compatible server): no tokenizer, their own load numbers."""
+    routing = ForeignRouting(
+        max_waiting=config.worker_max_waiting, kv_high_watermark=config.kv_high_watermark,
+        stale_after_s=config.stale_after_s, shed_step=config.shed_step, prefix_weight=config.route_prefix_weight,
+        queue_weight=config.route_queue_weight, kv_weight=config.route_kv_weight)
+    proxy = OpenAIProxy(pool, client, ProxyConfig(
+        retries=config.retries, retry_backoff_s=config.retry_backoff_s,
+        first_token_timeout_s=config.first_token_timeout_s, answer_timeout_s=config.request_timeout_s,
+        max_event_bytes=config.worker_max_event_bytes, max_body_bytes=config.worker_max_body_bytes,
+        kv_connector=config.kv_connector,
+        pd_min_prompt_chars=config.pd_min_prompt_chars, pd_skip_hit_share=config.pd_skip_hit_share,
+        vllm_priority=config.foreign_priority), worker_api_key)
+    text_index = PrefixIndex(1, RouterConfig().index_blocks_per_worker)
+    return ForeignWorkers(pool, admission, routing, text_index, proxy, config.default_max_tokens, max_model_len)

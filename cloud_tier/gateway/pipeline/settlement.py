@@ -1,6 +1,7 @@
 """How a gateway request ends: its commitments (KV ticket, quota charge, spend, Idempotency-Key
 claim) settled exactly once, on every path, whatever one step raises; its result kept (cache,
-idempotency store) and counted (metrics). ``Settlement`` reads the service's parts as they are."""
+idempotency store) and counted (metrics). ``Settlement`` holds the parts it settles with: the
+stores, KV admission, the metrics."""
 
 from __future__ import annotations
 
@@ -8,14 +9,14 @@ import asyncio
 import json
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from cascade import errors
 from cascade.generation import Finish
+from cloud_tier.config import GatewayConfig
 from cloud_tier.gateway.pipeline.flight import Flight, estimated_usage
-
-if TYPE_CHECKING:
-    from cloud_tier.gateway.pipeline.service import GatewayService
+from cloud_tier.gateway.pipeline.metrics import GatewayMetrics
+from cloud_tier.gateway.pipeline.stores import Stores
+from cloud_tier.gateway.workers.admission import Admission
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +50,16 @@ def _each(*steps) -> None:
 
 
 class Settlement:
-    def __init__(self, service: GatewayService):
-        self.svc = service
+    def __init__(self, config: GatewayConfig, stores: Stores, admission: Admission, metrics: GatewayMetrics,
+                 model_id: str):
+        self.config = config
+        self.quotas = stores.quotas
+        self.budgets = stores.budgets
+        self.cache = stores.cache
+        self.idempotency = stores.idempotency
+        self.admission = admission
+        self.metrics = metrics
+        self.model_id = model_id
 
     def settle(self, f: Flight) -> None:
         """The end of a served flight: free its KV commitment, true up its token charge, keep
@@ -64,9 +73,9 @@ class Settlement:
         else:
             outcome, stored = "ok", {"events": f.events, **({"openai": f.openai} if f.openai else {})}
         try:
-            _each(lambda: f.ticket is not None and self.svc.admission.release(f.ticket),
+            _each(lambda: f.ticket is not None and self.admission.release(f.ticket),
                   lambda: self._charge(f),
-                  lambda: f.usage_problem and self.svc.metrics.worker_usage_refused.labels(f.usage_problem).inc(),
+                  lambda: f.usage_problem and self.metrics.worker_usage_refused.labels(f.usage_problem).inc(),
                   lambda: fin is not None and self._keep(f, fin, stored))
         finally:
             self.end_claim(f, stored)
@@ -76,17 +85,17 @@ class Settlement:
         used = tokens_used(f)
         completion = f.finish.completion_tokens if f.finish is not None else f.generated_tokens
         try:
-            self.svc.quotas.reconcile(f.tenant, f.key.key_id, f.predicted_tokens, used)
+            self.quotas.reconcile(f.tenant, f.key.key_id, f.predicted_tokens, used)
         finally:
-            self.svc.budgets.charge(f.key, f.model or self.svc.model_id, used - completion, completion)
+            self.budgets.charge(f.key, f.model or self.model_id, used - completion, completion)
 
     def _keep(self, f: Flight, fin: Finish, stored: dict) -> None:
         """A finished flight's result into the cache, its tokens and times into the metrics."""
         try:
             if f.cache_key and not fin.truncated:  # an answer cut at its deadline is not the answer to keep
-                self.svc.cache.put(f.cache_key, stored, sum(len(json.dumps(e)) for e in f.events), owner=f.tenant)
+                self.cache.put(f.cache_key, stored, sum(len(json.dumps(e)) for e in f.events), owner=f.tenant)
         finally:
-            m, t = self.svc.metrics, f.tenant
+            m, t = self.metrics, f.tenant
             m.of(m.tokens_in, t).inc(fin.prompt_tokens)
             m.of(m.tokens_out, t).inc(fin.completion_tokens)
             ttft = (f.first_token_at or time.perf_counter()) - f.arrived
@@ -94,15 +103,15 @@ class Settlement:
                     if fin.completion_tokens > 1 and f.first_token_at else 0.0)
             m.of(m.ttft, t).observe(ttft)
             m.of(m.tpot, t).observe(tpot)
-            if ttft <= self.svc.config.ttft_slo_s and tpot <= self.svc.config.tpot_slo_s:
+            if ttft <= self.config.ttft_slo_s and tpot <= self.config.tpot_slo_s:
                 m.of(m.goodput, t).inc()
 
     def settle_early(self, f: Flight, error: BaseException) -> None:
         """Not served (an APIError before streaming, or cancelled): undo what was taken."""
         f.settled = True
-        quotas = self.svc.quotas
+        quotas = self.quotas
         try:
-            _each(lambda: f.ticket is not None and self.svc.admission.release(f.ticket),
+            _each(lambda: f.ticket is not None and self.admission.release(f.ticket),
                   lambda: f.predicted_tokens and quotas.reconcile(f.tenant, f.key.key_id, f.predicted_tokens, 0))
         finally:
             self.end_claim(f)
@@ -120,13 +129,13 @@ class Settlement:
         owner, f.idem_owner = f.idem_owner, None
         if result is not None:
             try:
-                self.svc.idempotency.complete(f.tenant, f.idem_key, result, owner=owner)
+                self.idempotency.complete(f.tenant, f.idem_key, result, owner=owner)
                 return
             except Exception:
                 log.exception("the result of idempotency key %r (tenant %s) was not stored; the key is freed",
                               f.idem_key, f.tenant)
         try:
-            self.svc.idempotency.release(f.tenant, f.idem_key, owner=owner)
+            self.idempotency.release(f.tenant, f.idem_key, owner=owner)
         except Exception:  # the claim's lease ends it then
             log.exception("idempotency key %r (tenant %s) was not released", f.idem_key, f.tenant)
 
@@ -134,7 +143,7 @@ class Settlement:
         self.count(f.tenant, f.endpoint, outcome, f.priority_class)
 
     def count(self, tenant: str, endpoint: str, outcome: str, priority_class: str = "interactive") -> None:
-        self.svc.metrics.of(self.svc.metrics.requests, tenant, endpoint, outcome).inc()
-        self.svc.metrics.of_class(priority_class, outcome).inc()
+        self.metrics.of(self.metrics.requests, tenant, endpoint, outcome).inc()
+        self.metrics.of_class(priority_class, outcome).inc()
 
 

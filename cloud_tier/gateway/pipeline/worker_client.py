@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from cascade import errors, wire
+from cascade import errors
 from cascade.generation import Finish, TokenEvent, event_from_wire
 from cloud_tier.disagg.messages import RequestRecord
 from cloud_tier.disagg.protocol import GenerateRequest
@@ -90,14 +90,16 @@ class WorkerClient:
             return self.kv_transport
         return "shm" if urlsplit(prefill_url).hostname == urlsplit(decode_url).hostname else "tcp"
 
+    def _record(self, flight: Flight, plan: Plan, rid: str) -> RequestRecord:
+        ttft, tpot = self.targets(flight, plan)
+        return RequestRecord(request_id=rid, prompt_token_ids=plan.prompt_token_ids,
+                             sampling=plan.params.to_dict(), priority=plan.priority,
+                             priority_class=flight.priority_class, tenant=flight.tenant,
+                             ttft_slo_s=ttft, tpot_slo_s=tpot, timeout_s=time_left(flight, plan))
+
     async def generate(self, flight: Flight, plan: Plan, need: int) -> AsyncIterator[TokenEvent | Finish]:
         rid = uuid.uuid4().hex
-        ttft, tpot = self.targets(flight, plan)
-        record = RequestRecord(request_id=rid, prompt_token_ids=plan.prompt_token_ids,
-                               sampling=plan.params.to_dict(), priority=plan.priority,
-                               priority_class=flight.priority_class, tenant=flight.tenant,
-                               ttft_slo_s=ttft, tpot_slo_s=tpot,
-                               timeout_s=time_left(flight, plan))
+        record = self._record(flight, plan, rid)
         deadline = None if record.timeout_s is None else time.perf_counter() + record.timeout_s
         for attempt in range(ATTEMPTS):
             worker = flight.ticket.worker
@@ -113,14 +115,8 @@ class WorkerClient:
                 async with self.client.stream("POST", f"{worker.url}/internal/generate",
                                               content=body.model_dump_json(), headers=self.worker_headers) as resp:
                     if resp.status_code != 200:
-                        content = await worker_stream.read_body(resp, self.max_body_bytes)
-                        err = _error_of(content, resp.status_code, resp.headers)
-                        if err.code in _RETRYABLE and attempt < ATTEMPTS - 1:
-                            log.warning("attempt %d of %s failed (%s); retrying", attempt, rid, err.message)
-                            if err.code == "prefill_unreachable" and prefill_url:
-                                self.pool.mark_down(prefill_url, err.message)
-                            continue
-                        raise err
+                        await self._refused(resp, attempt, rid, prefill_url)  # raises unless a retry may fix it
+                        continue
                     lines = worker_stream.lines(resp.aiter_bytes(), self.max_event_bytes)
                     while True:
                         async with asyncio.timeout(_backstop(deadline)):
@@ -129,20 +125,7 @@ class WorkerClient:
                             break
                         if not line.strip():
                             continue
-                        data = worker_stream.decode(line, self.max_event_bytes, "an event")
-                        if isinstance(data, dict) and "error" in data:
-                            message = data["error"].get("message") if isinstance(data["error"], dict) else None
-                            raise errors.APIError(502, str(message or "worker error")[:500], "server_error",
-                                                  code="worker_error")
-                        if isinstance(data, dict) and isinstance(fin := data.get("finish"), list) and not all(
-                                isinstance(x, int) and not isinstance(x, bool) for x in fin[1:4]):
-                            flight.usage_problem = "not_integer"  # refused: our own counts stand in
-                            fin[1:4] = [flight.prompt_tokens, flight.generated_tokens, 0]
-                        try:
-                            ev = event_from_wire(data)
-                        except (ValueError, TypeError, AttributeError):
-                            raise errors.APIError(502, f"The cloud worker sent an event that is not one: "
-                                                  f"{line[:100]!r}", "server_error", code="worker_bad_stream") from None
+                        ev = self._event_of(line, flight)
                         if not started:
                             started = True
                             prefill_worker.pending_prefill_tokens -= work
@@ -152,10 +135,7 @@ class WorkerClient:
                 raise errors.APIError(502, "The cloud worker ended the stream without finishing.", "server_error",
                                       code="worker_failed")
             except (TimeoutError, httpx.TimeoutException) as e:
-                late = deadline is not None and time.perf_counter() >= deadline
-                raise errors.APIError(504, "The request's deadline passed." if late else
-                                      "The cloud worker did not answer in time.", "server_error",
-                                      code="deadline_exceeded" if late else "worker_timeout") from e
+                raise _timed_out(deadline) from e
             except httpx.HTTPError as e:
                 self.pool.mark_down(worker.url, repr(e))
                 if not started and attempt < ATTEMPTS - 1 and isinstance(e, httpx.ConnectError):
@@ -170,37 +150,40 @@ class WorkerClient:
         raise errors.APIError(503, "The request could not be placed on a worker; retry later.", "server_error",
                               code="no_capacity", headers={"Retry-After": "1"})
 
+    async def _refused(self, resp: httpx.Response, attempt: int, rid: str, prefill_url: str | None) -> None:
+        """A worker's refusal: raised as the answer, unless another attempt may fix it."""
+        content = await worker_stream.read_body(resp, self.max_body_bytes)
+        err = worker_stream.error_of(content, resp.status_code, resp.headers)
+        if err.code in _RETRYABLE and attempt < ATTEMPTS - 1:
+            log.warning("attempt %d of %s failed (%s); retrying", attempt, rid, err.message)
+            if err.code == "prefill_unreachable" and prefill_url:
+                self.pool.mark_down(prefill_url, err.message)
+            return
+        raise err
 
-def _error_of(content: bytes, status: int, headers: httpx.Headers | dict) -> errors.APIError:
-    """A worker's refusal as the gateway's answer: a 4xx is the request's fault and passes through
-    as it is (but a 401/403: that refuses the gateway's own credentials, a 502 to the client; a 429
-    is always a ``rate_limit_error``); a 5xx is a server error, a 502 but for 503 and 504 (the
-    gateway answers 500 only for its own bugs), 503 and 429 with the worker's Retry-After (else 1 s)."""
-    try:
-        e = wire.loads(content, limit=max(len(content), 1))["error"]
-        message, code = str(e.get("message", ""))[:2000], str(e.get("code") or "worker_error")[:100]
-    except (ValueError, KeyError, TypeError, AttributeError):
-        e, message, code = {}, f"the worker answered {status}", "worker_error"
-    if status in (401, 403):
-        return errors.APIError(502, f"The cloud worker refused the gateway ({status}: {message}).", "server_error",
-                               code="worker_refused_gateway")
-    if status == 429:  # the worker's load, not the request's fault: the type a client backs off on
-        return errors.APIError(429, message, "rate_limit_error", None, code, _retry_after(status, headers))
-    if 400 <= status < 500:
-        kind = e.get("type") if isinstance(e.get("type"), str) else "invalid_request_error"
-        param = e.get("param") if isinstance(e.get("param"), str) else None
-        return errors.APIError(status, message, kind, param, code, _retry_after(status, headers))
-    if status >= 500:  # the worker's failure, never the gateway's own 500: a 502 unless it said 503/504
-        out = status if status in (503, 504) else 502
-        return errors.APIError(out, message, "server_error", code=code, headers=_retry_after(status, headers))
-    return errors.APIError(502, f"the worker answered {status}", "server_error", code="worker_error")
+    def _event_of(self, line: bytes, flight: Flight) -> TokenEvent | Finish:
+        """One NDJSON line of the worker's stream as an event; an in-band error raises (502). A
+        finish whose usage is not integers is refused: the flight's own counts stand in."""
+        data = worker_stream.decode(line, self.max_event_bytes, "an event")
+        if isinstance(data, dict) and "error" in data:
+            message = data["error"].get("message") if isinstance(data["error"], dict) else None
+            raise errors.APIError(502, str(message or "worker error")[:500], "server_error", code="worker_error")
+        if isinstance(data, dict) and isinstance(fin := data.get("finish"), list) and not all(
+                isinstance(x, int) and not isinstance(x, bool) for x in fin[1:4]):
+            flight.usage_problem = "not_integer"  # refused: our own counts stand in
+            fin[1:4] = [flight.prompt_tokens, flight.generated_tokens, 0]
+        try:
+            return event_from_wire(data)
+        except (ValueError, TypeError, AttributeError):
+            raise errors.APIError(502, f"The cloud worker sent an event that is not one: "
+                                  f"{line[:100]!r}", "server_error", code="worker_bad_stream") from None
 
 
-def _retry_after(status: int, headers: httpx.Headers | dict) -> dict[str, str]:
-    if status not in (429, 503):
-        return {}
-    given = headers.get("retry-after", "")
-    return {"Retry-After": given if given.isdigit() and 0 < int(given) <= 3600 else "1"}
+def _timed_out(deadline: float | None) -> errors.APIError:
+    late = deadline is not None and time.perf_counter() >= deadline
+    return errors.APIError(504, "The request's deadline passed." if late else
+                           "The cloud worker did not answer in time.", "server_error",
+                           code="deadline_exceeded" if late else "worker_timeout")
 
 
 def time_left(flight: Flight, plan: Plan) -> float | None:

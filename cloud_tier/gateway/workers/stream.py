@@ -1,7 +1,8 @@
 """Reading a worker's answer, bounded while it is read: its lines (split on b"\\n" only, so a
 U+2028 inside a chunk's text stays in it; no line longer than ``max_line_bytes`` is ever held),
 the chunks of an OpenAI SSE stream, a whole body (up to ``limit`` bytes), each decoded by the
-strict decoder (``cascade.wire``). Whatever breaks the rules is a 502 APIError naming why."""
+strict decoder (``cascade.wire``). Whatever breaks the rules is a 502 APIError naming why; a
+worker's refusal becomes the gateway's answer in ``error_of`` (both kinds of worker)."""
 
 from __future__ import annotations
 
@@ -65,3 +66,35 @@ async def read_body(resp: httpx.Response, limit: int) -> bytes:
         if len(body) > limit:
             raise _bad(f"The cloud worker's answer is over {limit} bytes.", "worker_answer_too_large")
     return bytes(body)
+
+
+def error_of(content: bytes, status: int, headers: httpx.Headers | dict) -> errors.APIError:
+    """A worker's refusal as the gateway's answer: a 4xx is the request's fault and passes through
+    as it is (but a 401/403: that refuses the gateway's own credentials, a 502 to the client; a 429
+    is always a ``rate_limit_error``); a 5xx is a server error, a 502 but for 503 and 504 (the
+    gateway answers 500 only for its own bugs), 503 and 429 with the worker's Retry-After (else 1 s)."""
+    try:
+        e = wire.loads(content, limit=max(len(content), 1))["error"]
+        message, code = str(e.get("message", ""))[:2000], str(e.get("code") or "worker_error")[:100]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        e, message, code = {}, f"the worker answered {status}", "worker_error"
+    if status in (401, 403):
+        return errors.APIError(502, f"The cloud worker refused the gateway ({status}: {message}).", "server_error",
+                               code="worker_refused_gateway")
+    if status == 429:  # the worker's load, not the request's fault: the type a client backs off on
+        return errors.APIError(429, message, "rate_limit_error", None, code, _retry_after(status, headers))
+    if 400 <= status < 500:
+        kind = e.get("type") if isinstance(e.get("type"), str) else "invalid_request_error"
+        param = e.get("param") if isinstance(e.get("param"), str) else None
+        return errors.APIError(status, message, kind, param, code, _retry_after(status, headers))
+    if status >= 500:  # the worker's failure, never the gateway's own 500: a 502 unless it said 503/504
+        out = status if status in (503, 504) else 502
+        return errors.APIError(out, message, "server_error", code=code, headers=_retry_after(status, headers))
+    return errors.APIError(502, f"the worker answered {status}", "server_error", code="worker_error")
+
+
+def _retry_after(status: int, headers: httpx.Headers | dict) -> dict[str, str]:
+    if status not in (429, 503):
+        return {}
+    given = headers.get("retry-after", "")
+    return {"Retry-After": given if given.isdigit() and 0 < int(given) <= 3600 else "1"}
