@@ -71,7 +71,7 @@ class RedisResultCache:
         self._put = self._redis.register_script(_PUT)
         self.stats = CacheStats()  # this replica's lookups (evictions are Redis': not counted here)
         # key -> (the JSON Redis gave, its value): a value Redis gives again as the same bytes is
-        # not decoded again, and keeps what was rendered from it (streams.render_stored)
+        # not decoded again, and keeps what was rendered from it (pipeline.results.render_stored)
         self._decoded = ResultCache(1024, min(max_bytes, 16 << 20), ttl_s)
 
     def get(self, key: str) -> Any | None:

@@ -67,8 +67,8 @@ def open_spend(keys: KeyRecords, redis_url: str) -> SpendCounters:
 class Stores:
     keys: KeyRecords
     idempotency: IdempotencyRecords
-    quotas: object  # Quotas | quotas_redis.RedisQuotas: admit(), reconcile()
-    cache: object  # ResultCache | cache_redis.RedisResultCache: get(), put(), stats
+    quotas: object  # Quotas | tenants.quotas_redis.RedisQuotas: admit(), reconcile()
+    cache: object  # ResultCache | result_cache_redis.RedisResultCache: get(), put(), stats
     budgets: Budgets
     redis_parts: list = field(default_factory=list)  # what holds a Redis client, closed with the rest
 

@@ -233,7 +233,7 @@ class KeyRecords:
         return TenantLimits(tenant, **{k: rows[0][k] for k in ("rps", "tpm", "min_ttft_slo_s", "min_tpot_slo_s")}
                             ) if rows else TenantLimits(tenant)
 
-    # -- budgets (cloud_tier/gateway/budgets.py spends them) ----------------------------------
+    # -- budgets (tenants/budgets.py spends them) ---------------------------------------------
 
     def set_budget(self, scope: str, name: str, tokens: float | None = None, usd: float | None = None,
                    period: str | None = None) -> Budget:
