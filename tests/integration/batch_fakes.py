@@ -109,7 +109,7 @@ class InProcessGateway(_Thread):
 
     def key(self, tenant: str) -> str:
         """A new key of ``tenant`` (the key store is the gateway's own SQLite file)."""
-        from cloud_tier.gateway.tenants.keys import KeyStore
+        from cloud_tier.gateway.tenants.keys_sqlite import KeyStore
 
         store = KeyStore(self.home / "gateway.db")
         try:

@@ -13,7 +13,8 @@ from cascade.config import cascade_home
 from cloud_tier.config import CloudConfig, parse_model_prices
 from cloud_tier.gateway.pipeline.result_cache import ResultCache
 from cloud_tier.gateway.tenants.budgets import Budgets, SpendCounters
-from cloud_tier.gateway.tenants.keys import KeyRecords, KeyStore
+from cloud_tier.gateway.tenants.keys import KeyRecords
+from cloud_tier.gateway.tenants.keys_sqlite import KeyStore
 from cloud_tier.gateway.tenants.quotas import Quotas
 from sync.idempotency import IdempotencyRecords, IdempotencyStore
 

@@ -1,6 +1,6 @@
 """API keys bound to tenants, kept as sha256 hashes, with the tenants' limits and the budgets of
-tenants and keys: in SQLite here (``KeyStore``), in PostgreSQL for several gateway replicas
-(``keys_pg.PgKeyStore``), one implementation of their semantics (``KeyRecords``) for both.
+tenants and keys: one implementation of their semantics (``KeyRecords``) here, kept in SQLite
+(``keys_sqlite.KeyStore``) or in PostgreSQL for several gateway replicas (``keys_pg.PgKeyStore``).
 
 A key reads ``csk-<key_id>-<secret>``: the 8-character ``key_id`` is public (listings, metrics,
 revocation) and selects the row; the whole key's hash is then compared in constant time.
@@ -17,10 +17,8 @@ import string
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from cascade.protocol import INT32
-from sync.sqlite import SQLiteStore
 
 SCOPES = ("infer", "admin")
 PERIODS = ("day", "month")  # budgets run per UTC calendar day or month
@@ -297,34 +295,3 @@ def _check_budget_scope(scope: str, name: str) -> None:
         _check_tenant(name)
     elif not (isinstance(name, str) and re.fullmatch(r"[a-z0-9]{8}", name)):
         raise ValueError(f"a key id is 8 characters of [a-z0-9], not {name!r}")
-
-
-class KeyStore(SQLiteStore, KeyRecords):
-    """API keys in SQLite (WAL), stored only as a hash; the plaintext is returned once by create().
-    Several processes may open the same file."""
-
-    def __init__(self, path: Path | str, cache_ttl_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic):
-        KeyRecords.__init__(self, cache_ttl_s, clock)
-        SQLiteStore.__init__(self, path)
-        with self._write():
-            self._db["tenants"].create(
-                {"name": str, "rps": float, "tpm": float, "created_at": float},
-                pk="name", not_null={"rps", "tpm", "created_at"}, if_not_exists=True)
-            self._db["api_keys"].create(
-                {"key_id": str, "key_hash": str, "tenant": str, "device": str, "scopes": str,
-                 "rps": float, "tpm": float, "created_at": float, "revoked": int},
-                pk="key_id",
-                not_null={"key_hash", "tenant", "scopes", "rps", "tpm", "created_at", "revoked"},
-                foreign_keys=[("tenant", "tenants", "name")], if_not_exists=True)
-            self._db["api_keys"].create_index(["tenant"], if_not_exists=True)
-            if "priority" not in self._db["api_keys"].columns_dict:  # a database from before priorities
-                self._db["api_keys"].add_column("priority", int, not_null_default=0)
-            for floor in ("min_ttft_slo_s", "min_tpot_slo_s"):  # ... or from before the tenants' SLO floors
-                if floor not in self._db["tenants"].columns_dict:
-                    self._db["tenants"].add_column(floor, float, not_null_default=0.0)
-            self._db["budgets"].create({"scope": str, "name": str, "tokens": float, "usd": float, "period": str},
-                                       pk=("scope", "name"), not_null={"tokens", "usd", "period"},
-                                       if_not_exists=True)
-            self._db["spend"].create({"scope": str, "name": str, "period": str, "tokens": float, "usd": float},
-                                     pk=("scope", "name", "period"), not_null={"tokens", "usd"}, if_not_exists=True)

@@ -10,7 +10,8 @@ import pytest
 
 from cloud_tier.gateway.keys_cli import add_keys_parser
 from cloud_tier.gateway.tenants.budgets import Budgets, RedisSpend
-from cloud_tier.gateway.tenants.keys import Budget, KeyStore
+from cloud_tier.gateway.tenants.keys import Budget
+from cloud_tier.gateway.tenants.keys_sqlite import KeyStore
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ from cloud_tier.gateway.pipeline.result_cache import ResultCache
 from cloud_tier.gateway.pipeline.result_cache_redis import RedisResultCache
 from cloud_tier.gateway.pipeline.stores import open_stores
 from cloud_tier.gateway.tenants.budgets import RedisSpend
-from cloud_tier.gateway.tenants.keys import KeyStore
 from cloud_tier.gateway.tenants.keys_pg import PgKeyStore
+from cloud_tier.gateway.tenants.keys_sqlite import KeyStore
 from cloud_tier.gateway.tenants.quotas import Limits, Quotas
 from cloud_tier.gateway.tenants.quotas_redis import RedisQuotas
 from sync.idempotency import IdempotencyStore
