@@ -86,9 +86,9 @@ class GatewayService:
         self.budgets = stores.budgets
         self.admission = Admission.of(pool, config)
         self.settlement = Settlement(config, stores, self.admission, self.metrics, model_id)
-        self.own = OwnWorkers(builder, model_id, pool, _worker_client(config, pool, client, self.admission,
-                                                                      worker_api_key),
-                              ResultCache(config.result_cache_entries, ttl_s=config.result_cache_ttl_s))
+        workers = _worker_client(config, pool, client, self.admission, worker_api_key)
+        cache_keys = ResultCache(config.result_cache_entries, ttl_s=config.result_cache_ttl_s)
+        self.own = OwnWorkers(builder, model_id, pool, workers, cache_keys)
         self.foreign = _foreign_workers(config, pool, client, self.admission, worker_api_key, max_model_len)
         self.routing = self.foreign.routing  # the foreign workers' load, as /metrics and the batch runner read it
 
