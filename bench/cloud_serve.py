@@ -63,7 +63,7 @@ def main() -> int:
     p.add_argument("--vllm-python",
                    default=str(Path.home() / ".cache/cascade/vllm-venv/bin/python"))
     args = p.parse_args()
-    from cloud_tier.gateway.app import load_tokenizer
+    from cloud_tier.gateway.http.app import load_tokenizer
 
     requests = sample_requests(args.num_prompts, args.seed, load_tokenizer(MODEL),
                                args.max_prompt_tokens, args.max_output_tokens,

@@ -127,7 +127,7 @@ def main() -> int:
     p.add_argument("--modes", default="both,pd")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    from cloud_tier.gateway.app import load_tokenizer
+    from cloud_tier.gateway.http.app import load_tokenizer
 
     tok = load_tokenizer("smollm2-135m")
     rng = random.Random(args.seed)

@@ -19,7 +19,7 @@ def _exit_on_sigterm(signum, frame) -> None:
 def run(config: CloudConfig, config_path: str | None = None) -> None:
     import uvicorn
 
-    from cloud_tier.gateway.app import build_app
+    from cloud_tier.gateway.http.app import build_app
 
     g = config.gateway
     # uvicorn re-raises the SIGTERM it handled once it has shut down; with the default handler

@@ -21,8 +21,8 @@ class _Refused(Exception):
 def _opened(args):
     """The key store the gateway opens (--db, else [gateway] db from the environment, else the
     default file) and its budgets, spend read where the gateway counts it (--redis, likewise)."""
-    from cloud_tier.gateway.budgets import Budgets
-    from cloud_tier.gateway.stores import open_key_store, open_spend
+    from cloud_tier.gateway.pipeline.stores import open_key_store, open_spend
+    from cloud_tier.gateway.tenants.budgets import Budgets
 
     try:
         store = open_key_store(args.db or os.environ.get("CASCADE_CLOUD_GATEWAY_DB", ""))
@@ -52,7 +52,7 @@ def _spent_text(s) -> str:
 
 
 def _spend_json(s) -> dict:
-    from cloud_tier.gateway.budgets import iso_utc
+    from cloud_tier.gateway.tenants.budgets import iso_utc
 
     return {"budget": {"tokens": s.budget.tokens, "usd": s.budget.usd, "period": s.budget.period},
             "spent": {"tokens": s.tokens, "usd": s.usd, "period": s.period_id, "resets_at": iso_utc(s.resets_at)}}
@@ -67,7 +67,7 @@ def _run(command, args) -> int:
 
 
 def cmd_keys_create(args) -> int:
-    from cloud_tier.gateway.keys import Budget, TenantLimits
+    from cloud_tier.gateway.tenants.keys import Budget, TenantLimits
 
     scopes = ("infer", "admin") if args.admin else ("infer",)
     # checked before anything is written, so a bad flag leaves the database as it was
@@ -120,7 +120,7 @@ def cmd_keys_list(args) -> int:
                      "yes" if k.revoked else "no"))
     _table(rows)
     print()
-    from cloud_tier.gateway.budgets import iso_utc
+    from cloud_tier.gateway.tenants.budgets import iso_utc
 
     _table([("TENANT", "BUDGET", "SPENT", "PERIOD", "RESETS")] + [
         (t, _budget_text(s.budget), _spent_text(s), s.period_id, iso_utc(s.resets_at)) for t, s in tenants.items()])
@@ -144,8 +144,8 @@ def cmd_keys_revoke(args) -> int:
 
 
 def cmd_keys_budget(args) -> int:
-    from cloud_tier.gateway.budgets import iso_utc
-    from cloud_tier.gateway.keys import Budget
+    from cloud_tier.gateway.tenants.budgets import iso_utc
+    from cloud_tier.gateway.tenants.keys import Budget
 
     Budget(args.tokens or 0.0, args.usd or 0.0, args.period or "month")  # before anything is written
     scope, name = ("key", args.key) if args.key else ("tenant", args.tenant)
@@ -168,7 +168,7 @@ def _limits_text(limits) -> str:
 
 
 def cmd_keys_limits(args) -> int:
-    from cloud_tier.gateway.keys import TenantLimits
+    from cloud_tier.gateway.tenants.keys import TenantLimits
 
     given = (args.rps, args.tpm, args.min_ttft_slo_s, args.min_tpot_slo_s)
     TenantLimits(args.tenant, *(v or 0.0 for v in given))  # checked before anything is written

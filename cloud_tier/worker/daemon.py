@@ -9,7 +9,7 @@ from cloud_tier.config import CloudConfig
 log = logging.getLogger(__name__)
 
 # Idle keep-alive connections stay open this long, well past the gateway's pool expiry
-# (cloud_tier.gateway.http_pool.KEEPALIVE_EXPIRY_S), so the gateway always drops an idle one first:
+# (cloud_tier.gateway.workers.http_pool.KEEPALIVE_EXPIRY_S), so the gateway always drops an idle one first:
 # at equal timeouts (uvicorn's 5 s and httpx's) a burst that came as the server closed the idle
 # connections of the one before reused some as they closed (ReadError, a 502 for each).
 KEEP_ALIVE_S = 30

@@ -98,7 +98,7 @@ class InProcessGateway(_Thread):
 
     def __init__(self, home: Path, worker_url: str, **gateway):
         from cloud_tier.config import CloudConfig, GatewayConfig
-        from cloud_tier.gateway.app import build_app
+        from cloud_tier.gateway.http.app import build_app
 
         self.home = home
         self.config = CloudConfig(gateway=GatewayConfig(
@@ -109,7 +109,7 @@ class InProcessGateway(_Thread):
 
     def key(self, tenant: str) -> str:
         """A new key of ``tenant`` (the key store is the gateway's own SQLite file)."""
-        from cloud_tier.gateway.keys import KeyStore
+        from cloud_tier.gateway.tenants.keys_sqlite import KeyStore
 
         store = KeyStore(self.home / "gateway.db")
         try:

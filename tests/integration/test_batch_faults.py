@@ -14,8 +14,8 @@ import time
 import openai
 import pytest
 
-from cloud_tier.gateway.budgets import period_of
-from cloud_tier.gateway.keys import KeyStore
+from cloud_tier.gateway.tenants.budgets import period_of
+from cloud_tier.gateway.tenants.keys_sqlite import KeyStore
 from tests.integration.batch_fakes import MODEL, FakeOpenAIWorker, InProcessGateway, refuse
 
 CHAT = "/v1/chat/completions"

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from cloud_tier.gateway.stores import batch_db_path
+from cloud_tier.gateway.pipeline.stores import batch_db_path
 from tests.integration.batch_fakes import MODEL, FakeOpenAIWorker, InProcessGateway
 
 CHAT = "/v1/chat/completions"

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from cloud_tier.gateway.cache_redis import RedisResultCache
+from cloud_tier.gateway.pipeline.result_cache_redis import RedisResultCache
 
 
 @pytest.fixture

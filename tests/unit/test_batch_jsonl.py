@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cloud_tier.gateway.batch_jsonl import validate
+from cloud_tier.gateway.batch.jsonl import validate
 
 CHAT = "/v1/chat/completions"
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 import random
 
-from cloud_tier.gateway.batch_jsonl import TooLong, count_lines, raw_lines, validate
-from cloud_tier.gateway.batch_state import Status
-from cloud_tier.gateway.batch_store import BatchStore, batch_object
+from cloud_tier.gateway.batch.jsonl import TooLong, count_lines, raw_lines, validate
+from cloud_tier.gateway.batch.state import Status
+from cloud_tier.gateway.batch.store import BatchStore, batch_object
 
 CHAT = "/v1/chat/completions"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cloud_tier.gateway.batch_runner import BatchRunner, RunnerConfig
+from cloud_tier.gateway.batch.runner import BatchRunner, RunnerConfig
 
 
 def refusal(status: int, code: str) -> dict:

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from kubernetes_validate import utils as kv
 
-from cloud_tier.gateway.discovery import ROLE_LABEL, ROLES, TYPE_LABEL, WORKER_TYPES
+from cloud_tier.gateway.workers.discovery import ROLE_LABEL, ROLES, TYPE_LABEL, WORKER_TYPES
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"
@@ -300,7 +300,7 @@ def test_the_service_pdb_and_hpa_select_the_gateway_pods_only():
 
 
 def test_the_hpas_pods_metric_is_derived_from_a_gateway_metric():
-    from cloud_tier.gateway.metrics import GatewayMetrics
+    from cloud_tier.gateway.pipeline.metrics import GatewayMetrics
 
     hpa = named("HorizontalPodAutoscaler", "cascade-gateway")
     kinds = {m["type"] for m in hpa["spec"]["metrics"]}

@@ -16,7 +16,7 @@ def loaded_after(code: str) -> set[str]:
 
 
 def test_the_gateway_loads_neither_torch_nor_the_engine():
-    mods = loaded_after("import cloud_tier.gateway.app, cloud_tier.serve")
+    mods = loaded_after("import cloud_tier.gateway.http.app, cloud_tier.serve")
     assert "torch" not in mods
     assert not {m for m in mods if m.startswith(("cloud_tier.engine", "cloud_tier.worker.app",
                                                  "cloud_tier.disagg.transport", "transformers"))}

@@ -10,8 +10,8 @@ import pytest
 
 from cascade import errors
 from cloud_tier.disagg.protocol import WorkerLoadReport
-from cloud_tier.gateway.admission import Admission
-from cloud_tier.gateway.worker_pool import WorkerPool
+from cloud_tier.gateway.workers.admission import Admission
+from cloud_tier.gateway.workers.pool import WorkerPool
 
 URL = "http://w0"
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from cloud_tier.gateway.batch_jsonl import validate
-from cloud_tier.gateway.batch_runner import RunnerConfig, spare_slots
-from cloud_tier.gateway.batch_state import (
+from cloud_tier.gateway.batch.jsonl import validate
+from cloud_tier.gateway.batch.runner import RunnerConfig, spare_slots
+from cloud_tier.gateway.batch.state import (
     TRANSITIONS,
     InvalidTransition,
     Status,
@@ -17,7 +17,7 @@ from cloud_tier.gateway.batch_state import (
     next_status,
     window_seconds,
 )
-from cloud_tier.gateway.batch_store import BatchStore, batch_object
+from cloud_tier.gateway.batch.store import BatchStore, batch_object
 
 CHAT = "/v1/chat/completions"
 

@@ -10,9 +10,10 @@ import pytest
 
 from cascade import errors
 from cascade.processes import free_port
-from cloud_tier.gateway.budgets import Budgets, RedisSpend, period_of
-from cloud_tier.gateway.keys import Budget, KeyStore
-from cloud_tier.gateway.keys_pg import PgKeyStore
+from cloud_tier.gateway.tenants.budgets import Budgets, RedisSpend, period_of
+from cloud_tier.gateway.tenants.keys import Budget
+from cloud_tier.gateway.tenants.keys_pg import PgKeyStore
+from cloud_tier.gateway.tenants.keys_sqlite import KeyStore
 from tests.pg_redis import fresh_database
 
 JAN_31_2359 = calendar.timegm((2026, 1, 31, 23, 59, 0))

@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from cascade.processes import free_port
-from cloud_tier.gateway.cache_redis import RedisResultCache
+from cloud_tier.gateway.pipeline.result_cache_redis import RedisResultCache
 
 VALUE = {"events": [{"type": "token", "text": "Paris", "logprob": -0.25}, {"type": "finish", "reason": "stop"}]}
 

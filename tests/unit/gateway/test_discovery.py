@@ -14,7 +14,7 @@ import pytest
 from kubernetes import client
 
 from cascade.config import ConfigError
-from cloud_tier.gateway.discovery import (
+from cloud_tier.gateway.workers.discovery import (
     Discovered,
     KubernetesDiscovery,
     follow,

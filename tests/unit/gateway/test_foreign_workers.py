@@ -10,11 +10,11 @@ import xxhash
 
 from cascade import errors
 from cascade.policy.backpressure import CircuitBreaker
-from cloud_tier.gateway.openai_results import cache_key, chunks_to_response, prompt_text, response_to_chunks
-from cloud_tier.gateway.openai_route import ForeignRouting, choose, pressure, pressure_limit
-from cloud_tier.gateway.placement import PrefixIndex, text_block_hashes
-from cloud_tier.gateway.worker_metrics import ForeignLoad, detect_kind, parse_load
-from cloud_tier.gateway.worker_pool import Worker
+from cloud_tier.gateway.foreign.answers import cache_key, chunks_to_response, prompt_text, response_to_chunks
+from cloud_tier.gateway.foreign.routing import ForeignRouting, choose, pressure, pressure_limit
+from cloud_tier.gateway.workers.metrics_scrape import ForeignLoad, detect_kind, parse_load
+from cloud_tier.gateway.workers.placement import PrefixIndex, text_block_hashes
+from cloud_tier.gateway.workers.pool import Worker
 
 VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

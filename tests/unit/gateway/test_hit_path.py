@@ -17,9 +17,9 @@ from cascade.generation import Finish, TokenEvent, event_to_wire
 from cascade.openai_format import ChatFormatter, CompletionFormatter
 from cascade.web.caller import CallerGone, while_connected
 from cascade.web.requests import read_json
-from cloud_tier.gateway.cache_redis import RedisResultCache
-from cloud_tier.gateway.metrics import GatewayMetrics
-from cloud_tier.gateway.streams import render_stored
+from cloud_tier.gateway.pipeline.metrics import GatewayMetrics
+from cloud_tier.gateway.pipeline.result_cache_redis import RedisResultCache
+from cloud_tier.gateway.pipeline.results import render_stored
 
 MODEL = "smollm2-135m"
 

@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from cloud_tier.gateway.http_pool import ShardedTransport
+from cloud_tier.gateway.workers.http_pool import ShardedTransport
 
 
 async def _server(behaviour):

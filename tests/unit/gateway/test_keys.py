@@ -6,9 +6,10 @@ import sqlite3
 
 import pytest
 
-from cloud_tier.gateway.keys import ApiKey, KeyStore, TenantLimits
 from cloud_tier.gateway.keys_cli import add_keys_parser
-from cloud_tier.gateway.keys_pg import PgKeyStore
+from cloud_tier.gateway.tenants.keys import ApiKey, TenantLimits
+from cloud_tier.gateway.tenants.keys_pg import PgKeyStore
+from cloud_tier.gateway.tenants.keys_sqlite import KeyStore
 from tests.pg_redis import fresh_database
 
 

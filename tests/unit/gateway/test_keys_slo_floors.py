@@ -6,7 +6,8 @@ import sqlite3
 
 import pytest
 
-from cloud_tier.gateway.keys import KeyStore, TenantLimits
+from cloud_tier.gateway.tenants.keys import TenantLimits
+from cloud_tier.gateway.tenants.keys_sqlite import KeyStore
 from tests.unit.gateway.test_budgets_cli import run_cli
 from tests.unit.gateway.test_keys import db, store  # noqa: F401  (the fixtures: SQLite and PostgreSQL)
 

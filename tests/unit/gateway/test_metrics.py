@@ -2,7 +2,7 @@
 
 from prometheus_client import generate_latest
 
-from cloud_tier.gateway.metrics import GatewayMetrics
+from cloud_tier.gateway.pipeline.metrics import GatewayMetrics
 
 
 def test_per_tenant_by_default():
@@ -29,7 +29,7 @@ def test_without_tenant_labels_no_tenant_is_named():
 def test_the_blocks_committed_on_each_worker_are_a_gauge():
     from types import SimpleNamespace
 
-    from cloud_tier.gateway.worker_pool import Worker
+    from cloud_tier.gateway.workers.pool import Worker
 
     w = Worker("http://w1", role="decode", healthy=True, committed_blocks=7)
     m = GatewayMetrics()

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from cloud_tier.gateway.openai_results import chunks_to_response, response_to_chunks
-from cloud_tier.gateway.openai_shape import body_problem, chunk_problem, is_openai_error, worker_is_unwell
+from cloud_tier.gateway.foreign.answers import chunks_to_response, response_to_chunks
+from cloud_tier.gateway.foreign.shape import body_problem, chunk_problem, is_openai_error, worker_is_unwell
 
 DELTA = {"index": 0, "delta": {"role": "assistant", "content": "Red"}, "finish_reason": None}
 MESSAGE = {"index": 0, "message": {"role": "assistant", "content": "Red"}, "finish_reason": "stop"}
@@ -108,8 +108,8 @@ def test_a_prefill_refusal_counts_on_the_prefill_workers_breaker_only_when_it_is
 
     import httpx
 
-    from cloud_tier.gateway.openai_proxy import Attempt, OpenAIProxy, ProxyConfig
-    from cloud_tier.gateway.worker_pool import WorkerPool
+    from cloud_tier.gateway.foreign.proxy import Attempt, OpenAIProxy, ProxyConfig
+    from cloud_tier.gateway.workers.pool import WorkerPool
 
     sent = []
 

@@ -3,8 +3,8 @@
 import pytest
 
 from cascade import errors
-from cloud_tier.gateway.keys import ApiKey
-from cloud_tier.gateway.service import request_priority
+from cloud_tier.gateway.pipeline.service import request_priority
+from cloud_tier.gateway.tenants.keys import ApiKey
 
 
 def key(priority: int) -> ApiKey:

@@ -5,7 +5,7 @@ only where the client gave none."""
 import pytest
 
 from cascade import errors
-from cloud_tier.gateway.priority import priority_class, with_vllm_priority
+from cloud_tier.gateway.tenants.priority import priority_class, with_vllm_priority
 
 
 @pytest.mark.parametrize("header,body,klass", [

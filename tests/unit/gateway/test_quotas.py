@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from cloud_tier.gateway.quotas import Limits, QuotaDecision, Quotas, TokenBucket
+from cloud_tier.gateway.tenants.quotas import Limits, QuotaDecision, Quotas, TokenBucket
 
 NONE = Limits()
 

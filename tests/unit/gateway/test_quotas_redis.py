@@ -11,8 +11,8 @@ import uuid
 import pytest
 import redis
 
-from cloud_tier.gateway.quotas import Limits, QuotaDecision
-from cloud_tier.gateway.quotas_redis import RedisQuotas
+from cloud_tier.gateway.tenants.quotas import Limits, QuotaDecision
+from cloud_tier.gateway.tenants.quotas_redis import RedisQuotas
 
 NONE = Limits()
 OK = QuotaDecision(True)

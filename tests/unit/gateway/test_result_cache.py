@@ -3,7 +3,7 @@ deterministic requests, TTL and LRU bounds."""
 
 import pytest
 
-from cloud_tier.gateway.result_cache import ResultCache, cache_key
+from cloud_tier.gateway.pipeline.result_cache import ResultCache, cache_key
 from cloud_tier.request_builder import Plan
 from cloud_tier.sampling import SamplingParams
 

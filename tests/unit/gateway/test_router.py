@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from cloud_tier.gateway.placement import (
+from cloud_tier.gateway.workers.placement import (
     NoWorkerError,
     PrefixIndex,
     RouterConfig,

@@ -5,14 +5,14 @@ postgresql:// db and Redis for a redis URL, shared by two gateways opened on the
 import pytest
 
 from cloud_tier.config import CloudConfig, GatewayConfig
-from cloud_tier.gateway.budgets import RedisSpend
-from cloud_tier.gateway.cache_redis import RedisResultCache
-from cloud_tier.gateway.keys import KeyStore
-from cloud_tier.gateway.keys_pg import PgKeyStore
-from cloud_tier.gateway.quotas import Limits, Quotas
-from cloud_tier.gateway.quotas_redis import RedisQuotas
-from cloud_tier.gateway.result_cache import ResultCache
-from cloud_tier.gateway.stores import open_stores
+from cloud_tier.gateway.pipeline.result_cache import ResultCache
+from cloud_tier.gateway.pipeline.result_cache_redis import RedisResultCache
+from cloud_tier.gateway.pipeline.stores import open_stores
+from cloud_tier.gateway.tenants.budgets import RedisSpend
+from cloud_tier.gateway.tenants.keys_pg import PgKeyStore
+from cloud_tier.gateway.tenants.keys_sqlite import KeyStore
+from cloud_tier.gateway.tenants.quotas import Limits, Quotas
+from cloud_tier.gateway.tenants.quotas_redis import RedisQuotas
 from sync.idempotency import IdempotencyStore
 from sync.idempotency_pg import PgIdempotencyStore
 from tests.pg_redis import fresh_database

@@ -10,10 +10,12 @@ import pytest
 
 from cascade import errors
 from cascade.generation import Finish, TokenEvent
-from cloud_tier.gateway.keys import ApiKey
-from cloud_tier.gateway.service import outcome_of, tokens_used
-from cloud_tier.gateway.streams import Flight, Recorder, pull_first
-from cloud_tier.gateway.worker_client import _error_of
+from cloud_tier.gateway.http.sse import pull_first
+from cloud_tier.gateway.pipeline.flight import Flight
+from cloud_tier.gateway.pipeline.recorder import Recorder
+from cloud_tier.gateway.pipeline.settlement import outcome_of, tokens_used
+from cloud_tier.gateway.tenants.keys import ApiKey
+from cloud_tier.gateway.workers.stream import error_of
 
 TOKEN = TokenEvent(token_id=1, text="a", piece=b"a", logprob=0.0, entropy=0.0)
 FINISH = Finish("stop", 3, 1)
@@ -113,7 +115,7 @@ def test_a_workers_refusal_becomes_the_gateways_answer(status, body, headers, wa
     import json
 
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    err = _error_of(content, status, httpx.Headers(headers))
+    err = error_of(content, status, httpx.Headers(headers))
     assert (err.status, err.code, err.param, err.headers.get("Retry-After")) == want
 
 

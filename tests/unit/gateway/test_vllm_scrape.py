@@ -3,7 +3,7 @@ SmolLM2 with 16 KV blocks of 128 tokens, taken while 2 requests ran and 6 waited
 
 from pathlib import Path
 
-from cloud_tier.gateway.worker_metrics import detect_kind, parse_load
+from cloud_tier.gateway.workers.metrics_scrape import detect_kind, parse_load
 
 SCRAPE = (Path(__file__).parent / "data" / "vllm_metrics.txt").read_text()
 

@@ -17,11 +17,11 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from cloud_tier.gateway.metrics import GatewayMetrics
-from cloud_tier.gateway.openai_route import ForeignRouting, choose, pressure, queue_of
-from cloud_tier.gateway.placement import PrefixIndex
-from cloud_tier.gateway.worker_load import MAX_SCRAPE_BYTES
-from cloud_tier.gateway.worker_pool import WorkerPool
+from cloud_tier.gateway.foreign.routing import ForeignRouting, choose, pressure, queue_of
+from cloud_tier.gateway.pipeline.metrics import GatewayMetrics
+from cloud_tier.gateway.workers.load import MAX_SCRAPE_BYTES
+from cloud_tier.gateway.workers.placement import PrefixIndex
+from cloud_tier.gateway.workers.pool import WorkerPool
 
 SCRAPE = (Path(__file__).parent / "data" / "vllm_metrics.txt").read_text()  # 2 running, 6 waiting
 
@@ -234,7 +234,7 @@ def test_a_giant_load_report_is_refused_while_read():
 
 
 def test_a_discovery_answer_with_hostile_ports_and_addresses_routes_nowhere_odd():
-    from cloud_tier.gateway.discovery import pods_to_workers
+    from cloud_tier.gateway.workers.discovery import pods_to_workers
 
     def pod(name, ip, port):
         return {"metadata": {"name": name, "namespace": "n"},

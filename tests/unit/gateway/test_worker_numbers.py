@@ -10,12 +10,12 @@ import pytest
 
 from cascade import errors
 from cascade.generation import Finish, TokenEvent
-from cloud_tier.gateway.keys import ApiKey
-from cloud_tier.gateway.quotas import Limits, Quotas, TokenBucket
-from cloud_tier.gateway.result_cache import ResultCache
-from cloud_tier.gateway.streams import Flight, observe_chunk, observe_event
-from cloud_tier.gateway.worker_stream import lines, next_sse_chunk
-from cloud_tier.gateway.worker_usage import UsageBounds, checked, foreign_bounds
+from cloud_tier.gateway.pipeline.flight import Flight, observe_chunk, observe_event
+from cloud_tier.gateway.pipeline.result_cache import ResultCache
+from cloud_tier.gateway.tenants.keys import ApiKey
+from cloud_tier.gateway.tenants.quotas import Limits, Quotas, TokenBucket
+from cloud_tier.gateway.workers.stream import lines, next_sse_chunk
+from cloud_tier.gateway.workers.usage import UsageBounds, checked, foreign_bounds
 
 BOUNDS = UsageBounds(prompt=100, completion=16)
 
@@ -141,7 +141,7 @@ def test_one_tenant_filling_the_cache_never_evicts_a_smaller_holders_entries():
 
 
 def test_the_cache_keys_hold_the_tenant():
-    from cloud_tier.gateway.openai_results import cache_key
+    from cloud_tier.gateway.foreign.answers import cache_key
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
     assert cache_key("p", "chat", body) != cache_key("q", "chat", body)
 
@@ -149,7 +149,7 @@ def test_the_cache_keys_hold_the_tenant():
 def test_a_redis_bucket_never_owes_more_than_its_capacity(redis_url):
     import uuid
 
-    from cloud_tier.gateway.quotas_redis import RedisQuotas
+    from cloud_tier.gateway.tenants.quotas_redis import RedisQuotas
 
     q = RedisQuotas(redis_url, prefix=f"test:{uuid.uuid4().hex[:8]}:")
     try:

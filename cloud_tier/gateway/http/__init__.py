@@ -1,0 +1,1 @@
+"""The gateway's HTTP shell: the app, its routes and the rendering of a pipeline result."""

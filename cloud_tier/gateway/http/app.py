@@ -1,0 +1,133 @@
+"""``build_app(config, worker_urls)``: the gateway. The lifespan opens its stores (SQLite and
+in-process, or PostgreSQL and Redis: ``pipeline.stores.open_stores``), finds the workers and takes the
+model's names and tokenizer from one of them (``workers.served``: the gateway never holds the
+model, nor torch), and runs the batch runner beside the routes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI
+
+from cascade.web import build_openai_app
+from cloud_tier import tokenizer_files
+from cloud_tier.config import CloudConfig, GatewayConfig
+from cloud_tier.gateway.batch.files import FileLimits
+from cloud_tier.gateway.batch.routes import UPLOAD_FORM_OVERHEAD, batch_api
+from cloud_tier.gateway.batch.runner import BatchRunner, RunnerConfig
+from cloud_tier.gateway.batch.store import BatchStore
+from cloud_tier.gateway.http.body_limit import BodyLimit
+from cloud_tier.gateway.http.routes import admin, generation, ops, v1
+from cloud_tier.gateway.pipeline.service import GatewayService
+from cloud_tier.gateway.pipeline.stores import batch_db_path, open_stores
+from cloud_tier.gateway.workers.http_pool import KEEPALIVE_EXPIRY_S, ShardedTransport
+from cloud_tier.gateway.workers.pool import WorkerPool
+from cloud_tier.gateway.workers.served import first_worker, foreign_models, served_model
+from cloud_tier.request_builder import RequestBuilder
+from sync.idempotency import IdempotencyRecords
+
+log = logging.getLogger(__name__)
+
+
+def worker_roles(config: CloudConfig, worker_urls: list[str]) -> dict[str, str]:
+    """url -> the role it was given ("" when its own report says): --prefill/--decode URLs."""
+    g = config.gateway
+    roles = {u: "" for u in worker_urls}
+    for field, role in ((g.prefill_workers, "prefill"), (g.decode_workers, "decode")):
+        roles.update({u.strip(): role for u in field.split(",") if u.strip()})
+    return roles
+
+
+async def _open_pool(config: CloudConfig, worker_urls: list[str], client: httpx.AsyncClient
+                     ) -> tuple[WorkerPool, asyncio.Task | None]:
+    """The pool, started and in its mode (our workers or foreign ones), and the task that follows
+    k8s discovery (None without it)."""
+    g = config.gateway
+    roles = worker_roles(config, worker_urls)
+    pool = WorkerPool(list(roles), client, config.server.api_key, g.health_interval_s, kind=g.worker_type,
+                      roles=roles, metrics_interval_s=g.metrics_interval_s,
+                      breaker_threshold=g.breaker_threshold, breaker_open_s=g.breaker_open_s)
+    watcher = None
+    if g.k8s_discovery:  # the pool follows the ready pods the selectors match
+        from cloud_tier.gateway.workers.discovery import KubernetesDiscovery, follow
+
+        discovery = KubernetesDiscovery(g.k8s_namespace, g.k8s_selector, g.k8s_prefill_selector,
+                                        g.k8s_decode_selector, port=g.k8s_port)
+        watcher = asyncio.create_task(follow(discovery, lambda found: pool.set_workers(
+            {d.url: d.role for d in found}, {d.url: d.worker_type for d in found})))
+        await first_worker(pool, g.startup_timeout_s)
+    await pool.start(wait_s=30.0)
+    pool.decide_mode()
+    return pool, watcher
+
+
+async def _service(config: CloudConfig, pool: WorkerPool, stores, client: httpx.AsyncClient) -> GatewayService:
+    """The pipeline over ``pool``, with the model its workers serve."""
+    g = config.gateway
+    if pool.foreign:
+        names, max_len = await foreign_models(pool, g.startup_timeout_s)
+        builder = None  # the body goes to the worker as it is: the worker's tokenizer is the one
+        model_id, aliases, max_model_len = names[0], set(names[1:]), max_len
+    else:
+        model = await served_model(pool, g.startup_timeout_s)
+        tokenizer = await asyncio.to_thread(tokenizer_files.load, model.tokenizer_files)
+        builder = RequestBuilder(tokenizer, pool.max_model_len or model.max_model_len)
+        model_id, aliases, max_model_len = model.model, set(model.aliases), builder.max_model_len
+    return GatewayService(g, pool, stores, builder, model_id, aliases, client, config.server.api_key,
+                          max_model_len)
+
+
+def _runner_config(g: GatewayConfig) -> RunnerConfig:
+    return RunnerConfig(
+        concurrency=g.batch_concurrency, kv_share=g.batch_kv_share, online_busy=g.batch_online_busy,
+        max_lines=g.batch_max_lines, backoff_s=g.batch_backoff_s, backoff_max_s=g.batch_backoff_max_s,
+        max_refusals=g.batch_max_refusals, max_line_bytes=g.max_body_bytes)
+
+
+def build_app(config: CloudConfig, worker_urls: list[str]) -> FastAPI:
+    g = config.gateway
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        stores = open_stores(config)
+        client = httpx.AsyncClient(timeout=httpx.Timeout(g.request_timeout_s, connect=g.connect_timeout_s),
+                                   transport=ShardedTransport(httpx.Limits(
+                                       max_connections=1024, max_keepalive_connections=128,
+                                       keepalive_expiry=KEEPALIVE_EXPIRY_S)))
+        pool, watcher = await _open_pool(config, worker_urls, client)
+        app.state.service = await _service(config, pool, stores, client)
+        collector = asyncio.create_task(_collect(stores.idempotency))
+        app.state.batches = BatchStore(batch_db_path(g), limits=FileLimits(
+            g.batch_tenant_max_bytes, g.batch_tenant_max_files, g.batch_file_ttl_s))
+        runner = asyncio.create_task(BatchRunner(app.state.service, app.state.batches, _runner_config(g)).run())
+        try:
+            yield
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)  # its lines settle before the pool closes
+            app.state.batches.close()
+            collector.cancel()
+            if watcher is not None:
+                watcher.cancel()
+            await pool.close()
+            await client.aclose()
+            stores.close()
+
+    app = build_openai_app("cascade cloud gateway", lifespan, config, "cloud", generation, ops, v1, admin,
+                           batch_api)
+    app.add_middleware(BodyLimit, limit=g.max_body_bytes,
+                       routes={("POST", "/v1/files"): g.batch_max_file_bytes + UPLOAD_FORM_OVERHEAD})
+    return app
+
+
+async def _collect(idem: IdempotencyRecords, every_s: float = 600.0) -> None:
+    while True:
+        with contextlib.suppress(Exception):
+            n = await asyncio.to_thread(idem.collect_expired)
+            if n:
+                log.info("collected %d expired idempotency keys", n)
+        await asyncio.sleep(every_s)

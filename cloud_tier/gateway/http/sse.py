@@ -1,0 +1,83 @@
+"""A pipeline's event stream on its way out over HTTP: its first event read before the status is
+chosen (``pull_first``), a foreign worker's chunks relayed as SSE (``relay_sse``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from cascade import errors
+
+log = logging.getLogger(__name__)
+
+
+class FirstPulled:
+    """An event stream whose first event was read already (to choose the HTTP status)."""
+
+    def __init__(self, first, events):
+        self._first = [first]
+        self._events = events
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self._first:
+            return self._first.pop()
+        return await self._events.__anext__()
+
+    async def aclose(self) -> None:
+        await self._events.aclose()
+
+
+async def pull_first(events, is_disconnected: Callable[[], Awaitable[bool]], poll_s: float = 0.25):
+    """Read the first event of ``events`` before a response is chosen: a failure before it raises
+    (so that it becomes the HTTP status); a client that leaves meanwhile gives None. Either way
+    ``events`` is closed then; otherwise it goes on, first event included, in what is returned."""
+    first = asyncio.ensure_future(events.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({first}, timeout=poll_s)
+            if done:
+                return FirstPulled(first.result(), events)
+            if await is_disconnected():
+                first.cancel()
+                await asyncio.gather(first, return_exceptions=True)
+                await events.aclose()
+                return None
+    except BaseException:
+        if not first.done():
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+        await events.aclose()
+        raise
+
+
+async def relay_sse(chunks, include_usage: bool) -> AsyncIterator[str]:
+    """OpenAI chunks as SSE, unchanged but for the usage the gateway asked for on the client's
+    behalf (its chunk and ``usage: null`` fields are left out for a client that did not); a
+    failure after the first byte goes in-band, and the stream always ends with [DONE]."""
+    try:
+        async for chunk in chunks:
+            if not include_usage and "usage" in chunk:
+                if not chunk.get("choices"):
+                    continue
+                chunk = {k: v for k, v in chunk.items() if k != "usage"}
+            yield f"data: {json.dumps(chunk, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    except asyncio.CancelledError:
+        raise
+    except errors.APIError as e:
+        yield e.sse()
+    except Exception as e:
+        log.exception("relaying a worker's stream failed")
+        yield errors.APIError(502, f"relaying the stream failed: {e}", "server_error", code="worker_failed").sse()
+    finally:
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            try:
+                await aclose()
+            except Exception:  # settling is exception-safe on its own; the stream still ends
+                log.exception("closing a worker's stream failed")
+    yield "data: [DONE]\n\n"

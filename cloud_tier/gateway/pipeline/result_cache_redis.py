@@ -1,0 +1,120 @@
+"""The result cache in Redis, shared by several gateway replicas: a hit on one is a hit on all.
+``RedisResultCache`` has ``result_cache.ResultCache``'s get/put and stats; the keys are the same
+(``result_cache.cache_key``: per tenant, on the prompt's token ids and the sampling settings).
+Each value is its JSON under one key, set with an expiry of ``ttl_s``. Each tenant's entries are
+bounded by count (``tenant_entries``) and bytes (``tenant_bytes``): a sorted set per tenant of its
+keys by when each was stored, and a hash of their sizes, trimmed in the same Lua call that stores
+(its own oldest entries go first, expired ones before them), so one tenant writing many entries
+evicts only its own and never gives Redis' ``maxmemory`` policy a reason to evict another's (size
+maxmemory for tenants x tenant_bytes). The script names value keys it was not passed: a standalone
+Redis (or one cluster slot), as quotas_redis' scripts need too.
+
+A cache is an optimisation: when Redis fails a lookup or a store, the request runs as a miss
+(logged) rather than failing."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import redis
+
+from cascade import wire
+from cloud_tier.gateway.pipeline.result_cache import CacheStats, ResultCache
+from cloud_tier.gateway.tenants.quotas_redis import connect
+
+log = logging.getLogger(__name__)
+
+
+# KEYS: the value's key, the tenant's sorted set (key -> stored at, ms), its hash (key -> bytes, and
+# "" -> their total). ARGV: the key, the JSON, ttl ms, the tenant's bounds (entries, bytes), the prefix.
+_PUT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl, most, most_bytes = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local function drop(member)
+  redis.call('DEL', ARGV[6] .. member)
+  redis.call('ZREM', KEYS[2], member)
+  local size = tonumber(redis.call('HGET', KEYS[3], member) or '0')
+  redis.call('HDEL', KEYS[3], member)
+  redis.call('HINCRBY', KEYS[3], '', -size)
+end
+if redis.call('ZSCORE', KEYS[2], ARGV[1]) then drop(ARGV[1]) end
+for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now - ttl)) do drop(m) end
+local size = string.len(ARGV[2])
+if size > most_bytes then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ttl)
+redis.call('ZADD', KEYS[2], now, ARGV[1])
+redis.call('HSET', KEYS[3], ARGV[1], size)
+local total = redis.call('HINCRBY', KEYS[3], '', size)
+while redis.call('ZCARD', KEYS[2]) > most or total > most_bytes do
+  drop(redis.call('ZRANGE', KEYS[2], 0, 0)[1])
+  total = tonumber(redis.call('HGET', KEYS[3], ''))
+end
+redis.call('PEXPIRE', KEYS[2], ttl)
+redis.call('PEXPIRE', KEYS[3], ttl)
+return 1
+"""
+
+
+class RedisResultCache:
+    def __init__(self, url: str, max_bytes: int = 64 << 20, ttl_s: float = 600.0, prefix: str = "cascade:cache:",
+                 tenant_entries: int = 1024, tenant_bytes: int = 16 << 20):
+        if max_bytes < 1 or ttl_s <= 0 or tenant_entries < 1 or tenant_bytes < 1:
+            raise ValueError("max_bytes, ttl_s, tenant_entries and tenant_bytes must be > 0")
+        self.max_bytes = max_bytes
+        self.ttl_s = ttl_s
+        self.tenant_entries, self.tenant_bytes = tenant_entries, tenant_bytes
+        self._redis = connect(url)
+        self._prefix = prefix
+        self._put = self._redis.register_script(_PUT)
+        self.stats = CacheStats()  # this replica's lookups (evictions are Redis': not counted here)
+        # key -> (the JSON Redis gave, its value): a value Redis gives again as the same bytes is
+        # not decoded again, and keeps what was rendered from it (pipeline.results.render_stored)
+        self._decoded = ResultCache(1024, min(max_bytes, 16 << 20), ttl_s)
+
+    def get(self, key: str) -> Any | None:
+        """The value, or None if absent or expired."""
+        try:
+            raw = self._redis.get(self._prefix + key)
+        except redis.RedisError as e:
+            log.warning("result cache lookup failed (a miss): %s", e)
+            raw = None
+        if raw is None:
+            self.stats.misses += 1
+            return None
+        self.stats.hits += 1
+        known = self._decoded.get(key)
+        if known is not None and known[0] == raw:
+            return known[1]
+        try:  # another replica wrote it: read as outside data
+            value = wire.loads(raw, limit=self.max_bytes, int64=False)
+        except wire.WireError as e:
+            log.warning("result cache entry unreadable (a miss): %s", e)
+            self.stats.hits -= 1
+            self.stats.misses += 1
+            return None
+        self._decoded.put(key, (raw, value), len(raw))
+        return value
+
+    def put(self, key: str, value: Any, size_bytes: int, owner: str = "") -> None:
+        """Store the JSON-serialisable ``value`` for ``ttl_s`` (replacing any value under key) among
+        ``owner``'s (the tenant's) entries, evicting its oldest past its bounds. A value whose JSON is
+        larger than max_bytes or the tenant's bytes is not stored (and removes the old one)."""
+        if size_bytes < 0:
+            raise ValueError(f"size_bytes must be >= 0, got {size_bytes}")
+        payload = json.dumps(value, separators=(",", ":"))
+        try:
+            if max(size_bytes, len(payload)) > min(self.max_bytes, self.tenant_bytes):
+                self._redis.delete(self._prefix + key)
+            else:
+                tenant = self._prefix + "tenant:" + owner
+                self._put(keys=[self._prefix + key, tenant + ":keys", tenant + ":sizes"],
+                          args=[key, payload, max(1, int(self.ttl_s * 1000)), self.tenant_entries,
+                                self.tenant_bytes, self._prefix])
+        except redis.RedisError as e:
+            log.warning("result cache store failed: %s", e)
+
+    def close(self) -> None:
+        self._redis.close()

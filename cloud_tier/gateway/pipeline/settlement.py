@@ -1,0 +1,149 @@
+"""How a gateway request ends: its commitments (KV ticket, quota charge, spend, Idempotency-Key
+claim) settled exactly once, on every path, whatever one step raises; its result kept (cache,
+idempotency store) and counted (metrics). ``Settlement`` holds the parts it settles with: the
+stores, KV admission, the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from cascade import errors
+from cascade.generation import Finish
+from cloud_tier.config import GatewayConfig
+from cloud_tier.gateway.pipeline.flight import Flight, estimated_usage
+from cloud_tier.gateway.pipeline.metrics import GatewayMetrics
+from cloud_tier.gateway.pipeline.stores import Stores
+from cloud_tier.gateway.workers.admission import Admission
+
+log = logging.getLogger(__name__)
+
+
+def outcome_of(error: BaseException) -> str:
+    """The outcome label of a request that failed with ``error`` (not one its client left)."""
+    if isinstance(error, errors.APIError):
+        return f"429_{error.code or ''}" if error.status == 429 else f"{error.status // 100}xx"
+    return "5xx"
+
+
+def tokens_used(f: Flight) -> int:
+    """What a served flight is charged: all it used when it finished, or when its client left
+    (the prompt and the tokens generated until then); only the tokens it received when the cloud
+    failed it."""
+    if f.finish is not None:
+        return f.finish.prompt_tokens + f.finish.completion_tokens
+    if f.error is not None:
+        return f.generated_tokens
+    return f.prompt_tokens + f.generated_tokens
+
+
+def _each(*steps) -> None:
+    """Run every step, whatever the others raise (each failure logged)."""
+    for step in steps:
+        try:
+            step()
+        except Exception:
+            log.exception("a settlement step failed")
+
+
+
+class Settlement:
+    def __init__(self, config: GatewayConfig, stores: Stores, admission: Admission, metrics: GatewayMetrics,
+                 model_id: str):
+        self.config = config
+        self.quotas = stores.quotas
+        self.budgets = stores.budgets
+        self.cache = stores.cache
+        self.idempotency = stores.idempotency
+        self.admission = admission
+        self.metrics = metrics
+        self.model_id = model_id
+
+    def settle(self, f: Flight) -> None:
+        """The end of a served flight: free its KV commitment, true up its token charge, keep
+        its result (cache, idempotency), count it. Every step is taken whatever another one
+        raised: the claim is completed or released and the request counted on every path."""
+        if f.finish is None and f.ended and f.openai:  # a worker that sent no usage: our estimate
+            f.finish = Finish("stop", *estimated_usage(f))
+        fin, stored = (f.finish if f.error is None else None), None  # a stream that failed after its usage failed
+        if fin is None:
+            outcome = outcome_of(f.error) if f.error is not None else "499"  # no error: the client left
+        else:
+            outcome, stored = "ok", {"events": f.events, **({"openai": f.openai} if f.openai else {})}
+        try:
+            _each(lambda: f.ticket is not None and self.admission.release(f.ticket),
+                  lambda: self._charge(f),
+                  lambda: f.usage_problem and self.metrics.worker_usage_refused.labels(f.usage_problem).inc(),
+                  lambda: fin is not None and self._keep(f, fin, stored))
+        finally:
+            self.end_claim(f, stored)
+            self.count_flight(f, outcome)
+
+    def _charge(self, f: Flight) -> None:
+        used = tokens_used(f)
+        completion = f.finish.completion_tokens if f.finish is not None else f.generated_tokens
+        try:
+            self.quotas.reconcile(f.tenant, f.key.key_id, f.predicted_tokens, used)
+        finally:
+            self.budgets.charge(f.key, f.model or self.model_id, used - completion, completion)
+
+    def _keep(self, f: Flight, fin: Finish, stored: dict) -> None:
+        """A finished flight's result into the cache, its tokens and times into the metrics."""
+        try:
+            if f.cache_key and not fin.truncated:  # an answer cut at its deadline is not the answer to keep
+                self.cache.put(f.cache_key, stored, sum(len(json.dumps(e)) for e in f.events), owner=f.tenant)
+        finally:
+            m, t = self.metrics, f.tenant
+            m.of(m.tokens_in, t).inc(fin.prompt_tokens)
+            m.of(m.tokens_out, t).inc(fin.completion_tokens)
+            ttft = (f.first_token_at or time.perf_counter()) - f.arrived
+            tpot = ((f.last_token_at - f.first_token_at) / (fin.completion_tokens - 1)
+                    if fin.completion_tokens > 1 and f.first_token_at else 0.0)
+            m.of(m.ttft, t).observe(ttft)
+            m.of(m.tpot, t).observe(tpot)
+            if ttft <= self.config.ttft_slo_s and tpot <= self.config.tpot_slo_s:
+                m.of(m.goodput, t).inc()
+
+    def settle_early(self, f: Flight, error: BaseException) -> None:
+        """Not served (an APIError before streaming, or cancelled): undo what was taken."""
+        f.settled = True
+        quotas = self.quotas
+        try:
+            _each(lambda: f.ticket is not None and self.admission.release(f.ticket),
+                  lambda: f.predicted_tokens and quotas.reconcile(f.tenant, f.key.key_id, f.predicted_tokens, 0))
+        finally:
+            self.end_claim(f)
+            self.count_flight(f, "499" if isinstance(error, asyncio.CancelledError) else outcome_of(error))
+
+    def end_claim(self, f: Flight, result: dict | None = None) -> None:
+        """Stop renewing the flight's Idempotency-Key claim, then store its result, or free the key
+        when there is none or it cannot be stored (a no-op for a claim another request has taken
+        over meanwhile): a retry with the key gets the result or runs again, never waits on it."""
+        if f.heartbeat is not None:
+            f.heartbeat.cancel()
+            f.heartbeat = None
+        if f.idem_owner is None:
+            return
+        owner, f.idem_owner = f.idem_owner, None
+        if result is not None:
+            try:
+                self.idempotency.complete(f.tenant, f.idem_key, result, owner=owner)
+                return
+            except Exception:
+                log.exception("the result of idempotency key %r (tenant %s) was not stored; the key is freed",
+                              f.idem_key, f.tenant)
+        try:
+            self.idempotency.release(f.tenant, f.idem_key, owner=owner)
+        except Exception:  # the claim's lease ends it then
+            log.exception("idempotency key %r (tenant %s) was not released", f.idem_key, f.tenant)
+
+    def count_flight(self, f: Flight, outcome: str) -> None:
+        self.count(f.tenant, f.endpoint, outcome, f.priority_class)
+
+    def count(self, tenant: str, endpoint: str, outcome: str, priority_class: str = "interactive") -> None:
+        self.metrics.of(self.metrics.requests, tenant, endpoint, outcome).inc()
+        self.metrics.of_class(priority_class, outcome).inc()
+
+

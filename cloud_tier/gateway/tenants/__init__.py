@@ -1,0 +1,1 @@
+"""Tenants: API keys, quotas, budgets, fair shares and priority classes."""

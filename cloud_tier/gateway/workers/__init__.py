@@ -1,0 +1,1 @@
+"""Our worker pool: its workers, their load, placement and KV admission."""

@@ -1,0 +1,100 @@
+"""Reading a worker's answer, bounded while it is read: its lines (split on b"\\n" only, so a
+U+2028 inside a chunk's text stays in it; no line longer than ``max_line_bytes`` is ever held),
+the chunks of an OpenAI SSE stream, a whole body (up to ``limit`` bytes), each decoded by the
+strict decoder (``cascade.wire``). Whatever breaks the rules is a 502 APIError naming why; a
+worker's refusal becomes the gateway's answer in ``error_of`` (both kinds of worker)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+
+from cascade import errors, sse, wire
+
+
+def _bad(message: str, code: str = "worker_bad_stream") -> errors.APIError:
+    return errors.APIError(502, message, "server_error", code=code)
+
+
+def lines(chunks: AsyncIterator[bytes], max_line_bytes: int) -> AsyncIterator[bytes]:
+    """The lines of a byte stream (``cascade.sse.lines``: split on b"\\n" only, the last one even
+    without it); a line over ``max_line_bytes`` is a 502 as soon as it gets there."""
+    return sse.lines(chunks, max_line_bytes, too_long=_too_large)
+
+
+def _too_large(limit: int) -> errors.APIError:
+    return _bad(f"The cloud worker sent an event over {limit} bytes.", "worker_event_too_large")
+
+
+def decode(data: bytes, limit: int, what: str) -> object:
+    """``data`` as JSON by the strict decoder; integers of any size are kept (a worker's usage is
+    clamped where it is read, ``workers.usage``), NaN and the like refused."""
+    try:
+        return wire.loads(data, limit=limit, int64=False)
+    except wire.WireError as e:
+        raise _bad(f"The cloud worker sent {what} that is not JSON ({e.reason}): {str(e)[:120]}") from None
+
+
+async def next_sse_chunk(stream: AsyncIterator[bytes], limit: int) -> dict | None:
+    """The next chunk of an OpenAI stream (``stream``: its ``lines``); None at ``data: [DONE]``; a
+    502 for a chunk that is not a JSON object, an in-band error, or an end without [DONE]."""
+    async for line in stream:
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return None
+        chunk = decode(data, limit, "a chunk")
+        if not isinstance(chunk, dict) or not isinstance(chunk.get("choices", []), list):
+            raise _bad(f"The cloud worker's stream broke: a chunk that is not one: {data[:100]!r}")
+        if "error" in chunk or chunk.get("object") == "error":
+            err = chunk["error"] if "error" in chunk else chunk
+            message = (err.get("message") if isinstance(err, dict) else None) or str(err)[:200]
+            raise _bad(f"The cloud worker's stream broke: {str(message)[:500]}", "worker_error")
+        return chunk
+    raise _bad("The cloud worker's stream broke: the stream was cut (no [DONE])")
+
+
+async def read_body(resp: httpx.Response, limit: int) -> bytes:
+    """The whole body of ``resp``, refused (502) as soon as it passes ``limit`` bytes."""
+    if (declared := resp.headers.get("content-length", "")).isdigit() and int(declared) > limit:
+        raise _bad(f"The cloud worker's answer is over {limit} bytes.", "worker_answer_too_large")
+    body = bytearray()
+    async for data in resp.aiter_bytes():
+        body += data
+        if len(body) > limit:
+            raise _bad(f"The cloud worker's answer is over {limit} bytes.", "worker_answer_too_large")
+    return bytes(body)
+
+
+def error_of(content: bytes, status: int, headers: httpx.Headers | dict) -> errors.APIError:
+    """A worker's refusal as the gateway's answer: a 4xx is the request's fault and passes through
+    as it is (but a 401/403: that refuses the gateway's own credentials, a 502 to the client; a 429
+    is always a ``rate_limit_error``); a 5xx is a server error, a 502 but for 503 and 504 (the
+    gateway answers 500 only for its own bugs), 503 and 429 with the worker's Retry-After (else 1 s)."""
+    try:
+        e = wire.loads(content, limit=max(len(content), 1))["error"]
+        message, code = str(e.get("message", ""))[:2000], str(e.get("code") or "worker_error")[:100]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        e, message, code = {}, f"the worker answered {status}", "worker_error"
+    if status in (401, 403):
+        return errors.APIError(502, f"The cloud worker refused the gateway ({status}: {message}).", "server_error",
+                               code="worker_refused_gateway")
+    if status == 429:  # the worker's load, not the request's fault: the type a client backs off on
+        return errors.APIError(429, message, "rate_limit_error", None, code, _retry_after(status, headers))
+    if 400 <= status < 500:
+        kind = e.get("type") if isinstance(e.get("type"), str) else "invalid_request_error"
+        param = e.get("param") if isinstance(e.get("param"), str) else None
+        return errors.APIError(status, message, kind, param, code, _retry_after(status, headers))
+    if status >= 500:  # the worker's failure, never the gateway's own 500: a 502 unless it said 503/504
+        out = status if status in (503, 504) else 502
+        return errors.APIError(out, message, "server_error", code=code, headers=_retry_after(status, headers))
+    return errors.APIError(502, f"the worker answered {status}", "server_error", code="worker_error")
+
+
+def _retry_after(status: int, headers: httpx.Headers | dict) -> dict[str, str]:
+    if status not in (429, 503):
+        return {}
+    given = headers.get("retry-after", "")
+    return {"Retry-After": given if given.isdigit() and 0 < int(given) <= 3600 else "1"}
