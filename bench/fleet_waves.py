@@ -55,10 +55,10 @@ from fleet_rollout import (
     stop_devices,
 )
 
-from model_distribution import rollout_ops
-from model_distribution.registry import Registry
-from model_distribution.rollout_store import RolloutStore
-from model_distribution.rollouts import FAILURES, RUNNING, RolloutError, RolloutSpec
+from model_distribution.registry.store import Registry
+from model_distribution.rollout import commands as rollout_ops
+from model_distribution.rollout.spec import FAILURES, RUNNING, RolloutError, RolloutSpec
+from model_distribution.rollout.store import RolloutStore
 
 GOAL_S = 60.0
 SAMPLE_S = 0.5

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from model_distribution.rollout_store import RolloutStore
-from model_distribution.rollouts import (
+from model_distribution.fleet.serving import window_metrics
+from model_distribution.rollout.spec import (
     IN_PROGRESS,
     QUEUED,
     SUCCEEDED,
@@ -18,7 +18,7 @@ from model_distribution.rollouts import (
     parse_waves,
     wave_plan,
 )
-from model_distribution.serving import window_metrics
+from model_distribution.rollout.store import RolloutStore
 
 
 @pytest.mark.parametrize("text, kind, bound, op", [
@@ -94,7 +94,7 @@ def test_window_metrics_take_each_devices_counters_across_the_window_and_a_robus
 
 
 def test_one_device_claiming_a_flood_moves_neither_a_rate_nor_more_than_it_could_have_served():
-    from model_distribution.serving import robust_mean
+    from model_distribution.fleet.serving import robust_mean
 
     assert robust_mean([(1.0, 10**9), (0.0, 10), (0.0, 10)]) == pytest.approx(1 / 3)  # weighs as one device
     assert robust_mean([(1.0, 10**9), (0.0, 10), (0.0, 10), (0.0, 10)]) == 0.0  # four: its extreme left out
@@ -104,7 +104,7 @@ def test_one_device_claiming_a_flood_moves_neither_a_rate_nor_more_than_it_could
     # five devices: the liar's extreme is left out, and it weighs no more than a typical device anyway
     assert m["error_rate"] == 0.0 and m["escalation_rate"] == pytest.approx(0.1)
     # what the liar counts toward the traffic total is bounded by what it could have answered in 60 s (+ skew)
-    from model_distribution.device_messages import CLOCK_SKEW_S, MAX_DEVICE_RATE
+    from model_distribution.protocol.device_messages import CLOCK_SKEW_S, MAX_DEVICE_RATE
     assert m["requests"] <= 40 + (60 + CLOCK_SKEW_S) * MAX_DEVICE_RATE
 
 
@@ -126,7 +126,7 @@ def test_executions_and_rollouts_change_only_from_the_version_read(tmp_path):
 def test_activation_windows_in_local_time_across_midnight():
     import datetime
 
-    from model_distribution.device_client import in_window, seconds_to_window
+    from model_distribution.device.client import in_window, seconds_to_window
 
     at = datetime.datetime(2026, 12, 1, 3, 30)
     assert in_window("02:00-05:00", at) and not in_window("05:00-06:00", at)
@@ -141,7 +141,7 @@ def test_activation_windows_in_local_time_across_midnight():
 def test_activation_windows_as_cron_expressions():
     import datetime
 
-    from model_distribution.device_client import in_window, seconds_to_window
+    from model_distribution.device.client import in_window, seconds_to_window
 
     tuesday = datetime.datetime(2026, 12, 1, 3, 30, 20)  # 2026-12-01 is a Tuesday
     assert in_window("* 2-4 * * *", tuesday) and in_window("* 2-4 * * 1-5", tuesday)

@@ -2,7 +2,7 @@
 thread of its own with its own event loop, inside the control plane's process.
 
 It takes the same credentials and enforces the same ACL as Mosquitto with the files from
-``device_secrets.broker_files`` (``broker.allowed`` is that rule): each CONNECT is checked against the
+``device_secrets.broker_files`` (``broker_acl.allowed`` is that rule): each CONNECT is checked against the
 DeviceStore, so a device enrolled after the start connects at once. Retained messages are kept in
 SQLite as well as in memory, so the retained desired state survives a restart of the broker.
 
@@ -39,8 +39,8 @@ from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
 from amqtt.session import Session
 from amqtt.utils import gen_client_id
 
-from model_distribution.broker import MAX_PACKET_BYTES, allowed
-from model_distribution.devices import DeviceStore
+from model_distribution.control_plane.broker_acl import MAX_PACKET_BYTES, allowed
+from model_distribution.fleet.devices import DeviceStore
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from model_distribution.device_messages import CLOCK_SKEW_S, MAX_DEVICE_RATE
+from model_distribution.protocol.device_messages import CLOCK_SKEW_S, MAX_DEVICE_RATE
 
 METRICS = ("escalation_rate", "error_rate", "ttft_p95", "decode_tps")
 MAX_DECODE_TPS = 1e6  # tokens a second: past any device

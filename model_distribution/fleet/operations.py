@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from model_distribution.devices import Device, DeviceStore
-from model_distribution.registry import ImmutableVersion, Manifest, Registry, RegistryError
-from model_distribution.signing import Repository, SigningError
+from model_distribution.fleet.devices import Device, DeviceStore
+from model_distribution.registry.signing import Repository, SigningError
+from model_distribution.registry.store import ImmutableVersion, Manifest, Registry, RegistryError
 
 __all__ = ["Conflict", "ImmutableVersion", "NotFound", "assign", "enrol", "push"]
 

@@ -35,7 +35,8 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
-from model_distribution.registry import RegistryError
+from model_distribution.protocol.windows import parse_window
+from model_distribution.registry.store import RegistryError
 
 QUEUED, IN_PROGRESS, SUCCEEDED, FAILED, TIMED_OUT, REJECTED, CANCELED, ROLLED_BACK = (
     "QUEUED", "IN_PROGRESS", "SUCCEEDED", "FAILED", "TIMED_OUT", "REJECTED", "CANCELED", "ROLLED_BACK")
@@ -126,11 +127,9 @@ class RolloutSpec:
     prefetch: bool = True  # devices of later waves download and verify while earlier waves bake
 
     def __post_init__(self):
-        from model_distribution.device_client import _window
-
         if self.window:
             try:
-                _window(self.window)
+                parse_window(self.window)
             except ValueError as e:
                 raise RolloutError(str(e)) from None
         self.jitter_s = parse_duration(self.jitter_s)

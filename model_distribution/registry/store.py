@@ -6,7 +6,7 @@ names is stored once and a device can fetch it by digest from any mirror. A publ
 ``name@version`` is immutable: pushing other bytes under it is refused, the same bytes again is
 a no-op. A file that is not a valid model of its format is refused with the reason. An ONNX
 Runtime GenAI export is a directory: it is pushed as one artifact, a deterministic tar of it
-(model_distribution/onnx_model.py), whose sha256 is what devices verify. The
+(model_distribution/artifacts/onnx_model.py), whose sha256 is what devices verify. The
 manifest carries the ``[cascade]`` thresholds calibrated for that model, so the escalation
 policy travels with the model it was calibrated for.
 """
@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from cascade.calibration import CalibrationError, check_calibration
-from model_distribution.gguf_meta import GGUFError, validate_gguf
-from model_distribution.onnx_model import OnnxModelError, describe_onnx_tar, pack_onnx_dir
+from model_distribution.artifacts.gguf_meta import GGUFError, validate_gguf
+from model_distribution.artifacts.onnx_model import OnnxModelError, describe_onnx_tar, pack_onnx_dir
 
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 # semver 2.0.0 (semver.org), without build metadata: it does not order versions

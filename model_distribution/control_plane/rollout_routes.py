@@ -18,10 +18,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from cascade.web import openapi, parse_body, read_json
-from model_distribution import rollout_ops
-from model_distribution.control_plane import _refused, _require_admin
-from model_distribution.registry import RegistryError
-from model_distribution.rollouts import RolloutSpec
+from model_distribution.control_plane.auth import refused, require_admin
+from model_distribution.registry.store import RegistryError
+from model_distribution.rollout import commands as rollout_ops
+from model_distribution.rollout.spec import RolloutSpec
 
 _BODY_LIMIT = 64 << 10
 _MEANINGS = {404: "No such published version, group or rollout.",
@@ -41,7 +41,7 @@ router = APIRouter(prefix="/v1/fleet/rollouts")
 
 
 class StartRequest(BaseModel):
-    """A RolloutSpec (model_distribution/rollouts.py); fields left out take its defaults."""
+    """A RolloutSpec (model_distribution/rollout/spec.py); fields left out take its defaults."""
 
     model_config = ConfigDict(extra="forbid", strict=True)  # no true for a count, no "5" for a number
     model: str  # name@version
@@ -62,39 +62,39 @@ class StartRequest(BaseModel):
 @router.post("", status_code=201, openapi_extra=openapi.body(StartRequest),
              responses=_errors(400, 404, 409, 413))
 async def start(request: Request):
-    _require_admin(request)
+    require_admin(request)
     req = parse_body(StartRequest, await read_json(request, _BODY_LIMIT))
     state = request.app.state
     try:
         spec = RolloutSpec(**req.model_dump(exclude_unset=True))
         r = rollout_ops.start(state.registry, state.devices, state.rollouts, spec)
     except RegistryError as e:
-        raise _refused(e) from e
+        raise refused(e) from e
     return JSONResponse(r.to_dict(), status_code=201)
 
 
 @router.get("", responses=_errors())
 async def list_rollouts(request: Request):
-    _require_admin(request)
+    require_admin(request)
     return {"object": "list", "data": [r.to_dict() for r in request.app.state.rollouts.list()]}
 
 
 @router.get("/{rollout_id}", responses=_errors(404))
 async def status(request: Request, rollout_id: str):
-    _require_admin(request)
+    require_admin(request)
     try:
         return rollout_ops.status(request.app.state.rollouts, rollout_id)
     except RegistryError as e:
-        raise _refused(e) from e
+        raise refused(e) from e
 
 
 def _command(request: Request, rollout_id: str, action: str) -> dict:
-    _require_admin(request)
+    require_admin(request)
     state = request.app.state
     try:
         return rollout_ops.command(state.registry, state.devices, state.rollouts, rollout_id, action)
     except RegistryError as e:
-        raise _refused(e) from e
+        raise refused(e) from e
 
 
 _COMMAND_ERRORS = _errors(404, 409)

@@ -16,7 +16,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from cascade import wire
-from model_distribution.rollouts import (
+from model_distribution.rollout.spec import (
     ACTIVE_STATES,
     QUEUED,
     RUNNING,

@@ -6,10 +6,10 @@ control a relative gate is inconclusive, never a pass for want of data."""
 
 from __future__ import annotations
 
-from model_distribution.devices import DeviceStore
-from model_distribution.rollout_store import RolloutStore
-from model_distribution.rollouts import DONE, FAILURES, QUEUED, SUCCEEDED, Execution, Rollout
-from model_distribution.serving import window_metrics
+from model_distribution.fleet.devices import DeviceStore
+from model_distribution.fleet.serving import window_metrics
+from model_distribution.rollout.spec import DONE, FAILURES, QUEUED, SUCCEEDED, Execution, Rollout
+from model_distribution.rollout.store import RolloutStore
 
 BASELINE_MIN_S = 300.0  # a one-wave rollout's relative gates: the group over at least this long before it began
 

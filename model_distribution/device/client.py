@@ -40,13 +40,11 @@ from urllib.parse import urlsplit
 import httpx
 from tuf.api import exceptions as tuf_errors
 
-from model_distribution.download import ArtifactMismatch, DownloadError, disk_cause, fetch
-from model_distribution.onnx_model import OnnxModelError, unpack_onnx_tar
-from model_distribution.registry import file_sha256, parse_semver
-from model_distribution.signing import manifest_of, verified_target
-from model_distribution.windows import in_window, parse_window, seconds_to_window
-
-_window = parse_window  # rollouts.py checks a rollout's --window with it
+from model_distribution.artifacts.download import ArtifactMismatch, DownloadError, disk_cause, fetch
+from model_distribution.artifacts.onnx_model import OnnxModelError, unpack_onnx_tar
+from model_distribution.protocol.windows import in_window, parse_window, seconds_to_window
+from model_distribution.registry.signing import manifest_of, verified_target
+from model_distribution.registry.store import file_sha256, parse_semver
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +132,7 @@ class DeviceUpdater:
         window = desired.get("window")
         if window:  # checked again here: a document from an older control plane may hold one that never opens
             try:
-                _window(window)
+                parse_window(window)
             except ValueError as e:
                 return self._fail(base, "REJECTED", f"its activation window cannot be used: {e}")
         got = self._fetch(desired, base, desired.get("jitter_s"))

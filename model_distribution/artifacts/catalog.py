@@ -19,7 +19,7 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from model_distribution.gguf_meta import GGUFError, GGUFMetadata, read_metadata
+from model_distribution.artifacts.gguf_meta import GGUFError, GGUFMetadata, read_metadata
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class Catalog:
     def onnx_info(self, path: Path, source: str = "file") -> ModelInfo:
         """An ONNX export directory; OnnxModelError (a ValueError) when it is not one. Its name is
         the one its cascade_model.json gives (the model it was exported from), else the folder's."""
-        from model_distribution.onnx_model import describe_onnx_dir
+        from model_distribution.artifacts.onnx_model import describe_onnx_dir
 
         d = describe_onnx_dir(path)
         template = (path / "chat_template.jinja").is_file()

@@ -16,9 +16,9 @@ from collections import Counter
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 
-from model_distribution.devices import DeviceStore
-from model_distribution.rollout_store import RolloutStore
-from model_distribution.rollouts import ACTIVE_STATES
+from model_distribution.fleet.devices import DeviceStore
+from model_distribution.rollout.spec import ACTIVE_STATES
+from model_distribution.rollout.store import RolloutStore
 
 
 class FleetCollector:

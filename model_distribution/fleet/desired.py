@@ -34,8 +34,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from cascade import wire
-from model_distribution.devices import Device
-from model_distribution.registry import Manifest, Registry
+from model_distribution.fleet.devices import Device
+from model_distribution.registry.store import Manifest, Registry
 
 MAX_DOCUMENT_BYTES = 64 << 10
 RESIGN_S = 86400.0  # the control plane signs a device's document again once it is this old

@@ -43,17 +43,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cascade.processes import free_port, spawn, stop
-from model_distribution.device_secrets import DEVICE_WRITES, broker_files
-from model_distribution.devices import DeviceStore
-from model_distribution.state_sync import CONTROL_PLANE_USER
-from model_distribution.state_sync import topic as device_topic
+from model_distribution.control_plane.broker_acl import MAX_PACKET_BYTES
+from model_distribution.control_plane.mosquitto_files import broker_files
+from model_distribution.fleet.devices import DeviceStore
+from model_distribution.protocol.topics import CONTROL_PLANE_USER
 
 log = logging.getLogger(__name__)
 
 PREFER = ("auto", "mosquitto", "embedded")
 MAX_QUEUED = 200_000  # QoS 1 messages Mosquitto queues for one client (the control plane) before it drops
 MAX_QUEUED_BYTES = 256 << 20  # ... and bytes: one device's flood of large records must not grow the broker by GBs
-MAX_PACKET_BYTES = 64 << 10  # the largest packet either broker takes: a device's messages are a few kB (32 kB at most)
 
 
 @dataclass
@@ -69,16 +68,6 @@ class TLSListener:
 
 def find_mosquitto() -> str | None:
     return shutil.which("mosquitto") or shutil.which("mosquitto", path="/usr/sbin")
-
-
-def allowed(action: str, topic: str, device: str | None, fleet: str | None) -> bool:
-    """May this client do ``action`` ("publish", "subscribe" or "receive") on ``topic`` (a topic
-    filter for "subscribe")? ``device`` None is the control plane."""
-    if device is None:
-        return topic == "cascade/v1" or topic.startswith("cascade/v1/")
-    if action == "publish":
-        return topic in {device_topic(fleet, device, kind) for kind in DEVICE_WRITES}
-    return topic == device_topic(fleet, device, "desired")
 
 
 class FleetBroker:
@@ -224,7 +213,7 @@ class FleetBroker:
         log.info("MQTT broker: Mosquitto (%s) on %s, its files in %s", binary, self.url, self.dir)
 
     def _start_embedded(self) -> None:
-        from model_distribution.embedded_broker import EmbeddedBroker
+        from model_distribution.control_plane.embedded_broker import EmbeddedBroker
 
         self._embedded = EmbeddedBroker(self._store, self.host, self.port, self.credentials,
                                         self.dir / "retained.db", self.tls)

@@ -22,11 +22,10 @@ import threading
 import time
 from pathlib import Path
 
-from model_distribution.devices import Device, DeviceStore
-from model_distribution.registry import Registry
-from model_distribution.rollout_judge import judge
-from model_distribution.rollout_store import RolloutStore
-from model_distribution.rollouts import (
+from model_distribution.fleet.devices import Device, DeviceStore
+from model_distribution.registry.store import Registry
+from model_distribution.rollout.judge import judge
+from model_distribution.rollout.spec import (
     ABORTED,
     ACTIVE_STATES,
     CANCELED,
@@ -51,6 +50,7 @@ from model_distribution.rollouts import (
     joiner_wave,
     wave_plan,
 )
+from model_distribution.rollout.store import RolloutStore
 
 log = logging.getLogger(__name__)
 REPORTED = {"ACTIVE": SUCCEEDED, "FAILED": FAILED, "REJECTED": REJECTED}  # a device's final states
@@ -243,7 +243,7 @@ def _detail(state, rep: dict) -> str:
 def max_wait_s(window: str | None) -> float:
     """The longest a device may wait for ``window`` to open: a day for HH:MM-HH:MM, DAYS_TO_OPEN
     days for a cron window (what the spec's check lets through), nothing without a window."""
-    from model_distribution.windows import DAYS_TO_OPEN
+    from model_distribution.protocol.windows import DAYS_TO_OPEN
 
     if not window:
         return 0.0

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from model_distribution.devices import DeviceStore
+from model_distribution.fleet.devices import DeviceStore
 
 
 def basic_credentials(authorization: str) -> tuple[str, str] | None:

@@ -27,9 +27,9 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter
 
-from model_distribution import device_messages as messages
-from model_distribution.device_messages import KINDS, RefusedMessage
-from model_distribution.devices import DeviceStore
+from model_distribution.fleet.devices import DeviceStore
+from model_distribution.protocol import device_messages as messages
+from model_distribution.protocol.device_messages import KINDS, RefusedMessage
 
 log = logging.getLogger(__name__)
 LATEST_ONLY = ("reported", "status")  # states: only the newest matters, so these are held, never dropped

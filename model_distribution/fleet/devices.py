@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cascade import wire
-from model_distribution import device_messages as messages
-from model_distribution.device_messages import CLOCK_SKEW_S, Event, ReportedState, TelemetryRecord
-from model_distribution.device_secrets import _hash_secret, check_secret, mosquitto_hash
-from model_distribution.registry import Manifest, RegistryError
-from model_distribution.serving import is_number, serving_summary
+from model_distribution.fleet.device_secrets import _hash_secret, check_secret, mosquitto_hash
+from model_distribution.fleet.serving import is_number, serving_summary
+from model_distribution.protocol import device_messages as messages
+from model_distribution.protocol.device_messages import CLOCK_SKEW_S, Event, ReportedState, TelemetryRecord
+from model_distribution.registry.store import Manifest, RegistryError
 
 DEVICE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 RESERVED_PREFIX = "cascade-"  # the control plane's broker user and the system's own client ids

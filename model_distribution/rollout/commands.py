@@ -8,12 +8,12 @@ RolloutError is bad input (400).
 
 from __future__ import annotations
 
-from model_distribution import rollout_controller
-from model_distribution.devices import DeviceStore
-from model_distribution.operations import Conflict, NotFound
-from model_distribution.registry import Registry
-from model_distribution.rollout_store import RolloutStore
-from model_distribution.rollouts import Rollout, RolloutConflict, RolloutError, RolloutSpec
+from model_distribution.fleet.devices import DeviceStore
+from model_distribution.fleet.operations import Conflict, NotFound
+from model_distribution.registry.store import Registry
+from model_distribution.rollout import controller as rollout_controller
+from model_distribution.rollout.spec import Rollout, RolloutConflict, RolloutError, RolloutSpec
+from model_distribution.rollout.store import RolloutStore
 
 COMMANDS = ("pause", "resume", "abort", "rollback")
 
