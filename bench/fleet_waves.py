@@ -57,7 +57,8 @@ from fleet_rollout import (
 
 from model_distribution.registry.store import Registry
 from model_distribution.rollout import commands as rollout_ops
-from model_distribution.rollout.spec import FAILURES, RUNNING, RolloutError, RolloutSpec
+from model_distribution.rollout.spec import RolloutError, RolloutSpec
+from model_distribution.rollout.states import FAILURES, RolloutState
 from model_distribution.rollout.store import RolloutStore
 
 GOAL_S = 60.0
@@ -94,7 +95,7 @@ def watch(fleet, s, children, spec: RolloutSpec, sha256: str, timeout_s: float) 
             samples.append({"t": now - t0, "states": dict(collections.Counter(e.state for e in execs)),
                             "waves": {w: dict(c) for w, c in by_wave.items()}, "wave": r.wave, "state": r.state,
                             "cpu": {k: cpu_s(*v) - cpu0[k] for k, v in pids.items()}})
-            if r.state != RUNNING or now - t0 > timeout_s:
+            if r.state != RolloutState.RUNNING or now - t0 > timeout_s:
                 break
             time.sleep(max(0.0, SAMPLE_S - (time.time() - now)))
         decisions = rollouts.decisions(r.rollout_id)
@@ -133,7 +134,7 @@ def watch(fleet, s, children, spec: RolloutSpec, sha256: str, timeout_s: float) 
             "max_sample_gap_s": max(gaps, default=0.0),
             "others_cpu_s": machine_busy_s() - busy0 - sum(samples[-1]["cpu"].values()),
             "all_succeeded_s": max(e.updated_at for e in execs) - t0 if all_succeeded else None,
-            "rollout_done_s": r.updated_at - t0 if r.state != RUNNING else None,
+            "rollout_done_s": r.updated_at - t0 if r.state != RolloutState.RUNNING else None,
             "final": dict(collections.Counter(e.state for e in execs)),
             "reasons": collections.Counter(e.detail for e in execs if e.state in FAILURES).most_common(5),
             "waves": waves, "samples": samples}

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 
 from model_distribution.fleet.devices import DeviceStore
-from model_distribution.rollout.spec import ACTIVE_STATES
+from model_distribution.rollout.states import ACTIVE_STATES
 from model_distribution.rollout.store import RolloutStore
 
 

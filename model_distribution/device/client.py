@@ -42,9 +42,11 @@ from tuf.api import exceptions as tuf_errors
 
 from model_distribution.artifacts.download import ArtifactMismatch, DownloadError, disk_cause, fetch
 from model_distribution.artifacts.onnx_model import OnnxModelError, unpack_onnx_tar
+from model_distribution.device.models_on_disk import available_memory, drop, installed, kept, model_path, write_synced
+from model_distribution.protocol.device_messages import DeviceState
 from model_distribution.protocol.windows import in_window, parse_window, seconds_to_window
 from model_distribution.registry.signing import manifest_of, verified_target
-from model_distribution.registry.store import file_sha256, parse_semver
+from model_distribution.registry.store import parse_semver
 
 log = logging.getLogger(__name__)
 
@@ -120,29 +122,30 @@ class DeviceUpdater:
                 log.exception("applying %s failed", base["desired"])
                 self.retry, self.wait_s = isinstance(e, OSError), None  # a disk may be freed; a bug stays
                 where = f" while {self._step.lower()}" if self._step else ""
-                return self._fail(base, "FAILED", f"unexpected {type(e).__name__}{where}, the old model still "
-                                                  f"serves: {e}")
+                return self._fail(base, DeviceState.FAILED,
+                                  f"unexpected {type(e).__name__}{where}, the old model still serves: {e}")
 
     def _apply(self, desired: dict, base: dict) -> str:
         ref = base["desired"]
         if self.active is not None and self.active.get("sha256") == desired.get("sha256"):
-            self._say({**base, "state": "ACTIVE", "model": ref, "sha256": desired["sha256"]})
+            self._say({**base, "state": DeviceState.ACTIVE, "model": ref, "sha256": desired["sha256"]})
             self._prefetch(desired.get("prefetch"), desired.get("jitter_s"))
-            return "ACTIVE"
+            return DeviceState.ACTIVE
         window = desired.get("window")
         if window:  # checked again here: a document from an older control plane may hold one that never opens
             try:
                 parse_window(window)
             except ValueError as e:
-                return self._fail(base, "REJECTED", f"its activation window cannot be used: {e}")
+                return self._fail(base, DeviceState.REJECTED, f"its activation window cannot be used: {e}")
         got = self._fetch(desired, base, desired.get("jitter_s"))
         if isinstance(got, str):
             return got
         path, manifest = got
         if window and not in_window(window):
             self.wait_s = round(seconds_to_window(window))
-            self._say({**base, "state": "WAITING", "window": window, "wait_s": self.wait_s, "model": self._serving()})
-            return "WAITING"
+            self._say({**base, "state": DeviceState.WAITING, "window": window, "wait_s": self.wait_s,
+                       "model": self._serving()})
+            return DeviceState.WAITING
         return self._switch(path, manifest, base, desired)
 
     def _switch(self, path: Path, manifest: dict, base: dict, desired: dict) -> str:
@@ -150,31 +153,33 @@ class DeviceUpdater:
         active = {**manifest, "sha256": path.name}
         record = self.active_file.with_suffix(".tmp")
         try:  # written before the switch, so a full disk fails here, with the old model serving
-            _write_synced(record, json.dumps(active).encode())
+            write_synced(record, json.dumps(active).encode())
         except OSError as e:
             self.retry = True
-            return self._fail(base, "FAILED", f"{disk_cause(e)}: cannot write {record}, the old model still serves")
-        self._say({**base, "state": "ACTIVATING"})
+            return self._fail(base, DeviceState.FAILED,
+                              f"{disk_cause(e)}: cannot write {record}, the old model still serves")
+        self._say({**base, "state": DeviceState.ACTIVATING})
         try:
             self.activate(model_path(self.models_dir, path.name, manifest.get("format")), manifest)
         except Exception as e:  # the agent keeps its old model
             with contextlib.suppress(OSError):
                 record.unlink()
-            return self._fail(base, "FAILED", f"activation failed, the old model still serves: {e}")
+            return self._fail(base, DeviceState.FAILED, f"activation failed, the old model still serves: {e}")
         try:
             os.replace(record, self.active_file)  # what the next start serves
         except OSError as e:
             self.retry = True  # the next try switches again, and records it
-            return self._fail(base, "FAILED", f"{disk_cause(e)}: switched to {base['desired']} but cannot record it "
-                                              f"in {self.active_file}: a restart would serve the version before")
+            return self._fail(base, DeviceState.FAILED,
+                              f"{disk_cause(e)}: switched to {base['desired']} but cannot record it "
+                              f"in {self.active_file}: a restart would serve the version before")
         self.active = active
         try:
             self._prune()
         except OSError as e:  # the switch is done: what is not dropped now is dropped after the next one
             log.warning("cannot drop old versions: %s", e)
-        self._say({**base, "state": "ACTIVE", "model": base["desired"], "sha256": path.name})
+        self._say({**base, "state": DeviceState.ACTIVE, "model": base["desired"], "sha256": path.name})
         self._prefetch(desired.get("prefetch"), desired.get("jitter_s"))
-        return "ACTIVE"
+        return DeviceState.ACTIVE
 
     def _fetch(self, desired: dict, base: dict, jitter_s=None, quiet: bool = False) -> tuple[Path, dict] | str:
         """Verify ``desired`` against the signed metadata and have its file in models/ (downloaded
@@ -195,23 +200,23 @@ class DeviceUpdater:
         except Exception as e:
             if _transient(e) or isinstance(e, OSError):  # the network, a busy server, a full disk: try again later
                 self.retry = not quiet
-                return fail(base, "FAILED", f"cannot fetch the signed metadata now: {e}")
-            return fail(base, "REJECTED", f"its signed metadata was refused: {e}")
+                return fail(base, DeviceState.FAILED, f"cannot fetch the signed metadata now: {e}")
+            return fail(base, DeviceState.REJECTED, f"its signed metadata was refused: {e}")
         manifest = manifest_of(info)
         if info.hashes.get("sha256") != desired.get("sha256"):
-            return fail(base, "REJECTED", "the desired digest is not the signed target's")
+            return fail(base, DeviceState.REJECTED, "the desired digest is not the signed target's")
         if quiet:  # a prefetch: its switch may go on this verification (used only once its file is here)
             self._prefetched[key] = (time.monotonic(), info)
         why = self._cannot_take(manifest, info.length)
         if why:
-            return fail(base, "REJECTED", why)
+            return fail(base, DeviceState.REJECTED, why)
         path = self.models_dir / info.hashes["sha256"]
         if path.exists():
             return self._unpacked(path, manifest, base, quiet)
         if isinstance(jitter_s, (int, float)) and jitter_s > 0:
             time.sleep(random.uniform(0, min(jitter_s, MAX_JITTER_S)))
         say = (lambda state: None) if quiet else self._say
-        say({**base, "state": "DOWNLOADING", "done": 0, "total": info.length})
+        say({**base, "state": DeviceState.DOWNLOADING, "done": 0, "total": info.length})
         base_url = self.config.artifact_url or f"{self.config.control_plane}/v1/artifacts"
         url = f"{base_url.rstrip('/')}/{info.hashes['sha256']}"
         last = [0]
@@ -219,22 +224,22 @@ class DeviceUpdater:
         def progress(done: int, total: int) -> None:
             if done - last[0] >= max(total // 10, 1) or done == total:
                 last[0] = done
-                say({**base, "state": "DOWNLOADING", "done": done, "total": total})
+                say({**base, "state": DeviceState.DOWNLOADING, "done": done, "total": total})
             if done == total:
-                say({**base, "state": "VERIFYING"})
+                say({**base, "state": DeviceState.VERIFYING})
 
         try:
             staged = fetch(url, self.staging / info.hashes["sha256"], info, self.http, progress=progress,
                            auth=self.config.auth_for(url))
         except DownloadError as e:  # the network's or the disk's: the follower tries again (from the bytes it
             self.retry = not quiet and not isinstance(e, ArtifactMismatch)  # has); other bytes than signed: it does not
-            return fail(base, "FAILED", str(e))
+            return fail(base, DeviceState.FAILED, str(e))
         try:
             self.models_dir.mkdir(parents=True, exist_ok=True)
             staged.replace(path)
         except OSError as e:  # the verified file stays in staging: the next try checks it again and moves it
             self.retry = not quiet
-            return fail(base, "FAILED", f"{disk_cause(e)}: cannot move the verified download to {path}")
+            return fail(base, DeviceState.FAILED, f"{disk_cause(e)}: cannot move the verified download to {path}")
         return self._unpacked(path, manifest, base, quiet)
 
     def _unpacked(self, path: Path, manifest: dict, base: dict, quiet: bool) -> tuple[Path, dict] | str:
@@ -246,7 +251,7 @@ class DeviceUpdater:
                 unpack_onnx_tar(path, model_path(self.models_dir, path.name, "onnx"))
             except (OnnxModelError, OSError) as e:
                 self.retry = not quiet and isinstance(e, OSError)
-                return self._failed(quiet)(base, "FAILED", f"the ONNX artifact does not unpack: {e}")
+                return self._failed(quiet)(base, DeviceState.FAILED, f"the ONNX artifact does not unpack: {e}")
         return path, manifest
 
     def _prefetch(self, wanted, jitter_s) -> None:
@@ -259,8 +264,8 @@ class DeviceUpdater:
             got = self._fetch(wanted, {"desired": ref}, jitter_s, quiet=True)
         except Exception:  # the version serving is not touched: said as the prefetch's state
             log.exception("prefetching %s failed", ref)
-            got = "FAILED"
-        state = {"desired": self._serving(), "state": "ACTIVE", "model": self._serving(),
+            got = DeviceState.FAILED
+        state = {"desired": self._serving(), "state": DeviceState.ACTIVE, "model": self._serving(),
                  "sha256": self.active.get("sha256")}
         if isinstance(got, str):
             self._say({**state, **self._last_base, "prefetch": ref, "prefetch_state": got})
@@ -351,72 +356,6 @@ def one_line(text: str, limit: int = REASON_CHARS) -> str:
     cut to ``limit`` characters."""
     flat = _UNSAFE_TEXT.sub(" ", text)
     return flat if len(flat) <= limit else flat[:limit - 1] + "…"
-
-
-def model_path(models_dir: Path, sha256: str, fmt: str | None) -> Path:
-    """What a backend loads for a kept version: the GGUF file itself, or the directory an ONNX
-    version's tar unpacked into."""
-    return models_dir / (f"{sha256}.d" if fmt == "onnx" else sha256)
-
-
-def kept(models_dir: Path) -> list[tuple[str, int]]:
-    """The versions on disk, oldest (by their artifact's mtime) first: (sha256, bytes, with an
-    ONNX version's unpacked directory)."""
-    if not models_dir.is_dir():
-        return []
-    out = []
-    for p in models_dir.iterdir():
-        if len(p.name) == 64 and p.is_file():
-            unpacked = models_dir / f"{p.name}.d"
-            extra = sum(f.stat().st_size for f in unpacked.rglob("*") if f.is_file()) if unpacked.is_dir() else 0
-            out.append((p.stat().st_mtime, p.name, p.stat().st_size + extra))
-    return [(sha, size) for _, sha, size in sorted(out)]
-
-
-def drop(models_dir: Path, sha256: str) -> None:
-    """Delete a kept version: its artifact and what it unpacked into."""
-    shutil.rmtree(models_dir / f"{sha256}.d", ignore_errors=True)
-    (models_dir / sha256).unlink(missing_ok=True)
-
-
-def installed(state_dir: Path) -> dict | None:
-    """The manifest of the version this device switched to last, if its file is still there whole
-    (its size and sha256 as signed); None otherwise (then the agent serves its configured model).
-    An ONNX version whose unpacked directory is gone is unpacked again from its checked tar."""
-    try:
-        active = json.loads((state_dir / "active.json").read_text())
-        path = state_dir / "models" / active["sha256"]
-        if path.stat().st_size != active["size"]:
-            raise ValueError(f"{path} is {path.stat().st_size} bytes, not {active['size']}")
-        if file_sha256(path)[0] != active["sha256"]:
-            raise ValueError(f"{path} does not match its sha256")
-        if active.get("format") == "onnx":
-            unpack_onnx_tar(path, model_path(path.parent, path.name, "onnx"))
-        return active
-    except FileNotFoundError:
-        return None
-    except (ValueError, KeyError, TypeError, OSError) as e:
-        log.error("the installed version is unusable, serving the configured model: %s", e)
-        return None
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def available_memory() -> int:
-    """MemAvailable of /proc/meminfo in bytes (0 where there is none: no check)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
 
 
 def _transient(e: Exception) -> bool:

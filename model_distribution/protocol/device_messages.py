@@ -16,6 +16,7 @@ this allows a thousand), so one device cannot claim a fleet's worth of traffic.
 from __future__ import annotations
 
 import math
+from enum import StrEnum
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
@@ -31,6 +32,19 @@ CLOCK_SKEW_S = 300.0  # how far a device's clock may run ahead of the control pl
 MAX_TIME = 1e11  # seconds since the epoch (the year 5138): past this a device's time is no time
 KINDS = ("reported", "telemetry", "events", "status")
 STATUSES = ("online", "offline")
+
+
+class DeviceState(StrEnum):
+    """The steps a device reports of a version change (device/client.py says them; a report's
+    ``state`` may hold another token, from a newer agent, which no rollout reads as final)."""
+
+    DOWNLOADING = "DOWNLOADING"  # resumable, into staging (done/total reported)
+    VERIFYING = "VERIFYING"  # the signed TUF target (length, sha256)
+    WAITING = "WAITING"  # verified; its activation window is not open yet (wait_s)
+    ACTIVATING = "ACTIVATING"  # the agent switches to it
+    ACTIVE = "ACTIVE"  # it serves the version (final)
+    FAILED = "FAILED"  # final, unless ``retry`` says it tries again; the old model still serves
+    REJECTED = "REJECTED"  # refused up front, with the reason (final)
 
 
 class RefusedMessage(ValueError):
@@ -205,6 +219,17 @@ def validate(kind: str, data) -> ReportedState | TelemetryRecord | Event:
         if why:
             raise RefusedMessage("implausible", why)
     return value
+
+
+def reported_state(kept: dict | None) -> ReportedState | None:
+    """A reported state as the DeviceStore keeps it (validated when it came in), typed again for
+    the code that acts on it; None for none, or for one this schema no longer takes."""
+    if not isinstance(kept, dict):
+        return None
+    try:
+        return ReportedState.model_validate(kept)
+    except ValidationError:
+        return None
 
 
 def encode(value: _Message | str) -> bytes:

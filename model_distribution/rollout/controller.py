@@ -23,24 +23,10 @@ import time
 from pathlib import Path
 
 from model_distribution.fleet.devices import Device, DeviceStore
+from model_distribution.protocol.device_messages import DeviceState, ReportedState, reported_state
 from model_distribution.registry.store import Registry
 from model_distribution.rollout.judge import judge
 from model_distribution.rollout.spec import (
-    ABORTED,
-    ACTIVE_STATES,
-    CANCELED,
-    COMPLETED,
-    DONE,
-    FAILED,
-    HALTED,
-    IN_PROGRESS,
-    PAUSED,
-    QUEUED,
-    REJECTED,
-    ROLLED_BACK,
-    RUNNING,
-    SUCCEEDED,
-    TIMED_OUT,
     Execution,
     Rollout,
     RolloutConflict,
@@ -50,13 +36,15 @@ from model_distribution.rollout.spec import (
     joiner_wave,
     wave_plan,
 )
+from model_distribution.rollout.states import ACTIVE_STATES, DONE, REPORTED
+from model_distribution.rollout.states import ExecutionState as E
+from model_distribution.rollout.states import RolloutState as R
 from model_distribution.rollout.store import RolloutStore
 
 log = logging.getLogger(__name__)
-REPORTED = {"ACTIVE": SUCCEEDED, "FAILED": FAILED, "REJECTED": REJECTED}  # a device's final states
-# (WAITING, for its window, is IN_PROGRESS: the device says so again every minute, its heartbeat,
-# which counts as word only until its window should have opened: at most a day for HH:MM-HH:MM,
-# at most DAYS_TO_OPEN for a cron window)
+# (a device's final states are states.REPORTED; WAITING, for its window, is IN_PROGRESS: the device
+# says so again every minute, its heartbeat, which counts as word only until its window should have
+# opened: at most a day for HH:MM-HH:MM, at most DAYS_TO_OPEN for a cron window)
 MAX_FAILED_TICKS = 10
 
 
@@ -125,9 +113,9 @@ def tick(registry: Registry, devices: DeviceStore, rollouts: RolloutStore, now: 
             n = failures[r.rollout_id] = failures.get(r.rollout_id, 0) + 1
             if n == 1:
                 log.exception("rollout %s: its step failed (tried again each tick)", r.rollout_id)
-            if n >= MAX_FAILED_TICKS and r.state == RUNNING:
+            if n >= MAX_FAILED_TICKS and r.state == R.RUNNING:
                 try:
-                    rollouts.update(rollouts.get(r.rollout_id), state=PAUSED,
+                    rollouts.update(rollouts.get(r.rollout_id), state=R.PAUSED,
                                     reason=f"paused: the controller failed {n} times in a row: {e!r}"[:500])
                     failures.pop(r.rollout_id, None)
                 except Exception:
@@ -148,18 +136,18 @@ def step(r: Rollout, registry: Registry, devices: DeviceStore, rollouts: Rollout
         d = members.get(e.device_id) or devices.get(e.device_id)
         if d is None:
             continue
-        claimed = e.state == IN_PROGRESS and e.desired_rev is None  # claimed by a tick that did not finish
-        if (e.state == QUEUED and e.wave <= r.wave or claimed) and r.state == RUNNING:
+        claimed = e.state == E.IN_PROGRESS and e.desired_rev is None  # claimed by a tick that did not finish
+        if (e.state == E.QUEUED and e.wave <= r.wave or claimed) and r.state == R.RUNNING:
             due.append(e)
-        elif e.state == IN_PROGRESS:
-            _follow(e, d.reported, r, rollouts, now)
+        elif e.state == E.IN_PROGRESS:
+            _follow(e, reported_state(d.reported), r, rollouts, now)
     if due:
         _assign(due, manifest, r, registry, devices, rollouts, now)
-    if r.state != RUNNING or rollouts.get(r.rollout_id).state != RUNNING:  # an operator may have stopped it
+    if r.state != R.RUNNING or rollouts.get(r.rollout_id).state != R.RUNNING:  # an operator may have stopped it
         return
     if r.spec.prefetch:  # the next wave fetches and verifies now; only its activation waits for the gates
         # (one wave ahead, not all: every later wave at once competed with the wave being judged)
-        later = [e.device_id for e in rollouts.executions(r.rollout_id) if e.state == QUEUED and e.wave == r.wave + 1
+        later = [e.device_id for e in rollouts.executions(r.rollout_id) if e.state == E.QUEUED and e.wave == r.wave + 1
                  and e.device_id in members and members[e.device_id].prefetch != r.ref]
         if later:
             devices.prefetch(manifest, later, r.spec.jitter_s)
@@ -180,64 +168,59 @@ def _assign(due: list[Execution], manifest, r: Rollout, registry: Registry, devi
     claimed first (compare-and-set), so an abort or a rollback that changed one meanwhile
     stands; one that lands between the claim and the record of the revision finds the claim and
     sends the device back, and this sees it and does the same."""
-    claimed = [e for e in due if e.state != QUEUED]  # claimed by a tick that did not finish
-    claimed += rollouts.move_all([e for e in due if e.state == QUEUED], IN_PROGRESS, "assigning", now)
-    if not claimed or rollouts.get(r.rollout_id).state != RUNNING:
+    claimed = [e for e in due if e.state != E.QUEUED]  # claimed by a tick that did not finish
+    claimed += rollouts.move_all([e for e in due if e.state == E.QUEUED], E.IN_PROGRESS, "assigning", now)
+    if not claimed or rollouts.get(r.rollout_id).state != R.RUNNING:
         return  # stopped since this tick began: the claims are settled by whoever stopped it
     told = devices.assign(manifest, device_ids=[e.device_id for e in claimed], window=r.spec.window,
                           jitter_s=r.spec.jitter_s)
     revs = {d.device_id: d.desired_rev for d in told}
-    moved = {e.device_id for e in rollouts.move_all(claimed, IN_PROGRESS, "assigned", now, desired_revs=revs)}
+    moved = {e.device_id for e in rollouts.move_all(claimed, E.IN_PROGRESS, "assigned", now, desired_revs=revs)}
     for e in claimed:
         if e.device_id not in moved and e.previous and \
-                rollouts.execution(e.rollout_id, e.device_id).state in (CANCELED, ROLLED_BACK):
+                rollouts.execution(e.rollout_id, e.device_id).state in (E.CANCELED, E.ROLLED_BACK):
             devices.assign(registry.resolve(e.previous), device_id=e.device_id)  # rolled back under our feet
 
 
-def _follow(e: Execution, reported: dict | None, r: Rollout, rollouts: RolloutStore, now: float) -> None:
+def _follow(e: Execution, report: ReportedState | None, r: Rollout, rollouts: RolloutStore, now: float) -> None:
     """An execution follows its device's report of this assignment (its revision or a later one);
     one that has made no progress for the step timeout is TIMED_OUT (a heartbeat: a report counts
     as word only when it says something new, a new step or a download further on, so a device
     repeating "DOWNLOADING 1%" times out; WAITING for its window counts only until the window
     should have opened). A FAILED the device will try again (``retry``: the network, a full disk, a control
-    plane restarting) is not final: the execution stays IN_PROGRESS until the step timeout.
-    ``reported`` is typed already (device_messages.ReportedState, as the store keeps it)."""
-    rep = reported if isinstance(reported, dict) else {}
-    rev, at, state = rep.get("rev"), rep.get("at"), rep.get("state")
-    ours = rep.get("desired") == r.ref and isinstance(rev, int) and e.desired_rev is not None and rev >= e.desired_rev
-    new = ours and isinstance(at, float | int) and at != e.report_at
-    retrying = state == "FAILED" and rep.get("retry") is True  # a cut download: it tries again
+    plane restarting) is not final: the execution stays IN_PROGRESS until the step timeout."""
+    rep = report or ReportedState()
+    ours = rep.desired == r.ref and rep.rev is not None and e.desired_rev is not None and rep.rev >= e.desired_rev
+    new = ours and rep.at is not None and rep.at != e.report_at
+    retrying = rep.state == DeviceState.FAILED and rep.retry is True  # a cut download: it tries again
     quiet_for = now - max(e.updated_at, e.heard_at or 0)
-    if ours and state in REPORTED and not retrying:
-        if state == "ACTIVE" and rep.get("model") not in (None, r.ref):
+    if ours and rep.state in REPORTED and not retrying:
+        if rep.state == DeviceState.ACTIVE and rep.model not in (None, r.ref):
             return  # it says it runs another version: not this one done (the step timeout decides)
-        reason = rep.get("reason") if isinstance(rep.get("reason"), str) else None
-        rollouts.move(e, REPORTED[state], reason and reason[:500], now, report_at=at if new else None)
+        rollouts.move(e, REPORTED[rep.state], rep.reason and rep.reason[:500], now, report_at=rep.at if new else None)
     elif new and retrying:  # still under way, but only progress counts as word: the clock stays where it was
-        rollouts.move(e, IN_PROGRESS, f"retrying: {rep.get('reason')}"[:500], max(e.updated_at, e.heard_at or 0),
-                      report_at=at)
-    elif new and state == "WAITING":
+        rollouts.move(e, E.IN_PROGRESS, f"retrying: {rep.reason}"[:500], max(e.updated_at, e.heard_at or 0),
+                      report_at=rep.at)
+    elif new and rep.state == DeviceState.WAITING:
         until = e.wait_until
         if until is None:  # the first word that it waits: its window opens within a bound the spec sets
-            wait = rep.get("wait_s")
             longest = max_wait_s(r.spec.window)
-            until = now + min(wait if isinstance(wait, float | int) else longest, longest)
+            until = now + min(rep.wait_s if rep.wait_s is not None else longest, longest)
         if now <= until:
-            rollouts.move(e, IN_PROGRESS, "WAITING for its window", now, report_at=at, wait_until=until)
+            rollouts.move(e, E.IN_PROGRESS, "WAITING for its window", now, report_at=rep.at, wait_until=until)
         elif quiet_for > r.spec.step_timeout_s:
-            rollouts.move(e, TIMED_OUT, f"still WAITING {now - until:.0f} s after its window should have opened", now)
-    elif new and (detail := _detail(state, rep)) != e.detail:  # progress: a new step, or further in the download
-        rollouts.move(e, IN_PROGRESS, detail, now, report_at=at)
+            rollouts.move(e, E.TIMED_OUT, f"still WAITING {now - until:.0f} s after its window should have opened", now)
+    elif new and (detail := _detail(rep)) != e.detail:  # progress: a new step, or further in the download
+        rollouts.move(e, E.IN_PROGRESS, detail, now, report_at=rep.at)
     elif quiet_for > r.spec.step_timeout_s:  # no word, or the same word again ("DOWNLOADING 1%" every second)
-        rollouts.move(e, TIMED_OUT, f"no word for {r.spec.step_timeout_s:.0f} s ({e.detail})", now)
+        rollouts.move(e, E.TIMED_OUT, f"no word for {r.spec.step_timeout_s:.0f} s ({e.detail})", now)
 
 
-def _detail(state, rep: dict) -> str:
+def _detail(rep: ReportedState) -> str:
     """What an execution shows of a device's report: its state, and how far a download is."""
-    done, total = rep.get("done"), rep.get("total")
-    if state == "DOWNLOADING" and isinstance(total, int) and total > 0 and isinstance(done, int):
-        return f"DOWNLOADING {min(100, 100 * done // total)}%"
-    return str(state)[:40]
+    if rep.state == DeviceState.DOWNLOADING and rep.total and rep.done is not None:
+        return f"DOWNLOADING {min(100, 100 * rep.done // rep.total)}%"
+    return str(rep.state)[:40]
 
 
 def max_wait_s(window: str | None) -> float:
@@ -256,13 +239,13 @@ def _decided(r: Rollout, registry: Registry, devices: DeviceStore, rollouts: Rol
     log.info("rollout %s wave %d: %s %s", r.rollout_id, r.wave + 1, outcome, reason or "")
     if outcome == "pass":
         if r.wave + 1 >= len(r.spec.waves):
-            rollouts.update(r, state=COMPLETED, reason=None)
+            rollouts.update(r, state=R.SUCCEEDED, reason=None)
         else:
             rollouts.update(r, wave=r.wave + 1, wave_done_at=None, reason=None)
     elif outcome == "fail":
         roll_back(r, registry, devices, rollouts, reason)
     else:
-        rollouts.update(r, state=PAUSED, reason=f"inconclusive: {reason}")
+        rollouts.update(r, state=R.PAUSED, reason=f"inconclusive: {reason}")
 
 
 def roll_back(r: Rollout, registry: Registry, devices: DeviceStore, rollouts: RolloutStore, reason: str) -> Rollout:
@@ -271,10 +254,10 @@ def roll_back(r: Rollout, registry: Registry, devices: DeviceStore, rollouts: Ro
     as it is: going back would undo that); the queued ones are canceled."""
     for e in rollouts.executions(r.rollout_id):
         for _ in range(5):  # a tick may change an execution meanwhile: read it again and redo
-            if e.state == QUEUED:
-                if rollouts.move(e, CANCELED, "rolled back before its wave"):
+            if e.state == E.QUEUED:
+                if rollouts.move(e, E.CANCELED, "rolled back before its wave"):
                     break
-            elif e.previous and e.state != ROLLED_BACK and (e.state != CANCELED or e.desired_rev is not None):
+            elif e.previous and e.state != E.ROLLED_BACK and (e.state != E.CANCELED or e.desired_rev is not None):
                 # told (an abort cancels a told one too, and it keeps the version), or being told (claimed)
                 now_desired = (devices.get(e.device_id) or Device(e.device_id, "")).desired
                 if now_desired in (r.ref, e.previous) or e.desired_rev is None:
@@ -282,14 +265,16 @@ def roll_back(r: Rollout, registry: Registry, devices: DeviceStore, rollouts: Ro
                     detail = f"back to {e.previous}"
                 else:
                     detail = f"left at {now_desired} (assigned since; not sent back to {e.previous})"
-                if rollouts.move(e, ROLLED_BACK, detail):
+                if rollouts.move(e, E.ROLLED_BACK, detail):
                     break
             else:
                 break
             e = rollouts.execution(e.rollout_id, e.device_id)
     _stop_prefetch(r, devices)
     fresh = rollouts.get(r.rollout_id)
-    return rollouts.update(fresh, state=HALTED, reason=reason) or rollouts.get(r.rollout_id)
+    if fresh.state == R.ROLLED_BACK:  # rolled back meanwhile by another caller
+        return fresh
+    return rollouts.update(fresh, state=R.ROLLED_BACK, reason=reason) or rollouts.get(r.rollout_id)
 
 
 def _stop_prefetch(r: Rollout, devices: DeviceStore) -> None:
@@ -303,9 +288,9 @@ def _stop_prefetch(r: Rollout, devices: DeviceStore) -> None:
 
 def pause(rollouts: RolloutStore, rollout_id: str) -> Rollout:
     r = rollouts.get(rollout_id)
-    if r.state != RUNNING:
+    if r.state != R.RUNNING:
         raise RolloutError(f"rollout {rollout_id} is {r.state}, not RUNNING")
-    return _cas(rollouts, r, state=PAUSED, reason="paused by the operator")
+    return _cas(rollouts, r, state=R.PAUSED, reason="paused by the operator")
 
 
 def resume(rollouts: RolloutStore, rollout_id: str) -> Rollout:
@@ -313,14 +298,14 @@ def resume(rollouts: RolloutStore, rollout_id: str) -> Rollout:
     next one (the operator's judgement stands in for the gate's); one paused by hand goes on
     where it was."""
     r = rollouts.get(rollout_id)
-    if r.state != PAUSED:
+    if r.state != R.PAUSED:
         raise RolloutError(f"rollout {rollout_id} is {r.state}, not PAUSED")
     if (r.reason or "").startswith("inconclusive") and r.wave_done_at is not None:
         rollouts.decide(r.rollout_id, r.wave, "pass", {"by": "operator", "after": r.reason})
         if r.wave + 1 >= len(r.spec.waves):
-            return _cas(rollouts, r, state=COMPLETED, reason=None)
-        return _cas(rollouts, r, state=RUNNING, reason=None, wave=r.wave + 1, wave_done_at=None)
-    return _cas(rollouts, r, state=RUNNING, reason=None)
+            return _cas(rollouts, r, state=R.SUCCEEDED, reason=None)
+        return _cas(rollouts, r, state=R.RUNNING, reason=None, wave=r.wave + 1, wave_done_at=None)
+    return _cas(rollouts, r, state=R.RUNNING, reason=None)
 
 
 def abort(rollouts: RolloutStore, rollout_id: str, devices: DeviceStore | None = None) -> Rollout:
@@ -331,10 +316,10 @@ def abort(rollouts: RolloutStore, rollout_id: str, devices: DeviceStore | None =
         raise RolloutError(f"rollout {rollout_id} is {r.state}: nothing to abort")
     for e in rollouts.executions(rollout_id):
         for _ in range(5):  # a tick may change it meanwhile: read it again and redo
-            if e.state == QUEUED:
-                done = rollouts.move(e, CANCELED, "aborted")
-            elif e.state == IN_PROGRESS:
-                done = rollouts.move(e, CANCELED, f"aborted while {e.detail or 'in progress'}: it keeps {r.ref}")
+            if e.state == E.QUEUED:
+                done = rollouts.move(e, E.CANCELED, "aborted")
+            elif e.state == E.IN_PROGRESS:
+                done = rollouts.move(e, E.CANCELED, f"aborted while {e.detail or 'in progress'}: it keeps {r.ref}")
             else:
                 break
             if done:
@@ -342,16 +327,17 @@ def abort(rollouts: RolloutStore, rollout_id: str, devices: DeviceStore | None =
             e = rollouts.execution(e.rollout_id, e.device_id)
     if devices is not None:
         _stop_prefetch(r, devices)
-    return _cas(rollouts, r, state=ABORTED, reason="aborted by the operator")
+    return _cas(rollouts, r, state=R.ABORTED, reason="aborted by the operator")
 
 
 def rollback(registry: Registry, devices: DeviceStore, rollouts: RolloutStore, rollout_id: str) -> Rollout:
     """Send the rollout's devices back. Refused (RolloutConflict) while another rollout under way
     holds any of them: going back would undo that one's work on them."""
     r = rollouts.get(rollout_id)
-    if r.state == HALTED:
+    if r.state == R.ROLLED_BACK:
         raise RolloutError(f"rollout {rollout_id} is rolled back already")
-    told = [e.device_id for e in rollouts.executions(rollout_id) if e.state not in (QUEUED, CANCELED, ROLLED_BACK)]
+    untold = (E.QUEUED, E.CANCELED, E.ROLLED_BACK)
+    told = [e.device_id for e in rollouts.executions(rollout_id) if e.state not in untold]
     held = rollouts.held_by_others(told, rollout_id)
     if held:
         raise RolloutConflict(f"{len(held)} of its devices are in another rollout under way ({held_text(held)}): "

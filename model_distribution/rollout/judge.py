@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from model_distribution.fleet.devices import DeviceStore
 from model_distribution.fleet.serving import window_metrics
-from model_distribution.rollout.spec import DONE, FAILURES, QUEUED, SUCCEEDED, Execution, Rollout
+from model_distribution.rollout.spec import Execution, Rollout
+from model_distribution.rollout.states import DONE, FAILURES, ExecutionState
 from model_distribution.rollout.store import RolloutStore
 
 BASELINE_MIN_S = 300.0  # a one-wave rollout's relative gates: the group over at least this long before it began
@@ -35,8 +36,8 @@ def judge(r: Rollout, execs: list[Execution], devices: DeviceStore, rollouts: Ro
                                          f"fewer than --min-executed {spec.min_executed} to judge")
     gates = spec.parsed_gates
     if gates:
-        updated = [e.device_id for e in execs if e.state == SUCCEEDED]
-        control = [e.device_id for e in execs if e.state == QUEUED]
+        updated = [e.device_id for e in execs if e.state == ExecutionState.SUCCEEDED]
+        control = [e.device_id for e in execs if e.state == ExecutionState.QUEUED]
         start = r.wave_done_at
         up = window_metrics({d: devices.telemetry_window(d, start, now) for d in updated}, start, now)
         ctl, control_from = _control(r, control, updated, devices, rollouts, start, now)

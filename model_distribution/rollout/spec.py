@@ -1,5 +1,5 @@
 """Staged rollouts: what a rollout is, its waves and gates; its durable state in the registry's
-database is ``rollout_store.py``, and the controller (``rollout_controller.py``) moves it.
+database is ``store.py``, and the controller (``controller.py``) moves it.
 
 A rollout takes a group to ``name@version`` in waves (cumulative percentages of the group, the
 last 100). Devices are ordered by a hash of (rollout, device), so the waves are fixed when the
@@ -7,6 +7,8 @@ rollout starts and the same on every restart. Each device has an execution:
 
     QUEUED -> IN_PROGRESS (detail: the device's step) -> SUCCEEDED | FAILED | TIMED_OUT | REJECTED
     QUEUED -> CANCELED (abort, rollback);   any assigned -> ROLLED_BACK (rollback)
+
+(states.py holds those states and the moves allowed between them.)
 
 Every change of an execution or of the rollout is a compare-and-set on its ``version`` column,
 so a late report (or a second controller) never overwrites a newer state.
@@ -37,13 +39,8 @@ from dataclasses import asdict, dataclass, field
 
 from model_distribution.protocol.windows import parse_window
 from model_distribution.registry.store import RegistryError
+from model_distribution.rollout.states import ExecutionState, RolloutState
 
-QUEUED, IN_PROGRESS, SUCCEEDED, FAILED, TIMED_OUT, REJECTED, CANCELED, ROLLED_BACK = (
-    "QUEUED", "IN_PROGRESS", "SUCCEEDED", "FAILED", "TIMED_OUT", "REJECTED", "CANCELED", "ROLLED_BACK")
-DONE = (SUCCEEDED, FAILED, TIMED_OUT, REJECTED)  # executed: counted by the failure gate
-FAILURES = (FAILED, TIMED_OUT, REJECTED)
-RUNNING, PAUSED, COMPLETED, HALTED, ABORTED = "RUNNING", "PAUSED", "SUCCEEDED", "ROLLED_BACK", "ABORTED"
-ACTIVE_STATES = (RUNNING, PAUSED)  # one such rollout per group
 METRICS = {"escalation_rate": "lower", "error_rate": "lower", "ttft_p95": "lower", "decode_tps": "higher"}
 
 class RolloutError(RegistryError):
@@ -168,7 +165,7 @@ class Rollout:
     model: str
     version: str
     spec: RolloutSpec
-    state: str
+    state: RolloutState
     reason: str | None
     wave: int  # index into spec.waves of the wave being rolled out
     wave_done_at: float | None
@@ -191,7 +188,7 @@ class Execution:
     rollout_id: str
     device_id: str
     wave: int
-    state: str
+    state: ExecutionState
     detail: str | None
     previous: str | None  # name@version it had before: what a rollback sets again
     desired_rev: int | None

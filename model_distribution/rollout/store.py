@@ -17,15 +17,20 @@ from pathlib import Path
 
 from cascade import wire
 from model_distribution.rollout.spec import (
-    ACTIVE_STATES,
-    QUEUED,
-    RUNNING,
     Execution,
     Rollout,
     RolloutConflict,
     RolloutError,
     RolloutSpec,
     held_text,
+)
+from model_distribution.rollout.states import (
+    ACTIVE_STATES,
+    RELEASED,
+    ExecutionState,
+    RolloutState,
+    check_execution_move,
+    check_rollout_move,
 )
 
 SCHEMA = (
@@ -73,7 +78,6 @@ _R_COLUMNS = ("rollout_id, group_name, model, version, spec, state, reason, wave
               "updated_at, row_version")
 _E_COLUMNS = ("rollout_id, device_id, wave, state, detail, previous, desired_rev, heard_at, report_at, updated_at, "
               "row_version, wait_until")
-BUSY = ("CANCELED", "ROLLED_BACK")  # an execution in an active rollout in neither of these holds its device
 
 
 class RolloutStore:
@@ -114,11 +118,12 @@ class RolloutStore:
                                           f"({held_text(held)}): let it finish, or abort it first")
                 self._db.execute(f"INSERT INTO rollouts ({_R_COLUMNS}) "
                                  "VALUES (?, ?, ?, ?, ?, ?, NULL, 0, NULL, ?, ?, 0)",
-                                 (rid, spec.group, name, version, json.dumps(asdict(spec)), RUNNING, now, now))
+                                 (rid, spec.group, name, version, json.dumps(asdict(spec)), RolloutState.RUNNING, now,
+                                  now))
                 self._db.executemany(
                     f"INSERT INTO rollout_devices ({_E_COLUMNS}) VALUES (?, ?, ?, ?, NULL, ?, NULL, NULL, NULL, ?, 0, "
                     "NULL)",
-                    [(rid, d, wave, QUEUED, prev, now) for d, (wave, prev) in executions.items()])
+                    [(rid, d, wave, ExecutionState.QUEUED, prev, now) for d, (wave, prev) in executions.items()])
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -143,10 +148,13 @@ class RolloutStore:
 
     def update(self, r: Rollout, **changes) -> Rollout | None:
         """Compare-and-set: apply ``changes`` (state, reason, wave, wave_done_at) if ``r`` is still
-        the stored version; the new rollout, or None when someone changed it first."""
+        the stored version; the new rollout, or None when someone changed it first. IllegalMove
+        (nothing written) for a state ``r.state`` may not move to."""
         allowed = {"state", "reason", "wave", "wave_done_at"}
         if not set(changes) <= allowed:
             raise ValueError(f"cannot change {set(changes) - allowed}")
+        if "state" in changes:
+            changes["state"] = check_rollout_move(r.state, changes["state"])
         sets = ", ".join(f"{k} = ?" for k in changes)
         with self._lock:
             cur = self._db.execute(f"UPDATE rollouts SET {sets}, updated_at = ?, row_version = row_version + 1 "
@@ -160,13 +168,13 @@ class RolloutStore:
         with self._lock:
             rows = self._db.execute(f"SELECT {_E_COLUMNS} FROM rollout_devices WHERE rollout_id = ? "
                                     "ORDER BY wave, device_id", (rollout_id,)).fetchall()
-        return [Execution(*r) for r in rows]
+        return [_execution(r) for r in rows]
 
     def execution(self, rollout_id: str, device_id: str) -> Execution:
         with self._lock:
             row = self._db.execute(f"SELECT {_E_COLUMNS} FROM rollout_devices WHERE rollout_id = ? AND device_id = ?",
                                    (rollout_id, device_id)).fetchone()
-        return Execution(*row)
+        return _execution(row)
 
     def add_execution(self, rollout_id: str, device_id: str, wave: int, previous: str | None) -> bool:
         """A device that joined the group mid-rollout; False (nothing added) while another rollout
@@ -179,7 +187,7 @@ class RolloutStore:
                     return False
                 self._db.execute(f"INSERT OR IGNORE INTO rollout_devices ({_E_COLUMNS}) "
                                  "VALUES (?, ?, ?, ?, NULL, ?, NULL, NULL, NULL, ?, 0, NULL)",
-                                 (rollout_id, device_id, wave, QUEUED, previous, self.clock()))
+                                 (rollout_id, device_id, wave, ExecutionState.QUEUED, previous, self.clock()))
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -200,14 +208,16 @@ class RolloutStore:
                 "JOIN rollouts r ON r.rollout_id = e.rollout_id "
                 "WHERE r.state IN (?, ?) AND e.state NOT IN (?, ?) AND e.rollout_id <> ? "
                 f"AND e.device_id IN ({', '.join('?' * len(chunk))})",
-                (*ACTIVE_STATES, *BUSY, rollout_id or "", *chunk)).fetchall()
+                (*ACTIVE_STATES, *RELEASED, rollout_id or "", *chunk)).fetchall()
             held.update(dict(rows))
         return held
 
     def move(self, e: Execution, state: str, detail: str | None = None, at: float | None = None,
              desired_rev: int | None = None, report_at: float | None = None, wait_until: float | None = None) -> bool:
         """Compare-and-set an execution's state at ``at`` (the controller's clock; heard from the
-        device then when ``report_at`` is given); False when it changed since ``e`` was read."""
+        device then when ``report_at`` is given); False when it changed since ``e`` was read.
+        IllegalMove (nothing written) for a state ``e.state`` may not move to."""
+        state = check_execution_move(e.state, state)
         at = self.clock() if at is None else at
         with self._lock:
             cur = self._db.execute(
@@ -222,7 +232,10 @@ class RolloutStore:
     def move_all(self, execs: list[Execution], state: str, detail: str | None, at: float,
                  desired_revs: dict[str, int] | None = None) -> list[Execution]:
         """``move`` for many executions in one transaction (a wave's 500 devices are one commit,
-        not 500); the ones that moved, as they are now (the others changed since they were read)."""
+        not 500); the ones that moved, as they are now (the others changed since they were read).
+        IllegalMove (nothing written) if any of them may not move to ``state``."""
+        for e in execs:
+            state = check_execution_move(e.state, state)
         moved = []
         with self._lock:
             self._db.execute("BEGIN")
@@ -271,5 +284,10 @@ class RolloutStore:
 
 def _rollout(row) -> Rollout:
     rid, group, model, version, spec, state, reason, wave, done_at, created, updated, rv = row
-    return Rollout(rid, group, model, version, RolloutSpec.from_stored(json.loads(spec)), state, reason, wave, done_at,
-                   created, updated, rv)
+    return Rollout(rid, group, model, version, RolloutSpec.from_stored(json.loads(spec)), RolloutState(state), reason,
+                   wave, done_at, created, updated, rv)
+
+
+def _execution(row) -> Execution:
+    rollout_id, device_id, wave, state, *rest = row
+    return Execution(rollout_id, device_id, wave, ExecutionState(state), *rest)

@@ -238,7 +238,7 @@ def test_active_json_that_cannot_be_written_fails_before_the_switch(plane, tmp_p
     def full(path, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr(device_client, "_write_synced", full)
+    monkeypatch.setattr(device_client, "write_synced", full)
     assert up.apply({**v2, "rev": 2}) == "FAILED" and up.retry and activated == ["1.0.0"]
     assert states[-1]["reason"].startswith("no space left on device: cannot write ")
     assert_still_on(up, tmp_path / "d", "1.0.0", states)
