@@ -41,6 +41,7 @@ from amqtt.utils import gen_client_id
 
 from model_distribution.control_plane.broker_acl import MAX_PACKET_BYTES, allowed
 from model_distribution.fleet.devices import DeviceStore
+from sync.sqlite import connect
 
 log = logging.getLogger(__name__)
 
@@ -321,8 +322,7 @@ class EmbeddedBroker:
         self.store, self.host, self.port = store, host, port
         self.tls = tls  # broker.TLSListener, or None
         self.control_plane = control_plane
-        self._db = sqlite3.connect(retained_db, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db = connect(retained_db, timeout_s=5.0)
         self._db.execute("CREATE TABLE IF NOT EXISTS retained (topic TEXT PRIMARY KEY, payload BLOB NOT NULL, "
                          "qos INTEGER NOT NULL)")
         self._loop = asyncio.new_event_loop()

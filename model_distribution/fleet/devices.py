@@ -30,6 +30,7 @@ from model_distribution.fleet.serving import is_number, serving_summary
 from model_distribution.protocol import device_messages as messages
 from model_distribution.protocol.device_messages import CLOCK_SKEW_S, Event, ReportedState, TelemetryRecord
 from model_distribution.registry.store import Manifest, RegistryError
+from sync.sqlite import connect, transaction
 
 DEVICE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 RESERVED_PREFIX = "cascade-"  # the control plane's broker user and the system's own client ids
@@ -108,8 +109,7 @@ class DeviceStore:
         """``clock``: this control plane's clock (what a device's times are bounded by; tests fake it)."""
         self.clock = clock
         Path(root).mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(Path(root) / "registry.db", isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db = connect(Path(root) / "registry.db", timeout_s=5.0)
         for ddl in SCHEMA:
             self._db.execute(ddl)
         self._lock = threading.RLock()  # one connection, used by the CLI, the server and paho's thread
@@ -219,15 +219,13 @@ class DeviceStore:
                                 "system's own (its control plane's broker user, its clients)")
         secret = secrets.token_urlsafe(24)
         try:
-            self._db.execute("BEGIN")
-            self._db.execute("INSERT INTO devices (device_id, fleet, secret_hash, broker_hash, created_at) "
-                             "VALUES (?, ?, ?, ?, ?)",
-                             (device_id, fleet, _hash_secret(secret), mosquitto_hash(secret), self.clock()))
-            self._db.executemany("INSERT INTO device_groups (device_id, group_name) VALUES (?, ?)",
-                                 [(device_id, g) for g in dict.fromkeys(groups)])
-            self._db.execute("COMMIT")
+            with transaction(self._db, immediate=False) as db:
+                db.execute("INSERT INTO devices (device_id, fleet, secret_hash, broker_hash, created_at) "
+                           "VALUES (?, ?, ?, ?, ?)",
+                           (device_id, fleet, _hash_secret(secret), mosquitto_hash(secret), self.clock()))
+                db.executemany("INSERT INTO device_groups (device_id, group_name) VALUES (?, ?)",
+                               [(device_id, g) for g in dict.fromkeys(groups)])
         except sqlite3.IntegrityError as e:
-            self._db.execute("ROLLBACK")
             raise RegistryError(f"device {device_id!r} is enrolled already") from e
         return secret
 
@@ -301,26 +299,24 @@ class DeviceStore:
         if not targets:
             raise RegistryError(f"no device {device_id!r} enrolled" if group is None and device_ids is None
                                 else f"no device in group {group!r}" if group is not None else "no such devices")
-        self._db.execute("BEGIN")
-        self._db.executemany(
-            "UPDATE devices SET desired_name = ?, desired_version = ?, desired_window = ?, desired_jitter_s = ?, "
-            "prefetch_name = CASE WHEN prefetch_name = ? AND prefetch_version = ? THEN NULL ELSE prefetch_name END, "
-            "prefetch_version = CASE WHEN prefetch_name = ? AND prefetch_version = ? THEN NULL "
-            "ELSE prefetch_version END, desired_rev = desired_rev + 1 WHERE device_id = ?",
-            [(manifest.name, manifest.version, window, jitter_s, *(manifest.name, manifest.version) * 2, d.device_id)
-             for d in targets])
-        self._db.execute("COMMIT")
+        with transaction(self._db, immediate=False) as db:
+            db.executemany(
+                "UPDATE devices SET desired_name = ?, desired_version = ?, desired_window = ?, desired_jitter_s = ?, "
+                "prefetch_name = CASE WHEN prefetch_name = ? AND prefetch_version = ? THEN NULL "
+                "ELSE prefetch_name END, prefetch_version = CASE WHEN prefetch_name = ? AND prefetch_version = ? "
+                "THEN NULL ELSE prefetch_version END, desired_rev = desired_rev + 1 WHERE device_id = ?",
+                [(manifest.name, manifest.version, window, jitter_s, *(manifest.name, manifest.version) * 2,
+                  d.device_id) for d in targets])
         return self.list(device_ids=[d.device_id for d in targets])
 
     @_locked
     def prefetch(self, manifest: Manifest | None, device_ids: list[str], jitter_s: float = 0.0) -> None:
         """Have these devices download and verify ``manifest`` now, to activate when told (None: stop)."""
         name, version = (manifest.name, manifest.version) if manifest else (None, None)
-        self._db.execute("BEGIN")
-        self._db.executemany("UPDATE devices SET prefetch_name = ?, prefetch_version = ?, desired_jitter_s = ?, "
-                             "desired_rev = desired_rev + 1 WHERE device_id = ?",
-                             [(name, version, jitter_s, d) for d in device_ids])
-        self._db.execute("COMMIT")
+        with transaction(self._db, immediate=False) as db:
+            db.executemany("UPDATE devices SET prefetch_name = ?, prefetch_version = ?, desired_jitter_s = ?, "
+                           "desired_rev = desired_rev + 1 WHERE device_id = ?",
+                           [(name, version, jitter_s, d) for d in device_ids])
 
 
 def reserved(name: str) -> bool:

@@ -28,6 +28,7 @@ from pathlib import Path
 from cascade.calibration import CalibrationError, check_calibration
 from model_distribution.artifacts.gguf_meta import GGUFError, validate_gguf
 from model_distribution.artifacts.onnx_model import OnnxModelError, describe_onnx_tar, pack_onnx_dir
+from sync.sqlite import connect
 
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 # semver 2.0.0 (semver.org), without build metadata: it does not order versions
@@ -123,8 +124,7 @@ class Registry:
         self.root = Path(root)
         self.artifacts = self.root / "artifacts" / "sha256"
         self.artifacts.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.root / "registry.db", isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db = connect(self.root / "registry.db", timeout_s=5.0)
         self._db.execute(SCHEMA)
 
     def close(self) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from model_distribution.rollout.states import (
     check_execution_move,
     check_rollout_move,
 )
+from sync.sqlite import connect, transaction
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS rollouts (
@@ -84,9 +84,7 @@ class RolloutStore:
     def __init__(self, root: Path | str, clock: Callable[[], float] = time.time):
         self.clock = clock  # the control plane's clock (tests fake it)
         Path(root).mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(Path(root) / "registry.db", isolation_level=None, check_same_thread=False,
-                                   timeout=30)
-        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db = connect(Path(root) / "registry.db", timeout_s=30.0)
         for ddl in SCHEMA:
             self._db.execute(ddl)
         if "wait_until" not in {r[1] for r in self._db.execute("PRAGMA table_info(rollout_devices)")}:
@@ -104,30 +102,24 @@ class RolloutStore:
         name, _, version = spec.model.partition("@")
         now = self.clock()
         rid = f"r-{int(now)}-{secrets.token_hex(3)}"
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                busy = self._db.execute("SELECT rollout_id, model, version FROM rollouts WHERE group_name = ? AND "
-                                        "state IN (?, ?)", (spec.group, *ACTIVE_STATES)).fetchone()
-                if busy is not None:
-                    raise RolloutConflict(f"group {spec.group!r} has rollout {busy[0]} of {busy[1]}@{busy[2]} under "
-                                          "way (pause, abort or roll it back first)")
-                held = self._held_by_others(list(executions), None)
-                if held:  # one device, one rollout at a time: two would each think it ran theirs
-                    raise RolloutConflict(f"{len(held)} device(s) of {spec.group!r} are in another rollout under way "
-                                          f"({held_text(held)}): let it finish, or abort it first")
-                self._db.execute(f"INSERT INTO rollouts ({_R_COLUMNS}) "
-                                 "VALUES (?, ?, ?, ?, ?, ?, NULL, 0, NULL, ?, ?, 0)",
-                                 (rid, spec.group, name, version, json.dumps(asdict(spec)), RolloutState.RUNNING, now,
-                                  now))
-                self._db.executemany(
-                    f"INSERT INTO rollout_devices ({_E_COLUMNS}) VALUES (?, ?, ?, ?, NULL, ?, NULL, NULL, NULL, ?, 0, "
-                    "NULL)",
-                    [(rid, d, wave, ExecutionState.QUEUED, prev, now) for d, (wave, prev) in executions.items()])
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._lock, transaction(self._db):
+            busy = self._db.execute("SELECT rollout_id, model, version FROM rollouts WHERE group_name = ? AND "
+                                    "state IN (?, ?)", (spec.group, *ACTIVE_STATES)).fetchone()
+            if busy is not None:
+                raise RolloutConflict(f"group {spec.group!r} has rollout {busy[0]} of {busy[1]}@{busy[2]} under "
+                                      "way (pause, abort or roll it back first)")
+            held = self._held_by_others(list(executions), None)
+            if held:  # one device, one rollout at a time: two would each think it ran theirs
+                raise RolloutConflict(f"{len(held)} device(s) of {spec.group!r} are in another rollout under way "
+                                      f"({held_text(held)}): let it finish, or abort it first")
+            self._db.execute(f"INSERT INTO rollouts ({_R_COLUMNS}) "
+                             "VALUES (?, ?, ?, ?, ?, ?, NULL, 0, NULL, ?, ?, 0)",
+                             (rid, spec.group, name, version, json.dumps(asdict(spec)), RolloutState.RUNNING, now,
+                              now))
+            self._db.executemany(
+                f"INSERT INTO rollout_devices ({_E_COLUMNS}) VALUES (?, ?, ?, ?, NULL, ?, NULL, NULL, NULL, ?, 0, "
+                "NULL)",
+                [(rid, d, wave, ExecutionState.QUEUED, prev, now) for d, (wave, prev) in executions.items()])
         return self.get(rid)
 
     def get(self, rollout_id: str) -> Rollout:
@@ -179,19 +171,12 @@ class RolloutStore:
     def add_execution(self, rollout_id: str, device_id: str, wave: int, previous: str | None) -> bool:
         """A device that joined the group mid-rollout; False (nothing added) while another rollout
         under way holds it."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                if self._held_by_others([device_id], rollout_id):
-                    self._db.execute("ROLLBACK")
-                    return False
-                self._db.execute(f"INSERT OR IGNORE INTO rollout_devices ({_E_COLUMNS}) "
-                                 "VALUES (?, ?, ?, ?, NULL, ?, NULL, NULL, NULL, ?, 0, NULL)",
-                                 (rollout_id, device_id, wave, ExecutionState.QUEUED, previous, self.clock()))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._lock, transaction(self._db):
+            if self._held_by_others([device_id], rollout_id):
+                return False  # nothing written: the transaction commits nothing
+            self._db.execute(f"INSERT OR IGNORE INTO rollout_devices ({_E_COLUMNS}) "
+                             "VALUES (?, ?, ?, ?, NULL, ?, NULL, NULL, NULL, ?, 0, NULL)",
+                             (rollout_id, device_id, wave, ExecutionState.QUEUED, previous, self.clock()))
         return True
 
     def held_by_others(self, device_ids: list[str], rollout_id: str | None) -> dict[str, str]:
@@ -237,24 +222,18 @@ class RolloutStore:
         for e in execs:
             state = check_execution_move(e.state, state)
         moved = []
-        with self._lock:
-            self._db.execute("BEGIN")
-            try:
-                for e in execs:
-                    rev = (desired_revs or {}).get(e.device_id)
-                    cur = self._db.execute(
-                        "UPDATE rollout_devices SET state = ?, detail = ?, desired_rev = COALESCE(?, desired_rev), "
-                        "updated_at = ?, row_version = row_version + 1 "
-                        "WHERE rollout_id = ? AND device_id = ? AND row_version = ?",
-                        (state, detail, rev, at, e.rollout_id, e.device_id, e.row_version))
-                    if cur.rowcount == 1:
-                        moved.append(replace(e, state=state, detail=detail, updated_at=at,
-                                             row_version=e.row_version + 1,
-                                             desired_rev=rev if rev is not None else e.desired_rev))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._lock, transaction(self._db, immediate=False):
+            for e in execs:
+                rev = (desired_revs or {}).get(e.device_id)
+                cur = self._db.execute(
+                    "UPDATE rollout_devices SET state = ?, detail = ?, desired_rev = COALESCE(?, desired_rev), "
+                    "updated_at = ?, row_version = row_version + 1 "
+                    "WHERE rollout_id = ? AND device_id = ? AND row_version = ?",
+                    (state, detail, rev, at, e.rollout_id, e.device_id, e.row_version))
+                if cur.rowcount == 1:
+                    moved.append(replace(e, state=state, detail=detail, updated_at=at,
+                                         row_version=e.row_version + 1,
+                                         desired_rev=rev if rev is not None else e.desired_rev))
         return moved
 
     def device_states(self) -> dict[str, tuple[str, str, str]]:
