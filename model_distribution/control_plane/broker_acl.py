@@ -1,5 +1,5 @@
 """What a client of the fleet's broker may do, the one rule both brokers keep: Mosquitto through
-the ACL file ``device_secrets.broker_files`` writes, the embedded broker (embedded_broker.py)
+the ACL file ``mosquitto_files.broker_files`` writes, the embedded broker (embedded_broker.py)
 by asking ``allowed`` at each publish, subscribe and delivery."""
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ from cascade.config import cascade_home, load_config
 
 
 @dataclass
-class ServerConfig:
+class ControlPlaneServerConfig:
+    """``[server]``: the control plane's HTTP side."""
+
     host: str = "127.0.0.1"
     port: int = 8090
     admin_key: str = ""  # bearer key of the operator's endpoints ("" leaves them to loopback callers only)
@@ -33,7 +35,10 @@ class ServerConfig:
 
 
 @dataclass
-class MQTTConfig:
+class FleetBrokerConfig:
+    """``[mqtt]``: the broker the control plane uses, or the one it starts (not sync.mqtt's
+    ``MQTTConfig``, a device's telemetry connection)."""
+
     broker: str = ""  # mqtt://host:port of a broker to use ("": start the fleet's own, see `start`)
     username: str = ""
     password: str = ""
@@ -67,9 +72,9 @@ class StateConfig:
 
 @dataclass
 class FleetConfig:
-    server: ServerConfig = field(default_factory=ServerConfig)
+    server: ControlPlaneServerConfig = field(default_factory=ControlPlaneServerConfig)
     state: StateConfig = field(default_factory=StateConfig)
-    mqtt: MQTTConfig = field(default_factory=MQTTConfig)
+    mqtt: FleetBrokerConfig = field(default_factory=FleetBrokerConfig)
 
     @classmethod
     def load(cls, path=None, overrides=None, environ=None) -> FleetConfig:

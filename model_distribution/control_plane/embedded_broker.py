@@ -2,7 +2,7 @@
 thread of its own with its own event loop, inside the control plane's process.
 
 It takes the same credentials and enforces the same ACL as Mosquitto with the files from
-``device_secrets.broker_files`` (``broker_acl.allowed`` is that rule): each CONNECT is checked against the
+``mosquitto_files.broker_files`` (``broker_acl.allowed`` is that rule): each CONNECT is checked against the
 DeviceStore, so a device enrolled after the start connects at once. Retained messages are kept in
 SQLite as well as in memory, so the retained desired state survives a restart of the broker.
 

@@ -1,6 +1,6 @@
 """The control plane's staged-rollout endpoints, behind the admin key as the other ``/v1/fleet``
 endpoints (what ``cascade fleet rollout ... --url`` calls; the same operations as the local
-commands, rollout_ops.py):
+commands, rollout/commands.py):
 
     POST /v1/fleet/rollouts                   start: the RolloutSpec fields as JSON; 201 + the rollout
     GET  /v1/fleet/rollouts                   every rollout, newest first

@@ -44,7 +44,7 @@ ops = APIRouter()
 @ops.get("/metrics")
 async def metrics(request: Request):
     """Prometheus: rollouts, their devices and gate values, devices by state and version
-    (fleet_metrics.py). Behind [server] metrics_key (bearer) when it is set."""
+    (metrics.py). Behind [server] metrics_key (bearer) when it is set."""
     key = request.app.state.config.server.metrics_key
     if key and not bearer_matches(request, key):
         raise errors.unauthorized()

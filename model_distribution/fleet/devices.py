@@ -7,7 +7,7 @@ enrolled. Setting the desired state (``cascade fleet assign``, and the rollout c
 the device's desired revision, which the signed document carries (desired.py).
 
 What a device says (its reported state, telemetry, events, status) is outside data: it arrives
-here typed and bounded (device_messages.py) or is refused; what was stored before that check is
+here typed and bounded (protocol/device_messages.py) or is refused; what was stored before that check is
 read back leniently, so no row can break an operator's view.
 """
 

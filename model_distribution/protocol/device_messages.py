@@ -80,7 +80,7 @@ class _Message(BaseModel):
 
 
 class ReportedState(_Message):
-    """What a device says it runs and how its change goes (device_client.py writes it)."""
+    """What a device says it runs and how its change goes (device/client.py writes it)."""
 
     state: Annotated[str, Field(pattern=r"^[A-Z_]{1,32}$")] | None = None
     desired: Text | None = None  # name@version this report is about

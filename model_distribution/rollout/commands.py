@@ -1,6 +1,6 @@
 """The rollout operations that ``cascade fleet rollout ...`` runs on the local state and the
 control plane's ``/v1/fleet/rollouts`` runs for ``--url``: the same checks, the same dicts, so
-both print the same. Like operations.py, errors are RegistryError with the kinds the HTTP API
+both print the same. Like fleet/operations.py, errors are RegistryError with the kinds the HTTP API
 answers apart: ``NotFound`` (404: no such version, group or rollout), ``Conflict`` (409: the
 group has a rollout under way, or the rollout's state does not allow the command); the rest of
 RolloutError is bad input (400).
@@ -11,7 +11,7 @@ from __future__ import annotations
 from model_distribution.fleet.devices import DeviceStore
 from model_distribution.fleet.operations import Conflict, NotFound
 from model_distribution.registry.store import Registry
-from model_distribution.rollout import controller as rollout_controller
+from model_distribution.rollout import actions, controller
 from model_distribution.rollout.spec import Rollout, RolloutConflict, RolloutError, RolloutSpec
 from model_distribution.rollout.store import RolloutStore
 
@@ -26,7 +26,7 @@ def start(registry: Registry, devices: DeviceStore, rollouts: RolloutStore, spec
     if not devices.list(group=spec.group):
         raise NotFound(f"no device in group {spec.group!r} (cascade fleet devices add DEVICE --group {spec.group})")
     try:
-        return rollout_controller.start_rollout(registry, devices, rollouts, spec)
+        return controller.start_rollout(registry, devices, rollouts, spec)
     except RolloutConflict as e:  # its group's rollout, or another one holding some of its devices
         raise Conflict(str(e)) from e
 
@@ -45,13 +45,13 @@ def command(registry: Registry, devices: DeviceStore, rollouts: RolloutStore, ro
     _get(rollouts, rollout_id)
     try:
         if action == "rollback":
-            r = rollout_controller.rollback(registry, devices, rollouts, rollout_id)
+            r = actions.rollback(registry, devices, rollouts, rollout_id)
         elif action == "abort":  # the devices told to fetch it ahead are told no more
-            r = rollout_controller.abort(rollouts, rollout_id, devices)
+            r = actions.abort(rollouts, rollout_id, devices)
         elif action == "pause":
-            r = rollout_controller.pause(rollouts, rollout_id)
+            r = actions.pause(rollouts, rollout_id)
         else:
-            r = rollout_controller.resume(rollouts, rollout_id)
+            r = actions.resume(rollouts, rollout_id)
     except RolloutError as e:  # its state does not allow it
         raise Conflict(str(e)) from e
     return r.to_dict()

@@ -1,5 +1,5 @@
 """A wave's judgement: the install failure gate over the devices reached, then the serving gates,
-each a robust mean over the devices of each side (serving.py), the updated devices against a control:
+each a robust mean over the devices of each side (fleet/serving.py), the updated devices against a control:
 the devices not yet updated over the same window; at the last wave, the control group the wave
 before was judged against; in a rollout of one wave, the same devices before it began. With no
 control a relative gate is inconclusive, never a pass for want of data."""

@@ -17,7 +17,7 @@ A wave passes its gates once its devices are done and it has baked: the install 
 (FAILED + TIMED_OUT + REJECTED over executed, judged after ``min_executed``), then the serving
 gates, which compare the devices already updated with the group's devices not yet updated over
 the same window (the bake), each judged after ``min_requests`` on both sides. A side's value of a
-metric is a statistic over its devices' own values (serving.py ``robust_mean``), judged once at least
+metric is a statistic over its devices' own values (fleet/serving.py ``robust_mean``), judged once at least
 ``min_devices`` devices of each side have one, so no single device decides a gate. The last wave
 has no devices left on the old version: it is compared with the control group of the wave judged
 before it, or, in a rollout of one wave, with the same devices over the time before the rollout

@@ -228,7 +228,7 @@ def serve_in_thread(config):
 
 
 def test_public_downloads_open_artifacts_and_metadata_but_not_a_devices_state(tmp_path):
-    from model_distribution.control_plane.config import FleetConfig, ServerConfig, StateConfig
+    from model_distribution.control_plane.config import ControlPlaneServerConfig, FleetConfig, StateConfig
 
     root = tmp_path / "fleet"
     repo = Repository(root)
@@ -241,7 +241,7 @@ def test_public_downloads_open_artifacts_and_metadata_but_not_a_devices_state(tm
     store.add("kiosk-1", [])
     store.assign(m, device_id="kiosk-1")
     store.close()
-    config = FleetConfig(server=ServerConfig(public_downloads=True), state=StateConfig(path=str(root)))
+    config = FleetConfig(server=ControlPlaneServerConfig(public_downloads=True), state=StateConfig(path=str(root)))
     with serve_in_thread(config) as url:
         art = loopback.get(f"{url}/v1/artifacts/{m.sha256}")
         assert art.status_code == 200 and art.content == (root / "artifacts" / "sha256" / m.sha256).read_bytes()

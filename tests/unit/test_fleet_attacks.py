@@ -14,7 +14,8 @@ import pytest
 
 from model_distribution.protocol.device_messages import RefusedMessage, decode
 from model_distribution.registry.store import Registry, RegistryError
-from model_distribution.rollout.controller import MAX_FAILED_TICKS, rollback, start_rollout, tick
+from model_distribution.rollout.actions import rollback
+from model_distribution.rollout.controller import MAX_FAILED_TICKS, start_rollout, tick
 from model_distribution.rollout.spec import RolloutConflict, RolloutError, RolloutSpec
 from tests.unit.test_registry import make_gguf
 from tests.unit.test_rollout_controller import Fleet, finish_wave
@@ -474,8 +475,8 @@ def test_invented_names_neither_fill_the_throttle_nor_lift_a_devices(tmp_path):
 
 def test_an_aborted_rollouts_executions_are_not_left_in_progress(fleet):
     """Item 17: after an abort no one follows an execution, so none may stay IN_PROGRESS for good."""
+    from model_distribution.rollout.actions import abort
     from model_distribution.rollout.commands import device_rows
-    from model_distribution.rollout.controller import abort
 
     r = start_rollout(fleet.registry, fleet.devices, fleet.rollouts, RolloutSpec("tiny@1.1.0", "kiosks", [10, 100]))
     fleet.tick()

@@ -9,7 +9,8 @@ import pytest
 
 from model_distribution.fleet.devices import DeviceStore
 from model_distribution.registry.store import Registry
-from model_distribution.rollout.controller import abort, pause, resume, rollback, start_rollout, tick
+from model_distribution.rollout.actions import abort, pause, resume, rollback
+from model_distribution.rollout.controller import start_rollout, tick
 from model_distribution.rollout.spec import RolloutError, RolloutSpec
 from model_distribution.rollout.store import RolloutStore
 from tests.unit.test_registry import make_gguf
