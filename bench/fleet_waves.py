@@ -12,7 +12,7 @@ waits until every device is ACTIVE on it (at the device: the rollout follows the
 own revisions, so a version-1 report the broker dropped on its way to the control plane does not
 matter; the table counts Mosquitto's "dropped" lines in each phase). Then the rollout starts the way `cascade fleet
 rollout start bench@2.0.0 --group fleet --waves ... --bake ...` starts it on the local state
-(rollout_ops.start), and every SAMPLE_S this process reads the executions by wave and state
+(rollout_commands.start), and every SAMPLE_S this process reads the executions by wave and state
 from the registry's database (a read of its own: /metrics would be served by, and cost, the
 control plane being measured) and the CPU of each process, until the rollout is no longer
 RUNNING or --timeout.
@@ -56,7 +56,7 @@ from fleet_rollout import (
 )
 
 from model_distribution.registry.store import Registry
-from model_distribution.rollout import commands as rollout_ops
+from model_distribution.rollout import commands as rollout_commands
 from model_distribution.rollout.spec import RolloutError, RolloutSpec
 from model_distribution.rollout.states import FAILURES, RolloutState
 from model_distribution.rollout.store import RolloutStore
@@ -82,7 +82,7 @@ def watch(fleet, s, children, spec: RolloutSpec, sha256: str, timeout_s: float) 
     try:
         cpu0, busy0 = {k: cpu_s(*v) for k, v in pids.items()}, machine_busy_s()
         began = time.time()
-        r = rollout_ops.start(registry, fleet.store, rollouts, spec)
+        r = rollout_commands.start(registry, fleet.store, rollouts, spec)
         start_s = time.time() - began
         t0 = r.created_at  # the executions' and decisions' times are on this (the controller's) clock
         while True:

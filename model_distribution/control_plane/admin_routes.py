@@ -25,7 +25,7 @@ from model_distribution.control_plane.auth import refused, require_admin
 from model_distribution.fleet import operations
 from model_distribution.registry.signing import SigningError
 from model_distribution.registry.store import RegistryError, check_names
-from model_distribution.rollout import commands as rollout_ops
+from model_distribution.rollout import commands as rollout_commands
 
 BODY_LIMIT = 64 << 10
 
@@ -112,7 +112,7 @@ async def _receive(request: Request, path: Path) -> None:
 async def devices(request: Request, group: str | None = None):
     require_admin(request)
     state = request.app.state
-    return {"object": "list", "data": rollout_ops.device_rows(state.devices, state.rollouts, group)}
+    return {"object": "list", "data": rollout_commands.device_rows(state.devices, state.rollouts, group)}
 
 
 @admin.post("/devices", status_code=201, openapi_extra=body(EnrolRequest))

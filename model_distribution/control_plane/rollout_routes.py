@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 from cascade.web import openapi, parse_body, read_json
 from model_distribution.control_plane.auth import refused, require_admin
 from model_distribution.registry.store import RegistryError
-from model_distribution.rollout import commands as rollout_ops
+from model_distribution.rollout import commands
 from model_distribution.rollout.spec import RolloutSpec
 
 _BODY_LIMIT = 64 << 10
@@ -67,7 +67,7 @@ async def start(request: Request):
     state = request.app.state
     try:
         spec = RolloutSpec(**req.model_dump(exclude_unset=True))
-        r = rollout_ops.start(state.registry, state.devices, state.rollouts, spec)
+        r = commands.start(state.registry, state.devices, state.rollouts, spec)
     except RegistryError as e:
         raise refused(e) from e
     return JSONResponse(r.to_dict(), status_code=201)
@@ -83,7 +83,7 @@ async def list_rollouts(request: Request):
 async def status(request: Request, rollout_id: str):
     require_admin(request)
     try:
-        return rollout_ops.status(request.app.state.rollouts, rollout_id)
+        return commands.status(request.app.state.rollouts, rollout_id)
     except RegistryError as e:
         raise refused(e) from e
 
@@ -92,7 +92,7 @@ def _command(request: Request, rollout_id: str, action: str) -> dict:
     require_admin(request)
     state = request.app.state
     try:
-        return rollout_ops.command(state.registry, state.devices, state.rollouts, rollout_id, action)
+        return commands.command(state.registry, state.devices, state.rollouts, rollout_id, action)
     except RegistryError as e:
         raise refused(e) from e
 
