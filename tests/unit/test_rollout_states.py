@@ -101,3 +101,12 @@ def test_the_store_takes_a_whole_execution_path_and_reads_typed_states_back(stor
     assert got.state is E.ROLLED_BACK and got.to_dict()["state"] == "ROLLED_BACK"
     paused = store.update(r, state=R.PAUSED)
     assert paused.state is R.PAUSED and store.update(paused, state=R.ROLLED_BACK).state is R.ROLLED_BACK
+
+
+def test_a_kept_report_is_read_back_typed_and_one_the_schema_refuses_is_none():
+    from model_distribution.protocol.device_messages import reported_state
+
+    got = reported_state({"state": "ACTIVE", "desired": "tiny@1.0.0", "rev": 3, "at": 1000})
+    assert got.state == DeviceState.ACTIVE and got.rev == 3 and got.at == 1000.0 and REPORTED[got.state] is E.SUCCEEDED
+    assert reported_state(None) is None and reported_state({"state": "lower"}) is None
+    assert reported_state({"state": "NEWER_STEP"}).state not in REPORTED  # a newer agent's step ends nothing
