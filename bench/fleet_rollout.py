@@ -63,8 +63,9 @@ from cascade.processes import cascade_command, free_port, spawn, stop, wait_heal
 from model_distribution.artifacts.download import fetch
 from model_distribution.control_plane.broker import MAX_QUEUED
 from model_distribution.fleet.devices import DeviceStore
-from model_distribution.registry.signing import Repository, verified_target
+from model_distribution.registry.signing import Repository
 from model_distribution.registry.store import Manifest, Registry
+from model_distribution.registry.tuf_client import verified_target
 
 REPO = Path(__file__).resolve().parent.parent
 GOAL_S = 60.0

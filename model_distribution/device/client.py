@@ -45,8 +45,8 @@ from model_distribution.artifacts.onnx_model import OnnxModelError, unpack_onnx_
 from model_distribution.device.models_on_disk import available_memory, drop, installed, kept, model_path, write_synced
 from model_distribution.protocol.device_messages import DeviceState
 from model_distribution.protocol.windows import in_window, parse_window, seconds_to_window
-from model_distribution.registry.signing import manifest_of, verified_target
 from model_distribution.registry.store import parse_semver
+from model_distribution.registry.tuf_client import manifest_of, verified_target
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
 """The registry as a TUF repository (python-tuf): root, targets, snapshot and timestamp metadata,
 each model version a target (``<name>/<version>``) whose custom field is its manifest. A device
 that trusts the root it was provisioned with is then protected against arbitrary artifacts,
-rolled-back, frozen and mix-and-match metadata, not only against a corrupted download.
+rolled-back, frozen and mix-and-match metadata, not only against a corrupted download (its side
+is tuf_client.py).
 
 Keys (Ed25519, PEM under ``keys/``, mode 0600): root and targets are the offline keys (keep
 copies off the control plane; they sign only at init and on push), snapshot and timestamp the
@@ -27,15 +28,12 @@ import os
 import secrets
 from pathlib import Path
 
-import httpx
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from filelock import FileLock, Timeout
 from securesystemslib.signer import CryptoSigner, SSlibKey
-from tuf.api.exceptions import DownloadError, DownloadHTTPError, SlowRetrievalError
 from tuf.api.metadata import Metadata, MetaFile, Root, Snapshot, TargetFile, Targets, Timestamp
 from tuf.api.serialization.json import JSONSerializer
-from tuf.ngclient import FetcherInterface, Updater
 
 ROLES = ("root", "targets", "snapshot", "timestamp")
 KEYS = (*ROLES, "desired")
@@ -240,73 +238,3 @@ def _replace(path: Path, data: bytes) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def verified_target(cache_dir: Path | str, metadata_url: str, trusted_root: bytes, name: str,
-                    version: str, auth: tuple[str, str] | None = None, client: httpx.Client | None = None
-                    ) -> TargetFile:
-    """On a device: refresh the metadata from ``metadata_url`` against the root it trusts (kept
-    in ``cache_dir``) and return the signed target info of ``name@version`` (length, hashes, and
-    the manifest under ``custom``); ``auth``: the device's ``(device_id, secret)``, sent as HTTP
-    Basic; ``client``: an httpx client to reuse (one per device: its connections and TLS context).
-    Raises tuf's errors for anything refused (bad signatures, a rollback, expired metadata, a
-    401), tuf's DownloadError for a network failure (worth trying again), and SigningError when
-    the version is not a target."""
-    cache_dir = Path(cache_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    trusted = cache_dir / "root.json"
-    bootstrap = trusted.read_bytes() if trusted.exists() else trusted_root
-    fetcher = HTTPFetcher(client, auth)
-    try:
-        updater = Updater(str(cache_dir), metadata_url.rstrip("/") + "/", str(cache_dir / "targets"), None,
-                          fetcher, bootstrap=bootstrap)
-        updater.refresh()
-    finally:
-        fetcher.close()
-    info = updater.get_targetinfo(target_path(name, version))
-    if info is None:
-        raise SigningError(f"{name}@{version} is not in the signed targets")
-    return info
-
-
-def manifest_of(info: TargetFile) -> dict:
-    return (info.unrecognized_fields.get("custom") or {}).get("manifest") or {}
-
-
-class HTTPFetcher(FetcherInterface):
-    """python-tuf's metadata downloads over httpx (as the artifact download is), with the device's
-    HTTP Basic credentials when it has them (the control plane's ``/v1/tuf`` wants them). Network
-    failures are tuf's DownloadError kinds, with the URL and the cause."""
-
-    def __init__(self, client: httpx.Client | None = None, auth: tuple[str, str] | None = None,
-                 timeout_s: float = 30.0):
-        self._own = client is None
-        self._client = client or httpx.Client(timeout=timeout_s, follow_redirects=True)
-        self._auth = auth
-
-    def close(self) -> None:
-        if self._own:
-            self._client.close()
-
-    def _fetch(self, url: str):
-        try:
-            r = self._client.send(self._client.build_request("GET", url), stream=True, auth=self._auth)
-        except httpx.TimeoutException as e:
-            raise SlowRetrievalError(f"GET {url}: {e!r}") from e
-        except httpx.TransportError as e:
-            raise DownloadError(f"GET {url}: {e!r}") from e
-        if r.status_code >= 400:
-            r.close()
-            raise DownloadHTTPError(f"GET {url}: HTTP {r.status_code}", r.status_code)
-        return self._chunks(r, url)
-
-    @staticmethod
-    def _chunks(r: httpx.Response, url: str):
-        try:
-            yield from r.iter_bytes(1 << 16)
-        except httpx.TimeoutException as e:
-            raise SlowRetrievalError(f"GET {url}: {e!r}") from e
-        except httpx.TransportError as e:
-            raise DownloadError(f"GET {url}: {e!r}") from e
-        finally:
-            r.close()

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from cascade.processes import cascade_command
-from model_distribution.registry.signing import Repository, SigningError, verified_target
+from model_distribution.registry.signing import Repository, SigningError
+from model_distribution.registry.tuf_client import verified_target
 from tests.conftest import REPO
 from tests.unit.test_registry import make_gguf
 from tests.unit.test_signing import Quiet

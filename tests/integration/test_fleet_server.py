@@ -20,8 +20,9 @@ from cascade.processes import free_port
 from model_distribution.artifacts.download import DownloadError, fetch
 from model_distribution.fleet.desired import verify_desired
 from model_distribution.fleet.devices import DeviceStore
-from model_distribution.registry.signing import Repository, verified_target
+from model_distribution.registry.signing import Repository
 from model_distribution.registry.store import Registry
+from model_distribution.registry.tuf_client import verified_target
 from sync.mqtt_link import stop_loop
 from tests import loopback
 from tests.conftest import Server

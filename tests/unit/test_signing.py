@@ -14,7 +14,8 @@ import pytest
 from securesystemslib.signer import CryptoSigner
 from tuf.api import exceptions
 
-from model_distribution.registry.signing import Repository, manifest_of, verified_target
+from model_distribution.registry.signing import Repository
+from model_distribution.registry.tuf_client import manifest_of, verified_target
 
 
 class Quiet(SimpleHTTPRequestHandler):
