@@ -293,7 +293,7 @@ def main() -> int:
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     lengths = [int(n) for n in args.lengths.split(",")]
 
-    from model_distribution.catalog import Catalog
+    from model_distribution.artifacts.catalog import Catalog
 
     home = Path(tempfile.mkdtemp(prefix="cascade-bench-"))
     gguf = str(Catalog(home).get("smollm2-135m").path)

@@ -159,7 +159,7 @@ def main() -> int:
 
     from llama_cpp import Llama
 
-    from model_distribution.catalog import Catalog
+    from model_distribution.artifacts.catalog import Catalog
 
     home = Path(tempfile.mkdtemp(prefix="cascade-bench-"))
     path = str(Catalog(home).get("smollm2-135m").path)

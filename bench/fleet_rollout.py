@@ -60,11 +60,12 @@ import psutil
 from fleet_sim import Timeline, serve
 
 from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
-from model_distribution.broker import MAX_QUEUED
-from model_distribution.devices import DeviceStore
-from model_distribution.download import fetch
-from model_distribution.registry import Manifest, Registry
-from model_distribution.signing import Repository, verified_target
+from model_distribution.artifacts.download import fetch
+from model_distribution.control_plane.broker import MAX_QUEUED
+from model_distribution.fleet.devices import DeviceStore
+from model_distribution.registry.signing import Repository
+from model_distribution.registry.store import Manifest, Registry
+from model_distribution.registry.tuf_client import verified_target
 
 REPO = Path(__file__).resolve().parent.parent
 GOAL_S = 60.0

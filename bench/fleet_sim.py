@@ -27,10 +27,10 @@ from pathlib import Path
 
 from tuf.api.metadata import TargetFile
 
-from model_distribution.device_client import DeviceConfig, DeviceUpdater
-from model_distribution.download import fetch
-from model_distribution.registry import file_sha256
-from model_distribution.state_sync import DeviceStateClient
+from model_distribution.artifacts.download import fetch
+from model_distribution.device.client import DeviceConfig, DeviceUpdater
+from model_distribution.device.state_client import DeviceStateClient
+from model_distribution.registry.store import file_sha256
 from sync.mqtt_link import stop_loop
 
 RETRY_MIN_S, RETRY_MAX_S = 5.0, 300.0  # as edge_agent/fleet.py

@@ -12,7 +12,7 @@ waits until every device is ACTIVE on it (at the device: the rollout follows the
 own revisions, so a version-1 report the broker dropped on its way to the control plane does not
 matter; the table counts Mosquitto's "dropped" lines in each phase). Then the rollout starts the way `cascade fleet
 rollout start bench@2.0.0 --group fleet --waves ... --bake ...` starts it on the local state
-(rollout_ops.start), and every SAMPLE_S this process reads the executions by wave and state
+(rollout_commands.start), and every SAMPLE_S this process reads the executions by wave and state
 from the registry's database (a read of its own: /metrics would be served by, and cost, the
 control plane being measured) and the CPU of each process, until the rollout is no longer
 RUNNING or --timeout.
@@ -55,10 +55,11 @@ from fleet_rollout import (
     stop_devices,
 )
 
-from model_distribution import rollout_ops
-from model_distribution.registry import Registry
-from model_distribution.rollout_store import RolloutStore
-from model_distribution.rollouts import FAILURES, RUNNING, RolloutError, RolloutSpec
+from model_distribution.registry.store import Registry
+from model_distribution.rollout import commands as rollout_commands
+from model_distribution.rollout.spec import RolloutError, RolloutSpec
+from model_distribution.rollout.states import FAILURES, RolloutState
+from model_distribution.rollout.store import RolloutStore
 
 GOAL_S = 60.0
 SAMPLE_S = 0.5
@@ -81,7 +82,7 @@ def watch(fleet, s, children, spec: RolloutSpec, sha256: str, timeout_s: float) 
     try:
         cpu0, busy0 = {k: cpu_s(*v) for k, v in pids.items()}, machine_busy_s()
         began = time.time()
-        r = rollout_ops.start(registry, fleet.store, rollouts, spec)
+        r = rollout_commands.start(registry, fleet.store, rollouts, spec)
         start_s = time.time() - began
         t0 = r.created_at  # the executions' and decisions' times are on this (the controller's) clock
         while True:
@@ -94,7 +95,7 @@ def watch(fleet, s, children, spec: RolloutSpec, sha256: str, timeout_s: float) 
             samples.append({"t": now - t0, "states": dict(collections.Counter(e.state for e in execs)),
                             "waves": {w: dict(c) for w, c in by_wave.items()}, "wave": r.wave, "state": r.state,
                             "cpu": {k: cpu_s(*v) - cpu0[k] for k, v in pids.items()}})
-            if r.state != RUNNING or now - t0 > timeout_s:
+            if r.state != RolloutState.RUNNING or now - t0 > timeout_s:
                 break
             time.sleep(max(0.0, SAMPLE_S - (time.time() - now)))
         decisions = rollouts.decisions(r.rollout_id)
@@ -133,7 +134,7 @@ def watch(fleet, s, children, spec: RolloutSpec, sha256: str, timeout_s: float) 
             "max_sample_gap_s": max(gaps, default=0.0),
             "others_cpu_s": machine_busy_s() - busy0 - sum(samples[-1]["cpu"].values()),
             "all_succeeded_s": max(e.updated_at for e in execs) - t0 if all_succeeded else None,
-            "rollout_done_s": r.updated_at - t0 if r.state != RUNNING else None,
+            "rollout_done_s": r.updated_at - t0 if r.state != RolloutState.RUNNING else None,
             "final": dict(collections.Counter(e.state for e in execs)),
             "reasons": collections.Counter(e.detail for e in execs if e.state in FAILURES).most_common(5),
             "waves": waves, "samples": samples}

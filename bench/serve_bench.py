@@ -57,7 +57,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if path.is_file():
         return GGUFVocab(path)
     from cascade.config import cascade_home
-    from model_distribution.catalog import Catalog
+    from model_distribution.artifacts.catalog import Catalog
 
     catalog = Catalog(cascade_home())
     return GGUFVocab(catalog.ensure_ready(catalog.get(spec)))

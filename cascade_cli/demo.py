@@ -168,7 +168,7 @@ def fleet_scene(fleet: Fleet, edge: str, home: str, work: Path, serving: str) ->
     its calibration), assign the new one while a stream runs, follow the device's reported state."""
     import threading
 
-    from model_distribution.catalog import Catalog
+    from model_distribution.artifacts.catalog import Catalog
 
     print("\n== the fleet: the operator ships a better quantization of the device's model")
     catalog = Catalog(Path(home))

@@ -30,8 +30,9 @@ SIM_ESCALATION = {"Q2_K": 0.45}  # what a simulated device escalates on that qua
 
 class SimulatedDevice:
     def __init__(self, name: str, secret: str, fleet, work: Path):
-        from model_distribution.device_client import DeviceConfig, DeviceUpdater
-        from model_distribution.state_sync import DeviceStateClient, topic
+        from model_distribution.device.client import DeviceConfig, DeviceUpdater
+        from model_distribution.device.state_client import DeviceStateClient
+        from model_distribution.protocol.topics import topic
 
         keys = fleet.home / "fleet"
         self.name, self.topic = name, topic("default", name, "telemetry")
@@ -87,7 +88,7 @@ class SimulatedDevice:
 def rollout_scene(fleet, edge: str, home: str, work: Path, serving: str) -> None:
     import logging
 
-    from model_distribution.catalog import Catalog
+    from model_distribution.artifacts.catalog import Catalog
 
     logging.getLogger("model_distribution").setLevel(logging.WARNING)  # the simulated devices' own lines
     print("\n== staged rollouts: the agent and four simulated devices in group demo")

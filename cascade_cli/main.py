@@ -47,8 +47,8 @@ def cmd_edge_run(args) -> int:
     from edge_agent.hardware import MixedOnnxRuntime
     from edge_agent.server.reload import ConfigSource
     from edge_agent.service_unit import exposed_secrets
-    from model_distribution.catalog import ModelNotFound
-    from model_distribution.onnx_model import OnnxModelError
+    from model_distribution.artifacts.catalog import ModelNotFound
+    from model_distribution.artifacts.onnx_model import OnnxModelError
 
     path = _edge_config_path(args)
     source = ConfigSource(path, _edge_overrides(args))  # SIGHUP reads it the same way
@@ -135,7 +135,7 @@ def cmd_edge_install_service(args) -> int:
 def cmd_models_list(args) -> int:
     from cascade.cli_help import print_table
     from cascade.config import cascade_home
-    from model_distribution.catalog import Catalog
+    from model_distribution.artifacts.catalog import Catalog
 
     catalog = Catalog(cascade_home(), args.path or [])
     models = catalog.list()
@@ -156,8 +156,8 @@ def cmd_models_list(args) -> int:
 
 def cmd_models_quantize(args) -> int:
     from cascade.config import cascade_home
-    from model_distribution.catalog import Catalog, ModelNotFound
-    from model_distribution.quantize import QuantizeError, quantize
+    from model_distribution.artifacts.catalog import Catalog, ModelNotFound
+    from model_distribution.artifacts.quantize import QuantizeError, quantize
 
     catalog = Catalog(cascade_home())
     try:
@@ -196,7 +196,7 @@ def cmd_cloud_worker(args) -> int:
     from cascade.config import ConfigError
     from cloud_tier.config import CloudConfig
     from cloud_tier.worker import daemon
-    from model_distribution.catalog import ModelNotFound
+    from model_distribution.artifacts.catalog import ModelNotFound
 
     overrides = {
         "server": {"host": args.host, "port": args.port, "api_key": args.api_key},
@@ -222,7 +222,7 @@ def cmd_cloud_serve(args) -> int:
     from cloud_tier import serve
     from cloud_tier.config import CloudConfig
     from cloud_tier.worker.processes import StartupError
-    from model_distribution.catalog import ModelNotFound
+    from model_distribution.artifacts.catalog import ModelNotFound
 
     # --prefill/--decode: a number of workers to start here, or the URLs of vLLM prefill/decode workers
     prefill_urls = decode_urls = None

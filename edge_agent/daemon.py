@@ -138,7 +138,7 @@ def run(config: EdgeConfig, source: ConfigSource | None = None) -> None:
 
     from cascade.config import cascade_home
     from edge_agent.server.app import build_app, locate_model
-    from model_distribution.catalog import Catalog
+    from model_distribution.artifacts.catalog import Catalog
 
     setup_logging(config.server)
     catalog = Catalog(cascade_home(), config.model.search_paths)

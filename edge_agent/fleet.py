@@ -29,8 +29,9 @@ from edge_agent.backends.base import Backend, Finish, GenerationOptions
 from edge_agent.config import EdgeConfig
 from edge_agent.server.escalation import Escalator, policy_config
 from edge_agent.server.service import EdgeService
-from model_distribution.device_client import DeviceConfig, DeviceUpdater, installed, model_path
-from model_distribution.state_sync import DeviceStateClient
+from model_distribution.device.client import DeviceConfig, DeviceUpdater
+from model_distribution.device.models_on_disk import installed, model_path
+from model_distribution.device.state_client import DeviceStateClient
 
 log = logging.getLogger(__name__)
 SMOKE_PROMPT = "Hello"

@@ -21,26 +21,26 @@ import sys
 from pathlib import Path
 
 from cascade.cli_help import utc_time
-from model_distribution.devices import is_number
+from model_distribution.fleet.devices import is_number
 
 
 def _registry():
     from cascade.config import cascade_home
-    from model_distribution.registry import Registry
+    from model_distribution.registry.store import Registry
 
     return Registry(cascade_home() / "fleet")
 
 
 def _repository():
     from cascade.config import cascade_home
-    from model_distribution.signing import Repository
+    from model_distribution.registry.signing import Repository
 
     return Repository(cascade_home() / "fleet")
 
 
 def cmd_serve(args) -> int:
     from cascade.config import ConfigError
-    from model_distribution import control_plane
+    from model_distribution.control_plane import server as control_plane
 
     overrides = {"server": {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}}
     mqtt = {k: v for k, v in (("broker", args.broker), ("listen_port", args.mqtt_port),
@@ -65,7 +65,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_keys_init(args) -> int:
-    from model_distribution.signing import SigningError
+    from model_distribution.registry.signing import SigningError
 
     repo = _repository()
     try:
@@ -81,9 +81,9 @@ def cmd_keys_init(args) -> int:
 
 
 def cmd_push(args) -> int:
-    from model_distribution import operations
-    from model_distribution.registry import RegistryError
-    from model_distribution.signing import SigningError
+    from model_distribution.fleet import operations
+    from model_distribution.registry.signing import SigningError
+    from model_distribution.registry.store import RegistryError
 
     remote = _remote(args)
     if remote is not None:
@@ -155,15 +155,15 @@ def cmd_models(args) -> int:
 
 def _devices():
     from cascade.config import cascade_home
-    from model_distribution.devices import DeviceStore
+    from model_distribution.fleet.devices import DeviceStore
 
     (cascade_home() / "fleet").mkdir(parents=True, exist_ok=True)
     return DeviceStore(cascade_home() / "fleet")
 
 
 def cmd_devices_add(args) -> int:
-    from model_distribution import operations
-    from model_distribution.registry import RegistryError
+    from model_distribution.fleet import operations
+    from model_distribution.registry.store import RegistryError
 
     remote = _remote(args)
     if remote is not None:
@@ -195,8 +195,8 @@ def cmd_devices_list(args) -> int:
         devices = remote.call("GET", "/devices", params={"group": args.group} if args.group else None)["data"]
     else:
         from cascade.config import cascade_home
-        from model_distribution import rollout_ops
-        from model_distribution.rollout_store import RolloutStore
+        from model_distribution.rollout import commands as rollout_ops
+        from model_distribution.rollout.store import RolloutStore
 
         store, rollouts = _devices(), RolloutStore(cascade_home() / "fleet")
         try:
@@ -250,8 +250,8 @@ def _percent(rate) -> str:
 
 
 def cmd_assign(args) -> int:
-    from model_distribution import operations
-    from model_distribution.registry import RegistryError
+    from model_distribution.fleet import operations
+    from model_distribution.registry.store import RegistryError
 
     if (args.device is None) == (args.group is None):
         print("cascade: name one device or --group GROUP", file=sys.stderr)
@@ -333,13 +333,13 @@ class Remote:
         import httpx
 
         from cascade.calibration import CalibrationError, check_calibration
-        from model_distribution.registry import RegistryError, check_names, read_calibration
+        from model_distribution.registry.store import RegistryError, check_names, read_calibration
 
         file = Path(path)
         if file.is_dir():  # an ONNX export: sent as the one tar the registry makes of it (same sha256)
             import tempfile
 
-            from model_distribution.onnx_model import OnnxModelError, pack_onnx_dir
+            from model_distribution.artifacts.onnx_model import OnnxModelError, pack_onnx_dir
 
             with tempfile.TemporaryDirectory() as tmp:
                 try:
@@ -401,8 +401,8 @@ def _remote_flags(parser) -> None:
 
 
 def cmd_broker_files(args) -> int:
-    from model_distribution.broker import control_plane_credentials
-    from model_distribution.device_secrets import broker_files
+    from model_distribution.control_plane.broker import control_plane_credentials
+    from model_distribution.control_plane.mosquitto_files import broker_files
 
     repo, store = _repository(), _devices()
     try:

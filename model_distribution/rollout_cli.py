@@ -35,9 +35,9 @@ class _Local:
 
     def __init__(self):
         from cascade.config import cascade_home
-        from model_distribution.devices import DeviceStore
-        from model_distribution.registry import Registry
-        from model_distribution.rollout_store import RolloutStore
+        from model_distribution.fleet.devices import DeviceStore
+        from model_distribution.registry.store import Registry
+        from model_distribution.rollout.store import RolloutStore
 
         root = cascade_home() / "fleet"
         self.registry, self.devices, self.rollouts = Registry(root), DeviceStore(root), RolloutStore(root)
@@ -50,7 +50,7 @@ class _Local:
 
 def _run_local(work):
     """``work(local)`` on the local stores; a refused operation is one line on stderr and exit 2."""
-    from model_distribution.registry import RegistryError
+    from model_distribution.registry.store import RegistryError
 
     local = _Local()
     try:
@@ -63,8 +63,8 @@ def _run_local(work):
 
 
 def cmd_rollout_start(args) -> int:
-    from model_distribution import rollout_ops
-    from model_distribution.rollouts import RolloutError, RolloutSpec
+    from model_distribution.rollout import commands as rollout_ops
+    from model_distribution.rollout.spec import RolloutError, RolloutSpec
 
     try:  # bad arguments are refused before anything opens the store (or goes over the network)
         spec = RolloutSpec(args.version_ref, args.group, waves=args.waves, bake_s=args.bake, gates=args.gate or [],
@@ -96,7 +96,7 @@ def cmd_rollout_start(args) -> int:
 
 def _status_source(args):
     """(fetch, close): ``fetch()`` is the rollout's status dict, from --url or the local store."""
-    from model_distribution import rollout_ops
+    from model_distribution.rollout import commands as rollout_ops
 
     remote = _remote(args)
     if remote is not None:
@@ -106,7 +106,7 @@ def _status_source(args):
 
 
 def cmd_rollout_status(args) -> int:
-    from model_distribution.registry import RegistryError
+    from model_distribution.registry.store import RegistryError
 
     fetch, close = _status_source(args)
     last = None
@@ -170,7 +170,7 @@ def render_status(s: dict) -> str:
 
 
 def _decision_lines(d: dict) -> list[str]:
-    from model_distribution.rollouts import Gate
+    from model_distribution.rollout.spec import Gate
 
     at = utc_time(d["at"], "%H:%M:%SZ")
     head = f"  wave {d['wave'] + 1} {d['outcome']} at {at}"
@@ -227,7 +227,7 @@ def cmd_rollout_list(args) -> int:
 
 def _steer(action: str):
     def cmd(args) -> int:
-        from model_distribution import rollout_ops
+        from model_distribution.rollout import commands as rollout_ops
 
         remote = _remote(args)
         if remote is not None:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import paho.mqtt.client as mqtt
 
-from sync.mqtt_link import LinkConfig, MQTTLink
+from sync.mqtt_link import LinkConfig, MQTTLink, device_topic
 from sync.queue import Item, Kind, OfflineQueue
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ _ACKED, _LOST = "acked", "lost"
 
 
 def telemetry_topic(fleet: str, device: str) -> str:
-    return f"cascade/v1/{fleet}/devices/{device}/telemetry"
+    return device_topic(fleet, device, "telemetry")
 
 
 def encode_telemetry(item: Item) -> bytes:

@@ -39,6 +39,12 @@ SCHEMES = {"mqtt": False, "tcp": False, "mqtts": True, "ssl": True, "tls": True}
 MAX_RESEND = 256  # messages kept across a lost connection for the peers that keep no copy
 
 
+def device_topic(fleet: str, device: str, kind: str) -> str:
+    """The one topic scheme of a device's messages: ``cascade/v1/{fleet}/devices/{device}/{kind}``
+    (telemetry here, desired/reported/status/events in model_distribution)."""
+    return f"cascade/v1/{fleet}/devices/{device}/{kind}"
+
+
 def parse_broker_url(url: str) -> tuple[str, int, bool]:
     """``mqtt://host[:1883]`` or ``mqtts://host[:8883]`` (``host:port`` alone is mqtt) -> (host, port, tls);
     ValueError otherwise."""
@@ -154,6 +160,11 @@ class MQTTLink:
 
     def wait_connected(self, timeout_s: float) -> bool:
         return self._connected.wait(timeout_s)
+
+    def resubscribe(self, topic_filters: list[str], qos: int = 1) -> None:
+        """Subscribe again to filters already handled (the broker sends their retained messages
+        again); the handlers stay as ``subscribe`` set them."""
+        self.client.subscribe([(f, qos) for f in topic_filters])
 
     def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> mqtt.MQTTMessageInfo:
         if retain:

@@ -88,7 +88,7 @@ def client(agent):
 
 @pytest.fixture(scope="session")
 def smollm2_path(tmp_path_factory) -> str:
-    from model_distribution.catalog import Catalog
+    from model_distribution.artifacts.catalog import Catalog
 
     return str(Catalog(tmp_path_factory.mktemp("catalog")).get("smollm2-135m").path)
 

@@ -15,7 +15,8 @@ import time
 
 from hypothesis import strategies as st
 
-from model_distribution.state_sync import DeviceStateClient, topic
+from model_distribution.device.state_client import DeviceStateClient
+from model_distribution.protocol.topics import topic
 
 REPORT_FIELDS = ("state", "desired", "rev", "at", "model", "sha256", "reason", "retry", "done", "total", "window",
                  "wait_s", "prefetch", "prefetch_state", "device")

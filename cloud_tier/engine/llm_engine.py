@@ -44,7 +44,7 @@ def resolve_model_dir(model: str) -> Path:
         return path
     from cascade.config import cascade_home
     from cloud_tier.engine.models.gguf_convert import ensure_hf_dir
-    from model_distribution.catalog import Catalog
+    from model_distribution.artifacts.catalog import Catalog
 
     catalog = Catalog(cascade_home())
     gguf = catalog.ensure_ready(catalog.get(model))

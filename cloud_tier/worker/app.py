@@ -18,7 +18,7 @@ from cloud_tier.engine.llm_engine import LLMEngine
 from cloud_tier.worker.metrics import WorkerMetrics
 from cloud_tier.worker.routes import internal, ops, v1
 from cloud_tier.worker.service import WorkerService
-from model_distribution.catalog import served_names
+from model_distribution.artifacts.catalog import served_names
 
 
 def build_app(config: CloudConfig) -> FastAPI:

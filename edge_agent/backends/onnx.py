@@ -35,7 +35,7 @@ from edge_agent.backends.base import (
 )
 from edge_agent.backends.sampling import Sampler, StepStats
 from edge_agent.hardware import choose_providers
-from model_distribution.onnx_model import describe_onnx_dir
+from model_distribution.artifacts.onnx_model import describe_onnx_dir
 
 log = logging.getLogger(__name__)
 

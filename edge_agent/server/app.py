@@ -30,7 +30,7 @@ from edge_agent.server.routes import ops, v1
 from edge_agent.server.service import EdgeService
 from edge_agent.server.telemetry import spool_forever
 from edge_agent.upstream import Upstream
-from model_distribution.catalog import PACKAGED, Catalog, ModelInfo, ModelNotFound
+from model_distribution.artifacts.catalog import PACKAGED, Catalog, ModelInfo, ModelNotFound
 
 if TYPE_CHECKING:
     from sync.mqtt import MQTTConfig
@@ -55,7 +55,7 @@ def onnx_model_info(name: str, catalog: Catalog) -> ModelInfo:
     import importlib.util
 
     from edge_agent.hardware import check_onnxruntime_install
-    from model_distribution.onnx_model import OnnxModelError
+    from model_distribution.artifacts.onnx_model import OnnxModelError
 
     path = Path(name).expanduser()
     if path.exists():

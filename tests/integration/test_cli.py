@@ -113,7 +113,7 @@ def test_fleet_push_and_models_on_a_real_gguf(tmp_path, smollm2_path):
     with open(smollm2_path, "rb") as f:
         assert m["sha256"] == hashlib.file_digest(f, "sha256").hexdigest()
     assert (m["format"], m["quantization"], m["architecture"], m["created"]) == ("gguf", "Q4_1", "llama", True)
-    from model_distribution.signing import Repository
+    from model_distribution.registry.signing import Repository
 
     assert Repository(tmp_path / "fleet").has_target("smollm2-135m", "1.1.0")  # signed (keys made on first push)
     again = cascade("fleet", "push", smollm2_path, "--name", "smollm2-135m", "--version", "1.1.0", home=tmp_path)

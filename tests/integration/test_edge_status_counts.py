@@ -21,7 +21,7 @@ from cascade.processes import free_port
 from cascade.web import build_openai_app, openai_response
 from edge_agent.server.metrics import EdgeMetrics
 from edge_agent.server.status_count import CountAnswers, settle
-from model_distribution.serving import serving_summary
+from model_distribution.fleet.serving import serving_summary
 from tests import loopback
 from tests.conftest import Agent
 
@@ -97,7 +97,7 @@ def test_every_answer_is_counted_once_with_its_status_in_metrics_and_telemetry(e
         assert time.monotonic() < deadline, f"no telemetry record counting every answer: {record}"
         time.sleep(0.25)
     assert record["requests"] == {f"{e}/{s}": n for (e, s), n in expected.items()}
-    from model_distribution import device_messages
+    from model_distribution.protocol import device_messages
     assert device_messages.validate("telemetry", {**record, "id": "t1"})  # the control plane takes what it sends
     summary = serving_summary(record)
     # the fleet counts the answers to prompts (chat, completions): listings and polls are not served requests

@@ -17,8 +17,8 @@ import time
 import pytest
 
 from cascade.processes import cascade_command
-from model_distribution.registry import Registry
-from model_distribution.signing import Repository
+from model_distribution.registry.signing import Repository
+from model_distribution.registry.store import Registry
 from sync.mqtt_link import stop_loop
 from tests import loopback
 from tests.conftest import REPO, Agent, Server
@@ -202,10 +202,10 @@ def test_a_real_agent_takes_part_in_a_staged_rollout_beside_simulated_devices_an
     every request answers, the rollout SUCCEEDED, the agent serves the new version."""
     import types
 
-    from model_distribution.devices import DeviceStore
-    from model_distribution.rollout_controller import start_rollout
-    from model_distribution.rollout_store import RolloutStore
-    from model_distribution.rollouts import RolloutSpec
+    from model_distribution.fleet.devices import DeviceStore
+    from model_distribution.rollout.controller import start_rollout
+    from model_distribution.rollout.spec import RolloutSpec
+    from model_distribution.rollout.store import RolloutStore
     from tests.integration.test_fleet_devices import SimDevice
 
     broker, home, repo, v2_file = control_plane(tmp_path, smollm2_path, b"\x07\x07\x07")

@@ -15,10 +15,12 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from cascade.processes import cascade_command, free_port
-from model_distribution.broker import FleetBroker, TLSListener, control_plane_credentials, find_mosquitto
-from model_distribution.desired import AppliedDesired
-from model_distribution.devices import DeviceStore
-from model_distribution.state_sync import DesiredPublisher, DeviceStateClient, topic
+from model_distribution.control_plane.broker import FleetBroker, TLSListener, control_plane_credentials, find_mosquitto
+from model_distribution.control_plane.publisher import DesiredPublisher
+from model_distribution.device.state_client import DeviceStateClient
+from model_distribution.fleet.desired import AppliedDesired
+from model_distribution.fleet.devices import DeviceStore
+from model_distribution.protocol.topics import topic
 from tests import loopback
 from tests.conftest import REPO, Server
 from tests.integration.test_fleet_broker import scratch_fleet

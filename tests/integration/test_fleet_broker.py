@@ -1,4 +1,4 @@
-"""The fleet's own broker (model_distribution/broker.py), each test run against Mosquitto and
+"""The fleet's own broker (model_distribution/control_plane/broker.py), each test run against Mosquitto and
 against the embedded amqtt one: the control plane's publisher and devices with their enrolled
 secrets converge on an assigned version; a device reads and writes only its own topics; wrong,
 unknown and anonymous logins are refused; a device enrolled after the start connects; retained
@@ -12,11 +12,13 @@ import time
 import paho.mqtt.client as mqtt
 import pytest
 
-from model_distribution.broker import FleetBroker, control_plane_credentials, find_mosquitto
-from model_distribution.devices import DeviceStore
-from model_distribution.registry import Registry
-from model_distribution.signing import Repository
-from model_distribution.state_sync import DesiredPublisher, DeviceStateClient, topic
+from model_distribution.control_plane.broker import FleetBroker, control_plane_credentials, find_mosquitto
+from model_distribution.control_plane.publisher import DesiredPublisher
+from model_distribution.device.state_client import DeviceStateClient
+from model_distribution.fleet.devices import DeviceStore
+from model_distribution.protocol.topics import topic
+from model_distribution.registry.signing import Repository
+from model_distribution.registry.store import Registry
 from tests.unit.sync.test_mqtt import wait_until
 from tests.unit.test_registry import make_gguf
 
@@ -291,8 +293,8 @@ def test_a_packet_past_the_brokers_bound_drops_only_its_sender(fleet):
 def test_a_reserved_name_is_never_a_device_nor_a_broker_user(fleet):
     """Issue 36, item 4: the control plane's broker user cannot be enrolled, and a store that holds
     one (enrolled before names were reserved) does not give it a broker login."""
-    from model_distribution.device_secrets import _hash_secret, mosquitto_hash
-    from model_distribution.registry import RegistryError
+    from model_distribution.fleet.device_secrets import _hash_secret, mosquitto_hash
+    from model_distribution.registry.store import RegistryError
 
     user, secret = fleet["plane"]
     store = fleet["store"]
@@ -378,7 +380,7 @@ def test_sockets_that_never_log_in_are_bounded_and_closed(fleet, monkeypatch):
 
     if fleet["broker"].kind != "embedded":
         pytest.skip("the embedded broker's bounds (Mosquitto runs apart from the control plane)")
-    from model_distribution import embedded_broker
+    from model_distribution.control_plane import embedded_broker
 
     monkeypatch.setattr(embedded_broker, "CONNECT_TIMEOUT_S", 1.0)
     idle = [socket.create_connection(("127.0.0.1", fleet["broker"].port)) for _ in range(40)]

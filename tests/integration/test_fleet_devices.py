@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model_distribution.device_client import DeviceConfig, DeviceUpdater
-from model_distribution.devices import DeviceStore
-from model_distribution.registry import Manifest, Registry, file_sha256
-from model_distribution.signing import Repository
-from model_distribution.state_sync import DeviceStateClient
+from model_distribution.device.client import DeviceConfig, DeviceUpdater
+from model_distribution.device.state_client import DeviceStateClient
+from model_distribution.fleet.devices import DeviceStore
+from model_distribution.registry.signing import Repository
+from model_distribution.registry.store import Manifest, Registry, file_sha256
 from tests.conftest import Server
 from tests.unit.sync.test_mqtt import MOSQUITTO, Mosquitto, wait_until
 from tests.unit.test_registry import make_gguf

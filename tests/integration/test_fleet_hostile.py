@@ -15,13 +15,13 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from model_distribution.device_inbox import DeviceInbox
-from model_distribution.devices import DeviceStore
-from model_distribution.fleet_metrics import registry_for
-from model_distribution.registry import Registry
-from model_distribution.rollout_ops import device_rows
-from model_distribution.rollout_store import RolloutStore
-from model_distribution.signing import Repository
+from model_distribution.control_plane.inbox import DeviceInbox
+from model_distribution.control_plane.metrics import registry_for
+from model_distribution.fleet.devices import DeviceStore
+from model_distribution.registry.signing import Repository
+from model_distribution.registry.store import Registry
+from model_distribution.rollout.commands import device_rows
+from model_distribution.rollout.store import RolloutStore
 from tests import loopback
 from tests.hostile import REPRODUCED, HostileDevice, SimDevice, payloads
 from tests.integration.test_fleet_attacks import BROKERS, cli, strict_json
@@ -151,7 +151,7 @@ def without_hostile(tmp_path_factory):
 @pytest.mark.parametrize("prefer", BROKERS)
 def test_a_hostile_device_changes_neither_the_verdict_nor_what_the_control_plane_records(
         tmp_path, prefer, without_hostile):
-    from model_distribution.broker import find_mosquitto
+    from model_distribution.control_plane.broker import find_mosquitto
 
     if prefer == "mosquitto" and find_mosquitto() is None:
         pytest.skip("needs mosquitto (apt-get install mosquitto)")

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from model_distribution.devices import DeviceStore
-from model_distribution.registry import Registry
-from model_distribution.rollout_controller import start_rollout
-from model_distribution.rollout_store import RolloutStore
-from model_distribution.rollouts import RolloutSpec
-from model_distribution.signing import Repository
+from model_distribution.fleet.devices import DeviceStore
+from model_distribution.registry.signing import Repository
+from model_distribution.registry.store import Registry
+from model_distribution.rollout.controller import start_rollout
+from model_distribution.rollout.spec import RolloutSpec
+from model_distribution.rollout.store import RolloutStore
 from tests import loopback
 from tests.conftest import Server
 from tests.unit.sync.test_mqtt import wait_until

@@ -14,11 +14,13 @@ import paho.mqtt.client as mqtt
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from model_distribution.desired import desired_document
-from model_distribution.devices import DeviceStore
-from model_distribution.registry import Registry
-from model_distribution.signing import Repository
-from model_distribution.state_sync import DesiredPublisher, DeviceStateClient, topic
+from model_distribution.control_plane.publisher import DesiredPublisher
+from model_distribution.device.state_client import DeviceStateClient
+from model_distribution.fleet.desired import desired_document
+from model_distribution.fleet.devices import DeviceStore
+from model_distribution.protocol.topics import topic
+from model_distribution.registry.signing import Repository
+from model_distribution.registry.store import Registry
 from sync.mqtt_link import stop_loop
 from tests.unit.sync.test_mqtt import MOSQUITTO, Mosquitto, wait_until
 from tests.unit.test_registry import make_gguf
@@ -187,8 +189,8 @@ def test_cascade_fleet_serve_sends_what_the_fleet_commands_assign(tmp_path):
 
 
 def test_device_credentials_reach_only_the_devices_own_topics_on_a_real_broker(tmp_path):
-    from model_distribution.broker import control_plane_credentials
-    from model_distribution.device_secrets import broker_files
+    from model_distribution.control_plane.broker import control_plane_credentials
+    from model_distribution.control_plane.mosquitto_files import broker_files
 
     root = tmp_path / "fleet"
     store = DeviceStore(root)

@@ -15,8 +15,8 @@ import shutil
 import httpx
 import pytest
 
-from model_distribution.onnx_model import pack_onnx_dir
-from model_distribution.signing import Repository
+from model_distribution.artifacts.onnx_model import pack_onnx_dir
+from model_distribution.registry.signing import Repository
 from tests import loopback
 from tests.conftest import Agent, Server
 from tests.integration.test_fleet_agent import fleet

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from cascade.processes import cascade_command
-from model_distribution.signing import Repository, SigningError, verified_target
+from model_distribution.registry.signing import Repository, SigningError
+from model_distribution.registry.tuf_client import verified_target
 from tests.conftest import REPO
 from tests.unit.test_registry import make_gguf
 from tests.unit.test_signing import Quiet
@@ -90,7 +91,7 @@ def test_parallel_pushes_are_each_listed_signed_and_verified_by_a_device(home, t
 REFRESHER = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from model_distribution.signing import Repository
+    from model_distribution.registry.signing import Repository
 
     repo, stop = Repository(sys.argv[1]), Path(sys.argv[2])
     refreshes = 0

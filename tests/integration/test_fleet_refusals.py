@@ -16,8 +16,8 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from cascade.processes import cascade_command
-from model_distribution.registry import Registry
-from model_distribution.signing import Repository
+from model_distribution.registry.signing import Repository
+from model_distribution.registry.store import Registry
 from sync.mqtt_link import stop_loop
 from tests import loopback
 from tests.conftest import REPO, Agent, Server
@@ -136,7 +136,7 @@ def three_versions(tmp_path_factory):
     repo = Repository(home / "fleet")
     repo.init()
     reg = Registry(home / "fleet")
-    from model_distribution.devices import DeviceStore
+    from model_distribution.fleet.devices import DeviceStore
 
     store = DeviceStore(home / "fleet")
     secret = store.add("kiosk-1", [])
@@ -157,7 +157,7 @@ def three_versions(tmp_path_factory):
 
 
 def _updater(plane, state_dir, **config):
-    from model_distribution.device_client import DeviceConfig, DeviceUpdater
+    from model_distribution.device.client import DeviceConfig, DeviceUpdater
 
     states: list[dict] = []
     cfg = DeviceConfig("kiosk-1", plane.url, plane.repo.root_bytes(), state_dir, secret=plane.secret, **config)
@@ -192,7 +192,7 @@ def test_older_versions_make_room_in_the_disk_budget_but_the_active_one_stays(th
 
 def test_a_control_plane_that_cannot_be_reached_is_a_failure_to_retry_not_a_refusal(three_versions, tmp_path):
     from cascade.processes import free_port
-    from model_distribution.device_client import DeviceConfig, DeviceUpdater
+    from model_distribution.device.client import DeviceConfig, DeviceUpdater
 
     states: list[dict] = []
     cfg = DeviceConfig("kiosk-1", f"http://127.0.0.1:{free_port()}", three_versions.repo.root_bytes(), tmp_path / "d",
@@ -207,7 +207,7 @@ def test_outside_its_window_a_device_downloads_and_waits_and_it_fetches_ahead_wh
                                                                                              tmp_path):
     import datetime
 
-    from model_distribution.device_client import DeviceConfig, DeviceUpdater
+    from model_distribution.device.client import DeviceConfig, DeviceUpdater
 
     v1, v2, v3 = three_versions.manifests
     states: list[dict] = []

@@ -15,9 +15,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from cascade.processes import free_port
-from model_distribution.devices import DeviceStore
-from model_distribution.registry import Registry
-from model_distribution.signing import Repository, manifest_of, verified_target
+from model_distribution.fleet.devices import DeviceStore
+from model_distribution.registry.signing import Repository
+from model_distribution.registry.store import Registry
+from model_distribution.registry.tuf_client import manifest_of, verified_target
 from tests import loopback
 from tests.conftest import REPO, Server
 from tests.unit.test_registry import make_gguf

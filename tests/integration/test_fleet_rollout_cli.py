@@ -18,10 +18,10 @@ import time
 
 import pytest
 
-from model_distribution.devices import DeviceStore
-from model_distribution.registry import Registry
-from model_distribution.rollout_store import RolloutStore
-from model_distribution.signing import Repository
+from model_distribution.fleet.devices import DeviceStore
+from model_distribution.registry.signing import Repository
+from model_distribution.registry.store import Registry
+from model_distribution.rollout.store import RolloutStore
 from tests import loopback
 from tests.conftest import REPO, Server
 from tests.integration.test_fleet_remote import NO_BROKER, cascade, refused

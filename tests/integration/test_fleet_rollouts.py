@@ -28,13 +28,14 @@ from pathlib import Path
 import pytest
 
 from cascade.processes import cascade_command
-from model_distribution.device_client import installed
-from model_distribution.devices import DeviceStore
-from model_distribution.registry import Manifest, Registry
-from model_distribution.rollout_store import RolloutStore
-from model_distribution.rollouts import Rollout
-from model_distribution.signing import Repository
-from model_distribution.state_sync import DeviceStateClient, topic
+from model_distribution.device.models_on_disk import installed
+from model_distribution.device.state_client import DeviceStateClient
+from model_distribution.fleet.devices import DeviceStore
+from model_distribution.protocol.topics import topic
+from model_distribution.registry.signing import Repository
+from model_distribution.registry.store import Manifest, Registry
+from model_distribution.rollout.spec import Rollout
+from model_distribution.rollout.store import RolloutStore
 from tests.conftest import REPO, Server
 from tests.integration.test_fleet_devices import SimDevice, check_disk, published, stored_active
 from tests.unit.sync.test_mqtt import MOSQUITTO, Mosquitto, wait_until

@@ -17,11 +17,12 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from cascade.processes import free_port
-from model_distribution.desired import verify_desired
-from model_distribution.devices import DeviceStore
-from model_distribution.download import DownloadError, fetch
-from model_distribution.registry import Registry
-from model_distribution.signing import Repository, verified_target
+from model_distribution.artifacts.download import DownloadError, fetch
+from model_distribution.fleet.desired import verify_desired
+from model_distribution.fleet.devices import DeviceStore
+from model_distribution.registry.signing import Repository
+from model_distribution.registry.store import Registry
+from model_distribution.registry.tuf_client import verified_target
 from sync.mqtt_link import stop_loop
 from tests import loopback
 from tests.conftest import Server
@@ -173,7 +174,7 @@ def test_a_device_reports_its_state_over_http_as_over_mqtt(plane):
 def test_the_http_desired_document_is_the_retained_mqtt_message(tmp_path):
     import paho.mqtt.client as mqtt
 
-    from model_distribution.state_sync import topic
+    from model_distribution.protocol.topics import topic
 
     broker = Mosquitto(tmp_path / "broker")
     broker.start()
@@ -209,7 +210,7 @@ def serve_in_thread(config):
     """The control plane's app under uvicorn on a thread (a config the subprocess fixture has not)."""
     import uvicorn
 
-    from model_distribution.control_plane import build_app
+    from model_distribution.control_plane.server import build_app
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(config), host="127.0.0.1", port=port, log_level="warning"))
@@ -228,7 +229,7 @@ def serve_in_thread(config):
 
 
 def test_public_downloads_open_artifacts_and_metadata_but_not_a_devices_state(tmp_path):
-    from model_distribution.fleet_config import FleetConfig, ServerConfig, StateConfig
+    from model_distribution.control_plane.config import ControlPlaneServerConfig, FleetConfig, StateConfig
 
     root = tmp_path / "fleet"
     repo = Repository(root)
@@ -241,7 +242,7 @@ def test_public_downloads_open_artifacts_and_metadata_but_not_a_devices_state(tm
     store.add("kiosk-1", [])
     store.assign(m, device_id="kiosk-1")
     store.close()
-    config = FleetConfig(server=ServerConfig(public_downloads=True), state=StateConfig(path=str(root)))
+    config = FleetConfig(server=ControlPlaneServerConfig(public_downloads=True), state=StateConfig(path=str(root)))
     with serve_in_thread(config) as url:
         art = loopback.get(f"{url}/v1/artifacts/{m.sha256}")
         assert art.status_code == 200 and art.content == (root / "artifacts" / "sha256" / m.sha256).read_bytes()
@@ -252,7 +253,7 @@ def test_public_downloads_open_artifacts_and_metadata_but_not_a_devices_state(tm
 
 
 def updater(plane, tmp_path, activated, **config):
-    from model_distribution.device_client import DeviceConfig, DeviceUpdater
+    from model_distribution.device.client import DeviceConfig, DeviceUpdater
 
     states: list[dict] = []
     cfg = DeviceConfig("kiosk-7", plane.url, plane.repo.root_bytes(), tmp_path / "device",
@@ -293,7 +294,7 @@ def test_the_device_client_rejects_what_it_cannot_take_and_keeps_the_old_model(p
 
 
 def test_a_failed_activation_is_reported_and_nothing_changes(plane, tmp_path):
-    from model_distribution.device_client import DeviceConfig, DeviceUpdater
+    from model_distribution.device.client import DeviceConfig, DeviceUpdater
 
     states = []
 

@@ -2,7 +2,7 @@
 
 import openai
 
-from model_distribution.catalog import Catalog
+from model_distribution.artifacts.catalog import Catalog
 from tests import loopback
 from tests.conftest import Agent
 

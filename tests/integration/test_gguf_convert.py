@@ -25,8 +25,8 @@ from cloud_tier.engine.models.gguf_convert import (
     hf_name,
     is_complete,
 )
-from model_distribution.catalog import Catalog
-from model_distribution.gguf_meta import read_metadata
+from model_distribution.artifacts.catalog import Catalog
+from model_distribution.artifacts.gguf_meta import read_metadata
 from tests.integration.gguf_reference import Reference, gguf_reference
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"

@@ -4,7 +4,7 @@ import pytest
 
 from edge_agent.backends.base import GenerationOptions
 from edge_agent.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
-from model_distribution.quantize import quantize
+from model_distribution.artifacts.quantize import quantize
 from tests.integration.backend_contract import BackendContract, run
 
 

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
-from model_distribution.catalog import Catalog, ModelNotFound
-from model_distribution.gguf_meta import GGUFError, read_metadata
+from model_distribution.artifacts.catalog import Catalog, ModelNotFound
+from model_distribution.artifacts.gguf_meta import GGUFError, read_metadata
 
 
 def write_gguf(path, arch="llama", file_type=3, chat_template=None, vocab=("a", "b", "c")):

@@ -7,8 +7,8 @@ import base64
 
 import pytest
 
-from model_distribution.credentials import DeviceCredentials, basic_credentials
-from model_distribution.devices import DeviceStore
+from model_distribution.control_plane.credentials import DeviceCredentials, basic_credentials
+from model_distribution.fleet.devices import DeviceStore
 
 
 def basic(text: str) -> str:

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from model_distribution import device_client, download
-from model_distribution.device_client import DeviceConfig, DeviceUpdater, _window, one_line
-from model_distribution.signing import Repository
-from model_distribution.windows import in_window, seconds_to_window
+from model_distribution.artifacts import download
+from model_distribution.device import client as device_client
+from model_distribution.device.client import DeviceConfig, DeviceUpdater, one_line
+from model_distribution.protocol.windows import in_window, parse_window, seconds_to_window
+from model_distribution.registry.signing import Repository
 
 SIZE = 3 << 20  # three of the download's 1 MiB chunks
 
@@ -237,7 +238,7 @@ def test_active_json_that_cannot_be_written_fails_before_the_switch(plane, tmp_p
     def full(path, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr(device_client, "_write_synced", full)
+    monkeypatch.setattr(device_client, "write_synced", full)
     assert up.apply({**v2, "rev": 2}) == "FAILED" and up.retry and activated == ["1.0.0"]
     assert states[-1]["reason"].startswith("no space left on device: cannot write ")
     assert_still_on(up, tmp_path / "d", "1.0.0", states)
@@ -294,7 +295,7 @@ def test_every_string_a_device_says_is_one_bounded_line():
     ("0 0 L 2 *", "0 0 L 2 *"),
 ])
 def test_windows_that_open(text, window):
-    assert _window(text) == window
+    assert parse_window(text) == window
 
 
 @pytest.mark.parametrize("text, why", [
@@ -316,14 +317,14 @@ def test_windows_that_open(text, window):
 ])
 def test_windows_that_never_open_are_refused_saying_why(text, why):
     with pytest.raises(ValueError, match="window .*" + why.replace("(", r"\(").replace(")", r"\)")):
-        _window(text)
+        parse_window(text)
     # and the device's checks stay total: such a window never raises and never holds a device back
     at = datetime.datetime(2026, 12, 1, 3, 30)
     assert in_window(text, at) is True and seconds_to_window(text, at) == 0.0
 
 
 def test_a_rollout_with_a_window_that_never_opens_is_refused_up_front():
-    from model_distribution.rollouts import RolloutError, RolloutSpec
+    from model_distribution.rollout.spec import RolloutError, RolloutSpec
 
     for bad in ("02:00-02:00", "0 0 31 2 *"):
         with pytest.raises(RolloutError, match="never opens"):

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from model_distribution.desired import BadDocument, desired_document, verify_desired
-from model_distribution.devices import DeviceStore
-from model_distribution.registry import Registry, RegistryError
-from model_distribution.signing import Repository
+from model_distribution.fleet.desired import BadDocument, desired_document, verify_desired
+from model_distribution.fleet.devices import DeviceStore
+from model_distribution.registry.signing import Repository
+from model_distribution.registry.store import Registry, RegistryError
 from tests.unit.test_registry import make_gguf
 
 
@@ -120,7 +120,7 @@ def test_a_bad_report_is_refused_and_one_kept_before_reports_were_checked_cannot
     import json
 
     from model_distribution import fleet_cli
-    from model_distribution.device_messages import RefusedMessage
+    from model_distribution.protocol.device_messages import RefusedMessage
 
     monkeypatch.setenv("CASCADE_HOME", str(tmp_path))
     monkeypatch.delenv("CASCADE_FLEET_URL", raising=False)
@@ -147,7 +147,7 @@ def test_a_bad_report_is_refused_and_one_kept_before_reports_were_checked_cannot
 
 
 def test_secrets_are_kept_as_a_keyed_hash_and_old_scrypt_hashes_still_check(fleet):
-    from model_distribution.device_secrets import _hash_secret, check_secret
+    from model_distribution.fleet.device_secrets import _hash_secret, check_secret
 
     _, store = fleet
     secret = store.add("kiosk-7", [])
@@ -164,8 +164,8 @@ def test_a_device_message_nested_past_the_parser_is_logged_and_counted_not_raise
 
     from prometheus_client import CollectorRegistry
 
-    from model_distribution.device_inbox import DeviceInbox
-    from model_distribution.state_sync import DesiredPublisher
+    from model_distribution.control_plane.inbox import DeviceInbox
+    from model_distribution.control_plane.publisher import DesiredPublisher
     devices = DeviceStore(tmp_path)
     devices.add("d1", [])
     metrics = CollectorRegistry()

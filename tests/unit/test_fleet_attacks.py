@@ -12,10 +12,11 @@ import math
 
 import pytest
 
-from model_distribution.device_messages import RefusedMessage, decode
-from model_distribution.registry import Registry, RegistryError
-from model_distribution.rollout_controller import MAX_FAILED_TICKS, rollback, start_rollout, tick
-from model_distribution.rollouts import RolloutConflict, RolloutError, RolloutSpec
+from model_distribution.protocol.device_messages import RefusedMessage, decode
+from model_distribution.registry.store import Registry, RegistryError
+from model_distribution.rollout.actions import rollback
+from model_distribution.rollout.controller import MAX_FAILED_TICKS, start_rollout, tick
+from model_distribution.rollout.spec import RolloutConflict, RolloutError, RolloutSpec
 from tests.unit.test_registry import make_gguf
 from tests.unit.test_rollout_controller import Fleet, finish_wave
 
@@ -213,8 +214,8 @@ def test_a_record_dated_in_the_future_cannot_pin_a_devices_numbers(fleet):
 # -- item 16: nobody locks a device out ----------------------------------------------------------
 
 def test_the_right_secret_is_taken_from_an_address_throttled_for_wrong_ones(tmp_path):
-    from model_distribution.credentials import DeviceCredentials
-    from model_distribution.devices import DeviceStore
+    from model_distribution.control_plane.credentials import DeviceCredentials
+    from model_distribution.fleet.devices import DeviceStore
 
     store = DeviceStore(tmp_path)
     secret = store.add("d2", [])
@@ -267,7 +268,7 @@ def test_the_agent_prepares_a_calibration_before_it_switches_and_refuses_one_it_
 # -- item 12: a cut GGUF is never published ----------------------------------------------------------
 
 def test_a_truncated_or_empty_gguf_is_refused_at_push(tmp_path):
-    from model_distribution.catalog import Catalog
+    from model_distribution.artifacts.catalog import Catalog
 
     real = Catalog(tmp_path).get("smollm2-135m").path.read_bytes()
     reg = Registry(tmp_path / "fleet")
@@ -285,8 +286,14 @@ def test_a_truncated_or_empty_gguf_is_refused_at_push(tmp_path):
 def test_an_older_document_is_refused_after_a_restart_and_a_stale_one_always(tmp_path):
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from model_distribution.desired import MAX_AGE_S, AppliedDesired, BadDocument, desired_document, verify_desired
-    from model_distribution.devices import Device
+    from model_distribution.fleet.desired import (
+        MAX_AGE_S,
+        AppliedDesired,
+        BadDocument,
+        desired_document,
+        verify_desired,
+    )
+    from model_distribution.fleet.devices import Device
 
     key = Ed25519PrivateKey.generate()
     public = key.public_key().public_bytes_raw()
@@ -315,8 +322,8 @@ def test_an_older_document_is_refused_after_a_restart_and_a_stale_one_always(tmp
 def test_a_flooding_device_loses_its_own_excess_only_and_its_last_state_is_kept(tmp_path):
     from prometheus_client import CollectorRegistry
 
-    from model_distribution.device_inbox import DeviceInbox
-    from model_distribution.devices import DeviceStore
+    from model_distribution.control_plane.inbox import DeviceInbox
+    from model_distribution.fleet.devices import DeviceStore
 
     clock = [0.0]
     store, metrics = DeviceStore(tmp_path), CollectorRegistry()
@@ -347,8 +354,8 @@ def test_a_flooding_device_loses_its_own_excess_only_and_its_last_state_is_kept(
 
 def test_a_device_keeps_at_most_its_share_of_records_whatever_times_it_gives_them(tmp_path, monkeypatch):
     """The attacker's bypass: every record with the same time, so a cut by time deleted nothing."""
-    from model_distribution import devices as devices_module
-    from model_distribution.devices import DeviceStore
+    from model_distribution.fleet import devices as devices_module
+    from model_distribution.fleet.devices import DeviceStore
 
     monkeypatch.setattr(devices_module, "MAX_RECORDS_PER_DEVICE", 50)
     store = DeviceStore(tmp_path)
@@ -385,8 +392,8 @@ def test_a_file_whose_header_cannot_be_a_signed_manifest_is_refused_and_nothing_
                                                                                         says):
     import gguf
 
-    from model_distribution import operations
-    from model_distribution.signing import Repository
+    from model_distribution.fleet import operations
+    from model_distribution.registry.signing import Repository
 
     if context is not None:
         context = (context[0], getattr(gguf.GGUFValueType, context[1]))
@@ -416,7 +423,7 @@ def test_repeating_the_same_progress_is_no_word_and_the_step_timeout_applies(fle
 
 
 def test_a_tiny_decode_time_gives_no_speed_and_no_infinity_reaches_a_decision(fleet):
-    from model_distribution.rollout_ops import status
+    from model_distribution.rollout.commands import status
 
     r = start_rollout(fleet.registry, fleet.devices, fleet.rollouts,
                       RolloutSpec("tiny@1.1.0", "kiosks", [25, 100], bake_s=10, gates=["decode_tps>=0.9x"]))
@@ -436,7 +443,7 @@ def test_a_tiny_decode_time_gives_no_speed_and_no_infinity_reaches_a_decision(fl
 
 
 def test_a_record_without_uptime_is_refused_and_a_first_record_counts_no_more_than_its_window(fleet):
-    from model_distribution.serving import window_metrics
+    from model_distribution.fleet.serving import window_metrics
 
     with pytest.raises(RefusedMessage, match="uptime_s"):
         fleet.devices.telemetry("k00", {"id": "x", "ts": fleet.now, "requests": {"chat/200": 2**53}})
@@ -452,8 +459,8 @@ def test_invisible_format_characters_are_refused_like_control_characters():
 
 
 def test_invented_names_neither_fill_the_throttle_nor_lift_a_devices(tmp_path):
-    from model_distribution.credentials import DeviceCredentials
-    from model_distribution.devices import DeviceStore
+    from model_distribution.control_plane.credentials import DeviceCredentials
+    from model_distribution.fleet.devices import DeviceStore
 
     store = DeviceStore(tmp_path)
     store.add("d1", [])
@@ -468,8 +475,8 @@ def test_invented_names_neither_fill_the_throttle_nor_lift_a_devices(tmp_path):
 
 def test_an_aborted_rollouts_executions_are_not_left_in_progress(fleet):
     """Item 17: after an abort no one follows an execution, so none may stay IN_PROGRESS for good."""
-    from model_distribution.rollout_controller import abort
-    from model_distribution.rollout_ops import device_rows
+    from model_distribution.rollout.actions import abort
+    from model_distribution.rollout.commands import device_rows
 
     r = start_rollout(fleet.registry, fleet.devices, fleet.rollouts, RolloutSpec("tiny@1.1.0", "kiosks", [10, 100]))
     fleet.tick()

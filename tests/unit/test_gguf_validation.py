@@ -16,8 +16,8 @@ from gguf import GGMLQuantizationType
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model_distribution.catalog import Catalog
-from model_distribution.gguf_meta import GGUFError, validate_gguf
+from model_distribution.artifacts.catalog import Catalog
+from model_distribution.artifacts.gguf_meta import GGUFError, validate_gguf
 from tests.unit.test_registry import make_gguf
 
 

@@ -1,4 +1,4 @@
-"""ONNX exports as the fleet sees them (model_distribution/onnx_model.py): what describe_onnx_dir
+"""ONNX exports as the fleet sees them (model_distribution/artifacts/onnx_model.py): what describe_onnx_dir
 reads from genai_config.json and cascade_model.json, the reasons it refuses a directory, the one
 deterministic tar an export travels as, and an unpack that never writes outside its directory.
 The directories are built here in the builder's layout (its genai_config.json schema, a graph
@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from model_distribution.onnx_model import (
+from model_distribution.artifacts.onnx_model import (
     OnnxModelError,
     describe_onnx_dir,
     describe_onnx_tar,
     pack_onnx_dir,
     unpack_onnx_tar,
 )
-from model_distribution.registry import Registry, RegistryError
+from model_distribution.registry.store import Registry, RegistryError
 
 
 def make_export(root: Path, graph: bytes = b"\x08\x07 ... MatMulNBits ...", provider_options=(), ours=None) -> Path:

@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 
-from model_distribution.registry import Registry, RegistryError, parse_semver
+from model_distribution.registry.store import Registry, RegistryError, parse_semver
 
 
 def make_gguf(path: Path, fill: float = 0.0, file_type: int = 3, arch: str = "llama") -> Path:

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from model_distribution.devices import DeviceStore
-from model_distribution.registry import Registry
-from model_distribution.rollout_controller import abort, pause, resume, rollback, start_rollout, tick
-from model_distribution.rollout_store import RolloutStore
-from model_distribution.rollouts import RolloutError, RolloutSpec
+from model_distribution.fleet.devices import DeviceStore
+from model_distribution.registry.store import Registry
+from model_distribution.rollout.actions import abort, pause, resume, rollback
+from model_distribution.rollout.controller import start_rollout, tick
+from model_distribution.rollout.spec import RolloutError, RolloutSpec
+from model_distribution.rollout.store import RolloutStore
 from tests.unit.test_registry import make_gguf
 
 N = 20
@@ -260,7 +261,7 @@ def test_operator_commands(fleet):
     (RolloutSpec("tiny@1.1.0", "nobody"), "no device in group"),
 ])
 def test_bad_rollouts_are_refused_and_write_nothing(fleet, spec, says):
-    from model_distribution.registry import RegistryError
+    from model_distribution.registry.store import RegistryError
 
     with pytest.raises(RegistryError, match=says):
         start_rollout(fleet.registry, fleet.devices, fleet.rollouts, spec)
@@ -310,7 +311,7 @@ def test_the_desired_document_carries_the_window_the_jitter_and_what_to_fetch_ah
 
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from model_distribution.desired import desired_document, verify_desired
+    from model_distribution.fleet.desired import desired_document, verify_desired
 
     key = Ed25519PrivateKey.generate()
     fleet.devices.prefetch(fleet.v2, ["k00"], jitter_s=5)
@@ -330,7 +331,7 @@ def test_a_rollback_that_lands_while_a_tick_assigns_wins(fleet):
     """An operator's rollback in another process between a tick's read and its claim: the claim
     fails and nothing is told; between the claim and the assignment: the rollback sends the
     claimed device back and the tick does not tell it the new version."""
-    from model_distribution.rollout_controller import _assign
+    from model_distribution.rollout.controller import _assign
 
     r = start_rollout(fleet.registry, fleet.devices, fleet.rollouts, RolloutSpec("tiny@1.1.0", "kiosks", [10, 100]))
     stale = [e for e in fleet.rollouts.executions(r.rollout_id) if e.wave == 0]

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from model_distribution.rollout_store import RolloutStore
-from model_distribution.rollouts import (
-    IN_PROGRESS,
-    QUEUED,
-    SUCCEEDED,
+from model_distribution.fleet.serving import window_metrics
+from model_distribution.rollout.spec import (
     Gate,
     RolloutError,
     RolloutSpec,
@@ -18,7 +15,8 @@ from model_distribution.rollouts import (
     parse_waves,
     wave_plan,
 )
-from model_distribution.serving import window_metrics
+from model_distribution.rollout.states import ExecutionState
+from model_distribution.rollout.store import RolloutStore
 
 
 @pytest.mark.parametrize("text, kind, bound, op", [
@@ -94,7 +92,7 @@ def test_window_metrics_take_each_devices_counters_across_the_window_and_a_robus
 
 
 def test_one_device_claiming_a_flood_moves_neither_a_rate_nor_more_than_it_could_have_served():
-    from model_distribution.serving import robust_mean
+    from model_distribution.fleet.serving import robust_mean
 
     assert robust_mean([(1.0, 10**9), (0.0, 10), (0.0, 10)]) == pytest.approx(1 / 3)  # weighs as one device
     assert robust_mean([(1.0, 10**9), (0.0, 10), (0.0, 10), (0.0, 10)]) == 0.0  # four: its extreme left out
@@ -104,7 +102,7 @@ def test_one_device_claiming_a_flood_moves_neither_a_rate_nor_more_than_it_could
     # five devices: the liar's extreme is left out, and it weighs no more than a typical device anyway
     assert m["error_rate"] == 0.0 and m["escalation_rate"] == pytest.approx(0.1)
     # what the liar counts toward the traffic total is bounded by what it could have answered in 60 s (+ skew)
-    from model_distribution.device_messages import CLOCK_SKEW_S, MAX_DEVICE_RATE
+    from model_distribution.protocol.device_messages import CLOCK_SKEW_S, MAX_DEVICE_RATE
     assert m["requests"] <= 40 + (60 + CLOCK_SKEW_S) * MAX_DEVICE_RATE
 
 
@@ -115,9 +113,9 @@ def test_executions_and_rollouts_change_only_from_the_version_read(tmp_path):
     with pytest.raises(RolloutError, match="under way"):
         store.create(spec, {"k1": (0, None)})  # one rollout at a time per group
     e = store.executions(r.rollout_id)[0]
-    assert e.state == QUEUED and store.move(e, IN_PROGRESS, "assigned", desired_rev=3)
-    assert not store.move(e, SUCCEEDED)  # a stale read (a late report) does not overwrite
-    assert store.executions(r.rollout_id)[0].state == IN_PROGRESS
+    assert e.state == ExecutionState.QUEUED and store.move(e, ExecutionState.IN_PROGRESS, "assigned", desired_rev=3)
+    assert not store.move(e, ExecutionState.CANCELED)  # a stale read (a late abort) does not overwrite
+    assert store.executions(r.rollout_id)[0].state == ExecutionState.IN_PROGRESS
     assert store.update(r, wave=1) is not None and store.update(r, wave=0) is None
     assert store.get(r.rollout_id).spec.gates == ["error_rate<=0.01"]
     store.close()
@@ -126,7 +124,7 @@ def test_executions_and_rollouts_change_only_from_the_version_read(tmp_path):
 def test_activation_windows_in_local_time_across_midnight():
     import datetime
 
-    from model_distribution.device_client import in_window, seconds_to_window
+    from model_distribution.protocol.windows import in_window, seconds_to_window
 
     at = datetime.datetime(2026, 12, 1, 3, 30)
     assert in_window("02:00-05:00", at) and not in_window("05:00-06:00", at)
@@ -141,7 +139,7 @@ def test_activation_windows_in_local_time_across_midnight():
 def test_activation_windows_as_cron_expressions():
     import datetime
 
-    from model_distribution.device_client import in_window, seconds_to_window
+    from model_distribution.protocol.windows import in_window, seconds_to_window
 
     tuesday = datetime.datetime(2026, 12, 1, 3, 30, 20)  # 2026-12-01 is a Tuesday
     assert in_window("* 2-4 * * *", tuesday) and in_window("* 2-4 * * 1-5", tuesday)

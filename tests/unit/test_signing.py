@@ -14,7 +14,8 @@ import pytest
 from securesystemslib.signer import CryptoSigner
 from tuf.api import exceptions
 
-from model_distribution.signing import Repository, manifest_of, verified_target
+from model_distribution.registry.signing import Repository
+from model_distribution.registry.tuf_client import manifest_of, verified_target
 
 
 class Quiet(SimpleHTTPRequestHandler):
@@ -113,7 +114,7 @@ def test_a_device_provisioned_with_another_root_refuses_everything(repo, server,
 
 
 def test_init_refuses_to_overwrite_keys_and_keys_are_private(repo):
-    from model_distribution.signing import SigningError
+    from model_distribution.registry.signing import SigningError
 
     with pytest.raises(SigningError, match="exist already"):
         repo.init()

@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from model_distribution.gguf_meta import GGUFMetadata, read_metadata
+from model_distribution.artifacts.gguf_meta import GGUFMetadata, read_metadata
 
 log = logging.getLogger(__name__)
 

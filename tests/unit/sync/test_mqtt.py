@@ -361,3 +361,10 @@ def test_items_left_by_a_stopped_or_a_dead_publisher_are_sent_by_the_next(silent
     wait_until(lambda: subscriber.ids() == set(sent), "the 6 items from the next publisher")
     wait_until(lambda: pending(queue) == 0, "the queue to empty")
     assert second.stats()["acked"] == 6
+
+
+def test_telemetry_and_the_fleets_topics_are_one_scheme():
+    from model_distribution.protocol.topics import topic
+
+    assert telemetry_topic(FLEET, DEVICE) == topic(FLEET, DEVICE, "telemetry") == \
+        f"cascade/v1/{FLEET}/devices/{DEVICE}/telemetry"

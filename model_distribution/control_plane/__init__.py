@@ -1,0 +1,1 @@
+"""``cascade fleet serve``: the HTTP API, the MQTT broker and the desired-state publisher."""

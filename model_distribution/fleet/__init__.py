@@ -1,0 +1,1 @@
+"""The fleet's devices: enrolment, desired state, what they report, and the operator's operations."""

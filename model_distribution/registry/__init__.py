@@ -1,0 +1,1 @@
+"""The model registry: published versions, their artifacts and their signed TUF metadata."""
