@@ -318,13 +318,12 @@ def _add_service_levels(p: argparse.ArgumentParser, lead: str = "") -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cloud_tier.config import DTYPES, EngineConfig, GatewayConfig, WorkerConfig
-    from cloud_tier.config import ServerConfig as CloudServer
+    from cloud_tier.config import DTYPES, CloudServerConfig, EngineConfig, GatewayConfig, WorkerConfig
     from edge_agent.config import ModelConfig, QueueConfig
     from edge_agent.config import ServerConfig as EdgeServer
 
     edge_srv, edge_model, edge_queue = EdgeServer(), ModelConfig(), QueueConfig()
-    cloud_srv, eng, wkr, gw = CloudServer(), EngineConfig(), WorkerConfig(), GatewayConfig()
+    cloud_srv, eng, wkr, gw = CloudServerConfig(), EngineConfig(), WorkerConfig(), GatewayConfig()
 
     p = argparse.ArgumentParser(prog="cascade", formatter_class=DefaultsHelp,
                                 description="Edge-cloud LLM serving: the edge agent, the cloud tier, calibration, "

@@ -12,7 +12,7 @@ ROLES = ("both", "prefill", "decode")
 
 
 @dataclass
-class ServerConfig:
+class CloudServerConfig:
     host: str = "127.0.0.1"
     port: int = 8100
     api_key: str = ""  # a worker may require a bearer key of its callers (the gateway)
@@ -393,7 +393,7 @@ def parse_model_prices(text: str) -> dict[str, tuple[float, float]]:
 
 @dataclass
 class CloudConfig:
-    server: ServerConfig = field(default_factory=ServerConfig)
+    server: CloudServerConfig = field(default_factory=CloudServerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)

@@ -32,23 +32,9 @@ from cloud_tier.engine.scheduler import ScheduledRequest, Scheduler, SchedulerCo
 from cloud_tier.engine.swap import SwapSpace
 from cloud_tier.engine.window_kv import window_group
 from cloud_tier.sampling import SamplingParams
+from model_distribution.artifacts.model_dirs import resolve_model_dir
 
 log = logging.getLogger(__name__)
-
-
-def resolve_model_dir(model: str) -> Path:
-    """An HF-style directory for ``model``: itself if it is one, else the GGUF (a catalogue name
-    or a path) converted once into ``$CASCADE_HOME/engine/models``."""
-    path = Path(model).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():
-        return path
-    from cascade.config import cascade_home
-    from cloud_tier.engine.models.gguf_convert import ensure_hf_dir
-    from model_distribution.catalog import Catalog
-
-    catalog = Catalog(cascade_home())
-    gguf = catalog.ensure_ready(catalog.get(model))
-    return ensure_hf_dir(gguf, cascade_home() / "engine" / "models")
 
 
 @dataclass

@@ -28,7 +28,7 @@ class WorkerProcesses:
 
     def start(self, timeout_s: float = 600.0) -> list[str]:
         """Start the configured prefill, decode and co-located workers; their URLs once healthy."""
-        from cloud_tier.engine.llm_engine import resolve_model_dir
+        from model_distribution.artifacts.model_dirs import resolve_model_dir
 
         g, e = self.config.gateway, self.config.engine
         resolve_model_dir(e.model)  # convert the model once, before the workers race for it

@@ -1,0 +1,1 @@
+"""Model artifacts: the files a model is served from, and where they live."""
