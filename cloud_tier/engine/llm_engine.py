@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from cloud_tier.config import EngineConfig, resolve_dtype
 from cloud_tier.engine.detokenizer import IncrementalDetokenizer
 from cloud_tier.engine.handoff import KVCapacityError, KVHandoff, KVLayout, model_identity
 from cloud_tier.engine.kv_cache_manager import KVCacheManager
@@ -28,9 +27,11 @@ from cloud_tier.engine.models.loader import load_model, read_config
 from cloud_tier.engine.outputs import RequestOutput
 from cloud_tier.engine.request import Request, RequestStatus, ServiceLevel
 from cloud_tier.engine.sampler import TokenLogprobs
-from cloud_tier.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from cloud_tier.engine.scheduler import Scheduler
+from cloud_tier.engine.scheduling.output import ScheduledRequest, SchedulerOutput
 from cloud_tier.engine.swap import SwapSpace
 from cloud_tier.engine.window_kv import window_group
+from cloud_tier.engine_config import EngineConfig, resolve_dtype
 from cloud_tier.sampling import SamplingParams
 from model_distribution.artifacts.model_dirs import resolve_model_dir
 
@@ -74,22 +75,16 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching and window is None,
                                  model_identity=self.model_identity, tier_blocks=config.kv_tier_bytes // per_block,
                                  window=window)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
-            long_prefill_token_threshold=config.long_prefill_token_threshold, default_ttft_s=config.ttft_slo_s,
-            default_tpot_s=config.tpot_slo_s, slo_reject=config.slo_reject, slo_headroom=config.slo_headroom,
-            reservations=config.reservations, tpot_min_batch=config.tpot_min_batch, min_tpot_s=config.min_tpot_slo_s,
-            short_prompt_tokens=config.short_prompt_tokens, short_lane_share=config.short_lane_share), self.kv)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype,
                                   self.device, config.seed, config.kv_cache_dtype,
                                   config.kv_window_blocks if window is not None else 0,
                                   self.kv.get_window_block_ids)
         # read_blocks covers one group: with two, a preempted request is recomputed
         mode = config.preemption_mode if window is None else "recompute"
-        swap = self.scheduler.swap = SwapSpace(mode, config.swap_space_bytes, per_block)
+        swap = SwapSpace(mode, config.swap_space_bytes, per_block)
         if mode != "recompute":
             swap.copy_s_per_byte = measure_copy_s_per_byte(self.runner, num_blocks)
+        self.scheduler = Scheduler(replace(config.scheduler, max_model_len=self.max_model_len), self.kv, swap=swap)
         self.kv_mover = KVMover(self.runner, self.kv, swap, _tier_dir(config))
         self._tracked: dict[str, _Tracked] = {}
         self._handoffs: dict[str, tuple[list[TokenLogprobs], bytes | None]] = {}

@@ -19,7 +19,7 @@ from cloud_tier.disagg.records import arrival_of, params_of, service_level_of
 from cloud_tier.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from cloud_tier.engine.outputs import RequestOutput
 from cloud_tier.engine.request import Request, ServiceLevel
-from cloud_tier.engine.scheduler import SLOMissError
+from cloud_tier.engine.scheduling.admission import SLOMissError
 from cloud_tier.request_builder import RequestBuilder, RequestPlan, with_headers
 from cloud_tier.worker.metrics import WorkerMetrics
 from cloud_tier.worker.protocol import DecodeStats, EngineStats, PrefillStats, WorkerStats

@@ -3,7 +3,8 @@ configuration from `cascade cloud serve` / `cloud worker`, and the workers it st
 
 import pytest
 
-from cloud_tier.config import EngineConfig, GatewayConfig
+from cloud_tier.config import GatewayConfig
+from cloud_tier.engine_config import EngineConfig
 from cloud_tier.worker.processes import worker_command
 from tests.unit.test_serve_flags import served_config
 
