@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import typing
 from dataclasses import dataclass, field
+from typing import Any
 
 from cascade.config import load_config
 from cascade.protocol import PRIORITY_CLASSES
@@ -264,3 +267,15 @@ class CloudConfig:
     @classmethod
     def load(cls, path=None, overrides=None, environ=None) -> CloudConfig:
         return load_config(cls, "cloud", path, overrides, environ)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Every key of every section, as set (for a child process: ``from_dict`` there)."""
+        return {section.name: {f.name: getattr(getattr(self, section.name), f.name)
+                               for f in dataclasses.fields(getattr(self, section.name)) if f.init}
+                for section in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, dict[str, Any]]) -> CloudConfig:
+        """The config ``to_dict`` gave, each section checked again as it is built."""
+        sections = typing.get_type_hints(cls)
+        return cls(**{f.name: sections[f.name](**data[f.name]) for f in dataclasses.fields(cls)})
