@@ -74,16 +74,11 @@ class Scheduler:
         """By tenant: requests refused for their TTFT target."""
         return self.admission.num_rejected
 
-    def ttft_target(self, request: Request) -> float | None:
-        return self.admission.ttft_target(request)
-
     def tpot_target(self, request: Request) -> float | None:
         return self.admission.tpot_target(request)
 
-    def estimate_ttft(self, request: Request) -> float:
-        return self.admission.estimate_ttft(request)
-
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """The engine's measured time of a step it ran (``SloAdmission.observe_step``)."""
         self.admission.observe_step(out, seconds)
 
     def peak_kv_tokens(self, request: Request) -> int:
