@@ -33,7 +33,7 @@ NAMES = {"pd": "cascade cloud serve --prefill 1 --decode 1", "both": "cascade cl
 def start(system: str, args, work: Path) -> tuple[subprocess.Popen, str, str | None]:
     port = free_port()
     if system == "vllm":
-        from cloud_tier.engine.llm_engine import resolve_model_dir
+        from model_distribution.artifacts.model_dirs import resolve_model_dir
 
         proc = spawn([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
                       str(resolve_model_dir(MODEL)), "--served-model-name", MODEL,

@@ -157,7 +157,7 @@ def floor_run(model, prompts: list[list[int]], output_len: int) -> dict:
 
 
 def main() -> int:
-    from cloud_tier.config import resolve_dtype
+    from cloud_tier.engine_config import resolve_dtype
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")

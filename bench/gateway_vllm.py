@@ -194,7 +194,7 @@ def main() -> int:
     if not Path(args.vllm_python).exists():
         print(f"vLLM is not installed ({args.vllm_python} missing): bash scripts/install-vllm.sh", file=sys.stderr)
         return 2
-    from cloud_tier.engine.llm_engine import resolve_model_dir
+    from model_distribution.artifacts.model_dirs import resolve_model_dir
 
     model_dir = resolve_model_dir(MODEL)
     work = Path(tempfile.mkdtemp(prefix="gateway-vllm-bench-"))

@@ -294,7 +294,7 @@ def _parser(sub, name: str, help_: str, **kw) -> argparse.ArgumentParser:
 
 def _add_service_levels(p: argparse.ArgumentParser, lead: str = "") -> None:
     """The engine's service-level flags (a worker's, or those `cloud serve` gives the workers it starts)."""
-    from cloud_tier.config import EngineConfig
+    from cloud_tier.engine_config import EngineConfig
 
     p.add_argument("--ttft-slo-s", type=float, metavar="S",
                    help=f"{lead}time-to-first-token target of requests that name none; what would miss it gets "
@@ -318,13 +318,13 @@ def _add_service_levels(p: argparse.ArgumentParser, lead: str = "") -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cloud_tier.config import DTYPES, EngineConfig, GatewayConfig, WorkerConfig
-    from cloud_tier.config import ServerConfig as CloudServer
+    from cloud_tier.config import CloudServerConfig, GatewayConfig, WorkerConfig
+    from cloud_tier.engine_config import DTYPES, EngineConfig
     from edge_agent.config import ModelConfig, QueueConfig
     from edge_agent.config import ServerConfig as EdgeServer
 
     edge_srv, edge_model, edge_queue = EdgeServer(), ModelConfig(), QueueConfig()
-    cloud_srv, eng, wkr, gw = CloudServer(), EngineConfig(), WorkerConfig(), GatewayConfig()
+    cloud_srv, eng, wkr, gw = CloudServerConfig(), EngineConfig(), WorkerConfig(), GatewayConfig()
 
     p = argparse.ArgumentParser(prog="cascade", formatter_class=DefaultsHelp,
                                 description="Edge-cloud LLM serving: the edge agent, the cloud tier, calibration, "

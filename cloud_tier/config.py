@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import typing
 from dataclasses import dataclass, field
+from typing import Any
 
 from cascade.config import load_config
 from cascade.protocol import PRIORITY_CLASSES
+from cloud_tier.config_values import named_values
+from cloud_tier.engine_config import EngineConfig
 
 ROLES = ("both", "prefill", "decode")
 
 
 @dataclass
-class ServerConfig:
+class CloudServerConfig:
     host: str = "127.0.0.1"
     port: int = 8100
     api_key: str = ""  # a worker may require a bearer key of its callers (the gateway)
@@ -22,118 +27,6 @@ class ServerConfig:
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-
-
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
-PREEMPTION_MODES = ("auto", "swap", "recompute")
-
-
-def resolve_dtype(dtype: str, device: str = "cpu") -> str:
-    """The dtype ``"auto"`` stands for on ``device``: bfloat16 on CUDA and on CPUs that compute in
-    it natively (AVX512_BF16 or AMX), float32 on other CPUs, where bfloat16 GEMMs are emulated and
-    slower than float32. Any other name is returned as it is. Reads /proc/cpuinfo, not torch, so
-    the gateway can tell what its workers will run."""
-    if dtype != "auto":
-        return dtype
-    if not device.startswith("cpu"):
-        return "bfloat16"
-    return "bfloat16" if _cpu_flags() & {"avx512_bf16", "amx_bf16"} else "float32"
-
-
-def has_amx() -> bool:
-    """Whether this CPU has AMX's bfloat16 tiles (where oneDNN multiplies in 16-row tiles)."""
-    return "amx_bf16" in _cpu_flags()
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((ln for ln in f if ln.startswith("flags")), "")
-    except OSError:  # not Linux: no flags known, the safe float32
-        return set()
-    return set(line.partition(":")[2].split())
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """The engine's configuration (``LLMEngine(config)``) and the ``[engine]`` section of cloud.toml.
-    Plain data: the gateway reads it without loading torch."""
-
-    model: str = "smollm2-135m"  # catalogue name, .gguf path or HF directory
-    # "auto" (resolve_dtype) is not the default: bfloat16 greedy output drifts from the float32
-    # reference (the parity prompts: logits 0.25-0.84 apart, 2 of 8 diverge within 32 tokens)
-    dtype: str = "float32"
-    kv_cache_dtype: str = "auto"  # auto: K/V in ``dtype``; int8: quantized, ~2x (bf16) / ~4x (fp32) the blocks
-    device: str = "cpu"
-    block_size: int = 16
-    kv_cache_memory_bytes: int = 1 << 30  # budget for K/V blocks ...
-    num_kv_blocks: int | None = None  # ... or an exact number of blocks
-    max_model_len: int = 2048
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 1024  # token budget of one step
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    threads: int = 0  # torch intra-op threads on CPU; 0: torch's default
-    # service levels (cloud_tier/engine/scheduler.py): targets of requests that name none (0: none),
-    # refusing early what would miss its TTFT target, the short-prompt lane, tenants' reservations
-    ttft_slo_s: float | None = None
-    tpot_slo_s: float | None = None
-    slo_reject: bool = True
-    # admission promises a first token within (1 - this) of its TTFT target: the rest is for the
-    # answer's way to the client, which shares the cores (measured on 2 cores, a burst of 160 from the
-    # openai client in threads: the first token reached the client 0.35-0.6 s after the engine had it)
-    slo_headroom: float = 0.25
-    short_prompt_tokens: int = 256
-    short_lane_share: float = 0.25
-    reservations: str = ""  # "tenant=share,...": KV blocks and running slots kept free for each tenant
-    # what a request's TPOT target may ask of an engine that serves everyone: a batch of at least this many
-    # decodes, and a step no shorter than theirs nor than min_tpot_slo_s (0: the step's only); a tighter
-    # target is served best-effort at that floor, and a tenant's targets bound only its own requests' slots
-    tpot_min_batch: int = 8
-    min_tpot_slo_s: float = 0.0
-    # a preempted request's KV: swapped to host memory or recomputed, "auto": whichever costs less
-    preemption_mode: str = "auto"
-    swap_space_bytes: int = 1 << 30  # host memory for swapped-out KV
-    # the prefix cache's second tier: evicted blocks kept in a memory-mapped file (0: off) ...
-    kv_tier_bytes: int = 0
-    kv_tier_path: str = ""  # ... in this directory ("": $CASCADE_HOME/engine)
-    # Gemma 3: its sliding-window layers get their own pool of this many blocks, freed as they leave
-    # the window (0: one block table for all layers). Then no prefix caching, tier, swap or KV handoff.
-    kv_window_blocks: int = 0
-
-    def __post_init__(self):
-        for name in ("ttft_slo_s", "tpot_slo_s"):  # 0 in cloud.toml (which has no None) means no target
-            if getattr(self, name) == 0:
-                object.__setattr__(self, name, None)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError("block_size must be a power of two")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError("num_kv_blocks must be >= 1")
-        if self.kv_cache_memory_bytes < 1:
-            raise ValueError("kv_cache_memory_bytes must be positive")
-        if any(v is not None and not v > 0 for v in (self.ttft_slo_s, self.tpot_slo_s)):
-            raise ValueError("ttft_slo_s and tpot_slo_s must be > 0 (0: no target)")
-        if not 0 <= self.slo_headroom < 1:
-            raise ValueError(f"slo_headroom must be in [0, 1), got {self.slo_headroom!r}")
-        if not 0 <= self.short_lane_share < 1 or self.short_prompt_tokens < 1:
-            raise ValueError("short_lane_share must be in [0, 1) and short_prompt_tokens >= 1")
-        parse_reservations(self.reservations)
-        if self.tpot_min_batch < 1 or not 0 <= self.min_tpot_slo_s < math.inf:
-            raise ValueError("tpot_min_batch must be >= 1 and min_tpot_slo_s a number of seconds >= 0")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
-                             f"got {self.preemption_mode!r}")
-        if self.swap_space_bytes < 0 or self.kv_tier_bytes < 0 or self.kv_window_blocks < 0:
-            raise ValueError("swap_space_bytes, kv_tier_bytes and kv_window_blocks must be >= 0")
-        if self.kv_window_blocks and (self.kv_tier_bytes or self.preemption_mode == "swap"):
-            raise ValueError("kv_window_blocks works with neither kv_tier_bytes nor preemption_mode 'swap'")
 
 
 @dataclass
@@ -340,25 +233,11 @@ class GatewayConfig:
                                  f"{self.min_ttft_slo_s:g} / min_tpot_slo_s {self.min_tpot_slo_s:g}")
 
 
-def _items(text: str):
-    """``name=value,...`` as (item, name, the value's numbers split on ":"), each a float or NaN."""
-    for item in (i.strip() for i in text.split(",")):
-        if item:
-            name, _, value = item.partition("=")
-            numbers = []
-            for part in value.split(":"):
-                try:
-                    numbers.append(float(part))
-                except ValueError:
-                    numbers.append(math.nan)
-            yield item, name.strip(), numbers
-
-
 def parse_class_slos(text: str) -> dict[str, tuple[float, float]]:
     """``[gateway] class_slos`` ("interactive=2:0.2,escalation=5:0.5": TTFT and TPOT targets in
     seconds by priority class) as {class: (ttft, tpot)}."""
     targets = {}
-    for item, name, values in _items(text):
+    for item, name, values in named_values(text):
         if name not in PRIORITY_CLASSES or len(values) != 2 or not all(0 < v < math.inf for v in values):
             raise ValueError(f"class_slos: {item!r} is not CLASS=TTFT:TPOT (a class of {', '.join(PRIORITY_CLASSES)}; "
                              "seconds > 0)")
@@ -366,24 +245,11 @@ def parse_class_slos(text: str) -> dict[str, tuple[float, float]]:
     return targets
 
 
-def parse_reservations(text: str) -> dict[str, float]:
-    """``[engine] reservations`` ("gold=0.3,silver=0.1": the share of the KV blocks and of the running
-    slots kept for each tenant) as {tenant: share}; the shares must add up to less than 1."""
-    shares: dict[str, float] = {}
-    for item, name, values in _items(text):
-        if not name or len(values) != 1 or not 0 < values[0] < 1:
-            raise ValueError(f"reservations: {item!r} is not tenant=SHARE with 0 < SHARE < 1")
-        shares[name] = values[0]
-    if sum(shares.values()) >= 1:
-        raise ValueError(f"reservations: the shares add up to {sum(shares.values()):g}; they must stay under 1")
-    return shares
-
-
 def parse_model_prices(text: str) -> dict[str, tuple[float, float]]:
     """``[gateway] model_prices`` ("smollm2-135m=0.15:0.60,other=1:2": USD per million prompt and
     completion tokens, by model; "*" prices any model not named) as {model: (prompt, completion)}."""
     prices = {}
-    for item, name, values in _items(text):
+    for item, name, values in named_values(text):
         if not name or len(values) != 2 or not all(0 <= x < math.inf for x in values):
             raise ValueError(f"model_prices: {item!r} is not model=PROMPT:COMPLETION (USD per million tokens, "
                              "numbers >= 0)")
@@ -393,7 +259,7 @@ def parse_model_prices(text: str) -> dict[str, tuple[float, float]]:
 
 @dataclass
 class CloudConfig:
-    server: ServerConfig = field(default_factory=ServerConfig)
+    server: CloudServerConfig = field(default_factory=CloudServerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
@@ -401,3 +267,15 @@ class CloudConfig:
     @classmethod
     def load(cls, path=None, overrides=None, environ=None) -> CloudConfig:
         return load_config(cls, "cloud", path, overrides, environ)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Every key of every section, as set (for a child process: ``from_dict`` there)."""
+        return {section.name: {f.name: getattr(getattr(self, section.name), f.name)
+                               for f in dataclasses.fields(getattr(self, section.name)) if f.init}
+                for section in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, dict[str, Any]]) -> CloudConfig:
+        """The config ``to_dict`` gave, each section checked again as it is built."""
+        sections = typing.get_type_hints(cls)
+        return cls(**{f.name: sections[f.name](**data[f.name]) for f in dataclasses.fields(cls)})

@@ -18,7 +18,7 @@ from cloud_tier.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
-class Plan:
+class RequestPlan:
     """A validated request, ready for an engine."""
 
     prompt_token_ids: list[int]
@@ -49,7 +49,7 @@ class RequestBuilder:
         self._adds_bos = self._bos is not None and tokenizer.encode("a")[:1] == [self._bos]
         self._vocab = len(tokenizer)
 
-    def chat(self, req: ChatCompletionRequest) -> Plan:
+    def chat(self, req: ChatCompletionRequest) -> RequestPlan:
         try:
             prompt = self.template.render([{"role": m.role, "content": m.text()} for m in req.messages])
         except ChatTemplateError as e:
@@ -61,7 +61,7 @@ class RequestBuilder:
         k = (req.top_logprobs or 0) if req.logprobs else None
         return self._plan(req, tokens, req.token_limit(), stops, k, "messages")
 
-    def completion(self, req: CompletionRequest) -> Plan:
+    def completion(self, req: CompletionRequest) -> RequestPlan:
         if isinstance(req.prompt, str):
             tokens = self.tokenizer.encode(req.prompt)
         else:
@@ -71,7 +71,7 @@ class RequestBuilder:
         return self._plan(req, tokens, req.token_limit(), tuple(req.stop_list()), req.logprobs, "prompt")
 
     def _plan(self, req, tokens: list[int], max_tokens: int | None, stops: tuple[str, ...],
-              logprobs: int | None, prompt_param: str) -> Plan:
+              logprobs: int | None, prompt_param: str) -> RequestPlan:
         n_ctx = self.max_model_len
         if len(tokens) >= n_ctx:
             raise errors.bad_request(
@@ -102,10 +102,10 @@ class RequestBuilder:
                                    for name in ("ttft_slo_s", "tpot_slo_s", "timeout"))
         except (ValueError, TypeError) as e:
             raise errors.bad_request(str(e)) from e
-        return Plan(tokens, params, logprobs, priority, priority_class, ttft, tpot, timeout)
+        return RequestPlan(tokens, params, logprobs, priority, priority_class, ttft, tpot, timeout)
 
 
-def with_headers(plan: Plan, headers: Mapping[str, str], wall: float | None = None) -> Plan:
+def with_headers(plan: RequestPlan, headers: Mapping[str, str], wall: float | None = None) -> RequestPlan:
     """``plan`` under the headers ``X-Cascade-Priority`` (a class: see ``priority_class_of``)
     and ``X-Cascade-Deadline`` (seconds from now, or an absolute time: a Unix timestamp or an HTTP
     date); the earlier of the body's ``timeout`` and the header's deadline wins. 400 on a bad one."""

@@ -31,7 +31,7 @@ def run(config: CloudConfig, config_path: str | None = None) -> None:
     if not urls and not g.k8s_discovery:
         from cloud_tier.worker.processes import WorkerProcesses
 
-        children = WorkerProcesses(config, config_path)
+        children = WorkerProcesses(config)
     try:
         urls = urls or (children.start() if children is not None else [])
         log.info("cloud gateway on http://%s:%d in front of %s", g.host, g.port,

@@ -204,7 +204,7 @@ def vllm_worker(engine_home, tmp_path_factory):
     without (load 3-5; importing nixl and making its UCX agent take ~1 s each by its log, the rest
     is the engine process starting slower), and nothing for plain requests (the same greedy
     answers). Fails, not skips, when vLLM's virtualenv is missing (.ci/run installs it)."""
-    from cloud_tier.engine.llm_engine import resolve_model_dir
+    from model_distribution.artifacts.model_dirs import resolve_model_dir
     from tests.vllm_server import VllmMissing, VllmServer, vllm_python
 
     try:

@@ -20,7 +20,7 @@ from cloud_tier.disagg.transport import (
 )
 from cloud_tier.engine.async_engine import AsyncLLMEngine
 from cloud_tier.engine.llm_engine import KVHandoff
-from cloud_tier.engine.scheduler import SLOMissError
+from cloud_tier.engine.scheduling.admission import SLOMissError
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 from cloud_tier.engine.llm_engine import LLMEngine
 from cloud_tier.engine.outputs import RequestOutput
 from cloud_tier.engine.request import Request, ServiceLevel
-from cloud_tier.engine.scheduler import SLOMissError
+from cloud_tier.engine.scheduling.admission import SLOMissError
 from cloud_tier.sampling import SamplingParams
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from cloud_tier.engine.block_pool import EvictedBlock
 from cloud_tier.engine.kv_cache_manager import KVCacheManager
 from cloud_tier.engine.kv_tier import TierStorage
 from cloud_tier.engine.model_runner import ModelRunner
-from cloud_tier.engine.scheduler import SchedulerOutput
+from cloud_tier.engine.scheduling.output import SchedulerOutput
 from cloud_tier.engine.swap import SwapSpace
 
 

@@ -8,56 +8,34 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 
 import torch
 
-from cloud_tier.config import EngineConfig, resolve_dtype
-from cloud_tier.engine.detokenizer import IncrementalDetokenizer
+from cloud_tier.engine.calibrate import calibrate_step_cost
 from cloud_tier.engine.handoff import KVCapacityError, KVHandoff, KVLayout, model_identity
 from cloud_tier.engine.kv_cache_manager import KVCacheManager
 from cloud_tier.engine.kv_moves import KVMover, measure_copy_s_per_byte
+from cloud_tier.engine.model_files import eos_ids, load_tokenizer, tier_dir
 from cloud_tier.engine.model_runner import ModelRunner
 from cloud_tier.engine.models.loader import load_model, read_config
 from cloud_tier.engine.outputs import RequestOutput
 from cloud_tier.engine.request import Request, RequestStatus, ServiceLevel
 from cloud_tier.engine.sampler import TokenLogprobs
-from cloud_tier.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from cloud_tier.engine.scheduler import Scheduler
+from cloud_tier.engine.scheduling.output import SchedulerOutput
 from cloud_tier.engine.swap import SwapSpace
+from cloud_tier.engine.tracked import TrackedRequest
 from cloud_tier.engine.window_kv import window_group
+from cloud_tier.engine_config import EngineConfig, resolve_dtype
 from cloud_tier.sampling import SamplingParams
+from model_distribution.artifacts.model_dirs import resolve_model_dir
 
 log = logging.getLogger(__name__)
-
-
-def resolve_model_dir(model: str) -> Path:
-    """An HF-style directory for ``model``: itself if it is one, else the GGUF (a catalogue name
-    or a path) converted once into ``$CASCADE_HOME/engine/models``."""
-    path = Path(model).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():
-        return path
-    from cascade.config import cascade_home
-    from cloud_tier.engine.models.gguf_convert import ensure_hf_dir
-    from model_distribution.artifacts.catalog import Catalog
-
-    catalog = Catalog(cascade_home())
-    gguf = catalog.ensure_ready(catalog.get(model))
-    return ensure_hf_dir(gguf, cascade_home() / "engine" / "models")
-
-
-@dataclass
-class _Tracked:
-    """The engine's output-side state of one request."""
-
-    request: Request
-    detok: IncrementalDetokenizer
-    output: RequestOutput
 
 
 class LLMEngine:
@@ -72,8 +50,8 @@ class LLMEngine:
         hf_config = read_config(self.model_dir)
         self.max_model_len = min(config.max_model_len, hf_config.get("max_position_embeddings", config.max_model_len))
         self.model = load_model(self.model_dir, self.dtype, self.device, self.max_model_len)
-        self.tokenizer = _load_tokenizer(self.model_dir)
-        self.eos_token_ids = _eos_ids(self.model_dir, self.tokenizer, hf_config)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.eos_token_ids = eos_ids(self.model_dir, self.tokenizer, hf_config)
         per_block = ModelRunner.bytes_per_block(self.model, config.block_size, self.dtype, config.kv_cache_dtype)
         window, per_block, window_bytes = window_group(config, self.model.layer_windows(), per_block)
         num_blocks = config.num_kv_blocks or max(1, (config.kv_cache_memory_bytes - window_bytes) // per_block)
@@ -88,24 +66,18 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching and window is None,
                                  model_identity=self.model_identity, tier_blocks=config.kv_tier_bytes // per_block,
                                  window=window)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
-            long_prefill_token_threshold=config.long_prefill_token_threshold, default_ttft_s=config.ttft_slo_s,
-            default_tpot_s=config.tpot_slo_s, slo_reject=config.slo_reject, slo_headroom=config.slo_headroom,
-            reservations=config.reservations, tpot_min_batch=config.tpot_min_batch, min_tpot_s=config.min_tpot_slo_s,
-            short_prompt_tokens=config.short_prompt_tokens, short_lane_share=config.short_lane_share), self.kv)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype,
                                   self.device, config.seed, config.kv_cache_dtype,
                                   config.kv_window_blocks if window is not None else 0,
                                   self.kv.get_window_block_ids)
         # read_blocks covers one group: with two, a preempted request is recomputed
         mode = config.preemption_mode if window is None else "recompute"
-        swap = self.scheduler.swap = SwapSpace(mode, config.swap_space_bytes, per_block)
+        swap = SwapSpace(mode, config.swap_space_bytes, per_block)
         if mode != "recompute":
             swap.copy_s_per_byte = measure_copy_s_per_byte(self.runner, num_blocks)
-        self.kv_mover = KVMover(self.runner, self.kv, swap, _tier_dir(config))
-        self._tracked: dict[str, _Tracked] = {}
+        self.scheduler = Scheduler(replace(config.scheduler, max_model_len=self.max_model_len), self.kv, swap=swap)
+        self.kv_mover = KVMover(self.runner, self.kv, swap, tier_dir(config))
+        self._tracked: dict[str, TrackedRequest] = {}
         self._handoffs: dict[str, tuple[list[TokenLogprobs], bytes | None]] = {}
         self.stalled = False  # the last step ran nothing while requests wait (KV held for transfers)
         log.info("engine ready: %s (%s, KV %s, %s), %d KV blocks of %d tokens (%.0f MiB)", self.model_dir.name,
@@ -143,11 +115,7 @@ class LLMEngine:
         """Queue a request made by ``make_request`` (ValueError if refused; SLOMissError, a
         ValueError, if it would miss its TTFT target)."""
         self.scheduler.add_request(req)
-        params = req.sampling_params
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
-        out = RequestOutput(req.request_id, list(req.prompt_token_ids), arrival_time=req.arrival_time,
-                            logprobs=[] if params.logprobs is not None else None)
-        self._tracked[req.request_id] = _Tracked(req, detok, out)
+        self._tracked[req.request_id] = TrackedRequest.start(req, self.tokenizer)
         return req.request_id
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -207,58 +175,13 @@ class LLMEngine:
         req.num_cached_tokens = num_cached_tokens
         if sampler_state is not None:
             self.runner.sampler.set_state(req.request_id, sampler_state)
-        params = req.sampling_params
-        tracked = _Tracked(req, IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output),
-                           RequestOutput(req.request_id, list(req.prompt_token_ids), arrival_time=req.arrival_time,
-                                         logprobs=[] if params.logprobs is not None else None))
-        self._tracked[req.request_id] = tracked
+        tracked = self._tracked[req.request_id] = TrackedRequest.start(req, self.tokenizer)
         return self._process(tracked, req.output_token_ids[0], logprobs, time.monotonic())
 
     def calibrate(self, prefill_tokens: int = 128, decodes: int = 8, context: int = 32, repeats: int = 3) -> None:
-        """Teach the scheduler's step-cost model this machine's speed before the first request
-        (a server calls this once at start): steps of one decode, of ``decodes`` decodes, of a
-        prefill and of both, each timed at its best of ``repeats`` runs after a warm-up, over free
-        blocks of the cache (nothing is cached yet: the KV written is never read). Without it the
-        model starts from a prior and learns from the first steps, too late for the TTFT
-        estimates of a burst that comes at once."""
-        bs = self.config.block_size
-        prefill_tokens = min(prefill_tokens, self.max_model_len - 1, self.kv.num_blocks * bs // 2)
-        per_decode = self.kv.blocks_for_tokens(context)
-        decodes = max(2, min(decodes, (self.kv.num_blocks - self.kv.blocks_for_tokens(prefill_tokens)) // per_decode))
-        if (self.kv.num_free_blocks < self.kv.num_blocks or prefill_tokens < 2 or context >= self.max_model_len
-                or self.kv.window is not None):
-            return  # the cache is in use (or too small, or in two groups): learn from the steps instead
-        blocks = iter(range(self.kv.num_blocks))
-        prefill = Request("calibrate-prefill", [0] * prefill_tokens, SamplingParams(temperature=0.0))
-        prefill_blocks = [next(blocks) for _ in range(self.kv.blocks_for_tokens(prefill_tokens))]
-        decoding = []
-        for i in range(decodes):
-            r = Request(f"calibrate-decode-{i}", [0] * context, SamplingParams(temperature=0.0))
-            r.num_computed_tokens = context - 1
-            decoding.append(ScheduledRequest(r, 1, [next(blocks) for _ in range(per_decode)]))
-        half = ScheduledRequest(prefill, prefill_tokens // 2, prefill_blocks)
-        # four short prompts in one step: what each prefill chunk costs beyond its tokens
-        quarter = min(context, max(2, prefill_tokens // 4))
-        chunks = [ScheduledRequest(Request(f"calibrate-chunk-{i}", [0] * quarter, SamplingParams(temperature=0.0)),
-                                   quarter, d.block_ids) for i, d in enumerate(decoding[:4])]
-        steps = [decoding[:1], decoding, [ScheduledRequest(prefill, prefill_tokens, prefill_blocks)], [half, *decoding],
-                 chunks]
-        try:
-            for scheduled in steps:
-                out = SchedulerOutput(scheduled=scheduled)
-                times = []
-                for _ in range(repeats + 1):
-                    started = time.perf_counter()
-                    self.runner.execute(out)
-                    times.append(time.perf_counter() - started)
-                for _ in range(4):  # worth a few steps: the first requests' estimates lean on it
-                    self.scheduler.observe_step(out, min(times[1:]))
-        finally:
-            for r in (prefill, *(d.request for d in (*decoding, *chunks))):
-                self.runner.sampler.forget(r.request_id)
-        c = self.scheduler.cost
-        log.info("step cost: %.1f ms + %.3f ms per prefill token + %.2f ms per prefill chunk + %.2f ms per decode",
-                 1e3 * c.base_s, 1e3 * c.per_prefill_token_s, 1e3 * c.per_prefill_seq_s, 1e3 * c.per_decode_s)
+        """Teach the scheduler's step-cost model this machine's speed (``calibrate_step_cost``)."""
+        calibrate_step_cost(self.runner, self.kv, self.scheduler, self.max_model_len, prefill_tokens, decodes,
+                            context, repeats)
 
     def _check_one_kv_group(self) -> None:
         if self.kv.window is not None:
@@ -280,17 +203,31 @@ class LLMEngine:
             self.kv_mover.before_step(scheduled)  # swap-outs of a step that runs nothing else
             return outputs
         try:
-            self.kv_mover.before_step(scheduled)
-            started = time.perf_counter()
-            result = self.runner.execute(scheduled)
-            elapsed = time.perf_counter() - started
-            self._observe_prefill(scheduled, elapsed)
+            result, elapsed = self._execute(scheduled)
         except Exception as e:  # which request broke the batch is unknown: it all fails, unwritten KV unused
             log.exception("a step of %d requests failed", len(scheduled.scheduled))
-            failed = (self._fail(s.request, f"the engine step failed: {e!r}") for s in scheduled.scheduled)
-            return outputs + [out for out in failed if out is not None]
+            return outputs + self._fail_all(scheduled, f"the engine step failed: {e!r}")
         self.scheduler.observe_step(scheduled, elapsed)
         self.scheduler.update(scheduled, result.sampled)
+        return outputs + self._step_outputs(scheduled, result)
+
+    def _execute(self, scheduled: SchedulerOutput):
+        """Move the step's KV (swaps, the tier), run the forward; its result and its seconds."""
+        self.kv_mover.before_step(scheduled)
+        started = time.perf_counter()
+        result = self.runner.execute(scheduled)
+        elapsed = time.perf_counter() - started
+        self._observe_prefill(scheduled, elapsed)
+        return result, elapsed
+
+    def _fail_all(self, scheduled: SchedulerOutput, why: str) -> list[RequestOutput]:
+        failed = (self._fail(s.request, why) for s in scheduled.scheduled)
+        return [out for out in failed if out is not None]
+
+    def _step_outputs(self, scheduled: SchedulerOutput, result) -> list[RequestOutput]:
+        """The outputs of the requests that ran: a token each, or an error for one whose sampling
+        (``result.failed``) or output side failed, that request alone."""
+        outputs = []
         now = time.monotonic()
         for s in scheduled.scheduled:
             rid = s.request.request_id
@@ -311,29 +248,15 @@ class LLMEngine:
                 outputs.append(out)
         return outputs
 
-    def _ended_early(self, scheduled) -> list[RequestOutput]:
-        """Final outputs of the requests the scheduler ended before this step: past their deadline
-        (finish "length" with what they have, ``truncated="deadline"``) or refused for a TTFT
-        target that passed while they queued (``retry_after_s`` set)."""
+    def _ended_early(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
+        """Final outputs of the requests the scheduler ended before this step (``TrackedRequest.end_early``)."""
         outputs = []
         for req in (*scheduled.expired, *scheduled.rejected):
             tracked = self._tracked.get(req.request_id)
             self._handoffs.pop(req.request_id, None)
             self._forget(req.request_id)
-            if tracked is None:
-                continue
-            out = tracked.output
-            out.new_token_ids, out.new_logprobs = [], []
-            out.delta_text = tracked.detok.finish()
-            out.text = tracked.detok.text
-            out.finished, out.finish_reason = True, req.status.finish_reason
-            out.num_cached_tokens = max(req.num_cached_tokens, 0)
-            if req.truncated:
-                out.truncated = req.truncated
-            else:
-                out.retry_after_s = 1.0
-                out.error = "its time-to-first-token target passed, or would pass, while it waited"
-            outputs.append(out)
+            if tracked is not None:
+                outputs.append(tracked.end_early())
         return outputs
 
     def _fail(self, req: Request, why: str) -> RequestOutput | None:
@@ -349,27 +272,11 @@ class LLMEngine:
         self._handoffs.pop(rid, None)
         tracked = self._tracked.get(rid)
         self._forget(rid)
-        if tracked is None:
-            return None
-        out = tracked.output
-        out.new_token_ids, out.new_logprobs, out.delta_text = [], [], ""
-        out.finished, out.finish_reason, out.error = True, req.status.finish_reason, why
-        out.num_cached_tokens = max(req.num_cached_tokens, 0)
-        return out
+        return None if tracked is None else tracked.fail(why)
 
-    def _process(self, t: _Tracked, token: int, logprobs, now: float) -> RequestOutput:
-        req, out = t.request, t.output
-        out.new_token_ids = [token]
-        out.token_ids.append(token)
-        # as vLLM: the stop token is in token_ids, its text only if asked for
-        hidden = (req.status == RequestStatus.FINISHED_STOPPED and req.is_stop_token(token)
-                  and not req.sampling_params.include_stop_str_in_output)
-        out.delta_text = "" if hidden else t.detok.add(token)
-        out.new_logprobs = [logprobs] if logprobs is not None else []
-        if out.logprobs is not None and logprobs is not None:
-            out.logprobs.append(logprobs)
-        if out.first_token_time is None:
-            out.first_token_time = now
+    def _process(self, t: TrackedRequest, token: int, logprobs, now: float) -> RequestOutput:
+        req = t.request
+        t.take_token(token, logprobs, now)
         if t.detok.stopped:  # a stop string, even on the token that also hit max_tokens
             if req.is_finished:
                 self.scheduler.release(req.request_id)  # no transfer: it ends here
@@ -377,16 +284,13 @@ class LLMEngine:
             else:
                 self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
         if req.status == RequestStatus.FINISHED_TRANSFERRED:
-            self._handoffs[req.request_id] = (list(out.new_logprobs),
+            self._handoffs[req.request_id] = (list(t.output.new_logprobs),
                                               self.runner.sampler.get_state(req.request_id))
         if req.is_finished:
-            out.delta_text += t.detok.finish()
-            out.finished = True
-            out.finish_reason = req.status.finish_reason
-            out.num_cached_tokens = max(req.num_cached_tokens, 0)
+            t.finish()
             self._forget(req.request_id)
-        out.text = t.detok.text
-        return out
+        t.output.text = t.detok.text
+        return t.output
 
     def _forget(self, request_id: str) -> None:
         self._tracked.pop(request_id, None)
@@ -429,27 +333,3 @@ class LLMEngine:
                 **({"kv_tier_" + k: v for k, v in dataclasses.asdict(self.kv.tier.stats).items()}
                    if self.kv.tier is not None else {})}
 
-
-def _tier_dir(config: EngineConfig) -> Path:
-    if config.kv_tier_path:
-        return Path(config.kv_tier_path).expanduser()
-    from cascade.config import cascade_home
-
-    return cascade_home() / "engine"
-
-
-def _load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-def _eos_ids(model_dir: Path, tokenizer, hf_config: dict) -> frozenset[int]:
-    ids: set[int] = set()
-    gen = model_dir / "generation_config.json"
-    for source in (json.loads(gen.read_text()) if gen.is_file() else {}, hf_config):
-        eos = source.get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)

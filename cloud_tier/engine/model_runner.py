@@ -13,7 +13,7 @@ import torch
 from cloud_tier.engine.attention import AttentionMetadata
 from cloud_tier.engine.kv_quant import Int8KV
 from cloud_tier.engine.sampler import Sampler, TokenLogprobs
-from cloud_tier.engine.scheduler import SchedulerOutput
+from cloud_tier.engine.scheduling.output import SchedulerOutput
 
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14

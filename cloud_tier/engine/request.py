@@ -78,7 +78,7 @@ class Request:
     # the scheduler when queued; the last tie-break of its order (slack first, within class and priority)
     due: float | None = None
     # when its first token is expected (the scheduler's clock), as admitted against its TTFT target;
-    # a newcomer of its class served before it adds its own prefill time (see Scheduler._place)
+    # a newcomer of its class served before it adds its own prefill time (see SloAdmission.place)
     promised: float | None = None
 
     def __post_init__(self):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cloud_tier.config import PREEMPTION_MODES
+from cloud_tier.engine_config import PREEMPTION_MODES
 
 
 def choose_preemption(mode: str, swap_bytes: int, swap_free_bytes: int, copy_s_per_byte: float | None,

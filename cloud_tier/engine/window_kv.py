@@ -9,9 +9,9 @@ No prefix caching here: a hit would need the window's KV before the hit, which i
 
 from __future__ import annotations
 
-from cloud_tier.config import EngineConfig
 from cloud_tier.engine.block_pool import BlockPool, KVBlock
 from cloud_tier.engine.request import Request
+from cloud_tier.engine_config import EngineConfig
 
 NULL_BLOCK = 0
 

@@ -3,13 +3,16 @@ ports, which die with the gateway (even when it is killed) and are stopped with 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
+import sys
 from dataclasses import dataclass, field
 
-from cascade.processes import NotHealthy, cascade_command, free_port, spawn, stop, wait_healthy
+from cascade.processes import NotHealthy, free_port, spawn, stop, wait_healthy
 from cloud_tier.config import CloudConfig
+from cloud_tier.worker.settings import worker_settings
 
 log = logging.getLogger(__name__)
 
@@ -23,12 +26,11 @@ class WorkerProcesses:
     """The workers this gateway started; stopped with it."""
 
     config: CloudConfig
-    config_path: str | None = None
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
 
     def start(self, timeout_s: float = 600.0) -> list[str]:
         """Start the configured prefill, decode and co-located workers; their URLs once healthy."""
-        from cloud_tier.engine.llm_engine import resolve_model_dir
+        from model_distribution.artifacts.model_dirs import resolve_model_dir
 
         g, e = self.config.gateway, self.config.engine
         resolve_model_dir(e.model)  # convert the model once, before the workers race for it
@@ -37,7 +39,7 @@ class WorkerProcesses:
         host = "127.0.0.1"
         for role in roles:
             port = free_port(host)
-            cmd = worker_command(self.config, role, host, port, threads, self.config_path)
+            cmd = worker_command(self.config, role, host, port, threads)
             url = f"http://{host}:{port}"
             log.info("starting %s worker on %s (%d threads)", role, url, threads)
             self.procs.append((url, spawn(cmd, env=worker_omp_env(threads), die_with_parent=True)))
@@ -53,29 +55,16 @@ class WorkerProcesses:
             stop(p, timeout_s=10)
 
 
-def worker_command(config: CloudConfig, role: str, host: str, port: int, threads: int,
-                   config_path: str | None = None) -> list[str]:
-    """`cascade cloud worker` for one started worker: the engine settings as flags (a flag or variable
-    given to `cloud serve` is in no config file the worker reads), then the config file itself."""
-    e = config.engine
-    cmd = cascade_command(
-        "cloud", "worker", "--role", role, "--host", host, "--port", str(port), "--model", e.model,
-        "--threads", str(threads), "--dtype", e.dtype, "--kv-cache-dtype", e.kv_cache_dtype,
-        "--device", e.device,
-        "--max-model-len", str(e.max_model_len), "--kv-cache-bytes", str(e.kv_cache_memory_bytes),
-        "--max-num-seqs", str(e.max_num_seqs), "--max-num-batched-tokens", str(e.max_num_batched_tokens),
-        log_level=logging.getLevelName(log.getEffectiveLevel()))
-    for flag, value in (("--ttft-slo-s", e.ttft_slo_s), ("--tpot-slo-s", e.tpot_slo_s),
-                        ("--reservations", e.reservations)):
-        if value:
-            cmd += [flag, str(value)]
-    cmd += ["--slo-headroom", str(e.slo_headroom), "--tpot-min-batch", str(e.tpot_min_batch),
-            "--min-tpot-slo-s", str(e.min_tpot_slo_s)]
-    if config_path:
-        cmd += ["--config", config_path]
-    if config.server.api_key:
-        cmd += ["--api-key", config.server.api_key]
-    return cmd
+def worker_command(config: CloudConfig, role: str, host: str, port: int, threads: int) -> list[str]:
+    """``python -m cloud_tier.worker`` for one started worker: this gateway's whole configuration
+    (a flag or variable given to `cloud serve` is in no config file the worker could read), with
+    the worker's role, address and threads, and this process's log level."""
+    worker = dataclasses.replace(
+        config, server=dataclasses.replace(config.server, host=host, port=port),
+        engine=dataclasses.replace(config.engine, threads=threads),
+        worker=dataclasses.replace(config.worker, role=role))
+    level = logging.getLevelName(log.getEffectiveLevel())
+    return [sys.executable, "-m", "cloud_tier.worker", worker_settings(worker, level)]
 
 
 def worker_omp_env(threads: int) -> dict[str, str | None]:

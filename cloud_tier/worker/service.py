@@ -19,8 +19,8 @@ from cloud_tier.disagg.records import arrival_of, params_of, service_level_of
 from cloud_tier.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from cloud_tier.engine.outputs import RequestOutput
 from cloud_tier.engine.request import Request, ServiceLevel
-from cloud_tier.engine.scheduler import SLOMissError
-from cloud_tier.request_builder import Plan, RequestBuilder, with_headers
+from cloud_tier.engine.scheduling.admission import SLOMissError
+from cloud_tier.request_builder import RequestBuilder, RequestPlan, with_headers
 from cloud_tier.worker.metrics import WorkerMetrics
 from cloud_tier.worker.protocol import DecodeStats, EngineStats, PrefillStats, WorkerStats
 
@@ -84,7 +84,7 @@ class WorkerService:
         self.check_model(req.model)
         return self._job(self.builder.completion(req), headers or {})
 
-    def _job(self, plan: Plan, headers: Mapping[str, str]) -> EngineJob:
+    def _job(self, plan: RequestPlan, headers: Mapping[str, str]) -> EngineJob:
         slo = service_level(plan, headers)
         try:
             request = self.engine.prepare(plan.prompt_token_ids, plan.params, priority=plan.priority, slo=slo)
@@ -177,8 +177,8 @@ class WorkerService:
             self.metrics.goodput.labels(**labels).inc()
 
 
-def service_level(plan: Plan, headers: Mapping[str, str], now: float | None = None) -> ServiceLevel:
-    """A direct request's service level: the body's fields (``Plan``) under the X-Cascade-* headers
+def service_level(plan: RequestPlan, headers: Mapping[str, str], now: float | None = None) -> ServiceLevel:
+    """A direct request's service level: the body's fields (``RequestPlan``) under the X-Cascade-* headers
     (``with_headers``: 400 on a bad one); its deadline from now (``time.monotonic()``)."""
     plan = with_headers(plan, headers)
     deadline = None if plan.timeout_s is None else (time.monotonic() if now is None else now) + plan.timeout_s

@@ -9,7 +9,7 @@ import torch
 
 from cascade.config import cascade_home
 from cloud_tier.engine import LLMEngine, SamplingParams
-from cloud_tier.engine.llm_engine import resolve_model_dir
+from model_distribution.artifacts.model_dirs import resolve_model_dir
 from model_distribution.artifacts.catalog import Catalog
 from tests.integration.gguf_reference import gguf_reference
 

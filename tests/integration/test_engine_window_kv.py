@@ -11,7 +11,7 @@ import json
 import pytest
 
 from cloud_tier.engine import LLMEngine, SamplingParams
-from cloud_tier.engine.llm_engine import resolve_model_dir
+from model_distribution.artifacts.model_dirs import resolve_model_dir
 from tests.integration.test_engine import run_to_end
 
 WINDOW = 32

@@ -178,7 +178,7 @@ def decode_vllm(request, vllm_worker, tmp_path_factory):
     the prefill half. Spawned as soon as the session's vLLM is up, when the P/D test is among those
     selected, so that its start (~1-2 min here) overlaps the tests before it; that test waits for it
     and stops it (and so does the teardown here, if it failed first)."""
-    from cloud_tier.engine.llm_engine import resolve_model_dir
+    from model_distribution.artifacts.model_dirs import resolve_model_dir
     from tests.vllm_server import VllmServer
 
     wanted = test_a_vllm_prefill_decode_pair_through_the_gateway_moves_the_kv_over_nixl.__name__

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from cloud_tier.engine.models import gguf_convert
-from cloud_tier.engine.models.gguf_convert import (
+from model_distribution.artifacts import gguf_convert
+from model_distribution.artifacts.gguf_convert import (
     FINGERPRINTS,
     MARKER,
     REQUIRED_FILES,

@@ -32,7 +32,7 @@ def cascade(*args, home: Path):
 
 def smollm2_hf_dir() -> Path:
     """The engine's HF directory for SmolLM2, converted in $CASCADE_HOME (engine_home sets it)."""
-    from cloud_tier.engine.llm_engine import resolve_model_dir
+    from model_distribution.artifacts.model_dirs import resolve_model_dir
 
     return resolve_model_dir("smollm2-135m")
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-import cloud_tier.config as config
-from cloud_tier.config import EngineConfig, resolve_dtype
+import cloud_tier.engine_config as config
+from cloud_tier.engine_config import EngineConfig, resolve_dtype
 
 
 @pytest.mark.parametrize("flags, expected", [

@@ -1,11 +1,14 @@
 """`cascade cloud serve`'s engine flags: they reach the configuration and the workers it starts
 (a flag is in no config file a started worker reads), and a bad value is refused in one line."""
 
+import sys
+
 import pytest
 
 from cascade_cli.main import build_parser
 from cloud_tier.config import CloudConfig
 from cloud_tier.worker.processes import worker_command
+from cloud_tier.worker.settings import read_settings
 
 
 def served_config(monkeypatch, *flags: str) -> CloudConfig:
@@ -26,14 +29,16 @@ def test_the_targets_dtype_reservations_and_class_targets_reach_the_configuratio
     assert config.gateway.class_slos == "interactive=2:0.2,batch=60:1"
 
 
-def test_a_started_worker_gets_them_as_flags_and_none_it_was_not_given(monkeypatch):
+def test_a_started_worker_gets_them_and_none_it_was_not_given(monkeypatch):
     config = served_config(monkeypatch, "--ttft-slo-s", "2", "--tpot-slo-s", "0.25", "--reservations", "gold=0.3")
-    cmd = worker_command(config, "both", "127.0.0.1", 9000, 2, "/etc/cloud.toml")
-    pairs = dict(zip(cmd, cmd[1:], strict=False))
-    assert pairs["--ttft-slo-s"] == "2.0" and pairs["--tpot-slo-s"] == "0.25" and pairs["--reservations"] == "gold=0.3"
-    assert pairs["--role"] == "both" and pairs["--port"] == "9000" and pairs["--config"] == "/etc/cloud.toml"
-    plain = worker_command(served_config(monkeypatch), "both", "127.0.0.1", 9000, 2)
-    assert not {"--ttft-slo-s", "--tpot-slo-s", "--reservations", "--config"} & set(plain)
+    cmd = worker_command(config, "both", "127.0.0.1", 9000, 2)
+    assert cmd[:3] == [sys.executable, "-m", "cloud_tier.worker"]
+    worker, _ = read_settings(cmd[3])
+    e = worker.engine
+    assert (e.ttft_slo_s, e.tpot_slo_s, e.reservations) == (2.0, 0.25, "gold=0.3")
+    assert (worker.worker.role, worker.server.host, worker.server.port, e.threads) == ("both", "127.0.0.1", 9000, 2)
+    plain, _ = read_settings(worker_command(served_config(monkeypatch), "both", "127.0.0.1", 9000, 2)[3])
+    assert (plain.engine.ttft_slo_s, plain.engine.tpot_slo_s, plain.engine.reservations) == (None, None, "")
 
 
 @pytest.mark.parametrize("flags", [["--ttft-slo-s", "-1"], ["--tpot-slo-s", "nan"], ["--class-slos", "fast"],

@@ -6,14 +6,14 @@ import email.utils
 import pytest
 
 from cascade import errors
-from cloud_tier.request_builder import Plan, deadline_seconds, with_headers
+from cloud_tier.request_builder import RequestPlan, deadline_seconds, with_headers
 from cloud_tier.sampling import SamplingParams
 
 NOW = 1_800_000_000.0
 
 
-def plan(**kw) -> Plan:
-    return Plan([1, 2, 3], SamplingParams(), None, **kw)
+def plan(**kw) -> RequestPlan:
+    return RequestPlan([1, 2, 3], SamplingParams(), None, **kw)
 
 
 @pytest.mark.parametrize("raw, left", [

@@ -3,8 +3,10 @@ configuration from `cascade cloud serve` / `cloud worker`, and the workers it st
 
 import pytest
 
-from cloud_tier.config import EngineConfig, GatewayConfig
+from cloud_tier.config import GatewayConfig
+from cloud_tier.engine_config import EngineConfig
 from cloud_tier.worker.processes import worker_command
+from cloud_tier.worker.settings import read_settings
 from tests.unit.test_serve_flags import served_config
 
 
@@ -13,8 +15,8 @@ def test_the_floors_reach_the_gateway_the_engine_and_the_started_workers(monkeyp
                            "--tpot-min-batch", "12", "--min-tpot-slo-s", "0.08")
     assert (config.gateway.min_ttft_slo_s, config.gateway.min_tpot_slo_s) == (0.5, 0.05)
     assert (config.engine.tpot_min_batch, config.engine.min_tpot_slo_s) == (12, 0.08)
-    pairs = dict(zip(cmd := worker_command(config, "both", "127.0.0.1", 9000, 2), cmd[1:], strict=False))
-    assert pairs["--tpot-min-batch"] == "12" and pairs["--min-tpot-slo-s"] == "0.08"
+    worker, _ = read_settings(worker_command(config, "both", "127.0.0.1", 9000, 2)[3])
+    assert (worker.engine.tpot_min_batch, worker.engine.min_tpot_slo_s) == (12, 0.08)
 
 
 def test_bad_floors_and_class_targets_under_them_are_refused():

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cloud_tier.config import has_amx
 from cloud_tier.engine.attention import heads_contiguous
+from cloud_tier.engine_config import has_amx
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from cloud_tier.gateway.pipeline.steps import Estimate
 from cloud_tier.gateway.pipeline.worker_client import WorkerClient
 from cloud_tier.gateway.workers.pool import WorkerPool
 from cloud_tier.gateway.workers.usage import UsageBounds
-from cloud_tier.request_builder import Plan, RequestBuilder
+from cloud_tier.request_builder import RequestPlan, RequestBuilder
 
 
 class OwnWorkers:
@@ -46,7 +46,7 @@ class OwnWorkers:
                 self.cache_keys.put(seen, flight.cache_key, 0, owner=flight.tenant)
         return job
 
-    def plan(self, endpoint: str, req, priority: int) -> Plan:
+    def plan(self, endpoint: str, req, priority: int) -> RequestPlan:
         plan = self.builder.chat(req) if endpoint == "chat" else self.builder.completion(req)
         return dataclasses.replace(plan, priority=priority)
 
@@ -61,7 +61,7 @@ class OwnJob:
         self.endpoint = endpoint
         self.req = req
         self.priority = priority
-        self.plan: Plan | None = None  # None until planned (a body seen before is planned on a cache miss only)
+        self.plan: RequestPlan | None = None  # None until planned (a body seen before is planned on a cache miss only)
         self.need = 0  # KV blocks
 
     def estimate(self) -> Estimate:

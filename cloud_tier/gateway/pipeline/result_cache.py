@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from cloud_tier.request_builder import Plan
+    from cloud_tier.request_builder import RequestPlan
 
 
-def cache_key(tenant: str, model: str, endpoint: str, plan: Plan) -> str | None:
+def cache_key(tenant: str, model: str, endpoint: str, plan: RequestPlan) -> str | None:
     """sha256 of what the model is asked (the prompt's token ids, exactly as the engine gets them)
     and how it samples (every SamplingParams field), or None when the output is not
     deterministic: only temperature 0 or a seed qualifies. Keying on the token ids, not on the

@@ -27,7 +27,7 @@ from cloud_tier.gateway.workers import stream as worker_stream
 from cloud_tier.gateway.workers.admission import Admission, Ticket
 from cloud_tier.gateway.workers.placement import NoWorkerError, PrefixIndex, RouterConfig, choose_prefill
 from cloud_tier.gateway.workers.pool import Worker, WorkerPool
-from cloud_tier.request_builder import Plan
+from cloud_tier.request_builder import RequestPlan
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +55,12 @@ class WorkerClient:
         if worker_api_key:
             self.worker_headers["authorization"] = f"Bearer {worker_api_key}"
 
-    def targets(self, flight: Flight, plan: Plan) -> tuple[float | None, float | None]:
+    def targets(self, flight: Flight, plan: RequestPlan) -> tuple[float | None, float | None]:
         """The request's (TTFT, TPOT) targets: its own (the body's), else its class's in ``class_slos``."""
         ttft, tpot = self.class_slos.get(flight.priority_class, (None, None))
         return plan.ttft_slo_s or ttft, plan.tpot_slo_s or tpot
 
-    async def admit(self, flight: Flight, plan: Plan, need: int) -> Ticket:
+    async def admit(self, flight: Flight, plan: RequestPlan, need: int) -> Ticket:
         """Room for the request on a decode worker: waited for up to what is left of its TTFT target
         (refused as "slo" past it: it would miss it anyway), or of the gateway's TTFT objective when
         it has none."""
@@ -70,7 +70,7 @@ class WorkerClient:
         return await self.admission.admit(need, wait_s, ("decode", "both"), reason=reason,
                                           batch=flight.priority_class == "batch", tenant=flight.tenant)
 
-    def route(self, plan: Plan, worker: Worker) -> tuple[str | None, Worker | None, int]:
+    def route(self, plan: RequestPlan, worker: Worker) -> tuple[str | None, Worker | None, int]:
         """(prefill URL or None for local prefill, the prefill worker, prompt tokens it computes)."""
         tokens = plan.prompt_token_ids
         prefill = self.pool.by_role("prefill") if worker.role == "decode" else []
@@ -90,14 +90,14 @@ class WorkerClient:
             return self.kv_transport
         return "shm" if urlsplit(prefill_url).hostname == urlsplit(decode_url).hostname else "tcp"
 
-    def _record(self, flight: Flight, plan: Plan, rid: str) -> RequestRecord:
+    def _record(self, flight: Flight, plan: RequestPlan, rid: str) -> RequestRecord:
         ttft, tpot = self.targets(flight, plan)
         return RequestRecord(request_id=rid, prompt_token_ids=plan.prompt_token_ids,
                              sampling=plan.params.to_dict(), priority=plan.priority,
                              priority_class=flight.priority_class, tenant=flight.tenant,
                              ttft_slo_s=ttft, tpot_slo_s=tpot, timeout_s=time_left(flight, plan))
 
-    async def generate(self, flight: Flight, plan: Plan, need: int) -> AsyncIterator[TokenEvent | Finish]:
+    async def generate(self, flight: Flight, plan: RequestPlan, need: int) -> AsyncIterator[TokenEvent | Finish]:
         rid = uuid.uuid4().hex
         record = self._record(flight, plan, rid)
         deadline = None if record.timeout_s is None else time.perf_counter() + record.timeout_s
@@ -186,7 +186,7 @@ def _timed_out(deadline: float | None) -> errors.APIError:
                            code="deadline_exceeded" if late else "worker_timeout")
 
 
-def time_left(flight: Flight, plan: Plan) -> float | None:
+def time_left(flight: Flight, plan: RequestPlan) -> float | None:
     """What is left of the request's deadline (the earlier of the body's ``timeout`` and the
     X-Cascade-Deadline header), for the worker: a duration, since clocks differ between hosts."""
     limits = [t for t in (plan.timeout_s, flight.deadline_s) if t is not None]

@@ -4,14 +4,15 @@ whole sequence decoded at once, on the Rust tokenizer's decode and on the HF wra
 import pytest
 
 from cloud_tier.engine.detokenizer import IncrementalDetokenizer
-from cloud_tier.engine.llm_engine import _load_tokenizer, resolve_model_dir
+from cloud_tier.engine.model_files import load_tokenizer
+from model_distribution.artifacts.model_dirs import resolve_model_dir
 
 TEXT = "Grüße aus Köln 🚀🚀 — naïve café, 東京タワー! <|im_end|> x = [1, 2]\n\tdone."
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return _load_tokenizer(resolve_model_dir("smollm2-135m"))
+    return load_tokenizer(resolve_model_dir("smollm2-135m"))
 
 
 class _WrapperOnly:  # the HF wrapper's decode alone (no backend to take the fast path)

@@ -132,7 +132,7 @@ def test_the_int8_kernel_matches_the_torch_path_and_the_float_kernel_on_the_same
 
 
 def test_engine_config_takes_auto_or_int8_and_names_both_when_refusing():
-    from cloud_tier.config import EngineConfig
+    from cloud_tier.engine_config import EngineConfig
 
     assert EngineConfig().kv_cache_dtype == "auto" and EngineConfig(kv_cache_dtype="int8").kv_cache_dtype == "int8"
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of auto, int8, got 'fp8'"):

@@ -170,7 +170,7 @@ def test_the_argmax_finds_the_first_maximum_in_any_lane_and_in_the_tail(native, 
 
 
 def test_a_batch_padded_to_whole_tiles_gives_the_same_products(monkeypatch):
-    from cloud_tier.config import has_amx
+    from cloud_tier.engine_config import has_amx
 
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
     if reorder is None or not torch.backends.mkldnn.is_available():

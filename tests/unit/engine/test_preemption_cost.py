@@ -5,8 +5,9 @@ import pytest
 
 from cloud_tier.engine.kv_cache_manager import KVCacheManager
 from cloud_tier.engine.request import Request, RequestStatus
-from cloud_tier.engine.scheduler import Scheduler, SchedulerConfig
+from cloud_tier.engine.scheduler import Scheduler
 from cloud_tier.engine.swap import SwapIn, SwapOut, SwapSpace, choose_preemption
+from cloud_tier.engine_config import SchedulerConfig
 from cloud_tier.sampling import SamplingParams
 
 MB = 1 << 20
@@ -59,8 +60,7 @@ def test_bad_mode_is_refused():
 
 def make(mode, num_blocks=4, budget_bytes=1 << 20):
     s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256),
-                  KVCacheManager(num_blocks, 4, True, "test"))
-    s.swap = SwapSpace(mode, budget_bytes, bytes_per_block=10)
+                  KVCacheManager(num_blocks, 4, True, "test"), swap=SwapSpace(mode, budget_bytes, bytes_per_block=10))
     return s
 
 

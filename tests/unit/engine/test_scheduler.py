@@ -6,7 +6,8 @@ import pytest
 
 from cloud_tier.engine.kv_cache_manager import KVCacheManager
 from cloud_tier.engine.request import Request, RequestStatus
-from cloud_tier.engine.scheduler import Scheduler, SchedulerConfig
+from cloud_tier.engine.scheduler import Scheduler
+from cloud_tier.engine_config import SchedulerConfig
 from cloud_tier.sampling import SamplingParams
 
 EOS = 2

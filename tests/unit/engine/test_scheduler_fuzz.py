@@ -15,8 +15,10 @@ import pytest
 
 from cloud_tier.engine.kv_cache_manager import KVCacheManager
 from cloud_tier.engine.request import Request, RequestStatus, ServiceLevel
-from cloud_tier.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from cloud_tier.engine.scheduler import Scheduler
+from cloud_tier.engine.scheduling.output import SchedulerOutput
 from cloud_tier.engine.swap import SwapSpace
+from cloud_tier.engine_config import SchedulerConfig
 from cloud_tier.sampling import SamplingParams
 
 EOS = 2
@@ -35,14 +37,14 @@ class Tally:
     tier: object = None
 
 
-def make_scheduler(rng: random.Random, tier_blocks: int = 0) -> Scheduler:
+def make_scheduler(rng: random.Random, tier_blocks: int = 0, swap: SwapSpace | None = None) -> Scheduler:
     max_len = rng.randint(4, 48)
     chunked = rng.random() < 0.8
     budget = rng.randint(1, 24) if chunked else rng.randint(max_len, max_len + 16)
     cfg = SchedulerConfig(max_num_seqs=rng.randint(1, 6), max_num_batched_tokens=budget, max_model_len=max_len,
                           enable_chunked_prefill=chunked, long_prefill_token_threshold=rng.choice((0, 0, 3)))
     return Scheduler(cfg, KVCacheManager(rng.randint(1, 12), rng.choice((1, 2, 4, 8)), rng.random() < 0.8, "fuzz",
-                                         tier_blocks=tier_blocks))
+                                         tier_blocks=tier_blocks), swap=swap)
 
 
 def new_request(rng: random.Random, s: Scheduler, n: int, now: float) -> Request:
@@ -52,7 +54,7 @@ def new_request(rng: random.Random, s: Scheduler, n: int, now: float) -> Request
     params = SamplingParams(max_tokens=rng.randint(1, 40), stop_token_ids=(12,) if rng.random() < 0.2 else (),
                             ignore_eos=rng.random() < 0.3)
     # (priority, arrival) ties are common: they are where a preemption victim may already be scheduled
-    # classes too: a waiting higher class takes a lower one's slot and KV (Scheduler._yield_to)
+    # classes too: a waiting higher class takes a lower one's slot and KV (WaitingPass._yield_to)
     req = Request(rid, prompt, params, eos_token_ids=frozenset({EOS}), priority=rng.choice((-1, 0, 0, 0, 0, 1)),
                   arrival_time=rng.choice((now, float(int(now) // 8), float(int(now) // 8))),
                   slo=ServiceLevel(rng.choice(("interactive", "interactive", "escalation", "batch"))))
@@ -123,9 +125,9 @@ def step(rng: random.Random, s: Scheduler) -> None:
 @functools.cache  # each seed runs once per session, however many tests look at it
 def run_case(seed: int, moves: bool = False) -> Tally:
     rng = random.Random(seed)
-    s = make_scheduler(rng, tier_blocks=random.Random(-seed).randint(1, 16) if moves else 0)
-    if moves:  # a swap space of 0 to 12 blocks of one byte: some victims fit, some do not
-        s.swap = SwapSpace("swap", budget_bytes=random.Random(-seed).randint(0, 12), bytes_per_block=1)
+    # with moves, a swap space of 0 to 12 blocks of one byte: some victims fit, some do not
+    swap = SwapSpace("swap", budget_bytes=random.Random(-seed).randint(0, 12), bytes_per_block=1) if moves else None
+    s = make_scheduler(rng, tier_blocks=random.Random(-seed).randint(1, 16) if moves else 0, swap=swap)
     tally = Tally()
     n = 0
     for t in range(STEPS):

@@ -8,8 +8,11 @@ import pytest
 
 from cloud_tier.engine.kv_cache_manager import KVCacheManager
 from cloud_tier.engine.request import Request, RequestStatus, ServiceLevel
-from cloud_tier.engine.scheduler import Scheduler, SchedulerConfig, SLOMissError
-from cloud_tier.engine.slo import Reservations, StepCostModel, estimate_ttft
+from cloud_tier.engine.scheduler import Scheduler
+from cloud_tier.engine.scheduling.admission import SLOMissError
+from cloud_tier.engine.scheduling.step_cost import StepCostModel, estimate_ttft
+from cloud_tier.engine.scheduling.tenants import Reservations
+from cloud_tier.engine_config import SchedulerConfig
 from cloud_tier.sampling import SamplingParams
 
 EOS = 2
@@ -315,7 +318,7 @@ def test_a_reservation_holds_under_another_tenants_flood():
         s.add_request(req(s, f"flood{i}", 12, max_tokens=20, start=10 + 20 * i, tenant="flood"))
     for _ in range(30):
         step(s)
-        blocks, slots = s._usage()
+        blocks, slots = s.pools.usage()
         assert blocks[""] <= 16 and slots[""] <= 4
     assert s.num_waiting > 0  # the flood is still queued ...
     s.add_request(req(s, "gold", 12, max_tokens=4, start=1000, tenant="gold"))
@@ -329,7 +332,7 @@ def test_without_a_reservation_in_use_the_flood_still_gets_only_the_unreserved_s
         s.add_request(req(s, f"flood{i}", 12, max_tokens=40, start=10 + 20 * i, tenant="flood"))
     for _ in range(60):
         step(s)
-        assert s._usage()[0][""] <= 24
+        assert s.pools.usage()[0][""] <= 24
     assert s.num_preemptions > 0  # its growth preempted its own, never took gold's blocks
 
 

@@ -6,8 +6,8 @@ step-cost model."""
 
 import pytest
 
-from cloud_tier.engine.scheduler import SchedulerConfig
-from cloud_tier.engine.slo import TpotPolicy
+from cloud_tier.engine.scheduling.tenants import TpotPolicy
+from cloud_tier.engine_config import SchedulerConfig
 from tests.unit.engine.test_slo_scheduler import fixed_cost, make, req, step
 
 # a step: 10 ms + 1 ms per prefill token + 10 ms per decode; 8 decodes take 90 ms

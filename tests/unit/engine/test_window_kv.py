@@ -4,10 +4,10 @@ room in both groups; no model."""
 
 import pytest
 
-from cloud_tier.config import EngineConfig
 from cloud_tier.engine.kv_cache_manager import KVCacheManager
 from cloud_tier.engine.request import Request
 from cloud_tier.engine.window_kv import NULL_BLOCK, WindowBlocks, window_group
+from cloud_tier.engine_config import EngineConfig
 from cloud_tier.sampling import SamplingParams
 
 BS = 4

@@ -4,15 +4,15 @@ deterministic requests, TTL and LRU bounds."""
 import pytest
 
 from cloud_tier.gateway.pipeline.result_cache import ResultCache, cache_key
-from cloud_tier.request_builder import Plan
+from cloud_tier.request_builder import RequestPlan
 from cloud_tier.sampling import SamplingParams
 
 CHAT = "chat"
-BASE = Plan([1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0), None)
+BASE = RequestPlan([1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0), None)
 
 
-def plan(tokens=(1, 2, 3), **params) -> Plan:
-    return Plan(list(tokens), SamplingParams(**{"max_tokens": 8, "temperature": 0.0, **params}), None)
+def plan(tokens=(1, 2, 3), **params) -> RequestPlan:
+    return RequestPlan(list(tokens), SamplingParams(**{"max_tokens": 8, "temperature": 0.0, **params}), None)
 
 
 def key(p, tenant="t", model="m", endpoint=CHAT):

@@ -1,0 +1,1 @@
+"""The scheduler's passes and the values they share: one module per decision."""
