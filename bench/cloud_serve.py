@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cascade.eval.loadgen import LoadConfig, format_table, run_benchmark
+from testkit.loadgen import LoadConfig, format_table, run_benchmark
 from cascade.eval.sharegpt import load_conversations, sample_requests
 from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
 

@@ -9,7 +9,7 @@ TTFT / TPOT / ITL / E2E percentiles and throughput.
 Prompt and output lengths are counted with ``--tokenizer``: a catalogue model name (default
 smollm2-135m, vocabulary only), a .gguf file, or a Hugging Face tokenizer directory.
 The client itself (``run_benchmark``, ``compute_metrics``, ``format_table``) is
-``cascade.eval.loadgen``.
+``testkit.loadgen``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from cascade.eval.loadgen import (
+from testkit.loadgen import (
     DEFAULT_TOKENIZER,
     ENDPOINTS,
     LoadConfig,

@@ -11,7 +11,7 @@ import math
 import httpx
 import pytest
 
-from cascade.eval.loadgen import (
+from testkit.loadgen import (
     LatencyStats,
     RequestOutcome,
     arrival_times,
