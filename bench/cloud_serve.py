@@ -18,9 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from testkit.loadgen import LoadConfig, format_table, run_benchmark
 from cascade.eval.sharegpt import load_conversations, sample_requests
 from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
+from testkit.loadgen import LoadConfig, format_table, run_benchmark
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m"

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import httpx
 
-from testkit.devservers import MissingServer, Postgres, Redis
 from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
+from testkit.devservers import MissingServer, Postgres, Redis
 
 REPO = Path(__file__).resolve().parent.parent
 BODY = {"model": "smollm2-135m",

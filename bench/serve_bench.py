@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from cascade.eval.sharegpt import SampledRequest, Tokenizer, load_conversations, sample_requests
 from testkit.loadgen import (
     DEFAULT_TOKENIZER,
     ENDPOINTS,
@@ -32,7 +33,6 @@ from testkit.loadgen import (
     format_table,
     run_benchmark,
 )
-from cascade.eval.sharegpt import SampledRequest, Tokenizer, load_conversations, sample_requests
 
 
 class GGUFVocab:
