@@ -19,7 +19,8 @@ import tempfile
 from pathlib import Path
 
 from cascade.eval.sharegpt import load_conversations, sample_requests
-from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
+from cascade.processes import free_port, spawn, stop, wait_healthy
+from cascade_cli.spawn import cascade_command
 from testkit.loadgen import LoadConfig, format_table, run_benchmark
 
 REPO = Path(__file__).resolve().parent.parent

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import httpx
 
-from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
+from cascade.processes import free_port, spawn, stop, wait_healthy
+from cascade_cli.spawn import cascade_command
 from testkit.devservers import MissingServer, Postgres, Redis
 
 REPO = Path(__file__).resolve().parent.parent

@@ -26,7 +26,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
+from cascade.processes import free_port, spawn, stop, wait_healthy
+from cascade_cli.spawn import cascade_command
 
 REPO = Path(__file__).resolve().parent.parent
 

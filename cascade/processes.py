@@ -1,6 +1,6 @@
 """Child processes on loopback: a free port, waiting until a server is healthy, and stopping a
 process with everything it started. One place for what the gateway (its workers), the demo,
-the benchmarks and the tests all do."""
+the benchmarks and the tests all do. (The ``cascade`` command line itself: cascade_cli.spawn.)"""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-# ``python -m cascade_cli ...`` is the ``cascade`` command, whatever PATH holds
+# goes at the merge: only cloud_tier/worker/processes.py still uses it, and the engine helper's branch stops
 CASCADE = (sys.executable, "-m", "cascade_cli")
 
 
@@ -31,8 +31,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+# goes at the merge: only cloud_tier/worker/processes.py still uses it, and the engine helper's branch stops
 def cascade_command(*args: str, log_level: str | None = "WARNING") -> list[str]:
-    """The ``cascade`` command line for a child process: this interpreter, this install."""
+    """The ``cascade`` command line for a child process (cascade_cli.spawn's is the one to use)."""
     return [*CASCADE, *(("--log-level", log_level) if log_level else ()), *args]
 
 

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from cascade.processes import cascade_command
+from cascade_cli.spawn import cascade_command
 from model_distribution.registry import Registry
 from model_distribution.signing import Repository
 from sync.mqtt_link import stop_loop

@@ -14,7 +14,8 @@ import time
 import paho.mqtt.client as mqtt
 import pytest
 
-from cascade.processes import cascade_command, free_port
+from cascade.processes import free_port
+from cascade_cli.spawn import cascade_command
 from model_distribution.broker import FleetBroker, TLSListener, control_plane_credentials, find_mosquitto
 from model_distribution.desired import AppliedDesired
 from model_distribution.devices import DeviceStore

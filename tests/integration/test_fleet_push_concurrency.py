@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from cascade.processes import cascade_command
+from cascade_cli.spawn import cascade_command
 from model_distribution.signing import Repository, SigningError, verified_target
 from tests.conftest import REPO
 from tests.unit.test_registry import make_gguf

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from cascade.processes import cascade_command
+from cascade_cli.spawn import cascade_command
 from model_distribution.device_client import installed
 from model_distribution.devices import DeviceStore
 from model_distribution.registry import Manifest, Registry
