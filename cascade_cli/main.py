@@ -87,7 +87,7 @@ def cmd_edge_install_service(args) -> int:
     from pathlib import Path
 
     from cascade.config import ConfigError
-    from edge_agent.config import EdgeConfig, ServerConfig
+    from edge_agent.config import AgentServerConfig, EdgeConfig
     from edge_agent.service_unit import DEFAULT_UNIT_PATH, ServiceSpec, next_steps, unit_text
 
     command = [args.exec] if args.exec else [args.python, "-m", "cascade_cli"] if args.python else _cascade_executable()
@@ -96,7 +96,7 @@ def cmd_edge_install_service(args) -> int:
         # the stop timeout must outlast the drain the config asks for (the file alone: the
         # service does not inherit this shell's environment)
         drain = EdgeConfig.load(args.config, environ={}).server.drain_timeout_s if config_exists else \
-            ServerConfig().drain_timeout_s
+            AgentServerConfig().drain_timeout_s
         spec = ServiceSpec(command, args.config, args.user, args.group or "", args.state_dir, drain, args.watchdog_sec)
     except (ConfigError, ValueError) as e:
         print(f"cascade: {e}", file=sys.stderr)
@@ -320,8 +320,8 @@ def _add_service_levels(p: argparse.ArgumentParser, lead: str = "") -> None:
 def build_parser() -> argparse.ArgumentParser:
     from cloud_tier.config import DTYPES, EngineConfig, GatewayConfig, WorkerConfig
     from cloud_tier.config import ServerConfig as CloudServer
+    from edge_agent.config import AgentServerConfig as EdgeServer
     from edge_agent.config import ModelConfig, QueueConfig
-    from edge_agent.config import ServerConfig as EdgeServer
 
     edge_srv, edge_model, edge_queue = EdgeServer(), ModelConfig(), QueueConfig()
     cloud_srv, eng, wkr, gw = CloudServer(), EngineConfig(), WorkerConfig(), GatewayConfig()
