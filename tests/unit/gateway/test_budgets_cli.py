@@ -8,9 +8,9 @@ import uuid
 
 import pytest
 
+from cascade_cli.keys import add_keys_parser
 from cloud_tier.gateway.budgets import Budgets, RedisSpend
 from cloud_tier.gateway.keys import Budget, KeyStore
-from cloud_tier.gateway.keys_cli import add_keys_parser
 
 
 @pytest.fixture

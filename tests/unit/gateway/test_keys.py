@@ -6,8 +6,8 @@ import sqlite3
 
 import pytest
 
+from cascade_cli.keys import add_keys_parser
 from cloud_tier.gateway.keys import ApiKey, KeyStore, TenantLimits
-from cloud_tier.gateway.keys_cli import add_keys_parser
 from cloud_tier.gateway.keys_pg import PgKeyStore
 from tests.pg_redis import fresh_database
 

@@ -10,8 +10,8 @@ import psycopg
 import pytest
 
 from cascade.processes import free_port
+from cascade_cli.keys import add_keys_parser
 from cloud_tier.gateway.keys import TenantLimits
-from cloud_tier.gateway.keys_cli import add_keys_parser
 from cloud_tier.gateway.keys_pg import PgKeyStore
 from tests.pg_redis import fresh_database
 
