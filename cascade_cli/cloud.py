@@ -148,7 +148,7 @@ def add_cloud_parser(sub) -> None:
     worker.set_defaults(func=cmd_cloud_worker)
 
     serve = add_command(cloud, "serve", "the gateway, with the prefill and decode workers it starts "
-                                    "(or in front of --workers started elsewhere); stop: Ctrl-C or SIGTERM")
+                                        "(or in front of --workers started elsewhere); stop: Ctrl-C or SIGTERM")
     serve.add_argument("--config", help="cloud.toml (default: none)")
     serve.add_argument("--host", help=f"the gateway's address (default: {gw.host})")
     serve.add_argument("--port", type=int, help=f"the gateway's port (default: {gw.port})")

@@ -143,7 +143,7 @@ def add_edge_parser(sub) -> None:
     from edge_agent.service_unit import DEFAULT_UNIT_PATH
 
     svc = add_command(edge, "install-service", "write a systemd unit that runs `cascade edge run` as a service "
-                                           "(Type=notify, watchdog, reload on SIGHUP, draining stop)")
+                                               "(Type=notify, watchdog, reload on SIGHUP, draining stop)")
     svc.add_argument("--user", default="cascade", help="the unprivileged user it runs as")
     svc.add_argument("--group", help="its group (default: the user's name)")
     svc.add_argument("--state-dir", default="/var/lib/cascade", help="its $CASCADE_HOME, the one writable directory")

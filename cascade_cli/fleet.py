@@ -207,7 +207,7 @@ def add_fleet_parser(sub) -> None:
     fleet = add_command(sub, "fleet", "the fleet control plane: model registry, devices, rollouts").add_subparsers(
         dest="fleet_command", required=True, metavar="COMMAND")
     serve = add_command(fleet, "serve", "the control plane: artifacts (HTTP Range), signed TUF metadata, the "
-                        "operator's endpoints")
+                                        "operator's endpoints")
     serve.add_argument("--config", help="fleet.toml (default: none)")
     serve.add_argument("--host", help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to listen on (default: 8090)")
@@ -224,7 +224,7 @@ def add_fleet_parser(sub) -> None:
     keys = add_command(fleet, "keys", "the control plane's signing keys").add_subparsers(
         dest="keys_command", required=True, metavar="COMMAND")
     init = add_command(keys, "init", "make the signing keys (root, targets offline; snapshot, timestamp, desired "
-                       "online) and the first TUF metadata")
+                                     "online) and the first TUF metadata")
     init.set_defaults(func=cmd_keys_init)
     push = add_command(fleet, "push", "publish a model file as name@version (immutable once published)")
     push.add_argument("path", help="the model file (.gguf), or an ONNX export directory (pushed as one tar)")
@@ -236,7 +236,7 @@ def add_fleet_parser(sub) -> None:
     add_remote_flags(push)
     push.set_defaults(func=exit_on_refusal(cmd_push))
     models = add_command(fleet, "models", "published model versions: name, version, format, quantization, size, "
-                         "sha256, pushed at")
+                                          "sha256, pushed at")
     models.add_argument("--name", help="only this model's versions")
     models.add_argument("--json", action="store_true", help="print JSON (full sha256 and manifest)")
     add_remote_flags(models)
@@ -255,7 +255,7 @@ def add_fleet_parser(sub) -> None:
     add_remote_flags(add)
     add.set_defaults(func=exit_on_refusal(cmd_devices_add))
     bf = add_command(fleet, "broker-files", "Mosquitto password and ACL files: each device reads only its desired "
-                     "topic and writes only its own reported/events/status/telemetry")
+                                            "topic and writes only its own reported/events/status/telemetry")
     bf.add_argument("--out", required=True, help="the folder to write passwd and acl into")
     bf.set_defaults(func=cmd_broker_files)
     assign = add_command(fleet, "assign", "set the desired model version of a device or a group")

@@ -86,7 +86,7 @@ def add_models_parser(sub) -> None:
     qz.add_argument("--threads", type=int, default=0, help="quantizer threads (0: every core)")
     qz.set_defaults(func=cmd_models_quantize)
     ex = add_command(models, "export", "export a model for ONNX Runtime devices (onnxruntime-genai's model builder; "
-                                   "needs the onnx-export extra), verified against the PyTorch engine")
+                                       "needs the onnx-export extra), verified against the PyTorch engine")
     ex.add_argument("model", help="catalogue name, .gguf path or HF directory")
     ex.add_argument("--format", choices=["onnx"], required=True, help="the export's format")
     ex.add_argument("--precision", choices=["int4", "fp16", "fp32"],

@@ -1,7 +1,7 @@
 """``cascade fleet rollout ...``: staged rollouts, on the control plane's state under
 ``$CASCADE_HOME/fleet`` or with ``--url`` on a control plane elsewhere (its
-``/v1/fleet/rollouts``), printed from the same dicts either way (model_distribution/rollout_ops.py; the status as text:
-rollout_view.py).
+``/v1/fleet/rollouts``), printed from the same dicts either way (model_distribution/rollout_ops.py;
+the status as text: rollout_view.py).
 
     cascade fleet rollout start NAME@VERSION --group G [--waves 1,10,50,100] [--bake 2m]
         [--max-failure-rate 0.02] [--min-executed 5] [--gate "escalation_rate<=+0.05" ...]
@@ -184,7 +184,7 @@ def add_rollout_parser(fleet) -> None:
                           "health and serving quality against the devices not yet updated").add_subparsers(
         dest="rollout_command", required=True, metavar="COMMAND")
     start = add_command(rollout, "start", "start rolling NAME@VERSION out to a group (the controller in cascade "
-                        "fleet serve moves it)")
+                                          "fleet serve moves it)")
     start.add_argument("version_ref", metavar="NAME@VERSION", help="a published version, e.g. smollm2-135m@1.2.0")
     start.add_argument("--group", required=True, help="the group to roll it out to")
     start.add_argument("--waves", default="1,10,50,100", help="cumulative percentages of the group, the last 100")
@@ -216,7 +216,7 @@ def add_rollout_parser(fleet) -> None:
     add_remote_flags(start)
     start.set_defaults(func=exit_on_refusal(cmd_rollout_start))
     status = add_command(rollout, "status", "a rollout: its waves, the devices' states, each wave's decision with "
-                         "its numbers, the devices under way")
+                                            "its numbers, the devices under way")
     status.add_argument("rollout", metavar="ROLLOUT", help="the rollout id (cascade fleet rollout list)")
     status.add_argument("--watch", action="store_true", help="redraw every second while it runs")
     status.add_argument("--json", action="store_true", help="print the rollout, its executions and decisions as JSON")
