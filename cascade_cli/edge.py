@@ -1,5 +1,6 @@
 """``cascade edge``: the device daemon (``run``), its systemd unit (``install-service``), what the
-device has (``hardware``, hardware.py) and its offline queue (``queue``, queue.py)."""
+device has (``hardware``, hardware.py) and its offline queue (``queue``, edge_queue.py: not
+queue.py, which would shadow the standard library's ``queue`` for a script run from this folder)."""
 
 from __future__ import annotations
 
@@ -107,8 +108,8 @@ def cmd_edge_install_service(args) -> int:
 
 def add_edge_parser(sub) -> None:
     """``cascade edge run|install-service|hardware|queue``."""
+    from cascade_cli.edge_queue import add_queue_parser
     from cascade_cli.hardware import add_hardware_parser
-    from cascade_cli.queue import add_queue_parser
     from edge_agent.config import AgentServerConfig, ModelConfig, QueueConfig
 
     edge_srv, edge_model, edge_queue = AgentServerConfig(), ModelConfig(), QueueConfig()
