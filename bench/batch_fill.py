@@ -30,7 +30,8 @@ import numpy as np
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
+from cascade.processes import free_port, spawn, stop, wait_healthy
+from cascade_cli.spawn import cascade_command
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m"

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import httpx
 
-from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
+from cascade.processes import free_port, spawn, stop, wait_healthy
+from cascade_cli.spawn import cascade_command
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["Which city is the capital of France?", "Write a haiku about the sea.",

@@ -18,9 +18,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cascade.eval.loadgen import LoadConfig, format_table, run_benchmark
 from cascade.eval.sharegpt import load_conversations, sample_requests
-from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
+from cascade.processes import free_port, spawn, stop, wait_healthy
+from cascade_cli.spawn import cascade_command
+from testkit.loadgen import LoadConfig, format_table, run_benchmark
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m"
@@ -63,7 +64,7 @@ def main() -> int:
     p.add_argument("--vllm-python",
                    default=str(Path.home() / ".cache/cascade/vllm-venv/bin/python"))
     args = p.parse_args()
-    from cloud_tier.gateway.http.app import load_tokenizer
+    from serve_bench import load_tokenizer  # noqa: I001 (a sibling: sys.path[0] is bench/)
 
     requests = sample_requests(args.num_prompts, args.seed, load_tokenizer(MODEL),
                                args.max_prompt_tokens, args.max_output_tokens,

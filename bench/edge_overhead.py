@@ -27,7 +27,8 @@ from pathlib import Path
 
 import httpx
 
-from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
+from cascade.processes import free_port, spawn, stop, wait_healthy
+from cascade_cli.spawn import cascade_command
 
 # before llama_cpp loads (lazily, in main): its OpenMP threads read this once
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")

@@ -59,7 +59,8 @@ import psutil
 # imports by its bare name
 from fleet_sim import Timeline, serve
 
-from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
+from cascade.processes import free_port, spawn, stop, wait_healthy
+from cascade_cli.spawn import cascade_command
 from model_distribution.artifacts.download import fetch
 from model_distribution.control_plane.broker import MAX_QUEUED
 from model_distribution.fleet.devices import DeviceStore

@@ -6,7 +6,7 @@ embedded (SQLite keys, quotas and cache in the process) and on PostgreSQL + Redi
     .venv/bin/python bench/gateway_overhead.py [--duration 10] [--connections 32]
 
 Needs wrk (apt-get install -y wrk), PostgreSQL and redis-server (started here, on free ports with
-temporary data: cascade.devservers). Starts one worker (`cascade cloud worker`) and two
+temporary data: testkit.devservers). Starts one worker (`cascade cloud worker`) and two
 `cascade cloud serve --workers URL` gateways in front of it, one with `--db FILE`, one with
 `--db postgresql://... --redis redis://...`; the model is converted once under $CASCADE_HOME.
 """
@@ -25,8 +25,9 @@ from pathlib import Path
 
 import httpx
 
-from cascade.devservers import MissingServer, Postgres, Redis
-from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
+from cascade.processes import free_port, spawn, stop, wait_healthy
+from cascade_cli.spawn import cascade_command
+from testkit.devservers import MissingServer, Postgres, Redis
 
 REPO = Path(__file__).resolve().parent.parent
 BODY = {"model": "smollm2-135m",

@@ -32,7 +32,8 @@ import tempfile
 from pathlib import Path
 
 from cascade.eval.sharegpt import load_conversations
-from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
+from cascade.processes import free_port, spawn, stop, wait_healthy
+from cascade_cli.spawn import cascade_command
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m"

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import httpx
 
-from cascade.processes import NotHealthy, cascade_command, free_port, spawn, stop, wait_healthy
+from cascade.processes import NotHealthy, free_port, spawn, stop, wait_healthy
+from cascade_cli.spawn import cascade_command
 from edge_agent.config import UpstreamConfig
 from edge_agent.upstream import Upstream
 from sync.delivery import DeliveryConfig, DeliveryLoop

@@ -26,7 +26,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
+from cascade.processes import free_port, spawn, stop, wait_healthy
+from cascade_cli.spawn import cascade_command
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -127,7 +128,7 @@ def main() -> int:
     p.add_argument("--modes", default="both,pd")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    from cloud_tier.gateway.http.app import load_tokenizer
+    from serve_bench import load_tokenizer  # noqa: I001 (a sibling: sys.path[0] is bench/)
 
     tok = load_tokenizer("smollm2-135m")
     rng = random.Random(args.seed)

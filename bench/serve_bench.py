@@ -9,7 +9,7 @@ TTFT / TPOT / ITL / E2E percentiles and throughput.
 Prompt and output lengths are counted with ``--tokenizer``: a catalogue model name (default
 smollm2-135m, vocabulary only), a .gguf file, or a Hugging Face tokenizer directory.
 The client itself (``run_benchmark``, ``compute_metrics``, ``format_table``) is
-``cascade.eval.loadgen``.
+``testkit.loadgen``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from cascade.eval.loadgen import (
+from cascade.eval.sharegpt import SampledRequest, Tokenizer, load_conversations, sample_requests
+from testkit.loadgen import (
     DEFAULT_TOKENIZER,
     ENDPOINTS,
     LoadConfig,
@@ -32,7 +33,6 @@ from cascade.eval.loadgen import (
     format_table,
     run_benchmark,
 )
-from cascade.eval.sharegpt import SampledRequest, Tokenizer, load_conversations, sample_requests
 
 
 class GGUFVocab:

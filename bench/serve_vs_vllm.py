@@ -33,7 +33,8 @@ from pathlib import Path
 # imports by its bare name
 from gateway_vllm import MODEL, client_args, cpu_seconds, run_client, write_sharegpt
 
-from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
+from cascade.processes import free_port, spawn, stop, wait_healthy
+from cascade_cli.spawn import cascade_command
 from cloud_tier.worker.processes import worker_omp_env
 
 REPO = Path(__file__).resolve().parent.parent

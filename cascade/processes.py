@@ -1,6 +1,6 @@
 """Child processes on loopback: a free port, waiting until a server is healthy, and stopping a
 process with everything it started. One place for what the gateway (its workers), the demo,
-the benchmarks and the tests all do."""
+the benchmarks and the tests all do. (The ``cascade`` command line itself: cascade_cli.spawn.)"""
 
 from __future__ import annotations
 
@@ -9,15 +9,11 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-
-# ``python -m cascade_cli ...`` is the ``cascade`` command, whatever PATH holds
-CASCADE = (sys.executable, "-m", "cascade_cli")
 
 
 class NotHealthy(RuntimeError):
@@ -29,11 +25,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def cascade_command(*args: str, log_level: str | None = "WARNING") -> list[str]:
-    """The ``cascade`` command line for a child process: this interpreter, this install."""
-    return [*CASCADE, *(("--log-level", log_level) if log_level else ()), *args]
 
 
 def spawn(cmd: list[str], env: dict[str, str | None] | None = None, log: Path | None = None,

@@ -128,8 +128,8 @@ def check_request(out: Path, precision: str, target: str, force: bool) -> None:
 
 def resolve_source(model: str, home: Path) -> tuple[Path, dict]:
     """(the HF directory, {name, path, sha256}) for ``model``; ExportError if it is not found."""
-    from model_distribution.artifacts.gguf_convert import MARKER, ensure_hf_dir
     from model_distribution.artifacts.catalog import Catalog, ModelNotFound
+    from model_distribution.artifacts.gguf_convert import MARKER, ensure_hf_dir
     from model_distribution.registry.store import file_sha256
 
     path = Path(model).expanduser()

@@ -13,7 +13,7 @@ DAY_S = 86400.0
 
 
 @dataclass
-class ServerConfig:
+class AgentServerConfig:
     host: str = "127.0.0.1"
     port: int = 8081
     api_key: str = ""  # when set, the local API needs "Authorization: Bearer <api_key>"
@@ -166,7 +166,7 @@ class FleetSection:
 
 @dataclass
 class EdgeConfig:
-    server: ServerConfig = field(default_factory=ServerConfig)
+    server: AgentServerConfig = field(default_factory=AgentServerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)

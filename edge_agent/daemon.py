@@ -18,7 +18,7 @@ import signal
 import sys
 from collections.abc import Callable
 
-from edge_agent.config import EdgeConfig, ServerConfig
+from edge_agent.config import AgentServerConfig, EdgeConfig
 from edge_agent.sd_notify import Notifier
 from edge_agent.server.reload import ConfigSource, hold_sighup
 
@@ -67,7 +67,7 @@ def formatter(log_format: str, journal: bool) -> logging.Formatter:
     return JournalFormatter() if journal else logging.Formatter(TEXT_FORMAT)
 
 
-def setup_logging(server: ServerConfig) -> None:
+def setup_logging(server: AgentServerConfig) -> None:
     """The root logger writes to standard output in ``[server] log_format``; uvicorn's loggers
     go through it (uvicorn is given no logging config of its own)."""
     handler = logging.StreamHandler(sys.stdout)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cascade.processes import cascade_command, free_port, spawn, stop, wait_healthy
+from cascade.processes import free_port, spawn, stop, wait_healthy
+from cascade_cli.spawn import cascade_command
 from tests import accounting, loopback
 
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")

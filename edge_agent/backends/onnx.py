@@ -33,7 +33,7 @@ from edge_agent.backends.base import (
     TopToken,
     common_prefix,
 )
-from edge_agent.backends.sampling import Sampler, StepStats
+from edge_agent.backends.sampling import LogitsSampler, StepStats
 from edge_agent.hardware import choose_providers
 from model_distribution.artifacts.onnx_model import describe_onnx_dir
 
@@ -246,7 +246,7 @@ class OnnxBackend(Backend):
         if any(t < 0 or t >= self._n_vocab for t in tokens):
             raise ValueError(f"prompt token ids must be in [0, {self._n_vocab})")
         cached = self._evaluate_prompt(tokens)
-        sampler = Sampler(options, tokens, self._n_vocab)
+        sampler = LogitsSampler(options, tokens, self._n_vocab)
         releaser = TextReleaser(tuple(options.stop))
         n_generated = 0
         reason = "length"

@@ -22,7 +22,7 @@ import numpy as np
 from edge_agent.backends.base import GenerationOptions
 
 
-class Sampler:
+class LogitsSampler:
     """One request's sampler: ``sample(logits)`` picks a token, ``accept(token)`` records it."""
 
     def __init__(self, options: GenerationOptions, prompt: Sequence[int], n_vocab: int):

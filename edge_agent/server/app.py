@@ -148,25 +148,32 @@ def start_telemetry(config: EdgeConfig, svc: EdgeService, outbox: Outbox, link=N
     return publisher, spool
 
 
+async def load_service(config: EdgeConfig, catalog: Catalog):
+    """(the service on its loaded backends, the fleet version it serves or None): in a fleet, the
+    version switched to last, if there is one; else the configured model."""
+    fleet_version = None
+    if config.fleet.broker:
+        from edge_agent.fleet import load_installed, version_names
+
+        fleet_version = await asyncio.to_thread(load_installed, config)
+    if fleet_version is not None:
+        backends = fleet_version[1]
+        names = version_names(fleet_version[0], backends) | configured_names(config, catalog)
+    else:
+        info, backends = await asyncio.to_thread(load_backends, config, catalog)
+        names = model_names(info)
+    svc = EdgeService(config, backends, names, EdgeMetrics())
+    svc.metrics.observe_queue(svc.pool)
+    return svc, fleet_version
+
+
 def build_app(config: EdgeConfig, catalog: Catalog | None = None, source: ConfigSource | None = None) -> FastAPI:
     """``source``: where ``config`` was read from; with it, SIGHUP reloads it (edge_agent/server/reload.py)."""
     catalog = catalog or Catalog(cascade_home(), config.model.search_paths)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        fleet_version = None
-        if config.fleet.broker:  # in a fleet: the version switched to last, if there is one
-            from edge_agent.fleet import load_installed, version_names
-
-            fleet_version = await asyncio.to_thread(load_installed, config)
-        if fleet_version is not None:
-            backends = fleet_version[1]
-            names = version_names(fleet_version[0], backends) | configured_names(config, catalog)
-        else:
-            info, backends = await asyncio.to_thread(load_backends, config, catalog)
-            names = model_names(info)
-        svc = EdgeService(config, backends, names, EdgeMetrics())
-        svc.metrics.observe_queue(svc.pool)
+        svc, fleet_version = await load_service(config, catalog)
         upstream = Upstream(config.upstream, config.cascade.device) if config.upstream.url else None
         outbox = Outbox(config.sync, upstream)
         outbox.start()

@@ -57,7 +57,7 @@ def changes(old: EdgeConfig, new: EdgeConfig) -> dict[str, dict[str, tuple[Any, 
 
 
 @dataclass
-class Plan:
+class ReloadPlan:
     """What a reload does: the changes, the ``[cascade]`` keys to set, whether the cloud client is
     rebuilt, and the changes left for a restart (``"section.key"``)."""
 
@@ -71,8 +71,8 @@ class Plan:
         return [f"{s}.{k}" for s, keys in self.diff.items() for k in keys if f"{s}.{k}" not in self.restart]
 
 
-def plan(old: EdgeConfig, new: EdgeConfig) -> Plan:
-    p = Plan(changes(old, new))
+def plan(old: EdgeConfig, new: EdgeConfig) -> ReloadPlan:
+    p = ReloadPlan(changes(old, new))
     clouds = bool(old.upstream.url), bool(new.upstream.url)  # turning the cloud on or off needs a restart
     for section, keys in p.diff.items():
         for key, (_, after) in keys.items():

@@ -243,16 +243,7 @@ class EdgeService:
                     raise event
                 t = time.perf_counter()
                 if isinstance(event, Finish):
-                    m.prompt_tokens.inc(event.prompt_tokens)
-                    m.cached_prompt_tokens.inc(event.cached_tokens)
-                    m.e2e.observe(t - job.arrived)
-                    log.debug("generated %d token(s) (%s) after a %d-token prompt (%d cached) in %.2f s, first "
-                              "token at %s s", event.completion_tokens, event.finish_reason, event.prompt_tokens,
-                              event.cached_tokens, t - job.arrived,
-                              "-" if first is None else f"{first - job.arrived:.3f}")
-                    if first is not None and last is not None and last > first and event.completion_tokens > 1:
-                        rate = (event.completion_tokens - 1) / (last - first)
-                        self.decode_tok_s = rate if not self.decode_tok_s else 0.8 * self.decode_tok_s + 0.2 * rate
+                    self._observe_finish(job, event, t, first, last)
                 else:
                     m.generation_tokens.inc()
                     if last is None:
@@ -266,6 +257,21 @@ class EdgeService:
                     return
         finally:
             job.cancel.set()  # no-op once finished; stops a generation nobody reads any more
+
+    def _observe_finish(self, job: LocalJob, event: Finish, t: float, first: float | None,
+                        last: float | None) -> None:
+        """A finished generation's metrics, and the decode rate (a moving average) its tokens show."""
+        m = self.metrics
+        m.prompt_tokens.inc(event.prompt_tokens)
+        m.cached_prompt_tokens.inc(event.cached_tokens)
+        m.e2e.observe(t - job.arrived)
+        log.debug("generated %d token(s) (%s) after a %d-token prompt (%d cached) in %.2f s, first "
+                  "token at %s s", event.completion_tokens, event.finish_reason, event.prompt_tokens,
+                  event.cached_tokens, t - job.arrived,
+                  "-" if first is None else f"{first - job.arrived:.3f}")
+        if first is not None and last is not None and last > first and event.completion_tokens > 1:
+            rate = (event.completion_tokens - 1) / (last - first)
+            self.decode_tok_s = rate if not self.decode_tok_s else 0.8 * self.decode_tok_s + 0.2 * rate
 
     def _release(self, pool: SlotPool[Backend], backend: Backend, started: float) -> None:
         pool.release(backend, time.perf_counter() - started)

@@ -13,8 +13,8 @@ def resolve_model_dir(model: str) -> Path:
     if path.is_dir() and (path / "config.json").is_file():
         return path
     from cascade.config import cascade_home
-    from model_distribution.artifacts.gguf_convert import ensure_hf_dir
     from model_distribution.artifacts.catalog import Catalog
+    from model_distribution.artifacts.gguf_convert import ensure_hf_dir
 
     catalog = Catalog(cascade_home())
     gguf = catalog.ensure_ready(catalog.get(model))

@@ -9,8 +9,8 @@ import torch
 
 from cascade.config import cascade_home
 from cloud_tier.engine import LLMEngine, SamplingParams
-from model_distribution.artifacts.model_dirs import resolve_model_dir
 from model_distribution.artifacts.catalog import Catalog
+from model_distribution.artifacts.model_dirs import resolve_model_dir
 from tests.integration.gguf_reference import gguf_reference
 
 # every step's logits are compared, so drift shows without a long run: 32 steps cross two KV

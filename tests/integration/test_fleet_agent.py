@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from cascade.processes import cascade_command
+from cascade_cli.spawn import cascade_command
 from model_distribution.registry.signing import Repository
 from model_distribution.registry.store import Registry
 from sync.mqtt_link import stop_loop

@@ -14,7 +14,8 @@ import time
 import paho.mqtt.client as mqtt
 import pytest
 
-from cascade.processes import cascade_command, free_port
+from cascade.processes import free_port
+from cascade_cli.spawn import cascade_command
 from model_distribution.control_plane.broker import FleetBroker, TLSListener, control_plane_credentials, find_mosquitto
 from model_distribution.control_plane.publisher import DesiredPublisher
 from model_distribution.device.state_client import DeviceStateClient

@@ -322,7 +322,8 @@ def test_fleet_serve_starts_its_own_broker_and_a_device_enrolled_later_follows_i
     import os
     import subprocess
 
-    from cascade.processes import cascade_command, free_port
+    from cascade.processes import free_port
+    from cascade_cli.spawn import cascade_command
     from tests.conftest import REPO, Server
 
     if prefer == "mosquitto" and find_mosquitto() is None:

@@ -156,7 +156,7 @@ def test_cascade_fleet_serve_sends_what_the_fleet_commands_assign(tmp_path):
     import json
     import subprocess
 
-    from cascade.processes import cascade_command
+    from cascade_cli.spawn import cascade_command
     from tests.conftest import REPO, Server
 
     broker = Mosquitto(tmp_path / "broker")

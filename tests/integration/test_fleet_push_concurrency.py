@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from cascade.processes import cascade_command
+from cascade_cli.spawn import cascade_command
 from model_distribution.registry.signing import Repository, SigningError
 from model_distribution.registry.tuf_client import verified_target
 from tests.conftest import REPO

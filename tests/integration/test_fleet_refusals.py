@@ -15,7 +15,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from cascade.processes import cascade_command
+from cascade_cli.spawn import cascade_command
 from model_distribution.registry.signing import Repository
 from model_distribution.registry.store import Registry
 from sync.mqtt_link import stop_loop

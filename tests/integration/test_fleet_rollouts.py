@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from cascade.processes import cascade_command
-from model_distribution.device.models_on_disk import installed
+from cascade_cli.spawn import cascade_command
+from model_distribution.device.client import installed
 from model_distribution.device.state_client import DeviceStateClient
 from model_distribution.fleet.devices import DeviceStore
 from model_distribution.protocol.topics import topic

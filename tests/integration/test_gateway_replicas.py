@@ -15,7 +15,7 @@ import time
 import openai
 import pytest
 
-from cascade.processes import cascade_command
+from cascade_cli.spawn import cascade_command
 from tests.conftest import REPO, Server, create_key, gateway_count
 from tests.pg_redis import fresh_database
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from model_distribution.artifacts import gguf_convert
+from model_distribution.artifacts.catalog import Catalog
 from model_distribution.artifacts.gguf_convert import (
     FINGERPRINTS,
     MARKER,
@@ -25,7 +26,6 @@ from model_distribution.artifacts.gguf_convert import (
     hf_name,
     is_complete,
 )
-from model_distribution.artifacts.catalog import Catalog
 from model_distribution.artifacts.gguf_meta import read_metadata
 from tests.integration.gguf_reference import Reference, gguf_reference
 

@@ -12,7 +12,7 @@ import subprocess
 import threading
 import time
 
-from cascade.processes import cascade_command
+from cascade_cli.spawn import cascade_command
 from tests import loopback
 from tests.conftest import REPO, create_key
 

@@ -119,7 +119,7 @@ def test_a_bad_report_is_refused_and_one_kept_before_reports_were_checked_cannot
     import argparse
     import json
 
-    from model_distribution import fleet_cli
+    from cascade_cli import fleet_devices
     from model_distribution.protocol.device_messages import RefusedMessage
 
     monkeypatch.setenv("CASCADE_HOME", str(tmp_path))
@@ -139,10 +139,10 @@ def test_a_bad_report_is_refused_and_one_kept_before_reports_were_checked_cannot
     assert store.get("kiosk-7").reported is None or isinstance(store.get("kiosk-7").reported, dict)
     store.close()
     args = argparse.Namespace(group=None, json=False, url=None, admin_key=None)
-    assert fleet_cli.cmd_devices_list(args) == 0
+    assert fleet_devices.cmd_devices_list(args) == 0
     out = capsys.readouterr().out
     assert "kiosk-7" in out and "\x1b" not in out and max(len(line) for line in out.splitlines()) < 700
-    assert fleet_cli.cmd_devices_list(argparse.Namespace(group=None, json=True, url=None, admin_key=None)) == 0
+    assert fleet_devices.cmd_devices_list(argparse.Namespace(group=None, json=True, url=None, admin_key=None)) == 0
     json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
 
 

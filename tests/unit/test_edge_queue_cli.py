@@ -1,4 +1,4 @@
-"""`cascade edge queue` (edge_agent/queue_cli.py), in process: its numbers are bounded by argparse
+"""`cascade edge queue` (cascade_cli/edge_queue.py), in process: its numbers are bounded by argparse
 (issue 37 item 3) and a delivered item shows no error it once waited on (item 4)."""
 
 from __future__ import annotations

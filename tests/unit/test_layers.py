@@ -22,7 +22,7 @@ def test_the_gateway_loads_neither_torch_nor_the_engine():
                                                  "cloud_tier.disagg.transport", "transformers"))}
 
 
-@pytest.mark.parametrize("module", ["edge_agent.server.app", "edge_agent.queue_cli", "sync.delivery", "sync.mqtt"])
+@pytest.mark.parametrize("module", ["edge_agent.server.app", "cascade_cli.edge_queue", "sync.delivery", "sync.mqtt"])
 def test_the_edge_agent_and_sync_never_load_torch(module):
     assert "torch" not in loaded_after(f"import {module}")
 

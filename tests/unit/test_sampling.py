@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from edge_agent.backends.base import GenerationOptions
-from edge_agent.backends.sampling import Sampler, StepStats
+from edge_agent.backends.sampling import LogitsSampler, StepStats
 
 V = 1000
 
@@ -20,14 +20,14 @@ def logits_with(values: dict[int, float], rest: float = -10.0) -> np.ndarray:
 
 
 def draws(options, logits, n=2000):
-    s = Sampler(options, [], V)
+    s = LogitsSampler(options, [], V)
     return [s.sample(logits) for _ in range(n)]
 
 
 def test_greedy_takes_the_argmax_and_leaves_the_logits_alone():
     logits = logits_with({5: 3.0, 7: 2.9})
     before = logits.copy()
-    assert Sampler(GenerationOptions(temperature=0), [], V).sample(logits) == 5
+    assert LogitsSampler(GenerationOptions(temperature=0), [], V).sample(logits) == 5
     assert np.array_equal(logits, before)
 
 
@@ -77,7 +77,7 @@ def test_a_seed_reproduces_the_draws_and_another_seed_differs():
 
 def test_repetition_penalty_covers_the_prompt_and_the_output():
     logits = logits_with({1: 2.0, 2: 1.9, 3: 1.8})
-    s = Sampler(GenerationOptions(temperature=0, repetition_penalty=1.2), [1], V)
+    s = LogitsSampler(GenerationOptions(temperature=0, repetition_penalty=1.2), [1], V)
     assert s.sample(logits) == 2  # 2.0 / 1.2 < 1.9
     s.accept(2)
     assert s.sample(logits) == 3
@@ -85,19 +85,19 @@ def test_repetition_penalty_covers_the_prompt_and_the_output():
 
 def test_repetition_penalty_pushes_negative_logits_further_down():
     logits = logits_with({1: -1.0, 2: -1.1}, rest=-50.0)
-    s = Sampler(GenerationOptions(temperature=0, repetition_penalty=1.2), [1], V)
+    s = LogitsSampler(GenerationOptions(temperature=0, repetition_penalty=1.2), [1], V)
     assert s.sample(logits) == 2  # -1.0 * 1.2 < -1.1
 
 
 def test_presence_and_frequency_penalties_count_the_output_only():
     logits = logits_with({1: 2.0, 2: 1.5})
-    s = Sampler(GenerationOptions(temperature=0, frequency_penalty=0.3), [1, 1, 1], V)
+    s = LogitsSampler(GenerationOptions(temperature=0, frequency_penalty=0.3), [1, 1, 1], V)
     assert s.sample(logits) == 1  # the prompt's repeats do not count
     s.accept(1)
     assert s.sample(logits) == 1  # 2.0 - 0.3 > 1.5
     s.accept(1)
     assert s.sample(logits) == 2  # 2.0 - 0.6 < 1.5
-    p = Sampler(GenerationOptions(temperature=0, presence_penalty=0.6), [], V)
+    p = LogitsSampler(GenerationOptions(temperature=0, presence_penalty=0.6), [], V)
     p.accept(1)
     assert p.sample(logits) == 2
 
@@ -138,7 +138,7 @@ def test_draws_over_a_large_vocabulary_follow_the_distribution():
     chosen = {7: 0.4, 5000: 0.3, 30001: 0.2, 49151: 0.1}
     for t, p in chosen.items():
         big[t] = math.log(p)
-    s = Sampler(GenerationOptions(temperature=1.0, seed=5), [], len(big))
+    s = LogitsSampler(GenerationOptions(temperature=1.0, seed=5), [], len(big))
     picks = np.array([s.sample(big) for _ in range(10000)])
     assert set(picks.tolist()) <= set(chosen)
     assert [np.mean(picks == t) for t in chosen] == pytest.approx(list(chosen.values()), abs=0.02)

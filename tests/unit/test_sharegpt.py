@@ -11,13 +11,6 @@ import math
 import httpx
 import pytest
 
-from cascade.eval.loadgen import (
-    LatencyStats,
-    RequestOutcome,
-    arrival_times,
-    compute_metrics,
-    send_one,
-)
 from cascade.eval.sharegpt import (
     SHAREGPT_RECORDS,
     Conversation,
@@ -26,6 +19,13 @@ from cascade.eval.sharegpt import (
     load_conversations,
     parse_conversations,
     sample_requests,
+)
+from testkit.loadgen import (
+    LatencyStats,
+    RequestOutcome,
+    arrival_times,
+    compute_metrics,
+    send_one,
 )
 
 

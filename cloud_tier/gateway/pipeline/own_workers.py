@@ -17,7 +17,7 @@ from cloud_tier.gateway.pipeline.steps import Estimate
 from cloud_tier.gateway.pipeline.worker_client import WorkerClient
 from cloud_tier.gateway.workers.pool import WorkerPool
 from cloud_tier.gateway.workers.usage import UsageBounds
-from cloud_tier.request_builder import RequestPlan, RequestBuilder
+from cloud_tier.request_builder import RequestBuilder, RequestPlan
 
 
 class OwnWorkers:

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from cloud_tier.gateway.keys_cli import add_keys_parser
+from cascade_cli.keys import add_keys_parser
 from cloud_tier.gateway.tenants.budgets import Budgets, RedisSpend
 from cloud_tier.gateway.tenants.keys import Budget
 from cloud_tier.gateway.tenants.keys_sqlite import KeyStore

@@ -6,7 +6,7 @@ import sqlite3
 
 import pytest
 
-from cloud_tier.gateway.keys_cli import add_keys_parser
+from cascade_cli.keys import add_keys_parser
 from cloud_tier.gateway.tenants.keys import ApiKey, TenantLimits
 from cloud_tier.gateway.tenants.keys_pg import PgKeyStore
 from cloud_tier.gateway.tenants.keys_sqlite import KeyStore

@@ -10,7 +10,7 @@ import psycopg
 import pytest
 
 from cascade.processes import free_port
-from cloud_tier.gateway.keys_cli import add_keys_parser
+from cascade_cli.keys import add_keys_parser
 from cloud_tier.gateway.tenants.keys import TenantLimits
 from cloud_tier.gateway.tenants.keys_pg import PgKeyStore
 from tests.pg_redis import fresh_database

@@ -14,20 +14,8 @@ import json
 import sys
 import time
 
+from cascade_cli.parsing import DefaultsHelp, int_in
 from sync.queue_view import MAX_LIST
-
-
-def int_in(low: int, high: int):
-    """An argparse type: an integer in ``low..high`` (else argparse's one-line error, exit 2)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be in {low}..{high}, got {text}")
-        return value
-    return parse
 
 
 def _error(it) -> str:
@@ -113,10 +101,9 @@ def cmd_drop(args) -> int:
 def add_queue_parser(edge_subparsers) -> None:
     """Add ``queue status|list|retry|drop`` to the ``cascade edge`` subcommands."""
     states = ["queued", "sending", "done", "failed", "expired"]
-    from cascade.cli_help import DefaultsHelp as help_format
 
     queue = edge_subparsers.add_parser("queue", help="the offline queue: backlog, retry, drop (works while the "
-                                       "agent runs)", formatter_class=help_format)
+                                       "agent runs)", formatter_class=DefaultsHelp)
     queue.set_defaults(func=cmd_status, queue_command="status", json=False)
     common = {"--config": "edge.toml (its [sync] path; CASCADE_EDGE_SYNC_PATH too; default: $CASCADE_HOME/edge.toml "
                           "if it exists, as the agent)",
@@ -126,7 +113,7 @@ def add_queue_parser(edge_subparsers) -> None:
     sub = queue.add_subparsers(dest="queue_command")
 
     def command(name: str, help_: str, func):
-        p = sub.add_parser(name, help=help_, description=help_, formatter_class=help_format)
+        p = sub.add_parser(name, help=help_, description=help_, formatter_class=DefaultsHelp)
         for flag, h in common.items():
             p.add_argument(flag, help=h, default=argparse.SUPPRESS)  # given before or after the verb
         p.set_defaults(func=func)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from cascade.processes import cascade_command
+from cascade_cli.spawn import cascade_command
 
 SIM_ESCALATION = {"Q2_K": 0.45}  # what a simulated device escalates on that quantization (else 0.15)
 

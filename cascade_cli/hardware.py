@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 from cascade.units import format_size
-from edge_agent.hardware import ProviderChoice, choose_providers, detect
+from cascade_cli.parsing import add_command
+
+if TYPE_CHECKING:
+    from edge_agent.hardware import ProviderChoice
 
 
 def summary(facts: dict, choice: ProviderChoice) -> list[str]:
@@ -49,7 +53,9 @@ def summary(facts: dict, choice: ProviderChoice) -> list[str]:
     return lines
 
 
-def run(args) -> int:
+def cmd_edge_hardware(args) -> int:
+    from edge_agent.hardware import choose_providers, detect
+
     facts = detect()
     choice = choose_providers([], facts["onnxruntime"])
     if args.json:
@@ -58,3 +64,11 @@ def run(args) -> int:
     else:
         print("\n".join(summary(facts, choice)))
     return 0
+
+
+def add_hardware_parser(edge) -> None:
+    """``cascade edge hardware [--json]``."""
+    hw = add_command(edge, "hardware", "what this device has: CPU features, memory, GPUs, NPUs, and the ONNX Runtime "
+                                       "providers that load here (and which one --backend onnx would run on)")
+    hw.add_argument("--json", action="store_true", help="print JSON")
+    hw.set_defaults(func=cmd_edge_hardware)

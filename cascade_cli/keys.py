@@ -12,6 +12,9 @@ import sys
 import time
 from contextlib import contextmanager
 
+from cascade_cli.parsing import DefaultsHelp
+from cascade_cli.tables import print_table
+
 
 class _Refused(Exception):
     """A bad command line: one line on stderr, exit 2."""
@@ -118,19 +121,13 @@ def cmd_keys_list(args) -> int:
         rows.append((k.key_id, k.tenant, k.device or "-", ",".join(sorted(k.scopes)), _limit(k.rps), _limit(k.tpm),
                      str(k.priority), _budget_text(key_spend.budget), _spent_text(key_spend), created,
                      "yes" if k.revoked else "no"))
-    _table(rows)
+    print_table(rows)
     print()
     from cloud_tier.gateway.tenants.budgets import iso_utc
 
-    _table([("TENANT", "BUDGET", "SPENT", "PERIOD", "RESETS")] + [
+    print_table([("TENANT", "BUDGET", "SPENT", "PERIOD", "RESETS")] + [
         (t, _budget_text(s.budget), _spent_text(s), s.period_id, iso_utc(s.resets_at)) for t, s in tenants.items()])
     return 0
-
-
-def _table(rows) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
 
 
 def cmd_keys_revoke(args) -> int:
@@ -184,8 +181,6 @@ COMMANDS = ("create", "list", "revoke", "budget", "limits")
 
 def add_keys_parser(subparsers) -> None:
     """Add ``keys create|list|revoke|budget|limits`` to the ``cascade cloud`` subcommands."""
-    from cascade.cli_help import DefaultsHelp as help_format
-
     about = "the gateway's API keys: create, list, revoke; budgets and tenants' limits (works while the gateway runs)"
     keys = subparsers.add_parser(
         "keys", help=about, description=about,
@@ -194,7 +189,7 @@ def add_keys_parser(subparsers) -> None:
         dest="keys_command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
 
     def add(name: str, func, **kwargs):
-        p = keys.add_parser(name, formatter_class=help_format, **kwargs)
+        p = keys.add_parser(name, formatter_class=DefaultsHelp, **kwargs)
         p.add_argument("--db", help="the gateway's key store: a SQLite path or a postgresql:// DSN (default: "
                                     "$CASCADE_CLOUD_GATEWAY_DB, else $CASCADE_HOME/cloud/gateway.db)")
         p.add_argument("--redis", help="the gateway's Redis, where spend is counted when it has one (default: "

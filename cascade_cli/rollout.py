@@ -1,6 +1,7 @@
 """``cascade fleet rollout ...``: staged rollouts, on the control plane's state under
 ``$CASCADE_HOME/fleet`` or with ``--url`` on a control plane elsewhere (its
-``/v1/fleet/rollouts``), printed from the same dicts either way (rollout_ops.py).
+``/v1/fleet/rollouts``), printed from the same dicts either way (model_distribution/rollout_ops.py;
+the status as text: rollout_view.py).
 
     cascade fleet rollout start NAME@VERSION --group G [--waves 1,10,50,100] [--bake 2m]
         [--max-failure-rate 0.02] [--min-executed 5] [--gate "escalation_rate<=+0.05" ...]
@@ -20,14 +21,10 @@ import sys
 import time
 from urllib.parse import quote
 
-from cascade.cli_help import utc_time
-from model_distribution.fleet_cli import _refusals_exit, _remote, _remote_flags
-
-EXECUTION_STATES = ("QUEUED", "IN_PROGRESS", "SUCCEEDED", "FAILED", "TIMED_OUT", "REJECTED", "CANCELED",
-                    "ROLLED_BACK")
-_DONE = ("SUCCEEDED", "FAILED", "TIMED_OUT", "REJECTED")
-_BAR = 20
-_SHOWN_IN_PROGRESS = 10
+from cascade_cli.fleet_remote import add_remote_flags, exit_on_refusal, remote_control_plane
+from cascade_cli.parsing import add_command
+from cascade_cli.rollout_view import render_status
+from cascade_cli.tables import print_table, utc_time
 
 
 class _Local:
@@ -75,7 +72,7 @@ def cmd_rollout_start(args) -> int:
     except RolloutError as e:
         print(f"cascade: {e}", file=sys.stderr)
         return 2
-    remote = _remote(args)
+    remote = remote_control_plane(args)
     if remote is not None:
         from dataclasses import asdict
 
@@ -98,7 +95,7 @@ def _status_source(args):
     """(fetch, close): ``fetch()`` is the rollout's status dict, from --url or the local store."""
     from model_distribution.rollout import commands as rollout_ops
 
-    remote = _remote(args)
+    remote = remote_control_plane(args)
     if remote is not None:
         return (lambda: remote.call("GET", f"/rollouts/{quote(args.rollout, safe='')}")), (lambda: None)
     local = _Local()
@@ -135,75 +132,9 @@ def cmd_rollout_status(args) -> int:
         close()
 
 
-def render_status(s: dict) -> str:
-    """The status dict as text: the rollout, its waves, the executions' states, the decisions and
-    the devices under way. Nothing here depends on the clock, so two calls on one state print the same."""
-    reason = f" ({s['reason']})" if s.get("reason") else ""
-    lines = [f"rollout {s['rollout']}  {s['model']}  group {s['group']}  {s['state']}{reason}"]
-    execs = s["executions"]
-    for k, pct in enumerate(s["waves"]):
-        members = [e for e in execs if e["wave"] == k]
-        done = sum(1 for e in members if e["state"] in _DONE)
-        filled = round(_BAR * done / len(members)) if members else 0
-        now = ""
-        if k == s["wave"] and s["state"] == "PAUSED":
-            now = "  <- paused"
-        elif k == s["wave"] and s["state"] == "RUNNING":
-            now = "  <- baking" if s.get("wave_done_at") is not None else "  <- rolling out"
-        lines.append(f"wave {k + 1:<2} {pct:>3}%  [{'#' * filled}{'.' * (_BAR - filled)}]  "
-                     f"{done}/{len(members)} done{now}")
-    counts = {state: 0 for state in EXECUTION_STATES}
-    for e in execs:
-        counts[e["state"]] = counts.get(e["state"], 0) + 1
-    lines.append("  ".join(f"{state} {n}" for state, n in counts.items()))
-    if s["decisions"]:
-        lines.append("decisions:")
-        for d in s["decisions"]:
-            lines += _decision_lines(d)
-    busy = [e for e in execs if e["state"] == "IN_PROGRESS"]
-    if busy:
-        lines.append(f"in progress ({len(busy)}):")
-        lines += [f"  {e['device_id']}  wave {e['wave'] + 1}  {e['detail'] or '-'}" for e in busy[:_SHOWN_IN_PROGRESS]]
-        if len(busy) > _SHOWN_IN_PROGRESS:
-            lines.append(f"  ... and {len(busy) - _SHOWN_IN_PROGRESS} more")
-    return "\n".join(lines)
-
-
-def _decision_lines(d: dict) -> list[str]:
-    from model_distribution.rollout.spec import Gate
-
-    at = utc_time(d["at"], "%H:%M:%SZ")
-    head = f"  wave {d['wave'] + 1} {d['outcome']} at {at}"
-    if d.get("by") == "operator":
-        return [f"{head}: by the operator, after {d.get('after')}"]
-    lines = [f"{head}: executed {d.get('executed')}, failed {d.get('failed')}, failure rate "
-             f"{_num(d.get('failure_rate'))} (max {_num(d.get('max_failure_rate'))}, judged after "
-             f"{d.get('min_executed')} executed)"]
-    if d.get("reasons"):
-        lines.append(f"    reasons: {'; '.join(d['reasons'])}")
-    updated, control = d.get("updated"), d.get("control")
-    if updated is not None:
-        source = d.get("control_from", "the devices not yet updated")
-        lines.append(f"    requests: updated {updated.get('requests')} on {updated.get('devices', '-')} device(s), "
-                     f"control {'-' if control is None else control.get('requests')} on "
-                     f"{'-' if control is None else control.get('devices', '-')} (min {d.get('min_requests')} "
-                     f"requests, {d.get('min_devices', 1)} device(s)); control: {source}")
-    for g in d.get("gates") or []:
-        metric = Gate.parse(g["gate"]).metric
-        verdict = {True: "pass", False: "FAIL", None: "no data: not passed"}[g["passed"]]
-        lines.append(f"    {g['gate']}: updated {_num((updated or {}).get(metric))} vs control "
-                     f"{_num((control or {}).get(metric))}: {verdict}")
-    return lines
-
-
-def _num(value) -> str:
-    return "-" if value is None else f"{value:.4g}"
-
 
 def cmd_rollout_list(args) -> int:
-    from cascade.cli_help import print_table
-
-    remote = _remote(args)
+    remote = remote_control_plane(args)
     if remote is not None:
         rollouts = remote.call("GET", "/rollouts")["data"]
     else:
@@ -229,7 +160,7 @@ def _steer(action: str):
     def cmd(args) -> int:
         from model_distribution.rollout import commands as rollout_ops
 
-        remote = _remote(args)
+        remote = remote_control_plane(args)
         if remote is not None:
             r = remote.call("POST", f"/rollouts/{quote(args.rollout, safe='')}/{action}")
         else:
@@ -247,13 +178,13 @@ cmd_rollout_pause, cmd_rollout_resume = _steer("pause"), _steer("resume")
 cmd_rollout_abort, cmd_rollout_rollback = _steer("abort"), _steer("rollback")
 
 
-def add_rollout_parser(fleet, make_parser) -> None:
-    """``cascade fleet rollout ...`` under the fleet's subparsers (``make_parser(sub, name, help)``)."""
-    rollout = make_parser(fleet, "rollout", "staged rollouts: a version to a group in waves, each gated on install "
+def add_rollout_parser(fleet) -> None:
+    """``cascade fleet rollout start|status|pause|resume|abort|rollback|list``."""
+    rollout = add_command(fleet, "rollout", "staged rollouts: a version to a group in waves, each gated on install "
                           "health and serving quality against the devices not yet updated").add_subparsers(
         dest="rollout_command", required=True, metavar="COMMAND")
-    start = make_parser(rollout, "start", "start rolling NAME@VERSION out to a group (the controller in cascade "
-                        "fleet serve moves it)")
+    start = add_command(rollout, "start", "start rolling NAME@VERSION out to a group (the controller in cascade "
+                                          "fleet serve moves it)")
     start.add_argument("version_ref", metavar="NAME@VERSION", help="a published version, e.g. smollm2-135m@1.2.0")
     start.add_argument("--group", required=True, help="the group to roll it out to")
     start.add_argument("--waves", default="1,10,50,100", help="cumulative percentages of the group, the last 100")
@@ -282,25 +213,25 @@ def add_rollout_parser(fleet, make_parser) -> None:
                        "wave does not reach the artifact server at one instant (e.g. 30s)")
     start.add_argument("--no-prefetch", action="store_true", help="devices of later waves do not download ahead "
                        "(by default they fetch and verify while earlier waves bake; only activation is gated)")
-    _remote_flags(start)
-    start.set_defaults(func=_refusals_exit(cmd_rollout_start))
-    status = make_parser(rollout, "status", "a rollout: its waves, the devices' states, each wave's decision with "
-                         "its numbers, the devices under way")
+    add_remote_flags(start)
+    start.set_defaults(func=exit_on_refusal(cmd_rollout_start))
+    status = add_command(rollout, "status", "a rollout: its waves, the devices' states, each wave's decision with "
+                                            "its numbers, the devices under way")
     status.add_argument("rollout", metavar="ROLLOUT", help="the rollout id (cascade fleet rollout list)")
     status.add_argument("--watch", action="store_true", help="redraw every second while it runs")
     status.add_argument("--json", action="store_true", help="print the rollout, its executions and decisions as JSON")
-    _remote_flags(status)
-    status.set_defaults(func=_refusals_exit(cmd_rollout_status))
+    add_remote_flags(status)
+    status.set_defaults(func=exit_on_refusal(cmd_rollout_status))
     for action, cmd, help_ in (
             ("pause", cmd_rollout_pause, "no new wave is told (the devices told go on)"),
             ("resume", cmd_rollout_resume, "go on (one paused as inconclusive goes to its next wave)"),
             ("abort", cmd_rollout_abort, "stop: the queued devices are canceled, the ones told keep the version"),
             ("rollback", cmd_rollout_rollback, "every device told goes back to the version it had")):
-        p = make_parser(rollout, action, help_)
+        p = add_command(rollout, action, help_)
         p.add_argument("rollout", metavar="ROLLOUT", help="the rollout id")
-        _remote_flags(p)
-        p.set_defaults(func=_refusals_exit(cmd))
-    ls = make_parser(rollout, "list", "rollouts, newest first: model, group, state, wave, started, reason")
+        add_remote_flags(p)
+        p.set_defaults(func=exit_on_refusal(cmd))
+    ls = add_command(rollout, "list", "rollouts, newest first: model, group, state, wave, started, reason")
     ls.add_argument("--json", action="store_true", help="print JSON")
-    _remote_flags(ls)
-    ls.set_defaults(func=_refusals_exit(cmd_rollout_list))
+    add_remote_flags(ls)
+    ls.set_defaults(func=exit_on_refusal(cmd_rollout_list))

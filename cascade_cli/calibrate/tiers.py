@@ -1,0 +1,80 @@
+"""Asking both tiers for calibration: which model each serves, then every prompt of the set
+answered by the edge (locally, ``cascade.mode = local``) and by the cloud, scored against each other."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from cascade.eval.calibration import Sample
+from cascade.eval.scoring import Task
+from cascade.policy.backpressure import parse_retry_after
+from cascade.wire import WireError, loads
+
+MAX_ANSWER_BYTES = 8 << 20  # an answer of either tier, decoded strictly
+
+
+class Unreachable(RuntimeError):
+    """A tier calibration needs did not answer: the message says which, at what URL, and how to start it."""
+
+
+def _v1(url: str) -> str:
+    return url.rstrip("/").removesuffix("/v1") + "/v1"
+
+
+def served_model(url: str, headers: dict, what: str, start: str) -> str:
+    """The first model ``GET /v1/models`` at ``url`` lists; Unreachable naming ``what`` and how to
+    ``start`` it when nothing (or not an OpenAI server) answers there."""
+    models = f"{_v1(url)}/models"
+    try:
+        r = httpx.get(models, timeout=10, headers=headers)
+    except httpx.HTTPError as e:
+        raise Unreachable(f"cannot reach {what} at {models} ({type(e).__name__}: {e}); {start}") from e
+    if r.status_code in (401, 403):
+        raise Unreachable(f"{what} at {models} refused the key (HTTP {r.status_code}): pass --api-key or set "
+                          "[upstream] api_key")
+    if not r.is_success:
+        raise Unreachable(f"{what} at {models} answered HTTP {r.status_code}: {r.text[:200]}")
+    try:
+        return loads(r.content, limit=MAX_ANSWER_BYTES)["data"][0]["id"]
+    except (WireError, KeyError, IndexError, TypeError) as e:
+        raise Unreachable(f"{what} at {models} did not answer an OpenAI model list ({e!r}); is that its URL?") from e
+
+
+
+async def _ask(client: httpx.AsyncClient, url: str, headers: dict, prompt: str, max_tokens: int,
+               extra: dict | None = None) -> dict:
+    body = {"model": extra.pop("model") if extra and "model" in extra else "default",
+            "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
+            **(extra or {})}
+    for attempt in range(5):
+        r = await client.post(f"{_v1(url)}/chat/completions", json=body, headers=headers)
+        if r.status_code == 429 and attempt < 4:
+            await asyncio.sleep(parse_retry_after(r.headers.get("retry-after"), limit_s=60.0) or 1.0)
+            continue
+        r.raise_for_status()
+        return loads(r.content, limit=MAX_ANSWER_BYTES)
+    raise RuntimeError("unreachable")
+
+
+async def collect(tasks: list[Task], edge_url: str, edge_model: str, cloud_url: str, cloud_model: str,
+                  cloud_key: str, max_tokens: int = 32, concurrency: int = 4, progress=None) -> list[Sample]:
+    samples = [Sample(t) for t in tasks]
+    gate = asyncio.Semaphore(concurrency)
+    cloud_headers = {"authorization": f"Bearer {cloud_key}"} if cloud_key else {}
+    async with httpx.AsyncClient(timeout=300) as client:
+        async def one(s: Sample) -> None:
+            async with gate:
+                edge = await _ask(client, edge_url, {}, s.task.prompt, max_tokens,
+                                  {"model": edge_model, "cascade": {"mode": "local"}})
+                cloud = await _ask(client, cloud_url, cloud_headers, s.task.prompt, max_tokens, {"model": cloud_model})
+            s.edge_text = edge["choices"][0]["message"]["content"]
+            s.confidence = (edge.get("cascade") or {}).get("confidence")
+            s.cloud_text = cloud["choices"][0]["message"]["content"]
+            s.edge_score = s.task.score(s.edge_text, s.cloud_text)
+            s.cloud_score = s.task.score(s.cloud_text, s.cloud_text)
+            if progress:
+                progress()
+        await asyncio.gather(*(one(s) for s in samples))
+    return samples

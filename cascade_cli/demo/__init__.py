@@ -1,0 +1,1 @@
+"""``cascade demo``: the whole chain on one machine, as a scripted scenario."""
