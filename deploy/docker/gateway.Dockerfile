@@ -17,6 +17,7 @@ COPY cloud_tier/ cloud_tier/
 COPY edge_agent/ edge_agent/
 COPY model_distribution/ model_distribution/
 COPY sync/ sync/
+COPY testkit/ testkit/
 RUN python -m venv /opt/venv \
     && /opt/venv/bin/pip install --no-cache-dir --upgrade pip \
     && /opt/venv/bin/pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \

@@ -28,6 +28,7 @@ COPY cloud_tier/ cloud_tier/
 COPY edge_agent/ edge_agent/
 COPY model_distribution/ model_distribution/
 COPY sync/ sync/
+COPY testkit/ testkit/
 # torch first, from its own index (PyPI's default torch is the CUDA build)
 RUN python -m venv /opt/venv \
     && /opt/venv/bin/pip install --no-cache-dir --upgrade pip \
