@@ -33,7 +33,7 @@ from model_distribution.device.state_client import DeviceStateClient
 from model_distribution.registry.store import file_sha256
 from sync.mqtt_link import stop_loop
 
-RETRY_MIN_S, RETRY_MAX_S = 5.0, 300.0  # as edge_agent/fleet.py
+RETRY_MIN_S, RETRY_MAX_S = 5.0, 300.0  # as edge_agent/server/fleet.py
 
 
 @dataclasses.dataclass
@@ -80,7 +80,7 @@ class SimDevice:
         self._wanted.put(payload)
 
     def _work(self) -> None:
-        """FleetFollower._work (edge_agent/fleet.py): the newest assignment; a cut download is
+        """FleetFollower._work (edge_agent/server/fleet.py): the newest assignment; a cut download is
         tried again after a growing pause."""
         payload, pause = self._wanted.get(), RETRY_MIN_S
         while payload is not None:

@@ -12,7 +12,7 @@ import ast
 import sys
 from pathlib import Path
 
-PACKAGES = ("cascade", "cascade_cli", "edge_agent", "cloud_tier", "model_distribution", "sync")
+PACKAGES = ("cascade", "cascade_cli", "edge_agent", "cloud_tier", "model_distribution", "sync", "testkit")
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
 

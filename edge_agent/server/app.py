@@ -153,7 +153,7 @@ async def load_service(config: EdgeConfig, catalog: Catalog):
     version switched to last, if there is one; else the configured model."""
     fleet_version = None
     if config.fleet.broker:
-        from edge_agent.fleet import load_installed, version_names
+        from edge_agent.server.fleet import load_installed, version_names
 
         fleet_version = await asyncio.to_thread(load_installed, config)
     if fleet_version is not None:
@@ -183,10 +183,10 @@ def build_app(config: EdgeConfig, catalog: Catalog | None = None, source: Config
         publisher, spool = start_telemetry(config, svc, outbox, link)
         follower = None
         if config.fleet.broker:
-            from edge_agent.fleet import FleetFollower
+            from edge_agent.server.fleet import FleetFollower
 
             if fleet_version is not None:
-                from edge_agent.fleet import apply_calibration, fleet_state_dir
+                from edge_agent.server.fleet import apply_calibration, fleet_state_dir
 
                 apply_calibration(app.state.escalator, fleet_version[0], fleet_state_dir(config))
             follower = FleetFollower(config, svc, app.state.escalator, asyncio.get_running_loop(),

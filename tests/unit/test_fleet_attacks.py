@@ -252,7 +252,7 @@ def test_a_calibration_is_checked_at_push_and_its_difficulty_model_travels_inlin
 
 def test_the_agent_prepares_a_calibration_before_it_switches_and_refuses_one_it_cannot_apply(tmp_path):
     from cascade.calibration import CalibrationError, CascadeConfig
-    from edge_agent.fleet import prepare_calibration
+    from edge_agent.server.fleet import prepare_calibration
 
     inline = {"weights": {"code": 2.0}, "bias": -1.0}
     config, policy = prepare_calibration(CascadeConfig(min_mean_logprob=-1.0), {
