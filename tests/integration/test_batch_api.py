@@ -284,9 +284,6 @@ def test_online_load_preempts_a_running_batch_and_every_line_is_still_answered_o
     The test holds the batch by construction, not by timing: once batch lines run, the worker is
     stopped (SIGSTOP) until the gateway has passed all five online requests on to it, so no batch
     line can finish before they are queued (a busy machine once let the batch end first)."""
-    import os
-    import signal
-
     from cloud_tier.engine.model_runner import ModelRunner
     from tests import loopback
 
@@ -316,20 +313,7 @@ def test_online_load_preempts_a_running_batch_and_every_line_is_still_answered_o
         while engine()["running"] < 3:
             assert time.monotonic() < deadline, "the batch lines never ran"
             time.sleep(0.05)
-        os.killpg(w.proc.pid, signal.SIGSTOP)  # the batch lines hold their KV, and stay unfinished
-        try:
-            with ThreadPoolExecutor(5) as pool:
-                pending = [pool.submit(online.chat.completions.create, **a) for a in asks]
-                deadline = time.monotonic() + 30
-                while sum(b["record"]["tenant"] == "online" for b in proxy.generate_bodies) < len(asks):
-                    assert time.monotonic() < deadline, "the gateway did not pass the online requests on"
-                    assert not any(f.done() for f in pending), [f.result() for f in pending if f.done()]
-                    time.sleep(0.02)
-                time.sleep(0.2)  # the proxy's own send to the worker's socket
-                os.killpg(w.proc.pid, signal.SIGCONT)
-                answers = [f.result() for f in pending]
-        finally:
-            os.killpg(w.proc.pid, signal.SIGCONT)
+        answers = _asked_while_stopped(w, proxy, online, asks)
         assert all(a.usage.completion_tokens == 64 for a in answers)
         assert engine()["preemptions"] > 0  # batch lines gave their KV up to the online requests
         done = wait_for(c, batch.id, {"completed", "failed"}, 300)
@@ -345,3 +329,26 @@ def test_online_load_preempts_a_running_batch_and_every_line_is_still_answered_o
         for it in (g, proxy, w):
             if it is not None:
                 it.stop()
+
+
+def _asked_while_stopped(worker: Server, proxy: FaultyWorker, online: openai.OpenAI, asks: list[dict]) -> list:
+    """The online answers to ``asks``, sent while ``worker`` is stopped (SIGSTOP): it runs again
+    once the gateway has passed every one of them on (the proxy has them), so they are queued
+    on the worker before any batch line it holds can finish."""
+    import os
+    import signal
+
+    os.killpg(worker.proc.pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(len(asks)) as pool:
+            pending = [pool.submit(online.chat.completions.create, **a) for a in asks]
+            deadline = time.monotonic() + 30
+            while sum(b["record"]["tenant"] == "online" for b in proxy.generate_bodies) < len(asks):
+                assert time.monotonic() < deadline, "the gateway did not pass the online requests on"
+                assert not any(f.done() for f in pending), [f.result() for f in pending if f.done()]
+                time.sleep(0.02)
+            time.sleep(0.2)  # the proxy's own send to the worker's socket
+            os.killpg(worker.proc.pid, signal.SIGCONT)
+            return [f.result() for f in pending]
+    finally:
+        os.killpg(worker.proc.pid, signal.SIGCONT)
