@@ -280,36 +280,40 @@ def test_online_load_preempts_a_running_batch_and_every_line_is_still_answered_o
     """A gateway and its worker with a KV cache of 40 blocks: batch lines run (four at a time), then
     five online requests come that need more KV than the batch leaves. The gateway lets them in (the
     batch's blocks are free to an online request) and the engine preempts batch lines for them; the
-    batch resumes once they are done, and every line is answered once, as the same request online."""
+    batch resumes once they are done, and every line is answered once, as the same request online.
+    The test holds the batch by construction, not by timing: once batch lines run, the worker is
+    stopped (SIGSTOP) until the gateway has passed all five online requests on to it, so no batch
+    line can finish before they are queued (a busy machine once let the batch end first)."""
     from cloud_tier.engine.model_runner import ModelRunner
     from tests import loopback
 
     per_block = ModelRunner.bytes_per_block(smollm2_engine.model, 16, smollm2_engine.dtype)
-    g = Server(tmp_path, ["cloud", "serve"], "--both", "1", "--prefill", "0", "--decode", "0",
-               "--model", str(smollm2_engine.model_dir), "--max-model-len", "512",
-               "--kv-cache-bytes", str(40 * per_block)).wait_healthy(300)
+    w = Server(tmp_path, ["cloud", "worker"], "--role", "both", "--model", str(smollm2_engine.model_dir),
+               "--max-model-len", "512", "--kv-cache-bytes", str(40 * per_block))
+    g = proxy = None
     try:
-        [worker] = loopback.get(f"{g.url}/healthz").json()["workers"]
+        w.wait_healthy(300)
+        proxy = FaultyWorker(w.url).start()  # passes everything through; records what the gateway sends
+        g = Server(tmp_path, ["cloud", "serve"], "--workers", proxy.url).wait_healthy(180)
 
         def engine() -> dict:
-            return loopback.get(f"{worker}/healthz").json()["engine"]
+            return loopback.get(f"{w.url}/healthz").json()["engine"]
 
         assert engine()["kv_blocks_total"] == 40
         c = client(g, create_key(tmp_path, "--tenant", "acme"))
+        online = client(g, create_key(tmp_path, "--tenant", "online"))
         model = c.models.list().data[0].id  # the converted model's directory, served by its path
         lines = [chat_line(f"b{i}", f"Tell a story about the number {i}.", 48) for i in range(8)]
         for ln in lines:  # ~5 blocks each for a while: four of them hold half the cache
             ln["body"].update(model=model, ignore_eos=True)
+        asks = [dict(model=model, messages=[{"role": "user", "content": f"Describe a city, number {i}."}],
+                     max_tokens=64, temperature=0, extra_body={"ignore_eos": True}) for i in range(5)]
         batch = c.batches.create(input_file_id=upload(c, lines), endpoint=CHAT, completion_window="24h")
         deadline = time.monotonic() + 120
         while engine()["running"] < 3:
             assert time.monotonic() < deadline, "the batch lines never ran"
             time.sleep(0.05)
-        online = client(g, create_key(tmp_path, "--tenant", "online"))
-        asks = [dict(model=model, messages=[{"role": "user", "content": f"Describe a city, number {i}."}],
-                     max_tokens=64, temperature=0, extra_body={"ignore_eos": True}) for i in range(5)]
-        with ThreadPoolExecutor(5) as pool:
-            answers = list(pool.map(lambda a: online.chat.completions.create(**a), asks))
+        answers = _asked_while_stopped(w, proxy, online, asks)
         assert all(a.usage.completion_tokens == 64 for a in answers)
         assert engine()["preemptions"] > 0  # batch lines gave their KV up to the online requests
         done = wait_for(c, batch.id, {"completed", "failed"}, 300)
@@ -322,4 +326,29 @@ def test_online_load_preempts_a_running_batch_and_every_line_is_still_answered_o
             assert out[ln["custom_id"]]["response"]["body"]["choices"][0]["message"]["content"] == \
                 again.choices[0].message.content
     finally:
-        g.stop()
+        for it in (g, proxy, w):
+            if it is not None:
+                it.stop()
+
+
+def _asked_while_stopped(worker: Server, proxy: FaultyWorker, online: openai.OpenAI, asks: list[dict]) -> list:
+    """The online answers to ``asks``, sent while ``worker`` is stopped (SIGSTOP): it runs again
+    once the gateway has passed every one of them on (the proxy has them), so they are queued
+    on the worker before any batch line it holds can finish."""
+    import os
+    import signal
+
+    os.killpg(worker.proc.pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(len(asks)) as pool:
+            pending = [pool.submit(online.chat.completions.create, **a) for a in asks]
+            deadline = time.monotonic() + 30
+            while sum(b["record"]["tenant"] == "online" for b in proxy.generate_bodies) < len(asks):
+                assert time.monotonic() < deadline, "the gateway did not pass the online requests on"
+                assert not any(f.done() for f in pending), [f.result() for f in pending if f.done()]
+                time.sleep(0.02)
+            time.sleep(0.2)  # the proxy's own send to the worker's socket
+            os.killpg(worker.proc.pid, signal.SIGCONT)
+            return [f.result() for f in pending]
+    finally:
+        os.killpg(worker.proc.pid, signal.SIGCONT)
