@@ -7,6 +7,7 @@ Every API of ours (edge agent, gateway, workers) raises ``APIError`` for a reque
 from __future__ import annotations
 
 import json
+import math
 
 
 class APIError(Exception):
@@ -46,7 +47,8 @@ def model_not_found(model: str) -> APIError:
 
 
 def too_many_requests(message: str, retry_after_s: float, code: str = "rate_limit_exceeded") -> APIError:
-    retry = max(1, int(retry_after_s + 0.999))
+    # whole seconds, rounded up (a client told 3 for 3.0005 s would come back early), within a day
+    retry = min(max(1, math.ceil(retry_after_s)), 86_400) if math.isfinite(retry_after_s) else 86_400
     return APIError(429, message, "rate_limit_error", None, code, {"Retry-After": str(retry)})
 
 
