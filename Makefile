@@ -24,11 +24,13 @@ bench: $(STAMP)
 	$(PY) bench/edge_overhead.py
 
 # ruff (style, line length 120), the layer contract in pyproject.toml (import-linter) and the size
-# rules (no source file over 400 lines, no function over 60: scripts/check_structure.py)
+# rules (no source file over 400 lines, no function over 60: scripts/check_structure.py), and the
+# README's and docs' relative links (scripts/check_links.py)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 	$(PY) scripts/check_structure.py
+	$(PY) scripts/check_links.py
 
 setup: $(STAMP)
 
