@@ -2,7 +2,7 @@
 ``$CASCADE_HOME/fleet`` (on its host, whether or not ``cascade fleet serve`` runs), or with
 ``--url http://HOST:8090 [--admin-key K]`` (or $CASCADE_FLEET_URL, $CASCADE_FLEET_ADMIN_KEY) on
 a control plane elsewhere, over its admin API (fleet_remote.py): the same operations
-(model_distribution/operations.py), the same output. The devices' commands: fleet_devices.py.
+(model_distribution/fleet/operations.py), the same output. The devices' commands: fleet_devices.py.
 
     cascade fleet serve [--port 8090] [--broker mqtt://127.0.0.1:1883]
     cascade fleet keys init

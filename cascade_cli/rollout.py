@@ -1,6 +1,6 @@
 """``cascade fleet rollout ...``: staged rollouts, on the control plane's state under
 ``$CASCADE_HOME/fleet`` or with ``--url`` on a control plane elsewhere (its
-``/v1/fleet/rollouts``), printed from the same dicts either way (model_distribution/rollout_ops.py;
+``/v1/fleet/rollouts``), printed from the same dicts either way (model_distribution/rollout/commands.py;
 the status as text: rollout_view.py).
 
     cascade fleet rollout start NAME@VERSION --group G [--waves 1,10,50,100] [--bake 2m]

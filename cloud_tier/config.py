@@ -71,7 +71,7 @@ class GatewayConfig:
     kv_connector: str = ""  # ... and how their KV moves: "nixl" (vLLM's NixlConnector two-step flow)
     pd_min_prompt_chars: int = 1024  # shorter prompts skip the prefill step
     pd_skip_hit_share: float = 0.8  # ... as do prompts the decode worker holds this share of
-    # foreign workers' health, failures and load (see cloud_tier/gateway/openai_route.py, openai_proxy.py)
+    # foreign workers' health, failures and load (see cloud_tier/gateway/foreign/routing.py, proxy.py)
     metrics_interval_s: float = 1.0  # scrape of a foreign worker's /metrics and /health
     stale_after_s: float = 3.0  # load numbers older than this: the worker counts as saturated
     worker_max_waiting: int = 8  # a foreign worker with this many requests waiting is saturated
@@ -116,11 +116,11 @@ class GatewayConfig:
     # admission control on the decode pool's KV blocks
     kv_high_watermark: float = 0.9
     max_queue: int = 64  # requests waiting for KV room; beyond it, 429
-    # fair shares of that KV between tenants (cloud_tier/gateway/tenant_share.py): the room a tenant active in the
+    # fair shares of that KV between tenants (cloud_tier/gateway/tenants/tenant_share.py): the room a tenant active in the
     # last tenant_kv_window_s wanted (up to an equal share) is kept from the others; off: first come, first served
     tenant_kv_fair: bool = True
     tenant_kv_window_s: float = 10.0
-    # routing (see cloud_tier/gateway/placement.py)
+    # routing (see cloud_tier/gateway/workers/placement.py)
     route_alpha: float = 1.0
     route_beta: float = 1.0
     prefill_ms_per_token: float = 1.0
@@ -142,7 +142,7 @@ class GatewayConfig:
     # /metrics: open unless a key is set (then "Authorization: Bearer <metrics_key>"); per tenant unless off
     metrics_key: str = ""
     metrics_tenant_labels: bool = True
-    # workers found through the Kubernetes API (cloud_tier/gateway/discovery.py): on when a selector is set;
+    # workers found through the Kubernetes API (cloud_tier/gateway/workers/discovery.py): on when a selector is set;
     # namespace "": the gateway pod's own; a pod's port: its container port named http, else k8s_port
     k8s_namespace: str = ""
     k8s_selector: str = ""  # label selector of worker pods; role: their cascade.dev/role label, else both
@@ -152,7 +152,7 @@ class GatewayConfig:
     # a request's priority class as vLLM's integer priority (interactive 0, escalation 1, batch 2), for vLLM
     # workers started with --scheduling-policy priority (others reject the field)
     foreign_priority: bool = False
-    # the Batch API (cloud_tier/gateway/batch_*.py): its files and batches in SQLite ("": batches.db beside
+    # the Batch API (cloud_tier/gateway/batch/): its files and batches in SQLite ("": batches.db beside
     # the key store's file, or under $CASCADE_HOME/cloud with a PostgreSQL key store)
     batch_db: str = ""
     batch_max_file_bytes: int = 100 << 20  # an uploaded file over this is a 400
