@@ -117,7 +117,8 @@ class GatewayConfig:
     kv_high_watermark: float = 0.9
     max_queue: int = 64  # requests waiting for KV room; beyond it, 429
     # fair shares of that KV between tenants (cloud_tier/gateway/tenants/tenant_share.py): the room a tenant
-    # active in the last tenant_kv_window_s wanted (up to an equal share) is kept from the others; off: first come, first served
+    # active in the last tenant_kv_window_s wanted (up to an equal share) is kept from the others; off: first
+    # come, first served
     tenant_kv_fair: bool = True
     tenant_kv_window_s: float = 10.0
     # routing (see cloud_tier/gateway/workers/placement.py)
