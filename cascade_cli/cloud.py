@@ -80,7 +80,7 @@ def cmd_cloud_serve(args) -> int:
                                 k8s_prefill_selector=args.k8s_prefill_selector,
                                 k8s_decode_selector=args.k8s_decode_selector, k8s_port=args.k8s_port)
     try:
-        serve.run(CloudConfig.load(args.config, overrides), args.config)
+        serve.run(CloudConfig.load(args.config, overrides))
     except (ConfigError, ModelNotFound, StartupError) as e:
         print(f"cascade: {e}", file=sys.stderr)
         return 2

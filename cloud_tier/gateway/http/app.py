@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 import httpx
 from fastapi import FastAPI
@@ -31,6 +33,7 @@ from cloud_tier.request_builder import RequestBuilder
 from sync.idempotency import IdempotencyRecords
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def worker_roles(config: CloudConfig, worker_urls: list[str]) -> dict[str, str]:
@@ -88,7 +91,27 @@ def _runner_config(g: GatewayConfig) -> RunnerConfig:
         max_refusals=g.batch_max_refusals, max_line_bytes=g.max_body_bytes)
 
 
-def build_app(config: CloudConfig, worker_urls: list[str]) -> FastAPI:
+async def until_stopped(work: Awaitable[T], stopping: Callable[[], bool], every_s: float = 0.2) -> T:
+    """``work``'s result, unless the server is told to stop first: a SIGTERM while the gateway waits for
+    its workers (up to ``startup_timeout_s``) is only noted by uvicorn until the startup ends, so without
+    this the process would hold out that long."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=every_s)
+            if not task.done() and stopping():
+                raise RuntimeError("stopped while waiting for the workers")
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
+def build_app(config: CloudConfig, worker_urls: list[str], stopping: Callable[[], bool] = lambda: False
+              ) -> FastAPI:
+    """The gateway's app; ``stopping()`` says the server has been told to stop (uvicorn's should_exit)."""
     g = config.gateway
 
     @asynccontextmanager
@@ -98,8 +121,8 @@ def build_app(config: CloudConfig, worker_urls: list[str]) -> FastAPI:
                                    transport=ShardedTransport(httpx.Limits(
                                        max_connections=1024, max_keepalive_connections=128,
                                        keepalive_expiry=KEEPALIVE_EXPIRY_S)))
-        pool, watcher = await _open_pool(config, worker_urls, client)
-        app.state.service = await _service(config, pool, stores, client)
+        pool, watcher = await until_stopped(_open_pool(config, worker_urls, client), stopping)
+        app.state.service = await until_stopped(_service(config, pool, stores, client), stopping)
         collector = asyncio.create_task(_collect(stores.idempotency))
         app.state.batches = BatchStore(batch_db_path(g), limits=FileLimits(
             g.batch_tenant_max_bytes, g.batch_tenant_max_files, g.batch_file_ttl_s))
