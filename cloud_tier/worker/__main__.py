@@ -1,22 +1,25 @@
-"""``python -m cloud_tier.worker SETTINGS``: a worker that ``cascade cloud serve`` starts on its
-own host (``cloud_tier.worker.processes``). An internal entry point, not a user command (that is
-``cascade cloud worker``): SETTINGS is the JSON of ``cloud_tier.worker.settings``, so the worker
-reads no config file and parses no flags."""
+"""``python -m cloud_tier.worker``: a worker that ``cascade cloud serve`` starts on its own host
+(``cloud_tier.worker.processes``). An internal entry point, not a user command (that is ``cascade cloud
+worker``): its settings are the JSON of ``cloud_tier.worker.settings`` in ``$CASCADE_WORKER_SETTINGS``
+(not the command line, which every user of the host can read), so it reads no config file and parses
+no flags."""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
-from cloud_tier.worker.settings import read_settings
+from cloud_tier.worker.settings import SETTINGS_ENV, read_settings
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    settings = os.environ.pop(SETTINGS_ENV, None)  # not handed on to anything the worker starts
     try:
-        if len(args) != 1:
-            raise ValueError("one argument, the worker's settings as JSON")
-        config, log_level = read_settings(args[0])
+        if args or settings is None:
+            raise ValueError(f"no arguments, and the worker's settings as JSON in ${SETTINGS_ENV}")
+        config, log_level = read_settings(settings)
     except (ValueError, TypeError, KeyError) as e:
         print(f"cloud_tier.worker: bad settings: {e}", file=sys.stderr)
         return 2

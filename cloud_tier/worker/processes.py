@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from cascade.processes import NotHealthy, free_port, spawn, stop, wait_healthy
 from cloud_tier.config import CloudConfig
-from cloud_tier.worker.settings import worker_settings
+from cloud_tier.worker.settings import SETTINGS_ENV, worker_settings
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +39,10 @@ class WorkerProcesses:
         host = "127.0.0.1"
         for role in roles:
             port = free_port(host)
-            cmd = worker_command(self.config, role, host, port, threads)
+            cmd, settings = worker_command(self.config, role, host, port, threads)
             url = f"http://{host}:{port}"
             log.info("starting %s worker on %s (%d threads)", role, url, threads)
-            self.procs.append((url, spawn(cmd, env=worker_omp_env(threads), die_with_parent=True)))
+            self.procs.append((url, spawn(cmd, env={**worker_omp_env(threads), **settings}, die_with_parent=True)))
         for url, proc in self.procs:
             try:
                 wait_healthy(url, proc, timeout_s, "worker")
@@ -55,16 +55,19 @@ class WorkerProcesses:
             stop(p, timeout_s=10)
 
 
-def worker_command(config: CloudConfig, role: str, host: str, port: int, threads: int) -> list[str]:
-    """``python -m cloud_tier.worker`` for one started worker: this gateway's whole configuration
-    (a flag or variable given to `cloud serve` is in no config file the worker could read), with
-    the worker's role, address and threads, and this process's log level."""
+def worker_command(config: CloudConfig, role: str, host: str, port: int, threads: int
+                   ) -> tuple[list[str], dict[str, str]]:
+    """``python -m cloud_tier.worker`` for one started worker, and the environment that carries its settings:
+    this gateway's whole configuration (a flag or variable given to `cloud serve` is in no config file the
+    worker could read), with the worker's role, address and threads, and this process's log level. The
+    settings hold keys and database URLs, so they travel in the environment (readable by this user alone),
+    never in the command line (``ps`` shows it to every user of the host)."""
     worker = dataclasses.replace(
         config, server=dataclasses.replace(config.server, host=host, port=port),
         engine=dataclasses.replace(config.engine, threads=threads),
         worker=dataclasses.replace(config.worker, role=role))
     level = logging.getLevelName(log.getEffectiveLevel())
-    return [sys.executable, "-m", "cloud_tier.worker", worker_settings(worker, level)]
+    return [sys.executable, "-m", "cloud_tier.worker"], {SETTINGS_ENV: worker_settings(worker, level)}
 
 
 def worker_omp_env(threads: int) -> dict[str, str | None]:

@@ -1,5 +1,5 @@
-"""The settings ``cascade cloud serve`` hands a worker it starts (``python -m cloud_tier.worker
-SETTINGS``): one JSON object with the whole configuration it resolved from its file, its
+"""The settings ``cascade cloud serve`` hands a worker it starts (``python -m cloud_tier.worker``, with
+them in ``$CASCADE_WORKER_SETTINGS``): one JSON object with the whole configuration it resolved from its file, its
 environment and its flags (``CloudConfig.to_dict``), and its log level."""
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ import json
 from typing import Any
 
 from cloud_tier.config import CloudConfig
+
+SETTINGS_ENV = "CASCADE_WORKER_SETTINGS"
 
 
 def worker_settings(config: CloudConfig, log_level: str) -> str:

@@ -8,7 +8,7 @@ import pytest
 from cascade_cli.main import build_parser
 from cloud_tier.config import CloudConfig
 from cloud_tier.worker.processes import worker_command
-from cloud_tier.worker.settings import read_settings
+from cloud_tier.worker.settings import SETTINGS_ENV, read_settings
 
 
 def served_config(monkeypatch, *flags: str) -> CloudConfig:
@@ -31,14 +31,25 @@ def test_the_targets_dtype_reservations_and_class_targets_reach_the_configuratio
 
 def test_a_started_worker_gets_them_and_none_it_was_not_given(monkeypatch):
     config = served_config(monkeypatch, "--ttft-slo-s", "2", "--tpot-slo-s", "0.25", "--reservations", "gold=0.3")
-    cmd = worker_command(config, "both", "127.0.0.1", 9000, 2)
+    cmd, env = worker_command(config, "both", "127.0.0.1", 9000, 2)
     assert cmd[:3] == [sys.executable, "-m", "cloud_tier.worker"]
-    worker, _ = read_settings(cmd[3])
+    worker, _ = read_settings(env[SETTINGS_ENV])
     e = worker.engine
     assert (e.ttft_slo_s, e.tpot_slo_s, e.reservations) == (2.0, 0.25, "gold=0.3")
     assert (worker.worker.role, worker.server.host, worker.server.port, e.threads) == ("both", "127.0.0.1", 9000, 2)
-    plain, _ = read_settings(worker_command(served_config(monkeypatch), "both", "127.0.0.1", 9000, 2)[3])
+    plain, _ = read_settings(worker_command(served_config(monkeypatch), "both", "127.0.0.1", 9000, 2)[1][SETTINGS_ENV])
     assert (plain.engine.ttft_slo_s, plain.engine.tpot_slo_s, plain.engine.reservations) == (None, None, "")
+
+
+def test_a_started_workers_keys_and_database_urls_stay_out_of_its_command_line(monkeypatch):
+    """``ps`` shows every process's command line to every user of the host; the environment is the user's."""
+    monkeypatch.setenv("CASCADE_CLOUD_SERVER_API_KEY", "worker-secret-1")
+    monkeypatch.setenv("CASCADE_CLOUD_GATEWAY_DB", "postgresql://cascade:db-secret-2@db/cascade")
+    cmd, env = worker_command(served_config(monkeypatch), "both", "127.0.0.1", 9000, 2)
+    assert cmd == [sys.executable, "-m", "cloud_tier.worker"]
+    worker, _ = read_settings(env[SETTINGS_ENV])
+    assert worker.server.api_key == "worker-secret-1"
+    assert "db-secret-2" in env[SETTINGS_ENV]  # the setting was there to leak, and stays in the environment
 
 
 @pytest.mark.parametrize("flags", [["--ttft-slo-s", "-1"], ["--tpot-slo-s", "nan"], ["--class-slos", "fast"],

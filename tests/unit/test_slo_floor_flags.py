@@ -6,7 +6,7 @@ import pytest
 from cloud_tier.config import GatewayConfig
 from cloud_tier.engine_config import EngineConfig
 from cloud_tier.worker.processes import worker_command
-from cloud_tier.worker.settings import read_settings
+from cloud_tier.worker.settings import SETTINGS_ENV, read_settings
 from tests.unit.test_serve_flags import served_config
 
 
@@ -15,7 +15,7 @@ def test_the_floors_reach_the_gateway_the_engine_and_the_started_workers(monkeyp
                            "--tpot-min-batch", "12", "--min-tpot-slo-s", "0.08")
     assert (config.gateway.min_ttft_slo_s, config.gateway.min_tpot_slo_s) == (0.5, 0.05)
     assert (config.engine.tpot_min_batch, config.engine.min_tpot_slo_s) == (12, 0.08)
-    worker, _ = read_settings(worker_command(config, "both", "127.0.0.1", 9000, 2)[3])
+    worker, _ = read_settings(worker_command(config, "both", "127.0.0.1", 9000, 2)[1][SETTINGS_ENV])
     assert (worker.engine.tpot_min_batch, worker.engine.min_tpot_slo_s) == (12, 0.08)
 
 
