@@ -64,10 +64,13 @@ def resume(rollouts: RolloutStore, rollout_id: str) -> Rollout:
     if r.state != R.PAUSED:
         raise RolloutError(f"rollout {rollout_id} is {r.state}, not PAUSED")
     if (r.reason or "").startswith("inconclusive") and r.wave_done_at is not None:
-        rollouts.decide(r.rollout_id, r.wave, "pass", {"by": "operator", "after": r.reason})
         if r.wave + 1 >= len(r.spec.waves):
-            return _cas(rollouts, r, state=R.SUCCEEDED, reason=None)
-        return _cas(rollouts, r, state=R.RUNNING, reason=None, wave=r.wave + 1, wave_done_at=None)
+            done = _cas(rollouts, r, state=R.SUCCEEDED, reason=None)
+        else:
+            done = _cas(rollouts, r, state=R.RUNNING, reason=None, wave=r.wave + 1, wave_done_at=None)
+        # recorded once the move is made: a resume that lost the race judged nothing
+        rollouts.decide(r.rollout_id, r.wave, "pass", {"by": "operator", "after": r.reason})
+        return done
     return _cas(rollouts, r, state=R.RUNNING, reason=None)
 
 
@@ -76,8 +79,22 @@ def abort(rollouts: RolloutStore, rollout_id: str, devices: DeviceStore | None =
     execution still under way is CANCELED too, saying so: no one follows it any more)."""
     r = rollouts.get(rollout_id)
     if r.state not in ACTIVE_STATES:
+        if r.state == R.ABORTED:  # an abort cut short after its move (a crash): its executions are finished
+            _cancel_executions(rollouts, r)
         raise RolloutError(f"rollout {rollout_id} is {r.state}: nothing to abort")
-    for e in rollouts.executions(rollout_id):
+    # the rollout first: an abort that loses the race with a tick writes nothing (were the executions
+    # canceled first, the rollout would stay RUNNING with a wave that never completes, holding its group);
+    # once ABORTED, no tick touches its executions
+    done = _cas(rollouts, r, state=R.ABORTED, reason="aborted by the operator")
+    _cancel_executions(rollouts, r)
+    if devices is not None:
+        _stop_prefetch(r, devices)
+    return done
+
+
+def _cancel_executions(rollouts: RolloutStore, r: Rollout) -> None:
+    """The queued executions and those under way are CANCELED (the ones under way keep the version)."""
+    for e in rollouts.executions(r.rollout_id):
         for _ in range(5):  # a tick may change it meanwhile: read it again and redo
             if e.state == E.QUEUED:
                 done = rollouts.move(e, E.CANCELED, "aborted")
@@ -88,9 +105,6 @@ def abort(rollouts: RolloutStore, rollout_id: str, devices: DeviceStore | None =
             if done:
                 break
             e = rollouts.execution(e.rollout_id, e.device_id)
-    if devices is not None:
-        _stop_prefetch(r, devices)
-    return _cas(rollouts, r, state=R.ABORTED, reason="aborted by the operator")
 
 
 def rollback(registry: Registry, devices: DeviceStore, rollouts: RolloutStore, rollout_id: str) -> Rollout:
