@@ -36,10 +36,14 @@ def roll_back(r: Rollout, registry: Registry, devices: DeviceStore, rollouts: Ro
                 break
             e = rollouts.execution(e.rollout_id, e.device_id)
     _stop_prefetch(r, devices)
-    fresh = rollouts.get(r.rollout_id)
-    if fresh.state == R.ROLLED_BACK:  # rolled back meanwhile by another caller
-        return fresh
-    return rollouts.update(fresh, state=R.ROLLED_BACK, reason=reason) or rollouts.get(r.rollout_id)
+    for _ in range(5):  # a tick may write the row between the read and the move: read it again
+        fresh = rollouts.get(r.rollout_id)
+        if fresh.state == R.ROLLED_BACK:  # rolled back meanwhile by another caller
+            return fresh
+        done = rollouts.update(fresh, state=R.ROLLED_BACK, reason=reason)
+        if done is not None:
+            return done
+    raise RolloutError(f"rollout {r.rollout_id} changed meanwhile: try again")
 
 
 def _stop_prefetch(r: Rollout, devices: DeviceStore) -> None:
