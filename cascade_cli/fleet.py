@@ -23,7 +23,7 @@ from cascade_cli.fleet_devices import cmd_devices_add, cmd_devices_list, open_de
 from cascade_cli.fleet_remote import CLIENT_ENV, add_remote_flags, exit_on_refusal, remote_control_plane
 from cascade_cli.parsing import add_command
 from cascade_cli.rollout import add_rollout_parser
-from cascade_cli.tables import print_table, utc_time
+from cascade_cli.tables import print_table, printed_whole, utc_time
 
 
 def _registry():
@@ -139,11 +139,8 @@ def cmd_models(args) -> int:
             models = [m.to_dict() for m in reg.models(args.name)]
         finally:
             reg.close()
-    if args.json:
-        print(json.dumps(models, indent=2))
-        return 0
-    if not models:
-        print("no models published (cascade fleet push ./model.gguf --name NAME --version 1.0.0)")
+    if printed_whole(models, args.json,
+                     "no models published (cascade fleet push ./model.gguf --name NAME --version 1.0.0)"):
         return 0
     rows = [("NAME", "VERSION", "FORMAT", "QUANT", "SIZE", "SHA256", "PUSHED")]
     for m in models:

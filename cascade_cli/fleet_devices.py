@@ -7,7 +7,7 @@ import json
 import sys
 
 from cascade_cli.fleet_remote import remote_control_plane
-from cascade_cli.tables import print_table, utc_time
+from cascade_cli.tables import print_table, printed_whole, utc_time
 from model_distribution.fleet.devices import is_number
 
 
@@ -61,11 +61,7 @@ def cmd_devices_list(args) -> int:
         finally:
             store.close()
             rollouts.close()
-    if args.json:
-        print(json.dumps(devices, indent=2))
-        return 0
-    if not devices:
-        print("no devices enrolled (cascade fleet devices add DEVICE --group GROUP)")
+    if printed_whole(devices, args.json, "no devices enrolled (cascade fleet devices add DEVICE --group GROUP)"):
         return 0
     rows = [("DEVICE", "GROUPS", "ONLINE", "DESIRED", "REPORTED", "STATE", "ROLLOUT", "LAST SEEN", "REQUESTS",
              "ESCALATED", "ERRORS", "BACKLOG")]

@@ -24,7 +24,7 @@ from urllib.parse import quote
 from cascade_cli.fleet_remote import add_remote_flags, exit_on_refusal, remote_control_plane
 from cascade_cli.parsing import add_command
 from cascade_cli.rollout_view import render_status
-from cascade_cli.tables import print_table, utc_time
+from cascade_cli.tables import print_table, printed_whole, utc_time
 
 
 class _Local:
@@ -141,11 +141,7 @@ def cmd_rollout_list(args) -> int:
         rollouts = _run_local(lambda s: [r.to_dict() for r in s.rollouts.list()])
         if rollouts is None:
             return 2
-    if args.json:
-        print(json.dumps(rollouts, indent=2))
-        return 0
-    if not rollouts:
-        print("no rollouts (cascade fleet rollout start NAME@VERSION --group GROUP)")
+    if printed_whole(rollouts, args.json, "no rollouts (cascade fleet rollout start NAME@VERSION --group GROUP)"):
         return 0
     rows = [("ROLLOUT", "MODEL", "GROUP", "STATE", "WAVE", "STARTED", "REASON")]
     for r in rollouts:
