@@ -118,6 +118,27 @@ def test_the_admin_models_list_needs_the_admin_key(plane):
     assert r.status_code == 200 and [m["sha256"] for m in r.json()["data"]] == [plane.manifest.sha256]
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/fleet/devices", b'{"device": "k9", "groups": NaN}'),
+    ("/v1/fleet/devices", b'{"device": 1e999}'),
+    ("/v1/fleet/devices", b'{"device": "k9", "groups": "not-a-list"}'),
+    ("/v1/fleet/devices", b'{"device": "k\\u2028x"}'),
+    ("/v1/fleet/devices", b'{"device": "cascade-control-plane"}'),  # the control plane's own broker name
+    ("/v1/fleet/devices", b'{"device": "k9", "extra": 1}'),
+    ("/v1/fleet/devices", b'{"device": "' + b"k" * (70 << 10) + b'"}'),  # over the 64 KiB body bound
+    ("/v1/fleet/assign", b'{"model": 123456789012345678901234567890}'),
+    ("/v1/fleet/assign", b'{"model": "tiny@1.0.0", "device": ["k1"]}'),
+    ("/v1/fleet/assign", b'{"model": "tiny@1.0.0"'),
+], ids=["nan", "1e999", "wrong-type", "u2028", "reserved-name", "unknown-key", "oversize", "huge-int",
+        "list-for-str", "truncated"])
+def test_the_admin_write_routes_refuse_hostile_bodies_with_a_4xx_and_write_nothing(plane, path, body):
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}", "Content-Type": "application/json"}
+    before = loopback.get(f"{plane.url}/v1/fleet/devices", headers=admin).json()
+    r = loopback.post(f"{plane.url}{path}", content=body, headers=admin)
+    assert 400 <= r.status_code < 500 and r.json()["error"]["message"], (r.status_code, r.text[:300])
+    assert loopback.get(f"{plane.url}/v1/fleet/devices", headers=admin).json() == before
+
+
 # -- device credentials ------------------------------------------------------------------------
 
 def device_urls(plane) -> list[str]:
