@@ -14,6 +14,30 @@ from tests import accounting, loopback
 
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
+
+class _SnapshotLoggerDict(dict):
+    """pytest's log capture (``catching_logs.__enter__``, pytest 9.2) iterates
+    ``logging.Logger.manager.loggerDict.values()`` without logging's lock, at the start of every
+    phase of every test. A thread that outlives its test and makes a logger meanwhile (the embedded
+    broker imports its plugins, and they their loggers, in its own thread) then fails the next test
+    with "dictionary changed size during iteration" (a CI run failed so). ``values()`` here is a
+    copy taken in one C call, under the GIL: the loop runs over that."""
+
+    def values(self):
+        return list(super().values())
+
+
+def _snapshot_logger_dict() -> None:
+    import logging
+
+    with logging._lock:  # noqa: SLF001 (the lock getLogger holds while it adds a logger)
+        manager = logging.Logger.manager
+        if not isinstance(manager.loggerDict, _SnapshotLoggerDict):
+            manager.loggerDict = _SnapshotLoggerDict(manager.loggerDict)
+
+
+_snapshot_logger_dict()
+
 REPO = Path(__file__).resolve().parent.parent
 
 
