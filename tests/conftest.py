@@ -13,6 +13,11 @@ from cascade_cli.spawn import cascade_command
 from tests import accounting, loopback
 
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+# The defaults are the Qwen tier pair (0.5B on the edge, 1.5B in the cloud). A test that starts an
+# agent or a cloud tier without naming a model gets SmolLM2-135M, the fast model tests need; a test
+# of the pair names it (and tests/unit/test_default_pair.py checks the defaults themselves).
+os.environ.setdefault("CASCADE_EDGE_MODEL_NAME", "smollm2-135m")
+os.environ.setdefault("CASCADE_CLOUD_ENGINE_MODEL", "smollm2-135m")
 
 
 class _SnapshotLoggerDict(dict):

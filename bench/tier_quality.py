@@ -1,0 +1,131 @@
+"""What escalation buys: each tier's share of right answers on a small graded set of our own
+(generated arithmetic, unit conversions, facts from a table, formatting, and short Python
+questions with one checkable answer), greedy, the same prompts to both tiers in the same run.
+
+    .venv/bin/python bench/tier_quality.py [--n 120] [--seed 39] [--weight-dtype int8]
+    .venv/bin/python bench/tier_quality.py --edge URL --cloud URL --api-key KEY   # tiers already up
+
+Without URLs it starts both tiers itself: the edge agent on the device's model (llama.cpp) and
+the cloud tier (`cascade cloud serve`, our engine, one colocated worker) on the cloud's model.
+The set is generated with a seed of its own, not the one `cascade calibrate` uses by default, so
+thresholds calibrated with the defaults are never judged on the prompts they were fitted on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+from cascade.eval.scoring import Task
+from cascade.eval.tasks import generate
+from cascade.processes import free_port, spawn, stop, wait_healthy
+from cascade_cli.calibrate.tiers import collect
+from cascade_cli.spawn import cascade_command
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def code_tasks(n: int, seed: int) -> list[Task]:
+    """Short Python questions whose answer is one number: what a coder model should know."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(2, 30), rng.randint(2, 9)
+        kind = rng.randrange(5)
+        if kind == 0:
+            items = [rng.randint(0, 9) for _ in range(rng.randint(2, 6))]
+            out.append(Task(f"In Python, what does len({items}) return? Answer with just the number.",
+                            str(len(items)), "arithmetic"))
+        elif kind == 1:
+            out.append(Task(f"In Python, what is {a} // {b}? Answer with just the number.", str(a // b), "arithmetic"))
+        elif kind == 2:
+            out.append(Task(f"In Python, what is {a} % {b}? Answer with just the number.", str(a % b), "arithmetic"))
+        elif kind == 3:
+            out.append(Task(f"In Python, what does sum(range({b})) return? Answer with just the number.",
+                            str(sum(range(b))), "arithmetic"))
+        else:
+            out.append(Task(f"In Python, what is {b} ** 2? Answer with just the number.", str(b ** 2), "arithmetic"))
+    return out
+
+
+def graded_set(n: int, seed: int) -> list[tuple[str, Task]]:
+    """(group, task): a fifth Python questions, the rest the calibration generator's kinds."""
+    code = [("python", t) for t in code_tasks(n // 5, seed)]
+    rest = [(t.kind if t.kind != "fact" else "fact", t) for t in generate(n - len(code), seed)]
+    return rest + code
+
+
+def start_tiers(args, work: Path) -> tuple[list, str, str, str]:
+    env = {**os.environ, "CASCADE_HOME": os.environ.get("CASCADE_HOME") or str(Path.home() / ".cascade"),
+           "OMP_WAIT_POLICY": "passive", "CASCADE_CLOUD_GATEWAY_DB": str(work / "gateway.db")}
+    cli = cascade_command(log_level="WARNING")
+    key = subprocess.run([*cli, "cloud", "keys", "create", "--tenant", "bench", "--db", str(work / "gateway.db")],
+                         env=env, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    edge_port, cloud_port = free_port(), free_port()
+    cloud = spawn([*cli, "cloud", "serve", "--port", str(cloud_port), "--model", args.cloud_model,
+                   "--weight-dtype", args.weight_dtype, "--max-model-len", "1024"], env=env, cwd=REPO)
+    edge = spawn([*cli, "edge", "run", "--port", str(edge_port), "--model", args.edge_model, "--n-ctx", "1024"],
+                 env={**env, "CASCADE_EDGE_UPSTREAM_URL": ""}, cwd=REPO)
+    edge_url, cloud_url = f"http://127.0.0.1:{edge_port}", f"http://127.0.0.1:{cloud_port}"
+    wait_healthy(edge_url, edge, 900, "edge agent")
+    wait_healthy(cloud_url, cloud, 1800, "cloud tier")
+    return [edge, cloud], edge_url, cloud_url, key
+
+
+def report(groups: list[str], samples) -> None:
+    by: dict[str, list] = defaultdict(list)
+    for g, s in zip(groups, samples, strict=True):
+        by[g].append(s)
+        by["all"].append(s)
+    print(f"\n{'group':<12} {'items':>5} {'edge right':>11} {'cloud right':>12} {'cloud only':>11} {'edge only':>10}")
+    for g in sorted(by, key=lambda k: (k == "all", k)):
+        ss = by[g]
+        e = sum(s.task.score(s.edge_text) for s in ss)
+        c = sum(s.task.score(s.cloud_text) for s in ss)
+        c_only = sum(1 for s in ss if s.task.score(s.cloud_text) and not s.task.score(s.edge_text))
+        e_only = sum(1 for s in ss if s.task.score(s.edge_text) and not s.task.score(s.cloud_text))
+        print(f"{g:<12} {len(ss):>5} {e / len(ss):>10.1%} {c / len(ss):>11.1%} {c_only:>11} {e_only:>10}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--n", type=int, default=120, help="items in the graded set")
+    p.add_argument("--seed", type=int, default=39)
+    p.add_argument("--edge", help="a running edge agent's URL (default: start one)")
+    p.add_argument("--cloud", help="a running cloud tier's URL (default: start one)")
+    p.add_argument("--api-key", default="", help="the cloud key, with --cloud")
+    p.add_argument("--edge-model", default="qwen2.5-coder-0.5b")
+    p.add_argument("--cloud-model", default="qwen2.5-coder-1.5b")
+    p.add_argument("--weight-dtype", default="auto", help="the cloud engine's weights, when started here")
+    p.add_argument("--max-tokens", type=int, default=16)
+    args = p.parse_args()
+    if bool(args.edge) != bool(args.cloud):
+        p.error("give both --edge and --cloud, or neither")
+    items = graded_set(args.n, args.seed)
+    procs = []
+    work = Path(tempfile.mkdtemp(prefix="tier-quality-"))
+    try:
+        if args.edge:
+            edge_url, cloud_url, key = args.edge, args.cloud, args.api_key
+        else:
+            procs, edge_url, cloud_url, key = start_tiers(args, work)
+        samples = asyncio.run(collect([t for _, t in items], edge_url, args.edge_model, cloud_url, args.cloud_model,
+                                      key, max_tokens=args.max_tokens, concurrency=2))
+    finally:
+        for proc in procs:
+            stop(proc)
+    print(f"graded set: {len(items)} items (seed {args.seed}), greedy, {args.max_tokens} tokens; "
+          f"edge {args.edge_model} (llama.cpp), cloud {args.cloud_model} (our engine, weights {args.weight_dtype})")
+    report([g for g, _ in items], samples)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
