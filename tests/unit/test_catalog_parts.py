@@ -199,3 +199,12 @@ def test_cli_assemble_prints_the_path_or_one_line_and_exit_2(fake, monkeypatch, 
     with pytest.raises(SystemExit) as e:
         main(["models", "assemble"])
     assert e.value.code == 2 and capsys.readouterr().err.startswith("cascade: models assemble: ")
+
+
+def test_an_assembled_model_is_served_from_its_file_once_its_part_packages_are_gone(fake):
+    cat = fake.catalog()
+    cat.ensure_ready(cat.get("fake-model"))
+    shutil.rmtree(fake.pkgs)
+    importlib.invalidate_caches()
+    [info] = fake.catalog().list()
+    assert info.ready and info.path == fake.target and info.quantization == "Q4_K_M"
