@@ -100,10 +100,10 @@ def assemble(spec: PartSpec, target: Path, name: str) -> Path:
     for part, path in zip(spec.parts, paths, strict=True):  # a truncated part fails before any write
         if (size := path.stat().st_size) != part.size:
             raise CorruptPart(_corrupt(part, path, f"{size} bytes, expected {part.size}"))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _sweep_stale(target)
     tmp = None
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _sweep_stale(target)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.{os.getpid()}.", suffix=_PARTIAL)
         os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the model from a service running as another user
         with os.fdopen(fd, "wb") as out:

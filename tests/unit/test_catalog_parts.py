@@ -208,3 +208,11 @@ def test_an_assembled_model_is_served_from_its_file_once_its_part_packages_are_g
     importlib.invalidate_caches()
     [info] = fake.catalog().list()
     assert info.ready and info.path == fake.target and info.quantization == "Q4_K_M"
+
+
+def test_a_models_folder_that_cannot_be_made_is_one_clear_error(fake):
+    fake.home.mkdir()
+    fake.models.write_text("a file where the folder should be")
+    cat = fake.catalog()
+    with pytest.raises(AssemblyError, match=r"^file exists: assembling 'fake-model'"):
+        cat.ensure_ready(cat.get("fake-model"))
