@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 # the CPU onnxruntime only: onnx-cuda never goes with onnx (one onnxruntime folder)
-EXTRAS ?= edge,fleet,cloud,models,tools,dev,onnx,onnx-export
+EXTRAS ?= edge,fleet,cloud,models,models-edge,models-cloud,tools,dev,onnx,onnx-export
 # The CPU build of torch (pip's find-links on these machines holds it; a CUDA machine may
 # override TORCH_SPEC, e.g. TORCH_SPEC="torch==2.13.0" with a CUDA index).
 TORCH_SPEC ?= torch==2.13.0

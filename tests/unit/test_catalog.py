@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
-from model_distribution.artifacts.catalog import Catalog, ModelNotFound
+from model_distribution.artifacts.catalog import QWEN_15B, Catalog, ModelNotFound, served_names
 from model_distribution.artifacts.gguf_meta import GGUFError, read_metadata
 
 
@@ -81,3 +81,17 @@ def test_files_in_home_models_are_listed(tmp_path):
 def test_unknown_model_names_what_is_there(tmp_path):
     with pytest.raises(ModelNotFound, match="smollm2-135m"):
         Catalog(tmp_path).get("gpt-17")
+
+
+def test_the_qwen_tier_pair_is_described_from_its_first_part_before_assembly(tmp_path):
+    models = {m.name: m for m in Catalog(tmp_path).list()}
+    for name, size in (("qwen2.5-coder-0.5b", 491_400_064), ("qwen2.5-coder-1.5b", 1_117_320_768)):
+        info = models[name]
+        assert (info.quantization, info.architecture, info.kind) == ("Q4_K_M", "qwen2", "instruct")
+        assert info.size_bytes == size
+        assert not info.ready and info.path.parent == tmp_path / "models" and not info.path.exists()
+    cat = Catalog(tmp_path)
+    assert cat.get("qwen-0.5b").name == "qwen2.5-coder-0.5b"
+    assert cat.get("Qwen2.5-Coder-1.5B-Instruct-Q4_K_M").name == "qwen2.5-coder-1.5b"
+    assert served_names("qwen-1.5b") == ("qwen2.5-coder-1.5b", {*QWEN_15B.aliases, "qwen-1.5b"})
+    assert not (tmp_path / "models").exists()  # listing assembles nothing
