@@ -1,6 +1,6 @@
 """The demo's fleet: the control plane (``cascade fleet serve``) with the demo's device enrolled,
-and the scene where a better quantization of the device's model is published, assigned while an
-answer streams, and the agent switches to it."""
+and the scene where a bigger model for the device (the 1.5B, for a kiosk that has the memory) is
+published, assigned while an answer streams, and the agent switches to it."""
 
 from __future__ import annotations
 
@@ -59,22 +59,25 @@ class Fleet:
         stop(self.proc)
 
 
-def fleet_scene(fleet: Fleet, edge: str, home: str, work: Path, serving: str) -> None:
-    """Publish two versions of the device's model (the Q2_K it serves, then the packaged Q4_1 with
-    its calibration), assign the new one while a stream runs, follow the device's reported state."""
+FLEET_NAME = "qwen2.5-coder"  # the published model's name: its versions are the 0.5B, then the 1.5B
+
+
+def fleet_scene(fleet: Fleet, edge: str, home: str, work: Path, serving: str, bigger: str) -> None:
+    """Publish two versions of the device's model (the 0.5B it serves, then the 1.5B with its
+    calibration), assign the new one while a stream runs, follow the device's reported state."""
     import threading
 
     from model_distribution.artifacts.catalog import Catalog
 
-    print("\n== the fleet: the operator ships a better quantization of the device's model")
+    print(f"\n== the fleet: the operator ships the kiosk (it has the memory) the bigger model, {bigger}")
     catalog = Catalog(Path(home))
     calibration = Path(home) / "edge.toml"
     if not calibration.is_file():  # what `cascade calibrate` would write for this model
         calibration = work / "calibration.toml"
-        calibration.write_text("[cascade]\nhold_tokens = 8\nmin_mean_logprob = -1.4\n")
-    fleet.run("fleet", "push", str(catalog.get(serving).path), "--name", "smollm2-135m", "--version", "1.0.0",
+        calibration.write_text("[cascade]\nhold_tokens = 8\nmin_mean_logprob = -0.8\n")
+    fleet.run("fleet", "push", str(catalog.get(serving).path), "--name", FLEET_NAME, "--version", "1.0.0",
               show=True)
-    fleet.run("fleet", "push", str(catalog.get("smollm2-135m").path), "--name", "smollm2-135m", "--version",
+    fleet.run("fleet", "push", str(catalog.get(bigger).path), "--name", FLEET_NAME, "--version",
               "1.1.0", "--calibration", str(calibration), show=True)
     fleet.run("fleet", "models", show=True)
     streamed: dict = {}
@@ -87,7 +90,7 @@ def fleet_scene(fleet: Fleet, edge: str, home: str, work: Path, serving: str) ->
     app.start()
     time.sleep(1.0)
     print("-- app: a long answer is streaming from the device while the new version arrives")
-    fleet.run("fleet", "assign", fleet.device, "smollm2-135m@1.1.0", show=True)
+    fleet.run("fleet", "assign", fleet.device, f"{FLEET_NAME}@1.1.0", show=True)
     deadline, last = time.monotonic() + 600, None
     while time.monotonic() < deadline:
         state = (fleet.reported().get("reported") or {})
@@ -96,7 +99,7 @@ def fleet_scene(fleet: Fleet, edge: str, home: str, work: Path, serving: str) ->
             detail = state.get("reason") or (f"{state['done'] >> 20}/{state['total'] >> 20} MiB"
                                              if "done" in state else state.get("model") or "")
             print(f"   device {fleet.device}: {last} {detail}")
-        if last in ("ACTIVE", "FAILED", "REJECTED") and state.get("desired") == "smollm2-135m@1.1.0":
+        if last in ("ACTIVE", "FAILED", "REJECTED") and state.get("desired") == f"{FLEET_NAME}@1.1.0":
             break
         time.sleep(0.3)
     app.join(600)

@@ -18,13 +18,13 @@ OFFLINE = [("Translate 'good morning' into French.", "kiosk-1/till"),
            ("Name a prime number greater than 10.", "kiosk-1/door")]
 
 
-def offline_scene(edge: str, db: Path) -> list[tuple[str, str]]:
+def offline_scene(edge: str, db: Path, model: str) -> list[tuple[str, str]]:
     """While the cloud is unreachable: requests that must reach it are queued (202 + Location);
     one that may be answered locally is, marked degraded. Returns (prompt, location)."""
     print("\n== the cloud is not reachable yet: escalations follow their offline policy")
     queued = []
     for prompt, session in OFFLINE:
-        body = {"model": "smollm2-135m-q2_k", "messages": [{"role": "user", "content": prompt}], "max_tokens": 32,
+        body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 32,
                 "temperature": 0, "cascade": {"mode": "cloud", "offline": "queue", "session": session}}
         r = httpx.post(f"{edge}/v1/chat/completions", json=body, timeout=60)
         print(f"-- app: {prompt}  {{offline: queue, session: {session}}}\n-- {r.status_code} "
@@ -32,7 +32,7 @@ def offline_scene(edge: str, db: Path) -> list[tuple[str, str]]:
               f"Location: {r.headers.get('location')}")
         if r.status_code == 202:
             queued.append((prompt, r.headers["location"]))
-    r = stream_chat(edge, "smollm2-135m-q2_k", "Is the store open today?", {"mode": "cloud", "offline": "local"})
+    r = stream_chat(edge, model, "Is the store open today?", {"mode": "cloud", "offline": "local"})
     print(f"-- app: Is the store open today?  {{offline: local}}\n-- {r['tier']} ({r['reason']}"
           f"{', degraded' if r['degraded'] else ''}): {r['text'][:120]}")
     print(f"-- $ cascade edge queue --db {db}")

@@ -1,12 +1,13 @@
-"""``cascade demo``'s staged rollouts: the demo's agent and four simulated devices in one group.
-A good version (Q4_K_M) rolls out wave by wave; a worse one (the Q2_K, which escalates more) is
-rolled out next, its escalation gate fails against the devices not yet updated, and it is rolled
-back by itself. ``cascade fleet rollout status`` is printed for both.
+"""``cascade demo``'s staged rollouts: four simulated devices in a group of their own (the demo's
+agent, in group demo, keeps the Qwen model it serves), following a small model, SmolLM2-135M, so
+that what they download stays small. A good version (Q4_K_M) rolls out wave by wave; a worse one
+(a Q2_K, which escalates more) is rolled out next, its escalation gate fails against the devices
+not yet updated, and it is rolled back by itself. ``cascade fleet rollout status`` is printed for both.
 
 The simulated devices run the real device side (``DeviceStateClient`` follows the signed desired
 state, ``DeviceUpdater`` verifies, downloads and "activates" the file); what they serve is made
 up: about 45% of their requests escalate on a Q2_K model and 15% on the others (stated as such in
-the output). The agent's numbers come from the requests the demo sends it.
+the output).
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-
-import httpx
 
 from cascade_cli.spawn import cascade_command
 
@@ -85,72 +84,48 @@ class SimulatedDevice:
         self.updater.close()
 
 
-def rollout_scene(fleet, edge: str, home: str, work: Path, serving: str) -> None:
+def rollout_scene(fleet, home: str, work: Path) -> None:
     import logging
 
     from model_distribution.artifacts.catalog import Catalog
 
     logging.getLogger("model_distribution").setLevel(logging.WARNING)  # the simulated devices' own lines
-    print("\n== staged rollouts: the agent and four simulated devices in group demo")
-    secrets = {f"sim-{i}": json.loads(fleet.run("fleet", "devices", "add", f"sim-{i}", "--group", "demo",
+    print("\n== staged rollouts: four simulated devices in group sims, following smollm2-135m")
+    secrets = {f"sim-{i}": json.loads(fleet.run("fleet", "devices", "add", f"sim-{i}", "--group", "sims",
                                                  "--json"))["secret"] for i in range(1, 5)}
     time.sleep(2.0)  # the broker takes new credentials when it reloads (Mosquitto: on SIGHUP, a moment later)
     sims = [SimulatedDevice(name, secret, fleet, work) for name, secret in secrets.items()]
-    print("   (simulated devices serve made-up traffic: about 45% escalated on a Q2_K model, 15% on the others; "
-          "the agent's numbers are its own)")
+    print("   (simulated devices serve made-up traffic: about 45% escalated on a Q2_K model, 15% on the others)")
+    env = {**os.environ, "CASCADE_HOME": home}
     try:
+        catalog = Catalog(Path(home))
+        fleet.run("fleet", "push", str(catalog.get("smollm2-135m").path), "--name", "smollm2-135m",
+                  "--version", "1.1.0", show=True)
         for s in sims:
             fleet.run("fleet", "assign", s.name, "smollm2-135m@1.1.0")
         _wait(lambda: all(((d.get("reported") or {}).get("state") == "ACTIVE" and
                            (d.get("reported") or {}).get("model") == "smollm2-135m@1.1.0")
-                          for d in json.loads(fleet.run("fleet", "devices", "--json"))), 300)
-        print("-- $ cascade models quantize smollm2-135m --type q4_k_m")
-        subprocess.run([*cascade_command(log_level=None), "models", "quantize", "smollm2-135m", "--type", "q4_k_m"],
-                       env={**os.environ, "CASCADE_HOME": home}, check=True, capture_output=True)
+                          for d in json.loads(fleet.run("fleet", "devices", "--json")) if d["device"] in secrets), 300)
+        for kind in ("q4_k_m", "q2_k"):
+            print(f"-- $ cascade models quantize smollm2-135m --type {kind}")
+            subprocess.run([*cascade_command(log_level=None), "models", "quantize", "smollm2-135m", "--type", kind],
+                           env=env, check=True, capture_output=True)
         good = Catalog(Path(home))
         fleet.run("fleet", "push", str(good.get("smollm2-135m-q4_k_m").path), "--name", "smollm2-135m",
                   "--version", "1.2.0", show=True)
         fleet.run("fleet", "push", str(good.get("smollm2-135m-q2_k").path), "--name", "smollm2-135m",
                   "--version", "1.3.0", show=True)
         gates = ["--waves", "40,100", "--bake", "15s", "--gate", "escalation_rate<=+0.10", "--min-requests", "20"]
-        traffic = _Traffic(edge, serving)
-        try:
-            for ref in ("smollm2-135m@1.2.0", "smollm2-135m@1.3.0"):
-                out = fleet.run("fleet", "rollout", "start", ref, "--group", "demo", *gates, show=True)
-                rid = re.search(r"rollout (\S+) started", out).group(1)
-                _wait(lambda rid=rid: json.loads(fleet.run("fleet", "rollout", "status", rid, "--json"))["state"]
-                      not in ("RUNNING",), 600)
-                fleet.run("fleet", "rollout", "status", rid, show=True)
-        finally:
-            traffic.stop()
+        for ref in ("smollm2-135m@1.2.0", "smollm2-135m@1.3.0"):
+            out = fleet.run("fleet", "rollout", "start", ref, "--group", "sims", *gates, show=True)
+            rid = re.search(r"rollout (\S+) started", out).group(1)
+            _wait(lambda rid=rid: json.loads(fleet.run("fleet", "rollout", "status", rid, "--json"))["state"]
+                  not in ("RUNNING",), 600)
+            fleet.run("fleet", "rollout", "status", rid, show=True)
         fleet.run("fleet", "devices", show=True)
     finally:
         for s in sims:
             s.stop()
-
-
-class _Traffic:
-    """An app calling the agent all along (a short question at a time), so its telemetry has requests."""
-
-    def __init__(self, edge: str, model: str):
-        self._stop = threading.Event()
-        self.edge, self.model = edge, model
-        self._thread = threading.Thread(target=self._run, daemon=True, name="demo-traffic")
-        self._thread.start()
-
-    def _run(self) -> None:
-        prompts = ["What is 2 + 2?", "Name a color.", "Say hello.", "What day comes after Monday?"]
-        while not self._stop.is_set():
-            body = {"model": self.model, "messages": [{"role": "user", "content": random.choice(prompts)}],
-                    "max_tokens": 8, "temperature": 0}
-            try:
-                httpx.post(f"{self.edge}/v1/chat/completions", json=body, timeout=60)
-            except httpx.HTTPError:
-                time.sleep(1)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=70)
 
 
 def _wait(done, timeout_s: float) -> None:

