@@ -8,7 +8,7 @@ Cache layout, under ``cache_root`` (the engine passes ``$CASCADE_HOME/engine/mod
 
     gguf-sha256.json            {resolved path: {size, mtime_ns, sha256, architecture}}
     llama-<sha256[:16]>/        one directory per distinct GGUF content
-        config.json             LlamaConfig / Gemma3TextConfig, float32, no quantization_config
+        config.json             LlamaConfig / Qwen2Config / Gemma3TextConfig, float32, no quantization_config
         generation_config.json  bos/eos/pad; eos also lists the end-of-turn tokens llama.cpp stops on
         model.safetensors       float32, HF names; no lm_head when the embeddings are tied
         tokenizer.json, tokenizer_config.json, chat_template.jinja (when the GGUF has one)
@@ -24,6 +24,8 @@ Conversion reads the GGUF once with ``gguf.GGUFReader`` (slow on big vocabularie
 SmolLM2, ~20 s for Gemma 3) and dequantizes with ``gguf.quants.dequantize``; transformers then
 parses the file again for the tokenizer (~6 s, ~35 s). It undoes llama.cpp's two storage tricks:
 Llama Q/K rows are permuted for its RoPE layout, and Gemma RMSNorm weights are stored as 1 + w.
+Qwen2 (Llama with q/k/v biases) is stored unpermuted: llama.cpp's converter permutes Llama's
+rows only, Qwen2 running its NEOX rotation, which is HF's rotate-half.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ MARKER = "cascade_gguf.json"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", MARKER)
 
 # GGUF tensor names (without ".weight") -> HF parameter names, checked against the parameter
-# names of transformers' LlamaForCausalLM and Gemma3ForCausalLM.
+# names of transformers' LlamaForCausalLM, Qwen2ForCausalLM and Gemma3ForCausalLM. Qwen2's q/k/v
+# also carry a bias (blk.N.attn_q.bias -> ...q_proj.bias).
 TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -61,13 +64,15 @@ _BLOCK_NAMES = {
 }
 BLOCK_NAMES = {
     "llama": {**_BLOCK_NAMES, "ffn_norm": "post_attention_layernorm"},
+    "qwen2": {**_BLOCK_NAMES, "ffn_norm": "post_attention_layernorm"},
     "gemma3": {
         **_BLOCK_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
         "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
         "post_ffw_norm": "post_feedforward_layernorm",
     },
 }
-HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+_BIASED = {"qwen2": ("attn_q", "attn_k", "attn_v")}  # block tensors that also have a .bias
 
 # End-of-turn tokens that llama.cpp also treats as end of generation (llama-vocab.cpp), listed
 # in generation_config.json so that the engine stops where the edge does.
@@ -159,17 +164,21 @@ def convert(gguf_path: Path, out_dir: Path, sha256: str) -> None:
 
 def build_config(meta: GGUFMetadata, shapes: dict[str, tuple[int, ...]]):
     """The HF config for a GGUF with this metadata and these tensor shapes (HF order)."""
-    from transformers import Gemma3TextConfig, LlamaConfig
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config
 
     fields = _common_fields(meta, shapes)
-    if meta.architecture == "llama":
-        rotary_dims = _arch_value(meta, "rope.dimension_count", fields["head_dim"])
-        if rotary_dims != fields["head_dim"]:
-            raise ValueError(f"partial rotary ({rotary_dims} of {fields['head_dim']} dims) is not supported")
-        theta = _f32(_arch_value(meta, "rope.freq_base", 10_000.0))
-        rope = {"rope_type": "default", "rope_theta": theta, **_rope_scaling(meta)}
-        return LlamaConfig(**fields, hidden_act="silu", rope_parameters=rope)
-    return Gemma3TextConfig(**fields, **_gemma3_fields(meta, fields))
+    if meta.architecture == "gemma3":
+        return Gemma3TextConfig(**fields, **_gemma3_fields(meta, fields))
+    rotary_dims = _arch_value(meta, "rope.dimension_count", fields["head_dim"])
+    if rotary_dims != fields["head_dim"]:
+        raise ValueError(f"partial rotary ({rotary_dims} of {fields['head_dim']} dims) is not supported")
+    # Qwen2's default base is 1e6 (llama.cpp and transformers); every Qwen2 GGUF seen states it
+    default_theta = 1_000_000.0 if meta.architecture == "qwen2" else 10_000.0
+    theta = _f32(_arch_value(meta, "rope.freq_base", default_theta))
+    rope = {"rope_type": "default", "rope_theta": theta, **_rope_scaling(meta)}
+    if meta.architecture == "qwen2":  # q/k/v biases are part of the architecture, no flag
+        return Qwen2Config(**fields, hidden_act="silu", rope_parameters=rope, use_sliding_window=False)
+    return LlamaConfig(**fields, hidden_act="silu", rope_parameters=rope)
 
 
 def _common_fields(meta: GGUFMetadata, shapes: dict[str, tuple[int, ...]]) -> dict:
@@ -279,7 +288,7 @@ def _generation_config(config, tokenizer):
 
 def convert_tensors(reader, config) -> dict[str, torch.Tensor]:
     """Every tensor of ``reader``, dequantized to float32, under its HF name."""
-    arch = {"llama": "llama", "gemma3_text": "gemma3"}[config.model_type]
+    arch = {"llama": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3"}[config.model_type]
     tensors = {}
     for t in reader.tensors:
         name = hf_name(arch, t.name)
@@ -290,12 +299,12 @@ def convert_tensors(reader, config) -> dict[str, torch.Tensor]:
 def hf_name(arch: str, gguf_name: str) -> str:
     """The HF parameter name of the GGUF tensor ``gguf_name`` (e.g. blk.3.attn_q.weight)."""
     stem, _, suffix = gguf_name.rpartition(".")
-    if suffix == "weight":
-        if stem in TOP_LEVEL_NAMES:
-            return f"{TOP_LEVEL_NAMES[stem]}.weight"
-        prefix, layer, part = (stem.split(".", 2) + ["", ""])[:3]
-        if prefix == "blk" and layer.isdigit() and part in BLOCK_NAMES[arch]:
-            return f"model.layers.{layer}.{BLOCK_NAMES[arch][part]}.weight"
+    if suffix == "weight" and stem in TOP_LEVEL_NAMES:
+        return f"{TOP_LEVEL_NAMES[stem]}.weight"
+    prefix, layer, part = (stem.split(".", 2) + ["", ""])[:3]
+    known = suffix == "weight" or (suffix == "bias" and part in _BIASED.get(arch, ()))
+    if known and prefix == "blk" and layer.isdigit() and part in BLOCK_NAMES[arch]:
+        return f"model.layers.{layer}.{BLOCK_NAMES[arch][part]}.{suffix}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no known HF counterpart for {arch}")
 
 
