@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from model_distribution.artifacts.catalog import ModelNotFound
 from model_distribution.artifacts.gguf_meta import GGUFMetadata, read_metadata
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,12 @@ _BIASED = {"qwen2": ("attn_q", "attn_k", "attn_v")}  # block tensors that also h
 END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>")
 
 
+class UnsupportedArchitecture(ModelNotFound, NotImplementedError):
+    """A GGUF of an architecture the converter, and so the engine, does not know: what the
+    commands report as an unusable model (ModelNotFound), as the loader does an unknown HF one
+    (NotImplementedError), in one line."""
+
+
 def ensure_hf_dir(model_path: str | Path, cache_root: Path) -> Path:
     """An HF model directory holding the model at ``model_path``, converting a GGUF on first use.
 
@@ -92,6 +99,7 @@ def ensure_hf_dir(model_path: str | Path, cache_root: Path) -> Path:
     cache_root = Path(cache_root)
     cache_root.mkdir(parents=True, exist_ok=True)
     sha256, architecture = fingerprint(model_path, cache_root)
+    _check_supported(model_path, architecture)
     out_dir = cache_root / f"{architecture}-{sha256[:16]}"
     if is_complete(out_dir):
         return out_dir
@@ -143,9 +151,7 @@ def convert(gguf_path: Path, out_dir: Path, sha256: str) -> None:
     from transformers import AutoTokenizer
 
     meta = read_metadata(gguf_path)
-    if meta.architecture not in HF_ARCHITECTURES:
-        raise ValueError(f"{gguf_path}: cannot convert architecture {meta.architecture!r} "
-                         f"(supported: {', '.join(HF_ARCHITECTURES)})")
+    _check_supported(gguf_path, meta.architecture)
     reader = gguf.GGUFReader(gguf_path)
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
     config = build_config(meta, shapes)
@@ -157,6 +163,12 @@ def convert(gguf_path: Path, out_dir: Path, sha256: str) -> None:
     _generation_config(config, tokenizer).save_pretrained(str(out_dir))
     marker = {"source": gguf_path.name, "sha256": sha256, "converter_version": CONVERTER_VERSION}
     (out_dir / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _check_supported(gguf_path: Path, architecture: str) -> None:
+    if architecture not in HF_ARCHITECTURES:
+        raise UnsupportedArchitecture(f"{gguf_path.name}: the engine does not support architecture "
+                                      f"{architecture!r} (supported: {', '.join(HF_ARCHITECTURES)})")
 
 
 # --- config ---------------------------------------------------------------------------------

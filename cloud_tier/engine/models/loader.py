@@ -41,7 +41,7 @@ def model_class(config: dict):
     if config.get("model_type") in MODEL_TYPES:
         return MODEL_TYPES[config["model_type"]]
     raise NotImplementedError(f"unsupported model: architectures={config.get('architectures')} "
-                              f"model_type={config.get('model_type')}")
+                              f"model_type={config.get('model_type')} (supported: {', '.join(ARCHITECTURES)})")
 
 
 def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
