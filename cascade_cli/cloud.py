@@ -18,7 +18,8 @@ def cmd_cloud_worker(args) -> int:
     overrides = {
         "server": {"host": args.host, "port": args.port, "api_key": args.api_key},
         "engine": {"model": args.model, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
-                   "device": args.device, "kv_cache_memory_bytes": args.kv_cache_bytes,
+                   "weight_dtype": args.weight_dtype, "device": args.device,
+                   "kv_cache_memory_bytes": args.kv_cache_bytes,
                    "max_model_len": args.max_model_len,
                    "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "threads": args.threads, "ttft_slo_s": args.ttft_slo_s, "tpot_slo_s": args.tpot_slo_s,
@@ -71,7 +72,8 @@ def cmd_cloud_serve(args) -> int:
                     "min_ttft_slo_s": args.request_min_ttft_slo_s, "min_tpot_slo_s": args.request_min_tpot_slo_s},
         "server": {"api_key": args.worker_api_key},
         "engine": {"model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
-                   "kv_cache_dtype": args.kv_cache_dtype, "kv_cache_memory_bytes": args.kv_cache_bytes,
+                   "kv_cache_dtype": args.kv_cache_dtype, "weight_dtype": args.weight_dtype,
+                   "kv_cache_memory_bytes": args.kv_cache_bytes,
                    "ttft_slo_s": args.ttft_slo_s, "tpot_slo_s": args.tpot_slo_s, "slo_headroom": args.slo_headroom,
                    "reservations": args.reservations, "tpot_min_batch": args.tpot_min_batch,
                    "min_tpot_slo_s": args.min_tpot_slo_s},
@@ -134,6 +136,8 @@ def add_cloud_parser(sub) -> None:
                         f"AMX) or CUDA, else float32 (default: {eng.dtype})")
     worker.add_argument("--kv-cache-dtype", help=f"KV cache storage: auto (the dtype) or int8 (default: "
                                                  f"{eng.kv_cache_dtype})")
+    worker.add_argument("--weight-dtype", help=f"linear layers' weights: auto (the dtype) or int8 (per-channel, "
+                                               f"activations in the dtype) (default: {eng.weight_dtype})")
     worker.add_argument("--device", help=f"cpu, cuda, cuda:1 ... (default: {eng.device})")
     worker.add_argument("--api-key", help="require 'Authorization: Bearer KEY' of callers (default: none)")
     worker.add_argument("--kv-cache-bytes", type=int,
@@ -189,6 +193,8 @@ def add_cloud_parser(sub) -> None:
     serve.add_argument("--max-model-len", type=int, help=f"for the workers it starts (default: {eng.max_model_len})")
     serve.add_argument("--kv-cache-dtype", help=f"for the workers it starts: auto (the dtype) or int8 "
                                                 f"(default: {eng.kv_cache_dtype})")
+    serve.add_argument("--weight-dtype", help=f"for the workers it starts: auto (the dtype) or int8 "
+                                              f"(default: {eng.weight_dtype})")
     serve.add_argument("--kv-cache-bytes", type=int, help=f"memory for KV blocks, per started worker "
                                                           f"(default: {eng.kv_cache_memory_bytes})")
     serve.add_argument("--worker-api-key", help="the bearer key between the gateway and its workers (default: none)")

@@ -13,6 +13,7 @@ from cloud_tier.config_values import named_values
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
+WEIGHT_DTYPES = ("auto", "int8")  # auto: the model's dtype; int8: the decoder's linear layers weight-only INT8
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 
 
@@ -110,6 +111,9 @@ class EngineConfig:
     # reference (the parity prompts: logits 0.25-0.84 apart, 2 of 8 diverge within 32 tokens)
     dtype: str = "float32"
     kv_cache_dtype: str = "auto"  # auto: K/V in ``dtype``; int8: quantized, ~2x (bf16) / ~4x (fp32) the blocks
+    # auto: weights in ``dtype``; int8: the decoder's linear layers per-channel INT8, activations in ``dtype``
+    # (cloud_tier/engine/models/quantize.py): half (bf16) or a quarter (fp32) of their bytes read per step
+    weight_dtype: str = "auto"
     device: str = "cpu"
     block_size: int = 16
     kv_cache_memory_bytes: int = 1 << 30  # budget for K/V blocks ...
@@ -158,6 +162,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.weight_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a power of two")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -23,6 +23,7 @@ from cloud_tier.engine.kv_moves import KVMover, measure_copy_s_per_byte
 from cloud_tier.engine.model_files import eos_ids, load_tokenizer, tier_dir
 from cloud_tier.engine.model_runner import ModelRunner
 from cloud_tier.engine.models.loader import load_model, read_config
+from cloud_tier.engine.models.quantize import quantize_model
 from cloud_tier.engine.outputs import RequestOutput
 from cloud_tier.engine.request import Request, RequestStatus, ServiceLevel
 from cloud_tier.engine.sampler import TokenLogprobs
@@ -50,6 +51,8 @@ class LLMEngine:
         hf_config = read_config(self.model_dir)
         self.max_model_len = min(config.max_model_len, hf_config.get("max_position_embeddings", config.max_model_len))
         self.model = load_model(self.model_dir, self.dtype, self.device, self.max_model_len)
+        if config.weight_dtype == "int8":  # before the runner packs what stays in float
+            quantize_model(self.model)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = eos_ids(self.model_dir, self.tokenizer, hf_config)
         per_block = ModelRunner.bytes_per_block(self.model, config.block_size, self.dtype, config.kv_cache_dtype)
@@ -62,7 +65,10 @@ class LLMEngine:
         num_layers, n_kv, head_dim = self.model.kv_shape
         kv_dtype = config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
         self.kv_layout = KVLayout(config.block_size, kv_dtype, num_layers, n_kv, head_dim)
-        self.model_identity = model_identity(self.model_dir.name, config.dtype, self.kv_layout)
+        # KV computed with INT8 weights is not the float model's: a pair must agree on the weights too
+        weights = config.dtype if config.weight_dtype == "auto" else config.weight_dtype
+        name = self.model_dir.name if config.weight_dtype == "auto" else f"{self.model_dir.name}+w{weights}"
+        self.model_identity = model_identity(name, config.dtype, self.kv_layout)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching and window is None,
                                  model_identity=self.model_identity, tier_blocks=config.kv_tier_bytes // per_block,
                                  window=window)
@@ -80,8 +86,9 @@ class LLMEngine:
         self._tracked: dict[str, TrackedRequest] = {}
         self._handoffs: dict[str, tuple[list[TokenLogprobs], bytes | None]] = {}
         self.stalled = False  # the last step ran nothing while requests wait (KV held for transfers)
-        log.info("engine ready: %s (%s, KV %s, %s), %d KV blocks of %d tokens (%.0f MiB)", self.model_dir.name,
-                 config.dtype, kv_dtype, config.device, num_blocks, config.block_size, num_blocks * per_block / 2**20)
+        log.info("engine ready: %s (%s, weights %s, KV %s, %s), %d KV blocks of %d tokens (%.0f MiB)",
+                 self.model_dir.name, config.dtype, weights, kv_dtype, config.device, num_blocks, config.block_size,
+                 num_blocks * per_block / 2**20)
 
     @classmethod
     def from_model(cls, model: str, **kwargs) -> LLMEngine:

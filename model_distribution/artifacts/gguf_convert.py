@@ -2,13 +2,14 @@
 
 The edge ships GGUF files; the engine (and vLLM, and transformers) load plain HF directories.
 ``ensure_hf_dir`` dequantizes a GGUF into float32 safetensors under HF parameter names, with an
-HF ``config.json`` rebuilt from the GGUF metadata and the tokenizer transformers builds from it.
+HF ``config.json`` rebuilt from the GGUF metadata (``gguf_hf_config``) and the tokenizer
+transformers builds from it.
 
 Cache layout, under ``cache_root`` (the engine passes ``$CASCADE_HOME/engine/models``)::
 
     gguf-sha256.json            {resolved path: {size, mtime_ns, sha256, architecture}}
     llama-<sha256[:16]>/        one directory per distinct GGUF content
-        config.json             LlamaConfig / Gemma3TextConfig, float32, no quantization_config
+        config.json             Llama/Qwen2Config, Gemma3TextConfig; float32, no quantization_config
         generation_config.json  bos/eos/pad; eos also lists the end-of-turn tokens llama.cpp stops on
         model.safetensors       float32, HF names; no lm_head when the embeddings are tied
         tokenizer.json, tokenizer_config.json, chat_template.jinja (when the GGUF has one)
@@ -24,6 +25,8 @@ Conversion reads the GGUF once with ``gguf.GGUFReader`` (slow on big vocabularie
 SmolLM2, ~20 s for Gemma 3) and dequantizes with ``gguf.quants.dequantize``; transformers then
 parses the file again for the tokenizer (~6 s, ~35 s). It undoes llama.cpp's two storage tricks:
 Llama Q/K rows are permuted for its RoPE layout, and Gemma RMSNorm weights are stored as 1 + w.
+Qwen2 (Llama with q/k/v biases) is stored unpermuted: llama.cpp's converter permutes Llama's
+rows only, Qwen2 running its NEOX rotation, which is HF's rotate-half.
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from model_distribution.artifacts.gguf_meta import GGUFMetadata, read_metadata
+from model_distribution.artifacts.catalog import ModelNotFound
+from model_distribution.artifacts.gguf_hf_config import HF_ARCHITECTURES, build_config, generation_config, write_config
+from model_distribution.artifacts.gguf_meta import read_metadata
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +57,8 @@ MARKER = "cascade_gguf.json"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", MARKER)
 
 # GGUF tensor names (without ".weight") -> HF parameter names, checked against the parameter
-# names of transformers' LlamaForCausalLM and Gemma3ForCausalLM.
+# names of transformers' LlamaForCausalLM, Qwen2ForCausalLM and Gemma3ForCausalLM. Qwen2's q/k/v
+# also carry a bias (blk.N.attn_q.bias -> ...q_proj.bias).
 TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -61,17 +67,20 @@ _BLOCK_NAMES = {
 }
 BLOCK_NAMES = {
     "llama": {**_BLOCK_NAMES, "ffn_norm": "post_attention_layernorm"},
+    "qwen2": {**_BLOCK_NAMES, "ffn_norm": "post_attention_layernorm"},
     "gemma3": {
         **_BLOCK_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
         "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
         "post_ffw_norm": "post_feedforward_layernorm",
     },
 }
-HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+_BIASED = {"qwen2": ("attn_q", "attn_k", "attn_v")}  # block tensors that also have a .bias
 
-# End-of-turn tokens that llama.cpp also treats as end of generation (llama-vocab.cpp), listed
-# in generation_config.json so that the engine stops where the edge does.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>")
+
+class UnsupportedArchitecture(ModelNotFound, NotImplementedError):
+    """A GGUF of an architecture the converter, and so the engine, does not know: what the
+    commands report as an unusable model (ModelNotFound), as the loader does an unknown HF one
+    (NotImplementedError), in one line."""
 
 
 def ensure_hf_dir(model_path: str | Path, cache_root: Path) -> Path:
@@ -87,6 +96,7 @@ def ensure_hf_dir(model_path: str | Path, cache_root: Path) -> Path:
     cache_root = Path(cache_root)
     cache_root.mkdir(parents=True, exist_ok=True)
     sha256, architecture = fingerprint(model_path, cache_root)
+    _check_supported(model_path, architecture)
     out_dir = cache_root / f"{architecture}-{sha256[:16]}"
     if is_complete(out_dir):
         return out_dir
@@ -138,140 +148,24 @@ def convert(gguf_path: Path, out_dir: Path, sha256: str) -> None:
     from transformers import AutoTokenizer
 
     meta = read_metadata(gguf_path)
-    if meta.architecture not in HF_ARCHITECTURES:
-        raise ValueError(f"{gguf_path}: cannot convert architecture {meta.architecture!r} "
-                         f"(supported: {', '.join(HF_ARCHITECTURES)})")
+    _check_supported(gguf_path, meta.architecture)
     reader = gguf.GGUFReader(gguf_path)
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
     config = build_config(meta, shapes)
     save_file(convert_tensors(reader, config), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del reader
-    _write_config(config, out_dir)
+    write_config(config, out_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(str(out_dir))
-    _generation_config(config, tokenizer).save_pretrained(str(out_dir))
+    generation_config(config, tokenizer).save_pretrained(str(out_dir))
     marker = {"source": gguf_path.name, "sha256": sha256, "converter_version": CONVERTER_VERSION}
     (out_dir / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
 
 
-# --- config ---------------------------------------------------------------------------------
-
-
-def build_config(meta: GGUFMetadata, shapes: dict[str, tuple[int, ...]]):
-    """The HF config for a GGUF with this metadata and these tensor shapes (HF order)."""
-    from transformers import Gemma3TextConfig, LlamaConfig
-
-    fields = _common_fields(meta, shapes)
-    if meta.architecture == "llama":
-        rotary_dims = _arch_value(meta, "rope.dimension_count", fields["head_dim"])
-        if rotary_dims != fields["head_dim"]:
-            raise ValueError(f"partial rotary ({rotary_dims} of {fields['head_dim']} dims) is not supported")
-        theta = _f32(_arch_value(meta, "rope.freq_base", 10_000.0))
-        rope = {"rope_type": "default", "rope_theta": theta, **_rope_scaling(meta)}
-        return LlamaConfig(**fields, hidden_act="silu", rope_parameters=rope)
-    return Gemma3TextConfig(**fields, **_gemma3_fields(meta, fields))
-
-
-def _common_fields(meta: GGUFMetadata, shapes: dict[str, tuple[int, ...]]) -> dict:
-    heads = _arch_value(meta, "attention.head_count")
-    hidden = _arch_value(meta, "embedding_length")
-    tokens = meta.values
-    return {
-        "architectures": [HF_ARCHITECTURES[meta.architecture]],
-        "vocab_size": shapes["token_embd.weight"][0],
-        "hidden_size": hidden,
-        "intermediate_size": _arch_value(meta, "feed_forward_length"),
-        "num_hidden_layers": _arch_value(meta, "block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": _arch_value(meta, "attention.head_count_kv", heads),
-        "head_dim": _arch_value(meta, "attention.key_length", hidden // heads),
-        "max_position_embeddings": _arch_value(meta, "context_length"),
-        "rms_norm_eps": _f32(_arch_value(meta, "attention.layer_norm_rms_epsilon")),
-        "bos_token_id": tokens.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": tokens.get("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": tokens.get("tokenizer.ggml.padding_token_id"),
-        "tie_word_embeddings": "output.weight" not in shapes,
-        "dtype": "float32",
-    }
-
-
-def _gemma3_fields(meta: GGUFMetadata, common: dict) -> dict:
-    """Gemma 3 settings, with llama.cpp's defaults (llama-model.cpp) where the file is silent."""
-    layers = common["num_hidden_layers"]
-    pattern = _arch_value(meta, "attention.sliding_window_pattern", 6)  # every 6th layer is global
-    global_theta = _f32(_arch_value(meta, "rope.freq_base", 1_000_000.0))
-    local_theta = _f32(_arch_value(meta, "rope.freq_base_swa", 10_000.0))
-    # llama.cpp scales queries by 1/sqrt(head_dim), but the 27B (62 layers) by 1/sqrt(hidden/heads)
-    scalar = common["head_dim"] if layers != 62 else common["hidden_size"] // common["num_attention_heads"]
-    kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
-    return {
-        "hidden_activation": "gelu_pytorch_tanh",
-        "sliding_window": _arch_value(meta, "attention.sliding_window"),
-        "layer_types": kinds,
-        "rope_parameters": {
-            "full_attention": {"rope_type": "default", "rope_theta": global_theta, **_rope_scaling(meta)},
-            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
-        },
-        "query_pre_attn_scalar": scalar,
-        "final_logit_softcapping": _arch_value(meta, "final_logit_softcapping", None),
-        "attn_logit_softcapping": _arch_value(meta, "attn_logit_softcapping", None),
-    }
-
-
-def _rope_scaling(meta: GGUFMetadata) -> dict:
-    kind = _arch_value(meta, "rope.scaling.type", "none")
-    if kind == "none":
-        return {}
-    if kind == "linear":
-        return {"rope_type": "linear", "factor": _f32(_arch_value(meta, "rope.scaling.factor"))}
-    raise ValueError(f"rope scaling {kind!r} is not supported by the converter")
-
-
-_REQUIRED = object()
-
-
-def _arch_value(meta: GGUFMetadata, key: str, default=_REQUIRED):
-    full_key = f"{meta.architecture}.{key}"
-    if full_key in meta.array_lengths:
-        raise ValueError(f"{full_key} is a per-layer array; only uniform layers are supported")
-    if full_key in meta.values:
-        return meta.values[full_key]
-    if default is _REQUIRED:
-        raise ValueError(f"GGUF metadata lacks {full_key}")
-    return default
-
-
-def _f32(value: float) -> float:
-    """GGUF stores float32: 1e-05 reads back as 9.99999974e-06; recover the short decimal."""
-    return float(str(np.float32(value)))
-
-
-def _write_config(config, out_dir: Path) -> None:
-    """config.json as transformers 5 writes it, plus the keys transformers 4 (and vLLM on it) read."""
-    config.save_pretrained(str(out_dir))
-    path = out_dir / "config.json"
-    data = json.loads(path.read_text())
-    data["torch_dtype"] = "float32"
-    rope = data["rope_parameters"]
-    if config.model_type == "gemma3_text":
-        rope, local = rope["full_attention"], rope["sliding_attention"]
-        data["rope_local_base_freq"] = local["rope_theta"]
-        kinds = data["layer_types"] + ["full_attention"]  # no global layer: a pattern past the end
-        data["sliding_window_pattern"] = kinds.index("full_attention") + 1
-    data["rope_theta"] = rope["rope_theta"]
-    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    data["rope_scaling"] = scaling if scaling["rope_type"] != "default" else None
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
-def _generation_config(config, tokenizer):
-    from transformers import GenerationConfig
-
-    vocab = tokenizer.backend_tokenizer
-    eos = [config.eos_token_id, *(vocab.token_to_id(t) for t in END_OF_TURN_TOKENS)]
-    eos = list(dict.fromkeys(i for i in eos if i is not None))
-    return GenerationConfig(bos_token_id=config.bos_token_id, pad_token_id=config.pad_token_id,
-                            eos_token_id=eos[0] if len(eos) == 1 else eos)
+def _check_supported(gguf_path: Path, architecture: str) -> None:
+    if architecture not in HF_ARCHITECTURES:
+        raise UnsupportedArchitecture(f"{gguf_path.name}: the engine does not support architecture "
+                                      f"{architecture!r} (supported: {', '.join(HF_ARCHITECTURES)})")
 
 
 # --- tensors --------------------------------------------------------------------------------
@@ -279,7 +173,7 @@ def _generation_config(config, tokenizer):
 
 def convert_tensors(reader, config) -> dict[str, torch.Tensor]:
     """Every tensor of ``reader``, dequantized to float32, under its HF name."""
-    arch = {"llama": "llama", "gemma3_text": "gemma3"}[config.model_type]
+    arch = {"llama": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3"}[config.model_type]
     tensors = {}
     for t in reader.tensors:
         name = hf_name(arch, t.name)
@@ -290,12 +184,12 @@ def convert_tensors(reader, config) -> dict[str, torch.Tensor]:
 def hf_name(arch: str, gguf_name: str) -> str:
     """The HF parameter name of the GGUF tensor ``gguf_name`` (e.g. blk.3.attn_q.weight)."""
     stem, _, suffix = gguf_name.rpartition(".")
-    if suffix == "weight":
-        if stem in TOP_LEVEL_NAMES:
-            return f"{TOP_LEVEL_NAMES[stem]}.weight"
-        prefix, layer, part = (stem.split(".", 2) + ["", ""])[:3]
-        if prefix == "blk" and layer.isdigit() and part in BLOCK_NAMES[arch]:
-            return f"model.layers.{layer}.{BLOCK_NAMES[arch][part]}.weight"
+    if suffix == "weight" and stem in TOP_LEVEL_NAMES:
+        return f"{TOP_LEVEL_NAMES[stem]}.weight"
+    prefix, layer, part = (stem.split(".", 2) + ["", ""])[:3]
+    known = suffix == "weight" or (suffix == "bias" and part in _BIASED.get(arch, ()))
+    if known and prefix == "blk" and layer.isdigit() and part in BLOCK_NAMES[arch]:
+        return f"model.layers.{layer}.{BLOCK_NAMES[arch][part]}.{suffix}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no known HF counterpart for {arch}")
 
 

@@ -32,11 +32,11 @@ PROMPTS = [
 ]
 
 
-def run_engine_mixed(engine: LLMEngine, prompts: list[str]):
+def run_engine_mixed(engine: LLMEngine, prompts: list[str], new_tokens: int = NEW_TOKENS):
     """Half the prompts first; the rest join after two steps, so prefill chunks and decodes
     share steps. Returns {index: (token ids, [logits per step])}."""
     engine.runner.keep_logits = True
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens)
     rid_to_index, logits, finished = {}, {}, {}
     half = len(prompts) // 2
     for i, p in enumerate(prompts[:half]):
@@ -77,13 +77,13 @@ def hf_reference(name: str):
 _GENERATIONS: dict = {}
 
 
-def reference_generations(name: str, prompts: tuple[str, ...], tokenizer) -> list:
+def reference_generations(name: str, prompts: tuple[str, ...], tokenizer, new_tokens: int = NEW_TOKENS) -> list:
     """transformers' greedy tokens and per-step logits for each prompt, computed once per model
     (both attention paths compare against the same run). Prompts of about the same length share
     one left-padded ``generate`` (one read of the weights per step for all of them: a step is
     memory-bound, ~1 GB of float32 weights for Gemma 3, and nine runs of one prompt cost a minute
     on the CI machine); each row is cut at its own end of sequence, as its own run would stop."""
-    if (name, prompts) not in _GENERATIONS:
+    if (name, prompts, new_tokens) not in _GENERATIONS:
         ref = hf_reference(name)
         encoded = [tokenizer(p, return_tensors="pt").input_ids[0] for p in prompts]
         eos = ref.generation_config.eos_token_id
@@ -98,14 +98,14 @@ def reference_generations(name: str, prompts: tuple[str, ...], tokenizer) -> lis
                 ids[row, width - len(encoded[i]):] = encoded[i]
                 mask[row, width - len(encoded[i]):] = 1
             with torch.inference_mode():
-                gen = ref.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                gen = ref.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
                                    output_logits=True, return_dict_in_generate=True, pad_token_id=pad)
             for row, i in enumerate(group):
                 tokens = gen.sequences[row, width:].tolist()
                 n = next((k + 1 for k, t in enumerate(tokens) if t in eos), len(tokens))
                 out[i] = (tokens[:n], [step[row:row + 1] for step in gen.logits[:n]])
-        _GENERATIONS[(name, prompts)] = out
-    return _GENERATIONS[(name, prompts)]
+        _GENERATIONS[(name, prompts, new_tokens)] = out
+    return _GENERATIONS[(name, prompts, new_tokens)]
 
 
 def _by_length(encoded: list, spread: int) -> list[list[int]]:
@@ -136,18 +136,23 @@ def test_greedy_tokens_and_logits_match_transformers(engine_home, name, extra_pr
     elif engine.runner.native_attention is None and DEVICE == "cpu":
         pytest.skip("the native kernel could not be built here (no compiler)")
     ours = run_engine_mixed(engine, prompts)
-    reference = reference_generations(name, tuple(prompts), engine.tokenizer)
-    compared = 0
+    assert_equal_to_reference(ours, reference_generations(name, tuple(prompts), engine.tokenizer), name)
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def assert_equal_to_reference(ours: dict, reference: list, name: str, atol: float = 2e-3) -> float:
+    """Greedy tokens equal and every step's logits within ``atol``; returns the largest difference."""
+    compared, largest = 0, 0.0
     for i, (expected, expected_logits) in enumerate(reference):
         tokens, logits = ours[i]
         assert tokens == expected, f"prompt {i} ({name}): first difference at {_first_diff(tokens, expected)}"
         for step, (mine, theirs) in enumerate(zip(logits, expected_logits, strict=False)):
             diff = (mine - theirs[0].float()).abs().max().item()
-            assert diff < 2e-3, f"prompt {i} step {step}: logits differ by {diff}"
-            compared += 1
+            assert diff < atol, f"prompt {i} step {step}: logits differ by {diff}"
+            compared, largest = compared + 1, max(largest, diff)
         assert len(logits) == len(tokens)
     assert compared == sum(len(t) for t, _ in ours.values())
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    return largest
 
 
 def _first_diff(a, b):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from model_distribution.artifacts import gguf_convert
-from model_distribution.artifacts.catalog import Catalog
+from model_distribution.artifacts.catalog import Catalog, ModelNotFound
 from model_distribution.artifacts.gguf_convert import (
     FINGERPRINTS,
     MARKER,
@@ -36,8 +36,10 @@ CHAT_TEXTS = (
     "<start_of_turn>user\nHi there, 2+2?<end_of_turn>\n<start_of_turn>model\n",
     " Ünïcödé 日本語 🤖\ttabs  and\n\nnewlines, code: def f(x):\n    return x**2 ",
 )
-# The published HF configs of SmolLM2-135M-Instruct and gemma-3-270m; Gemma's sliding pattern,
-# local RoPE base and query scalar are not in the GGUF, so they come from llama.cpp's defaults.
+# The published HF configs of SmolLM2-135M-Instruct, gemma-3-270m and Qwen2.5-Coder-0.5B-Instruct;
+# Gemma's sliding pattern, local RoPE base and query scalar are not in the GGUF, so they come from
+# llama.cpp's defaults. Qwen's GGUF carries output.weight beside token_embd.weight: untied, as the
+# file has it (the published config ties them), as transformers' GGUF loader does.
 EXPECTED_CONFIG = {
     "smollm2-135m": {
         "model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
@@ -57,8 +59,16 @@ EXPECTED_CONFIG = {
         "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 3,
         "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
     },
+    "qwen2.5-coder-0.5b": {
+        "model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
+        "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 4864, "vocab_size": 151936,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "use_sliding_window": False,
+        "bos_token_id": 151643, "eos_token_id": 151645, "pad_token_id": 151643,
+    },
 }
-EXPECTED_STOP_IDS = {"smollm2-135m": [2, 0], "gemma3-270m": [1, 106]}  # eos, then end-of-turn tokens
+# eos, then end-of-turn tokens (<|im_end|> is Qwen's eos, <|endoftext|> its other end of turn)
+EXPECTED_STOP_IDS = {"smollm2-135m": [2, 0], "gemma3-270m": [1, 106], "qwen2.5-coder-0.5b": [151645, 151643]}
 
 
 @dataclass(frozen=True)
@@ -70,11 +80,16 @@ class Converted:
     convert_s: float
 
 
-@pytest.fixture(scope="module", params=["smollm2-135m", pytest.param("gemma3-270m", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["smollm2-135m", pytest.param("gemma3-270m", marks=pytest.mark.slow),
+                                        pytest.param("qwen2.5-coder-0.5b", marks=pytest.mark.slow)])
 def converted(request, engine_home) -> Converted:
     # the session's engine home: the engine tests then reuse this conversion instead of redoing it
     catalog = Catalog(engine_home)
-    gguf_path = catalog.ensure_ready(catalog.get(request.param))
+    try:
+        info = catalog.get(request.param)
+    except ModelNotFound as e:
+        pytest.skip(f"{request.param} is not in this machine's catalogue ({e})")
+    gguf_path = catalog.ensure_ready(info)
     cache_root = engine_home / "engine" / "models"
     start = time.monotonic()
     hf_dir = ensure_hf_dir(gguf_path, cache_root)
@@ -110,8 +125,8 @@ def test_tensor_names_invert_the_gguf_name_map(converted):
     name_map = gguf.get_tensor_name_map(arch_id, config["num_hidden_layers"])
     with safe_open(converted.hf_dir / "model.safetensors", "pt") as f:
         for key in f.keys():
-            gguf_name = name_map.get_name(key.removesuffix(".weight"))
-            assert hf_name(arch, f"{gguf_name}.weight") == key
+            stem, _, suffix = key.rpartition(".")  # weight, or a Qwen2 q/k/v bias
+            assert hf_name(arch, f"{name_map.get_name(stem)}.{suffix}") == key
 
 
 def test_config_is_rebuilt_from_gguf_metadata(converted, reference):
@@ -124,7 +139,11 @@ def test_config_is_rebuilt_from_gguf_metadata(converted, reference):
     assert data["architectures"] == [gguf_convert.HF_ARCHITECTURES[arch]]
     config = AutoConfig.from_pretrained(converted.hf_dir)
     for key, value in EXPECTED_CONFIG[converted.name].items():
-        ours, from_transformers = getattr(config, key), getattr(reference.config, key)
+        ours = getattr(config, key)
+        if key == "head_dim" and not hasattr(reference.config, key):  # Qwen2's: hidden / heads
+            assert ours == reference.config.hidden_size // reference.config.num_attention_heads
+            continue
+        from_transformers = getattr(reference.config, key)
         assert ours == value, key
         if key == "rms_norm_eps":  # GGUF holds float32: 1e-06 reads back as 9.99999997e-07
             ours, from_transformers = np.float32(ours), np.float32(from_transformers)

@@ -1,14 +1,15 @@
-"""Native kernels, compiled on first use with the machine's compiler (torch's cpp_extension),
-with a pure-torch fallback when that is not possible.
+"""Native kernels, compiled on first use with the machine's compiler (torch's cpp_extension), with a
+pure-torch fallback when that is not possible.
 
 One extension holds them all: the CPU decode paged attention (paged_attention_cpu.cpp) and the
 layers' element-wise ops (layers_cpu.cpp: RMSNorm, residual add + RMSNorm, activation times up,
-RoPE). It is compiled once per machine (``-O3 -march=native``, about a minute) into
-``~/.cache/cascade/kernels/<cpu>`` (or $CASCADE_KERNEL_CACHE), a build cache like the llama.cpp
-wheel's, keyed by the CPU's flags so a native build never runs on another ISA, and by the sources'
-hash so two checkouts of different versions (a worktree beside the main one, an upgrade) never
-build into one directory and load each other's module. If there is no compiler, or
-CASCADE_ENGINE_NATIVE_KERNELS=0, ``load()`` returns None and the engine uses its torch paths."""
+RoPE; int8_linear_cpu.cpp: weight-only INT8 products of decode batches). It is compiled once per
+machine (``-O3 -march=native``, about a minute) into ``~/.cache/cascade/kernels/<cpu>`` (or
+$CASCADE_KERNEL_CACHE), a build cache like the llama.cpp wheel's, keyed by the CPU's flags so a
+native build never runs on another ISA, and by the sources' hash so two checkouts of different
+versions (a worktree beside the main one, an upgrade) never build into one directory and load each
+other's module. If there is no compiler, or CASCADE_ENGINE_NATIVE_KERNELS=0, ``load()`` returns
+None and the engine uses its torch paths."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
-# the decode attention and the layers' element-wise ops, one extension
-SOURCES = ("paged_attention_cpu.cpp", "layers_cpu.cpp")
+# the decode attention, the layers' element-wise ops and the weight-only int8 product, one extension
+SOURCES = ("paged_attention_cpu.cpp", "layers_cpu.cpp", "int8_linear_cpu.cpp")
 
 
 def load():

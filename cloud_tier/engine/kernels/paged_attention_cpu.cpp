@@ -504,6 +504,7 @@ void check_args(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
 }  // namespace
 
 void register_layer_ops(pybind11::module& m);  // layers_cpu.cpp
+void register_int8_linear(pybind11::module& m);  // int8_linear_cpu.cpp
 
 // q [B, H, D] (float32, or the cache's dtype); caches [slots, KVH, D] (slots = blocks * bs); tables
 // [B, max_blocks] int64; lens [B] int64 (tokens in the cache, the new one included). Returns (or
@@ -570,4 +571,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("has_bf16_decode_path") = false;
 #endif
   register_layer_ops(m);
+  register_int8_linear(m);
 }

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cloud_tier.engine.attention import heads_contiguous
+from cloud_tier.engine.models.int8_weights import Int8Weight, int8_product
 from cloud_tier.engine_config import has_amx
 
 log = logging.getLogger(__name__)
@@ -68,13 +69,20 @@ class Linear(nn.Linear):
     load weights before packing."""
 
     packed: torch.Tensor | None = None
+    int8: Int8Weight | None = None  # quantize.quantize_model's (weight_dtype "int8"): then no float weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None:
+            return int8_product(x, self.int8, self.bias, _ext(x))
         return _linear(x, self.weight, self.bias, self.packed)
 
 
 def head_linear(model: nn.Module, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The LM head's product (``weight``: the head's, or the tied embedding's), packed as the layers'."""
+    """The LM head's product (``weight``: the head's, or the tied embedding's), packed as the layers',
+    or from its INT8 copy where ``quantize_model`` made one."""
+    int8 = getattr(model, "int8_head", None)
+    if int8 is not None:
+        return int8_product(hidden, int8, None, _ext(hidden))
     return _linear(hidden, weight, None, getattr(model, "packed_head", None), min_rows=1)
 
 
@@ -141,14 +149,19 @@ def pack_linears(model: nn.Module, rows_hint: int = 256) -> int:
     head = model.embed_tokens.weight if lm_head is None else lm_head.weight
     if head.device.type != "cpu" or head.dtype not in (torch.bfloat16, torch.float32):
         return 0
+    if getattr(model, "int8_head", None) is not None and not any(
+            isinstance(m, Linear) and m.int8 is None for m in model.modules()):
+        return 0  # weight_dtype "int8": nothing left in a float dtype to pack
     with torch.inference_mode():
         if head.dtype == torch.float32 and mode != "float32" and not _fp32_packed_faster(model, head, rows_hint):
             return 0
         count = 0
         for m in model.modules():
-            if isinstance(m, Linear) and m is not lm_head:  # the head: packed_head
+            if isinstance(m, Linear) and m is not lm_head and m.int8 is None:  # the head: packed_head
                 m.packed = reorder(m.weight.detach(), rows_hint)
                 count += 1
+        if getattr(model, "int8_head", None) is not None:  # multiplied from its INT8 copy
+            return count
         model.packed_head = reorder(head.detach(), rows_hint)
     return count + 1
 
@@ -160,7 +173,8 @@ def _fp32_packed_faster(model: nn.Module, head: torch.Tensor, rows: int) -> bool
     from cloud_tier.engine import kernels
 
     blocks = getattr(model, "layers", None)
-    layer = [m.weight.detach() for m in blocks[0].modules() if isinstance(m, Linear)] if blocks else []
+    layer = [m.weight.detach() for m in blocks[0].modules()
+             if isinstance(m, Linear) and m.int8 is None] if blocks else []
     weights = [*layer, head.detach()]
     shapes = " ".join("x".join(map(str, w.shape)) for w in weights)
     key = f"{torch.__version__} threads={torch.get_num_threads()} rows={rows} {shapes}"

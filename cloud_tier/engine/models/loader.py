@@ -12,16 +12,19 @@ from safetensors.torch import load_file
 
 from cloud_tier.engine.models.gemma3 import Gemma3ForCausalLM
 from cloud_tier.engine.models.llama import LlamaForCausalLM
+from cloud_tier.engine.models.qwen2 import Qwen2ForCausalLM
 
 log = logging.getLogger(__name__)
 
 ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,
 }
-MODEL_TYPES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "gemma3_text": Gemma3ForCausalLM}
+MODEL_TYPES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM,
+               "gemma3_text": Gemma3ForCausalLM}
 
 
 def read_config(model_dir: Path) -> dict:
@@ -38,7 +41,7 @@ def model_class(config: dict):
     if config.get("model_type") in MODEL_TYPES:
         return MODEL_TYPES[config["model_type"]]
     raise NotImplementedError(f"unsupported model: architectures={config.get('architectures')} "
-                              f"model_type={config.get('model_type')}")
+                              f"model_type={config.get('model_type')} (supported: {', '.join(ARCHITECTURES)})")
 
 
 def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
