@@ -176,7 +176,7 @@ def main() -> int:
                     help="runs of ours and of vLLM each, alternating; the median time is reported")
     ap.add_argument("--device", default="cpu", help="our engine's device: cpu, cuda, cuda:1 ... (scripts/gpu-check.sh)")
     ap.add_argument("--systems", default="ours,hf,vllm",
-                    help="comma-separated subset of ours,hf,vllm")
+                    help="comma-separated subset of ours,ours-int8 (weight-only INT8),hf,vllm")
     args = ap.parse_args()
     dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [resolve_dtype(args.dtype)]
     systems = set(args.systems.split(","))
@@ -226,6 +226,17 @@ def run_dtype(args, dtype: str, systems: set[str]) -> dict[str, dict]:
     model_dir = engine.model_dir
     del engine  # its KV cache freed before HF runs
     gc.collect()
+    if "ours-int8" in systems:  # the same engine with weight-only INT8 (a second load: the weights are replaced)
+        from cloud_tier.engine import LLMEngine
+
+        int8 = LLMEngine.from_model(args.model, dtype=dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+                                    max_num_batched_tokens=args.max_num_batched_tokens,
+                                    kv_cache_memory_bytes=4 << 30, weight_dtype="int8")
+        runs = [run_ours(int8, prompts, args.output_len) for _ in range(max(1, args.repeat))]
+        print("cascade engine, INT8 weights", runs, flush=True)
+        results["cascade engine, INT8 weights"] = median_run(runs)
+        del int8
+        gc.collect()
     if "hf" in systems and args.hf_prompts:
         results[f"HF generate (batch {args.hf_batch})"] = run_hf(
             model_dir, dtype, prompts[:args.hf_prompts], args.output_len, args.hf_batch)
