@@ -24,6 +24,10 @@ import httpx
 from cascade.processes import free_port, spawn, stop, wait_healthy
 from cascade_cli.spawn import cascade_command
 
+# the figures here are about SmolLM2-135M (the defaults are the Qwen tier pair): every server started here serves it
+os.environ.setdefault("CASCADE_EDGE_MODEL_NAME", "smollm2-135m")
+os.environ.setdefault("CASCADE_CLOUD_ENGINE_MODEL", "smollm2-135m")
+
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["Which city is the capital of France?", "Write a haiku about the sea.",
            "Name three primary colors.", "What is 12 + 30?", "Say hello to the factory floor.",

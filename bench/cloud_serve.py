@@ -23,6 +23,10 @@ from cascade.processes import free_port, spawn, stop, wait_healthy
 from cascade_cli.spawn import cascade_command
 from testkit.loadgen import LoadConfig, format_table, run_benchmark
 
+# the figures here are about SmolLM2-135M (the defaults are the Qwen tier pair): every server started here serves it
+os.environ.setdefault("CASCADE_EDGE_MODEL_NAME", "smollm2-135m")
+os.environ.setdefault("CASCADE_CLOUD_ENGINE_MODEL", "smollm2-135m")
+
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m"
 CASCADE = {"pd": ["--prefill", "1", "--decode", "1"],

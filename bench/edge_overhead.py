@@ -30,6 +30,10 @@ import httpx
 from cascade.processes import free_port, spawn, stop, wait_healthy
 from cascade_cli.spawn import cascade_command
 
+# the figures here are about SmolLM2-135M (the defaults are the Qwen tier pair): every server started here serves it
+os.environ.setdefault("CASCADE_EDGE_MODEL_NAME", "smollm2-135m")
+os.environ.setdefault("CASCADE_CLOUD_ENGINE_MODEL", "smollm2-135m")
+
 # before llama_cpp loads (lazily, in main): its OpenMP threads read this once
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 REPO = Path(__file__).resolve().parent.parent

@@ -29,6 +29,10 @@ import numpy as np
 from cascade.processes import free_port, spawn, stop, wait_healthy
 from cascade_cli.spawn import cascade_command
 
+# the figures here are about SmolLM2-135M (the defaults are the Qwen tier pair): every server started here serves it
+os.environ.setdefault("CASCADE_EDGE_MODEL_NAME", "smollm2-135m")
+os.environ.setdefault("CASCADE_CLOUD_ENGINE_MODEL", "smollm2-135m")
+
 REPO = Path(__file__).resolve().parent.parent
 
 MODES = {"both": ["--both", "1", "--prefill", "0", "--decode", "0", "--worker-threads", "2"],

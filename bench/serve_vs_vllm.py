@@ -37,6 +37,10 @@ from cascade.processes import free_port, spawn, stop, wait_healthy
 from cascade_cli.spawn import cascade_command
 from cloud_tier.worker.processes import worker_omp_env
 
+# the figures here are about SmolLM2-135M (the defaults are the Qwen tier pair): every server started here serves it
+os.environ.setdefault("CASCADE_EDGE_MODEL_NAME", "smollm2-135m")
+os.environ.setdefault("CASCADE_CLOUD_ENGINE_MODEL", "smollm2-135m")
+
 REPO = Path(__file__).resolve().parent.parent
 FIGURES = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms")
 

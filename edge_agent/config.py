@@ -79,7 +79,7 @@ class QueueConfig:
 class UpstreamConfig:
     url: str = ""  # the cloud tier (any OpenAI-compatible base URL); empty: edge only
     api_key: str = ""
-    model: str = ""  # the model to ask for upstream; "": the name the app used
+    model: str = ""  # the model to ask for upstream; "": the cloud's first model (GET /v1/models)
     timeout_s: float = 60.0
     max_backoff_s: float = 60.0  # the longest the circuit stays open after failures (a 429's Retry-After aside)
     refused_backoff_s: float = 30.0  # after a 401/403 (key wrong or revoked) ask again after this, doubling to 600 s
