@@ -149,11 +149,12 @@ def pack_linears(model: nn.Module, rows_hint: int = 256) -> int:
     head = model.embed_tokens.weight if lm_head is None else lm_head.weight
     if head.device.type != "cpu" or head.dtype not in (torch.bfloat16, torch.float32):
         return 0
-    if getattr(model, "int8_head", None) is not None and not any(
-            isinstance(m, Linear) and m.int8 is None for m in model.modules()):
+    int8_head = getattr(model, "int8_head", None) is not None  # an untied head's float weight is emptied then
+    if int8_head and not any(isinstance(m, Linear) and m is not lm_head and m.int8 is None for m in model.modules()):
         return 0  # weight_dtype "int8": nothing left in a float dtype to pack
     with torch.inference_mode():
-        if head.dtype == torch.float32 and mode != "float32" and not _fp32_packed_faster(model, head, rows_hint):
+        if head.dtype == torch.float32 and mode != "float32" and not _fp32_packed_faster(
+                model, None if int8_head else head, rows_hint):
             return 0
         count = 0
         for m in model.modules():
@@ -166,7 +167,7 @@ def pack_linears(model: nn.Module, rows_hint: int = 256) -> int:
     return count + 1
 
 
-def _fp32_packed_faster(model: nn.Module, head: torch.Tensor, rows: int) -> bool:
+def _fp32_packed_faster(model: nn.Module, head: torch.Tensor | None, rows: int) -> bool:
     """Whether float32 products on packed weights beat F.linear here by FP32_PACKED_GAIN: the
     first decoder layer's weights and the head, each way best of 3 after a warm-up, interleaved;
     timed once per machine, torch, thread count and shapes, then read back."""
@@ -175,7 +176,7 @@ def _fp32_packed_faster(model: nn.Module, head: torch.Tensor, rows: int) -> bool
     blocks = getattr(model, "layers", None)
     layer = [m.weight.detach() for m in blocks[0].modules()
              if isinstance(m, Linear) and m.int8 is None] if blocks else []
-    weights = [*layer, head.detach()]
+    weights = [*layer, *([] if head is None else [head.detach()])]
     shapes = " ".join("x".join(map(str, w.shape)) for w in weights)
     key = f"{torch.__version__} threads={torch.get_num_threads()} rows={rows} {shapes}"
     with _fp32_lock:  # two engines loading at once: one times, the other takes its choice

@@ -116,3 +116,22 @@ def test_unknown_weight_dtype_is_refused_naming_the_allowed():
     assert EngineConfig(weight_dtype="int8").weight_dtype == "int8"
     with pytest.raises(ValueError, match="weight_dtype must be one of auto, int8, got 'int4'"):
         EngineConfig(weight_dtype="int4")
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_an_int8_engine_loads_and_serves_an_untied_head_in_float32(tmp_path, tie):
+    """The Qwen GGUFs carry their own head (untied): with INT8 weights in float32, packing timed the
+    emptied float head and the worker failed to start (IndexError). Both heads load and answer."""
+    from cloud_tier.engine import LLMEngine, SamplingParams
+    from tests.tiny_qwen2 import make_tiny_qwen2
+
+    model_dir = make_tiny_qwen2(tmp_path / "m", tie=tie)
+    engine = LLMEngine.from_model(str(model_dir), dtype="float32", weight_dtype="int8", max_model_len=256,
+                                  num_kv_blocks=64)
+    rid = engine.add_request([1, 2, 3, 4], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    assert len(done[rid]) == 4
