@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 
 from cascade.processes import NotHealthy, free_port, spawn, stop, wait_healthy
@@ -43,16 +44,33 @@ class WorkerProcesses:
             url = f"http://{host}:{port}"
             log.info("starting %s worker on %s (%d threads)", role, url, threads)
             self.procs.append((url, spawn(cmd, env={**worker_omp_env(threads), **settings}, die_with_parent=True)))
-        for url, proc in self.procs:
-            try:
-                wait_healthy(url, proc, timeout_s, "worker")
-            except NotHealthy as err:
-                raise StartupError(str(err)) from err
+        _wait_all_healthy([(role, url, proc) for role, (url, proc) in zip(roles, self.procs, strict=True)], timeout_s)
         return [url for url, _ in self.procs]
 
     def stop(self) -> None:
         for _, p in self.procs:
             stop(p, timeout_s=10)
+
+
+def _wait_all_healthy(workers: list[tuple[str, str, subprocess.Popen]], timeout_s: float) -> None:
+    """Every worker healthy within ``timeout_s``; StartupError at once when any exits first (one killed
+    for memory while another still loads), naming it and how it ended."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(workers)
+    while pending:
+        for role, url, proc in list(pending):
+            if proc.poll() is not None:
+                how = (f"killed by signal {-proc.returncode}" + (" (out of memory?)" if proc.returncode == -9 else "")
+                       if proc.returncode < 0 else f"exited with status {proc.returncode}")
+                raise StartupError(f"the {role} worker at {url} {how} while starting")
+            try:
+                wait_healthy(url, proc, 0.0, f"{role} worker", sleep=lambda _s: None)
+                pending.remove((role, url, proc))
+            except NotHealthy:
+                if time.monotonic() > deadline:
+                    raise StartupError(f"the {role} worker at {url} was not healthy after {timeout_s:.0f} s") from None
+        if pending:
+            time.sleep(0.2)
 
 
 def worker_command(config: CloudConfig, role: str, host: str, port: int, threads: int
