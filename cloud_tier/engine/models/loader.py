@@ -58,18 +58,30 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_pos: int) -> torch.nn.Module:
     config = read_config(model_dir)
     cls = model_class(config)
-    model = cls(config, max_pos=max_pos)
+    model = _unfilled(cls, config, max_pos)
     state = _to_our_names(load_state_dict(model_dir), cls.FUSED)
     if model.lm_head is None:  # tied: a saver may have kept either name of the shared tensor
         head = state.pop("lm_head.weight", None)
         if "embed_tokens.weight" not in state and head is not None:
             state["embed_tokens.weight"] = head
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)  # the loaded tensors
     missing = [k for k in missing if not k.startswith("rotary")]
     if missing or unexpected:
         raise ValueError(f"weights do not match {cls.__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     model.to(device=device, dtype=dtype)
     model.eval()
+    return model
+
+
+def _unfilled(cls, config: dict, max_pos: int) -> torch.nn.Module:
+    """The model with its parameters on the meta device (no memory, no random init: the weights
+    replace them), where its buffers can be made so; else on the CPU. A model builds its computed
+    buffers (RoPE tables) on the CPU explicitly to allow this: a 1.5B model in float32 then peaks
+    at the weights and their fused copies, not twice that."""
+    with torch.device("meta"):
+        model = cls(config, max_pos=max_pos)
+    if any(b.is_meta for b in model.buffers()):
+        model = cls(config, max_pos=max_pos)
     return model
 
 
