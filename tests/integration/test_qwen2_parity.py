@@ -45,3 +45,20 @@ def test_qwen2_greedy_tokens_and_logits_match_transformers(qwen2_model):
     largest = assert_equal_to_reference(ours, reference, qwen2_model)
     print(f"{qwen2_model}: engine {engine_s:.1f} s, largest logit difference {largest:.2e}")
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+@pytest.mark.slow
+def test_qwen2_in_bfloat16_keeps_transformers_first_tokens(qwen2_model):
+    """bfloat16 (the kernels and packed weights where the CPU has them) against the same float32
+    reference, held as test_engine_parity.py holds SmolLM2's bfloat16: every prompt's first token
+    equal and the first step's logits within 1.0. Measured on an AMX Xeon: 0.14-0.36 apart, and 3 of
+    the 4 prompts equal for all 16 tokens."""
+    engine = LLMEngine.from_model(qwen2_model, dtype="bfloat16", max_model_len=512, max_num_batched_tokens=64,
+                                  num_kv_blocks=64)
+    ours = run_engine_mixed(engine, PROMPTS, NEW_TOKENS)
+    reference = reference_generations(qwen2_model, tuple(PROMPTS), engine.tokenizer, NEW_TOKENS)
+    for i, (expected, expected_logits) in enumerate(reference):
+        tokens, logits = ours[i]
+        assert tokens[0] == expected[0], f"prompt {i}"
+        diff = (logits[0] - expected_logits[0][0].float()).abs().max().item()
+        assert diff < 1.0, f"prompt {i}: first-step logits differ by {diff}"

@@ -3,12 +3,12 @@ gate/up projections into single matmuls."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from cloud_tier.engine.models.gemma3 import Gemma3ForCausalLM
 from cloud_tier.engine.models.llama import LlamaForCausalLM
@@ -44,68 +44,58 @@ def model_class(config: dict):
                               f"model_type={config.get('model_type')} (supported: {', '.join(ARCHITECTURES)})")
 
 
+def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    model_dir = Path(model_dir)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    return state
+
+
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_pos: int) -> torch.nn.Module:
     config = read_config(model_dir)
     cls = model_class(config)
-    model = cls(config, max_pos=max_pos)
-    load_weights(model, model_dir, cls.FUSED)
+    model = _unfilled(cls, config, max_pos)
+    state = _to_our_names(load_state_dict(model_dir), cls.FUSED)
+    if model.lm_head is None:  # tied: a saver may have kept either name of the shared tensor
+        head = state.pop("lm_head.weight", None)
+        if "embed_tokens.weight" not in state and head is not None:
+            state["embed_tokens.weight"] = head
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)  # the loaded tensors
+    missing = [k for k in missing if not k.startswith("rotary")]
+    if missing or unexpected:
+        raise ValueError(f"weights do not match {cls.__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     model.to(device=device, dtype=dtype)
     model.eval()
     return model
 
 
-def load_weights(model: torch.nn.Module, model_dir: Path, fused: dict[str, tuple[str, ...]]) -> None:
-    """Copy the directory's safetensors into ``model``'s own tensors one at a time (a fused projection
-    part into its rows of the fused weight): the weights are never held twice over, so loading a 1.5B
-    model in float32 peaks near its 6 GB, not the 13 GB of a whole state dict beside the model's own
-    (a P/D pair's two workers were killed for memory). ValueError when the names or shapes differ."""
-    from safetensors import safe_open
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
-    targets = model.state_dict(keep_vars=True)  # the parameters and buffers themselves, by our names
-    tied = getattr(model, "lm_head", "untied") is None
-    filled, unexpected = set(), []
-    with contextlib.ExitStack() as stack:
-        handles = {name: h for f in files for h in [stack.enter_context(safe_open(str(f), "pt"))] for name in h.keys()}
-        for hf_name, handle in handles.items():
-            ours, offset = _our_name(hf_name, fused, handles)
-            if tied and ours == "lm_head.weight":  # a saver may have kept either name of the shared tensor
-                if any(_our_name(n, fused, handles)[0] == "embed_tokens.weight" for n in handles):
-                    continue
-                ours = "embed_tokens.weight"
-            if ours not in targets:
-                unexpected.append(hf_name)
-                continue
-            tensor = handle.get_tensor(hf_name)
-            dst = targets[ours] if offset is None else targets[ours].narrow(0, offset, tensor.shape[0])
-            if dst.shape != tensor.shape:
-                raise ValueError(f"weights do not match {type(model).__name__}: {hf_name} is {tuple(tensor.shape)}, "
-                                 f"{ours} expects {tuple(dst.shape)}")
-            with torch.no_grad():
-                dst.copy_(tensor)
-            filled.add(ours)
-    missing = [k for k in targets if k not in filled and not k.startswith("rotary")]
-    if missing or unexpected:
-        raise ValueError(f"weights do not match {type(model).__name__}: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
+def _unfilled(cls, config: dict, max_pos: int) -> torch.nn.Module:
+    """The model with its parameters on the meta device (no memory, no random init: the weights
+    replace them), where its buffers can be made so; else on the CPU. A model builds its computed
+    buffers (RoPE tables) on the CPU explicitly to allow this: a 1.5B model in float32 then peaks
+    at the weights and their fused copies, not twice that."""
+    with torch.device("meta"):
+        model = cls(config, max_pos=max_pos)
+    if any(b.is_meta for b in model.buffers()):
+        model = cls(config, max_pos=max_pos)
+    return model
 
 
-def _our_name(hf_name: str, fused: dict[str, tuple[str, ...]], handles: dict) -> tuple[str, int | None]:
-    """Our name for the HF tensor ``hf_name``, and its first row in a fused weight (None: not fused)."""
-    name = _strip_prefix(hf_name)
+def _to_our_names(state: dict[str, torch.Tensor], fused: dict[str, tuple[str, ...]]) -> dict[str, torch.Tensor]:
+    """HF names -> ours: drop the ``model.`` prefix and concatenate fused projections."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if name.startswith("model.language_model."):
+            name = name[len("model.language_model."):]
+        elif name.startswith("model."):
+            name = name[len("model."):]
+        out[name] = t
     for fused_name, parts in fused.items():
-        for i, part in enumerate(parts):
-            if f".{part}." in name:
-                before = [hf_name.replace(f".{part}.", f".{p}.") for p in parts[:i]]
-                offset = sum(handles[b].get_slice(b).get_shape()[0] for b in before)
-                return name.replace(f".{part}.", f".{fused_name}."), offset
-    return name, None
-
-
-def _strip_prefix(name: str) -> str:
-    for prefix in ("model.language_model.", "model."):
-        if name.startswith(prefix):
-            return name[len(prefix):]
-    return name
+        for key in [k for k in out if f".{parts[0]}." in k]:
+            names = [key.replace(f".{parts[0]}.", f".{p}.") for p in parts]
+            out[key.replace(f".{parts[0]}.", f".{fused_name}.")] = torch.cat([out.pop(n) for n in names], dim=0)
+    return out
