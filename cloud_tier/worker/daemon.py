@@ -22,6 +22,17 @@ def run(config: CloudConfig) -> None:
 
     log.info("cloud worker (%s) on http://%s:%d, model %s", config.worker.role, config.server.host,
              config.server.port, config.engine.model)
+    check_model(config.engine.model)
     uvicorn.run(build_app(config), host=config.server.host, port=config.server.port,
                 log_level=config.server.log_level, timeout_graceful_shutdown=5, access_log=False,
                 timeout_keep_alive=KEEP_ALIVE_S)
+
+
+def check_model(model: str) -> None:
+    """The model found (a packaged one assembled, a GGUF converted) and of an architecture the engine
+    runs, before uvicorn starts: ModelNotFound or NotImplementedError here reach the command line as
+    one line and exit 2 (inside the app's startup they were a traceback)."""
+    from cloud_tier.engine.models.loader import model_class, read_config
+    from model_distribution.artifacts.model_dirs import resolve_model_dir
+
+    model_class(read_config(resolve_model_dir(model)))
