@@ -116,3 +116,14 @@ def test_unknown_weight_dtype_is_refused_naming_the_allowed():
     assert EngineConfig(weight_dtype="int8").weight_dtype == "int8"
     with pytest.raises(ValueError, match="weight_dtype must be one of auto, int8, got 'int4'"):
         EngineConfig(weight_dtype="int4")
+
+
+def test_weight_dtype_comes_from_the_file_the_environment_and_reaches_started_workers(tmp_path):
+    from cloud_tier.config import CloudConfig
+
+    toml = tmp_path / "cloud.toml"
+    toml.write_text('[engine]\nweight_dtype = "int8"\n')
+    assert CloudConfig.load(toml, environ={}).engine.weight_dtype == "int8"
+    env = CloudConfig.load(None, environ={"CASCADE_CLOUD_ENGINE_WEIGHT_DTYPE": "int8"})
+    assert env.engine.weight_dtype == "int8"
+    assert CloudConfig.from_dict(env.to_dict()).engine.weight_dtype == "int8"  # $CASCADE_WORKER_SETTINGS' round trip
