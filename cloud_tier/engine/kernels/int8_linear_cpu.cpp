@@ -48,6 +48,8 @@ inline void tile(const float* xf, const int8_t* w, int64_t K, int64_t n0, int64_
   for (int64_t j = 0; j < NT; ++j) rows[j] = w + (n0 + std::min(j, nt - 1)) * K;  // a short tile repeats its last
   int64_t k = 0;
   for (; k + W <= K; k += W) {
+    if ((k & 63) == 0)  // the next tile's rows, a line each per 64 weights: the streamer sees 4 strided streams
+      for (int64_t j = 0; j < NT; ++j) __builtin_prefetch(rows[j] + NT * K + k + 256);
     vec::fv wv[NT];
     for (int64_t j = 0; j < NT; ++j) wv[j] = widen(rows[j] + k);
     for (int m = 0; m < MT; ++m) {
@@ -64,19 +66,15 @@ inline void tile(const float* xf, const int8_t* w, int64_t K, int64_t n0, int64_
   }
 }
 
+// rows [m0, m0 + MT) of the output at channels [n0, n0 + nt): scaled, biased, stored in T
 template <typename T, int MT>
-void rows_block(const float* xf, const int8_t* w, const float* scale, const float* bias, typename cascade::Val<T>::raw* y,
-                int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
+inline void tile_out(const float* xf, const int8_t* w, const float* scale, const float* bias,
+                     typename cascade::Val<T>::raw* y, int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t nt) {
   float acc[MT][NT];
-  for (int64_t n0 = n_begin; n0 < n_end; n0 += NT) {
-    const int64_t nt = std::min(NT, n_end - n0);
-    tile<MT>(xf, w, K, n0, nt, acc);
-    for (int m = 0; m < MT; ++m)
-      for (int64_t j = 0; j < nt; ++j) {
-        const float v = acc[m][j] * scale[n0 + j] + (bias ? bias[n0 + j] : 0.f);
-        y[m * N + n0 + j] = cascade::Val<T>::st(v);
-      }
-  }
+  tile<MT>(xf + m0 * K, w, K, n0, nt, acc);
+  for (int m = 0; m < MT; ++m)
+    for (int64_t j = 0; j < nt; ++j)
+      y[(m0 + m) * N + n0 + j] = cascade::Val<T>::st(acc[m][j] * scale[n0 + j] + (bias ? bias[n0 + j] : 0.f));
 }
 
 template <typename T>
@@ -85,14 +83,17 @@ void product(const float* xf, const int8_t* w, const float* scale, const float* 
   // channels per task: a multiple of the tile, at least ~64 KiB of weights (a thread wake-up is microseconds)
   const int64_t grain = std::max<int64_t>(NT, (65536 / std::max<int64_t>(1, K) + NT - 1) / NT * NT);
   at::parallel_for(0, (N + NT - 1) / NT, std::max<int64_t>(1, grain / NT), [&](int64_t tb, int64_t te) {
-    const int64_t nb = tb * NT, ne = std::min(N, te * NT);
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) rows_block<T, 4>(xf + m * K, w, scale, bias, y + m * N, K, N, nb, ne);
-    switch (M - m) {
-      case 3: rows_block<T, 3>(xf + m * K, w, scale, bias, y + m * N, K, N, nb, ne); break;
-      case 2: rows_block<T, 2>(xf + m * K, w, scale, bias, y + m * N, K, N, nb, ne); break;
-      case 1: rows_block<T, 1>(xf + m * K, w, scale, bias, y + m * N, K, N, nb, ne); break;
-      default: break;
+    for (int64_t n0 = tb * NT; n0 < std::min(N, te * NT); n0 += NT) {
+      const int64_t nt = std::min(NT, N - n0);
+      // every row of x against this tile while its weights are in L1: the weights leave memory once
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) tile_out<T, 4>(xf, w, scale, bias, y, K, N, m, n0, nt);
+      switch (M - m) {
+        case 3: tile_out<T, 3>(xf, w, scale, bias, y, K, N, m, n0, nt); break;
+        case 2: tile_out<T, 2>(xf, w, scale, bias, y, K, N, m, n0, nt); break;
+        case 1: tile_out<T, 1>(xf, w, scale, bias, y, K, N, m, n0, nt); break;
+        default: break;
+      }
     }
   });
 }

@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 
 # Up to this many rows the kernel beat the dense path (dequantize + F.linear), by dtype: measured on
-# the 1.5B's shapes (1536x17920, 8960x1536) on 2 threads of a Sapphire Rapids (AMX); float32's
-# products are slower, so the kernel's arithmetic stays behind them longer.
+# the 1.5B's shapes (1536x17920, 8960x1536) on 2 threads of a Sapphire Rapids (AMX), with weights in
+# cache and before the kernel ran all rows per weight tile (since then it is faster at 8+ rows: these
+# limits are conservative); float32's dense products are slower, so the kernel stays ahead longer.
 KERNEL_MAX_ROWS = {torch.bfloat16: 16, torch.float32: 32}
 # The dense path dequantizes a weight this many bytes at a time into a reused buffer (about an L2):
 # the slice is multiplied while in cache, where a whole dequantized copy went to memory and back

@@ -135,3 +135,14 @@ def test_an_int8_engine_loads_and_serves_an_untied_head_in_float32(tmp_path, tie
             if out.finished:
                 done[out.request_id] = out.token_ids
     assert len(done[rid]) == 4
+
+
+def test_weight_dtype_comes_from_the_file_the_environment_and_reaches_started_workers(tmp_path):
+    from cloud_tier.config import CloudConfig
+
+    toml = tmp_path / "cloud.toml"
+    toml.write_text('[engine]\nweight_dtype = "int8"\n')
+    assert CloudConfig.load(toml, environ={}).engine.weight_dtype == "int8"
+    env = CloudConfig.load(None, environ={"CASCADE_CLOUD_ENGINE_WEIGHT_DTYPE": "int8"})
+    assert env.engine.weight_dtype == "int8"
+    assert CloudConfig.from_dict(env.to_dict()).engine.weight_dtype == "int8"  # $CASCADE_WORKER_SETTINGS' round trip
