@@ -89,7 +89,8 @@ def rollout_scene(fleet, home: str, work: Path) -> None:
 
     from model_distribution.artifacts.catalog import Catalog
 
-    logging.getLogger("model_distribution").setLevel(logging.WARNING)  # the simulated devices' own lines
+    for noisy in ("model_distribution", "sync"):  # the simulated devices' own lines
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     print("\n== staged rollouts: four simulated devices in group sims, following smollm2-135m")
     secrets = {f"sim-{i}": json.loads(fleet.run("fleet", "devices", "add", f"sim-{i}", "--group", "sims",
                                                  "--json"))["secret"] for i in range(1, 5)}
