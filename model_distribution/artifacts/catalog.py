@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import stat
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -94,11 +95,14 @@ class Catalog:
         packaged_paths = {m.path.resolve() for m in models}
         for directory in [self.models_dir, *self.search_paths]:
             for path in sorted(directory.glob("*.gguf")) if directory.is_dir() else []:
+                if not _regular_file(path):  # a FIFO would hang the read; a dangling link, a folder: no model
+                    log.warning("skipping %s: not a regular file", path)
+                    continue
                 if path.resolve() in packaged_paths:
                     continue
                 try:
                     models.append(self._file_info(path, "home" if directory == self.models_dir else "file"))
-                except GGUFError as e:
+                except (GGUFError, OSError) as e:
                     log.warning("skipping %s: %s", path, e)
             for path in sorted(directory.glob("*/genai_config.json")) if directory.is_dir() else []:
                 try:
@@ -252,6 +256,14 @@ class Catalog:
             chat_template=meta.chat_template is not None,
             kind="instruct" if meta.chat_template else "base", source=source, ready=True,
         )
+
+
+def _regular_file(path: Path) -> bool:
+    """Whether ``path`` (or what its link points at) is a regular file: never a FIFO, socket or folder."""
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
+    except OSError:  # a dangling link, or gone since the listing
+        return False
 
 
 def served_names(model: str) -> tuple[str, set[str]]:

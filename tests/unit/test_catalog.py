@@ -95,3 +95,35 @@ def test_the_qwen_tier_pair_is_described_from_its_first_part_before_assembly(tmp
     assert cat.get("Qwen2.5-Coder-1.5B-Instruct-Q4_K_M").name == "qwen2.5-coder-1.5b"
     assert served_names("qwen-1.5b") == ("qwen2.5-coder-1.5b", {*QWEN_15B.aliases, "qwen-1.5b"})
     assert not (tmp_path / "models").exists()  # listing assembles nothing
+
+
+def test_odd_entries_in_the_models_folder_are_skipped_never_read(tmp_path):
+    """A FIFO named *.gguf hung every lookup (its open blocks); a dangling link or a folder named
+    *.gguf was a traceback from `models list`, `edge run --model` and `cloud worker --model`."""
+    import os
+    import threading
+
+    from model_distribution.artifacts.catalog import Catalog, ModelNotFound
+
+    models = tmp_path / "models"
+    models.mkdir()
+    os.mkfifo(models / "fifo.gguf")
+    (models / "dangling.gguf").symlink_to(tmp_path / "nowhere.gguf")
+    (models / "folder.gguf").mkdir()
+    catalog = Catalog(tmp_path, packaged=())
+    result: dict = {}
+
+    def look():
+        result["listed"] = catalog.list()
+        try:
+            catalog.get("nosuch")
+        except ModelNotFound as e:
+            result["refused"] = str(e)
+
+    worker = threading.Thread(target=look, daemon=True)
+    worker.start()
+    worker.join(10)
+    if worker.is_alive():  # unblock the FIFO so the thread can end, then fail
+        os.close(os.open(models / "fifo.gguf", os.O_WRONLY | os.O_NONBLOCK))
+        raise AssertionError("listing the models folder hung on a FIFO")
+    assert result["listed"] == [] and "unknown model 'nosuch'" in result["refused"]
