@@ -44,8 +44,8 @@ def cmd_models_assemble(args) -> int:
         info = catalog.get(args.model)
         if info.format != "gguf":
             raise ModelNotFound(f"{args.model} is an ONNX export: there is nothing to assemble")
-        path = catalog.ensure_ready(info)
-    except ModelNotFound as e:
+        path = catalog.ensure_ready(info, verify=True)  # an assembled file is hashed again, whole
+    except (ModelNotFound, OSError) as e:
         print(f"cascade: {e}", file=sys.stderr)
         return 2
     print(path)

@@ -15,13 +15,14 @@ Models come from three places:
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 import os
 import stat
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from model_distribution.artifacts.gguf_meta import GGUFError, GGUFMetadata, read_metadata
@@ -134,12 +135,19 @@ class Catalog:
         known = ", ".join(m.name for m in self.list()) or "none"
         raise ModelNotFound(f"unknown model {key!r} (models here: {known})")
 
-    def ensure_ready(self, info: ModelInfo) -> Path:
-        """The model's file path, assembling a packaged model first if it has to be."""
-        if info.ready:
-            return info.path
+    def ensure_ready(self, info: ModelInfo, verify: bool = False) -> Path:
+        """The model's file path, assembling a packaged model first if it has to be. ``verify``: an
+        assembled file is hashed again (its whole sha256, not just its size) and assembled anew when it
+        differs (`cascade models assemble` does: a file damaged in place keeps its size)."""
         p = next((p for p in self.packaged if p.parts is not None and info.name == p.name
                   and info.source == f"package:{p.dist}"), None)
+        if info.ready and verify and p is not None and _sha256(info.path) != p.parts.sha256:
+            log.warning("%s: %s is not the file its parts make (sha256 differs); assembling it again", p.name,
+                        info.path)
+            info.path.unlink()
+            info = replace(info, ready=False)
+        if info.ready:
+            return info.path
         if p is not None:
             with self._assemble_lock:  # one thread assembles; other processes each rename a verified copy
                 if self._assembled(p, info.path) is None:
@@ -256,6 +264,11 @@ class Catalog:
             chat_template=meta.chat_template is not None,
             kind="instruct" if meta.chat_template else "base", source=source, ready=True,
         )
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _regular_file(path: Path) -> bool:

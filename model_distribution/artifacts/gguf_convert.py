@@ -83,17 +83,36 @@ class UnsupportedArchitecture(ModelNotFound, NotImplementedError):
     (NotImplementedError), in one line."""
 
 
+class ConversionError(ModelNotFound):
+    """A GGUF the converter cannot make into a model (values no model has, tensors missing or cut
+    short, a tokenizer it cannot build) or cannot write (a read-only or full disk): one line that
+    the commands print before exiting 2."""
+
+
 def ensure_hf_dir(model_path: str | Path, cache_root: Path) -> Path:
     """An HF model directory holding the model at ``model_path``, converting a GGUF on first use.
 
     ``model_path`` is a .gguf file or an HF directory (one with config.json, returned as is).
+    ConversionError (a ModelNotFound) for whatever a file's contents or the disk break: the file is
+    outside data, and nothing it holds may end a command in a traceback.
     """
-    model_path = Path(model_path)
+    try:
+        return _ensure_hf_dir(Path(model_path), Path(cache_root))
+    except (ModelNotFound, NotImplementedError):
+        raise
+    except OSError as e:
+        raise ConversionError(f"{model_path}: cannot convert it into {cache_root}: "
+                              f"{e.strerror or e}{f' ({e.filename})' if e.filename else ''}") from e
+    except Exception as e:  # noqa: BLE001 (ValueError, KeyError, transformers' and numpy's own: one line)
+        reason = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ConversionError(f"{model_path}: not a model the engine can run ({type(e).__name__}: {reason})") from e
+
+
+def _ensure_hf_dir(model_path: Path, cache_root: Path) -> Path:
     if model_path.is_dir():
         if not (model_path / "config.json").is_file():
-            raise ValueError(f"{model_path} is a directory without config.json, not an HF model")
+            raise ConversionError(f"{model_path} is a directory without config.json, not an HF model")
         return model_path
-    cache_root = Path(cache_root)
     cache_root.mkdir(parents=True, exist_ok=True)
     sha256, architecture = fingerprint(model_path, cache_root)
     _check_supported(model_path, architecture)
@@ -153,6 +172,7 @@ def convert(gguf_path: Path, out_dir: Path, sha256: str) -> None:
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
     config = build_config(meta, shapes)
     save_file(convert_tensors(reader, config), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "model.safetensors").chmod(0o644)  # save_file makes it private; the folder is 0755 for other readers
     del reader
     write_config(config, out_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)

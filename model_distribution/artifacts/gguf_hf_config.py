@@ -5,6 +5,7 @@ Gemma3TextConfig, with llama.cpp's defaults where the file is silent."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -23,17 +24,56 @@ def build_config(meta: GGUFMetadata, shapes: dict[str, tuple[int, ...]]):
     from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config
 
     fields = _common_fields(meta, shapes)
+    _check_fields(fields, shapes)
     if meta.architecture == "gemma3":
         return Gemma3TextConfig(**fields, **_gemma3_fields(meta, fields))
     rotary_dims = _arch_value(meta, "rope.dimension_count", fields["head_dim"])
     if rotary_dims != fields["head_dim"]:
         raise ValueError(f"partial rotary ({rotary_dims} of {fields['head_dim']} dims) is not supported")
     # llama.cpp's and transformers' base where the file is silent (Qwen2.5's GGUFs state 1e6)
-    theta = _f32(_arch_value(meta, "rope.freq_base", 10_000.0))
+    theta = _positive("rope.freq_base", _f32(_arch_value(meta, "rope.freq_base", 10_000.0)))
     rope = {"rope_type": "default", "rope_theta": theta, **_rope_scaling(meta)}
     if meta.architecture == "qwen2":  # q/k/v biases are part of the architecture, no flag
         return Qwen2Config(**fields, hidden_act="silu", rope_parameters=rope, use_sliding_window=False)
     return LlamaConfig(**fields, hidden_act="silu", rope_parameters=rope)
+
+
+MAX_LAYERS, MAX_WIDTH = 1024, 1 << 20  # past any model a 2-core host serves: a hostile header, not a model
+
+
+def _check_fields(fields: dict, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The header's numbers are a model's: counts that are positive integers within bounds, heads that
+    share the KV heads evenly, as many blocks as the file has tensors for, a finite positive epsilon.
+    ValueError naming the key otherwise (a hostile or broken file: a NaN epsilon or a rope base of 0
+    loaded and served garbage, a block_count of a million built a model for half a minute)."""
+    if "token_embd.weight" not in shapes:
+        raise ValueError("it has no token_embd.weight tensor")
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings"):
+        value = fields[key]
+        limit = MAX_LAYERS if key == "num_hidden_layers" else 1 << 24 if key == "max_position_embeddings" else MAX_WIDTH
+        if not _is_count(value) or value > limit:
+            raise ValueError(f"{key} = {value!r} is not a count in 1..{limit}")
+    if fields["num_attention_heads"] % fields["num_key_value_heads"]:
+        raise ValueError(f"{fields['num_attention_heads']} attention heads do not share "
+                         f"{fields['num_key_value_heads']} KV heads evenly")
+    blocks = {int(n.split(".")[1]) for n in shapes if n.startswith("blk.") and n.split(".")[1].isdigit()}
+    if blocks != set(range(fields["num_hidden_layers"])):
+        raise ValueError(f"block_count is {fields['num_hidden_layers']} but the file has tensors for "
+                         f"{len(blocks)} block(s)")
+    if fields["max_position_embeddings"] < 2:
+        raise ValueError(f"context_length {fields['max_position_embeddings']} is under 2 tokens")
+    _positive("attention.layer_norm_rms_epsilon", fields["rms_norm_eps"])
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _positive(key: str, value) -> float:
+    if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{key} = {value!r} is not a finite positive number")
+    return value
 
 
 def _common_fields(meta: GGUFMetadata, shapes: dict[str, tuple[int, ...]]) -> dict:
@@ -42,13 +82,13 @@ def _common_fields(meta: GGUFMetadata, shapes: dict[str, tuple[int, ...]]) -> di
     tokens = meta.values
     return {
         "architectures": [HF_ARCHITECTURES[meta.architecture]],
-        "vocab_size": shapes["token_embd.weight"][0],
+        "vocab_size": shapes["token_embd.weight"][0] if "token_embd.weight" in shapes else 0,
         "hidden_size": hidden,
         "intermediate_size": _arch_value(meta, "feed_forward_length"),
         "num_hidden_layers": _arch_value(meta, "block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": _arch_value(meta, "attention.head_count_kv", heads),
-        "head_dim": _arch_value(meta, "attention.key_length", hidden // heads),
+        "head_dim": _arch_value(meta, "attention.key_length", hidden // heads if _is_count(heads) else 0),
         "max_position_embeddings": _arch_value(meta, "context_length"),
         "rms_norm_eps": _f32(_arch_value(meta, "attention.layer_norm_rms_epsilon")),
         "bos_token_id": tokens.get("tokenizer.ggml.bos_token_id"),
@@ -63,8 +103,8 @@ def _gemma3_fields(meta: GGUFMetadata, common: dict) -> dict:
     """Gemma 3 settings, with llama.cpp's defaults (llama-model.cpp) where the file is silent."""
     layers = common["num_hidden_layers"]
     pattern = _arch_value(meta, "attention.sliding_window_pattern", 6)  # every 6th layer is global
-    global_theta = _f32(_arch_value(meta, "rope.freq_base", 1_000_000.0))
-    local_theta = _f32(_arch_value(meta, "rope.freq_base_swa", 10_000.0))
+    global_theta = _positive("rope.freq_base", _f32(_arch_value(meta, "rope.freq_base", 1_000_000.0)))
+    local_theta = _positive("rope.freq_base_swa", _f32(_arch_value(meta, "rope.freq_base_swa", 10_000.0)))
     # llama.cpp scales queries by 1/sqrt(head_dim), but the 27B (62 layers) by 1/sqrt(hidden/heads)
     scalar = common["head_dim"] if layers != 62 else common["hidden_size"] // common["num_attention_heads"]
     kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]

