@@ -106,7 +106,7 @@ class EngineConfig:
     Its keys stay flat (the TOML keys, variables and flags users know); the scheduler's part of
     them is ``scheduler``, a ``SchedulerConfig`` built once here and checked by it."""
 
-    model: str = "qwen2.5-coder-1.5b"  # catalogue name, .gguf path or HF directory (default: the cloud half of the tier pair)
+    model: str = "qwen2.5-coder-1.5b"  # catalogue name, .gguf path or HF directory (the cloud half of the pair)
     # "auto" (resolve_dtype) is not the default: bfloat16 greedy output drifts from the float32
     # reference (the parity prompts: logits 0.25-0.84 apart, 2 of 8 diverge within 32 tokens)
     dtype: str = "float32"
