@@ -71,7 +71,8 @@ class NotifySocket:
 
 
 def write_config(path: Path, upstream_port: int, drain_timeout_s: float = 20, **cascade) -> None:
-    lines = ["[server]", 'log_format = "json"', f"drain_timeout_s = {drain_timeout_s}", "",
+    lines = ["[model]", f'name = "{MODEL}"', "",
+             "[server]", 'log_format = "json"', f"drain_timeout_s = {drain_timeout_s}", "",
              "[upstream]", f'url = "http://127.0.0.1:{upstream_port}"', "timeout_s = 5", "",
              "[cascade]", 'offline = "queue"', *(f"{k} = {v!r}" for k, v in cascade.items())]
     path.write_text("\n".join(lines) + "\n")
@@ -79,8 +80,9 @@ def write_config(path: Path, upstream_port: int, drain_timeout_s: float = 20, **
 
 def start(home: Path, config: Path, notify: NotifySocket, **env) -> Agent:
     """An agent told to notify ``notify``, started once it says READY=1 (no health polling)."""
+    # the file names the model: the suite's CASCADE_EDGE_MODEL_NAME (tests/conftest.py) would override it
     return Agent(home, "--config", str(config), "--threads", "1", "--n-ctx", "512", "--parallel", "2",
-                 env={"NOTIFY_SOCKET": notify.name, **env})
+                 env={"NOTIFY_SOCKET": notify.name, "CASCADE_EDGE_MODEL_NAME": None, **env})
 
 
 def ask(agent: Agent, **cascade) -> httpx.Response:
@@ -204,7 +206,7 @@ def test_sighup_swaps_the_cloud_client_and_leaves_the_model_for_a_restart(served
     agent, notify, config = served["agent"], served["notify"], served["config"]
     other = free_port()
     write_config(config, other)
-    config.write_text(config.read_text() + '\n[model]\nname = "gemma3-270m"\n')
+    config.write_text(config.read_text().replace(f'name = "{MODEL}"', 'name = "gemma3-270m"'))
     sighup(agent, notify)
     health = loopback.get(f"{agent.url}/healthz", timeout=5).json()
     assert health["upstream"]["url"] == f"http://127.0.0.1:{other}/v1"

@@ -15,7 +15,9 @@ from tests.conftest import REPO
 
 def cascade(*args, home):
     return subprocess.run([sys.executable, "-m", "cascade_cli", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=60, env={**os.environ, "CASCADE_HOME": str(home)})
+                          text=True, timeout=60, env={**{k: v for k, v in os.environ.items()
+                                                         if k != "CASCADE_EDGE_MODEL_NAME"},  # files name it here
+                                                      "CASCADE_HOME": str(home)})
 
 
 def test_the_documented_install_of_the_config_is_readable_by_the_agents_group_only():
