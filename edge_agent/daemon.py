@@ -152,8 +152,28 @@ def run(config: EdgeConfig, source: ConfigSource | None = None) -> None:
     uv = uvicorn.Config(app, host=s.host, port=s.port, log_level=s.log_level, log_config=None,
                         timeout_graceful_shutdown=s.drain_timeout_s + END_GRACE_S)
     hold_sighup()  # the lifespan installs the reload handler once the agent serves
+    quiet = _StartupErrorFilter(app)  # its one line comes from the command, not a traceback from uvicorn
+    logging.getLogger("uvicorn.error").addFilter(quiet)
     try:
         _server_class()(uv, notifier, serving, s.drain_timeout_s, app.state.drain.end).run()
+    except SystemExit:  # uvicorn exits 3 when the startup fails
+        if getattr(app.state, "startup_error", None) is None:
+            raise
     finally:
+        logging.getLogger("uvicorn.error").removeFilter(quiet)
         notifier.notify(STATUS="stopped")
         notifier.close()
+    if (error := getattr(app.state, "startup_error", None)) is not None:
+        raise error  # a ModelNotFound: the command prints it and exits 2
+
+
+class _StartupErrorFilter(logging.Filter):
+    """Drops uvicorn's report of a startup that failed on a model the agent could not load (the
+    traceback, "Application startup failed"): the command says it in one line instead."""
+
+    def __init__(self, app):
+        super().__init__()
+        self.app = app
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return getattr(self.app.state, "startup_error", None) is None

@@ -173,7 +173,12 @@ def build_app(config: EdgeConfig, catalog: Catalog | None = None, source: Config
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        svc, fleet_version = await load_service(config, catalog)
+        try:
+            svc, fleet_version = await load_service(config, catalog)
+        except (ValueError, RuntimeError, OSError) as e:  # llama.cpp or ONNX Runtime could not load the file
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            app.state.startup_error = ModelNotFound(f"cannot load model {config.model.name!r}: {reason}")
+            raise app.state.startup_error from None
         upstream = Upstream(config.upstream, config.cascade.device) if config.upstream.url else None
         outbox = Outbox(config.sync, upstream)
         outbox.start()
