@@ -1,7 +1,7 @@
 """Edge agent overhead: tokens/s and time to first token through the agent's HTTP API versus
 llama-cpp-python called directly, same model, same prompts, same run.
 
-    .venv/bin/python bench/edge_overhead.py [--tokens 128] [--requests 8] [--threads 2]
+    .venv/bin/python bench/edge_overhead.py [--model qwen2.5-coder-0.5b] [--tokens 128] [--requests 8]
 
 Rows: one stream at a time, and 4 requests in flight. The direct side mirrors the agent's
 slots: `--parallel` llama.cpp contexts, each driven by its own thread (llama-cpp-python's
@@ -84,7 +84,7 @@ def agent_one(url: str, prompt: str, max_tokens: int) -> tuple[float, int, float
     using the openai package would send it."""
     client = getattr(_http, "client", None) or httpx.Client(timeout=300)
     _http.client = client
-    body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens,
+    body = {"model": os.environ["CASCADE_EDGE_MODEL_NAME"], "prompt": prompt, "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     first = None
@@ -160,14 +160,17 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--n-ctx", type=int, default=1024)
+    ap.add_argument("--model", default="smollm2-135m", help="a catalogue name (e.g. qwen2.5-coder-0.5b)")
     args = ap.parse_args()
+    os.environ["CASCADE_EDGE_MODEL_NAME"] = args.model  # the agents started here serve it
 
     from llama_cpp import Llama
 
     from model_distribution.artifacts.catalog import Catalog
 
     home = Path(tempfile.mkdtemp(prefix="cascade-bench-"))
-    path = str(Catalog(home).get("smollm2-135m").path)
+    catalog = Catalog(home)
+    path = str(catalog.ensure_ready(catalog.get(args.model)))
     cores = os.cpu_count() or 1
     # (requests in flight, slots, decode threads, prompt threads); the first is the agent's default
     configs = [(1, 1, max(1, cores - 1), cores), (1, 1, cores, cores), (4, 2, 1, 1)]
