@@ -194,7 +194,7 @@ def main() -> int:
                            concurrency)
         rows.append((concurrency, f"{parallel} x {threads}/{threads_batch}", direct, via))
 
-    print(f"\nSmolLM2-135M-Instruct Q4_1, {args.requests} requests x {args.tokens} tokens, "
+    print(f"\n{args.model} ({Path(path).name}), {args.requests} requests x {args.tokens} tokens, "
           f"greedy, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, {cores} cores\n")
     print(f"{'in flight':>9} {'slots x thr':>13} | {'direct tok/s':>12} {'agent tok/s':>11} "
           f"{'ratio':>6} | {'direct TTFT ms':>14} {'agent TTFT ms':>13} {'overhead ms':>11}")
