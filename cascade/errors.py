@@ -10,6 +10,12 @@ import json
 import math
 
 
+def one_line(exc: BaseException, limit: int | None = None) -> str:
+    """The first line of ``exc``'s message (at most ``limit`` characters; "" when it has none): the
+    cause a one-line error names, where the library's own message runs on with a traceback or a dump."""
+    return str(exc).strip().partition("\n")[0][:limit]
+
+
 class APIError(Exception):
     """A request refused with an HTTP status and an OpenAI-style body."""
 

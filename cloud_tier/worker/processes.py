@@ -3,6 +3,7 @@ ports, which die with the gateway (even when it is killed) and are stopped with 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -11,7 +12,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from cascade.processes import NotHealthy, free_port, spawn, stop, wait_healthy
+import httpx
+
+from cascade.processes import free_port, spawn, stop
 from cloud_tier.config import CloudConfig
 from cloud_tier.worker.settings import SETTINGS_ENV, worker_settings
 
@@ -54,23 +57,29 @@ class WorkerProcesses:
 
 def _wait_all_healthy(workers: list[tuple[str, str, subprocess.Popen]], timeout_s: float) -> None:
     """Every worker healthy within ``timeout_s``; StartupError at once when any exits first (one killed
-    for memory while another still loads), naming it and how it ended."""
+    for memory while another still loads), naming it and how it ended. One client for the whole wait
+    (a client per poll builds a TLS context each time, on the cores the workers load their models on)."""
     deadline = time.monotonic() + timeout_s
     pending = list(workers)
-    while pending:
-        for role, url, proc in list(pending):
-            if proc.poll() is not None:
-                how = (f"killed by signal {-proc.returncode}" + (" (out of memory?)" if proc.returncode == -9 else "")
-                       if proc.returncode < 0 else f"exited with status {proc.returncode}")
-                raise StartupError(f"the {role} worker at {url} {how} while starting")
-            try:
-                wait_healthy(url, proc, 0.0, f"{role} worker", sleep=lambda _s: None)
-                pending.remove((role, url, proc))
-            except NotHealthy:
-                if time.monotonic() > deadline:
-                    raise StartupError(f"the {role} worker at {url} was not healthy after {timeout_s:.0f} s") from None
-        if pending:
-            time.sleep(0.2)
+    with httpx.Client(timeout=1.0) as client:
+        while pending:
+            for role, url, proc in list(pending):
+                if proc.poll() is not None:
+                    raise StartupError(f"the {role} worker at {url} {_how_it_ended(proc.returncode)} while starting")
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(f"{url}/healthz").status_code == 200:
+                        pending.remove((role, url, proc))
+            if pending and time.monotonic() > deadline:
+                role, url, _ = pending[0]
+                raise StartupError(f"the {role} worker at {url} was not healthy after {timeout_s:.0f} s")
+            if pending:
+                time.sleep(0.2)
+
+
+def _how_it_ended(returncode: int) -> str:
+    if returncode >= 0:
+        return f"exited with status {returncode}"
+    return f"killed by signal {-returncode}" + (" (out of memory?)" if returncode == -9 else "")
 
 
 def worker_command(config: CloudConfig, role: str, host: str, port: int, threads: int

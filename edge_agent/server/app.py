@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 
 from cascade.config import cascade_home
+from cascade.errors import one_line
 from cascade.web import build_openai_app
 from edge_agent.backends import load_slots
 from edge_agent.backends.base import Backend
@@ -176,7 +177,7 @@ def build_app(config: EdgeConfig, catalog: Catalog | None = None, source: Config
         try:
             svc, fleet_version = await load_service(config, catalog)
         except (ValueError, RuntimeError, OSError) as e:  # llama.cpp or ONNX Runtime could not load the file
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            reason = one_line(e) or type(e).__name__
             app.state.startup_error = ModelNotFound(f"cannot load model {config.model.name!r}: {reason}")
             raise app.state.startup_error from None
         upstream = Upstream(config.upstream, config.cascade.device) if config.upstream.url else None

@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cascade.errors import one_line
 from model_distribution.artifacts.catalog import ModelNotFound
 from model_distribution.artifacts.gguf_hf_config import HF_ARCHITECTURES, build_config, generation_config, write_config
 from model_distribution.artifacts.gguf_meta import read_metadata
@@ -104,8 +105,8 @@ def ensure_hf_dir(model_path: str | Path, cache_root: Path) -> Path:
         raise ConversionError(f"{model_path}: cannot convert it into {cache_root}: "
                               f"{e.strerror or e}{f' ({e.filename})' if e.filename else ''}") from e
     except Exception as e:  # noqa: BLE001 (ValueError, KeyError, transformers' and numpy's own: one line)
-        reason = (str(e).strip().splitlines() or [""])[0][:300]
-        raise ConversionError(f"{model_path}: not a model the engine can run ({type(e).__name__}: {reason})") from e
+        raise ConversionError(f"{model_path}: not a model the engine can run "
+                              f"({type(e).__name__}: {one_line(e, 300)})") from e
 
 
 def _ensure_hf_dir(model_path: Path, cache_root: Path) -> Path:

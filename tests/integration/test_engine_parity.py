@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from cascade.config import cascade_home
-from cloud_tier.engine import LLMEngine, SamplingParams
+from cloud_tier.engine import LLMEngine
 from model_distribution.artifacts.catalog import Catalog
 from model_distribution.artifacts.model_dirs import resolve_model_dir
 from tests.integration.gguf_reference import gguf_reference
+from tests.tiny_qwen2 import engine_greedy
 
 # every step's logits are compared, so drift shows without a long run: 32 steps cross two KV
 # blocks of every prompt, and the decodes share steps with the long prompts' prefill chunks
@@ -34,37 +35,8 @@ PROMPTS = [
 
 def run_engine_mixed(engine: LLMEngine, prompts: list[str], new_tokens: int = NEW_TOKENS):
     """Half the prompts first; the rest join after two steps, so prefill chunks and decodes
-    share steps. Returns {index: (token ids, [logits per step])}."""
-    engine.runner.keep_logits = True
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens)
-    rid_to_index, logits, finished = {}, {}, {}
-    half = len(prompts) // 2
-    for i, p in enumerate(prompts[:half]):
-        rid_to_index[engine.add_request(p, params)] = i
-    steps = 0
-    captured = engine.runner.execute
-
-    def execute(out):
-        result = captured(out)
-        for rid, row in (result.logits or {}).items():
-            logits.setdefault(rid_to_index[rid], []).append(row)
-        return result
-
-    engine.runner.execute = execute
-    try:
-        while len(finished) < len(prompts):
-            if steps == 2:
-                for i, p in enumerate(prompts[half:], start=half):
-                    rid_to_index[engine.add_request(p, params)] = i
-            for out in engine.step():
-                if out.finished:
-                    finished[rid_to_index[out.request_id]] = out.token_ids
-            engine.check_integrity()
-            steps += 1
-    finally:
-        engine.runner.execute = captured
-        engine.runner.keep_logits = False
-    return {i: (finished[i], logits[i]) for i in range(len(prompts))}
+    share steps (``tests.tiny_qwen2.engine_greedy``). Returns {index: (token ids, [logits per step])}."""
+    return dict(enumerate(engine_greedy(engine, prompts, new_tokens, join_after=2)))
 
 
 def hf_reference(name: str):

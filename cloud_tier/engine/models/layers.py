@@ -161,7 +161,7 @@ def pack_linears(model: nn.Module, rows_hint: int = 256) -> int:
             if isinstance(m, Linear) and m is not lm_head and m.int8 is None:  # the head: packed_head
                 m.packed = reorder(m.weight.detach(), rows_hint)
                 count += 1
-        if getattr(model, "int8_head", None) is not None:  # multiplied from its INT8 copy
+        if int8_head:  # multiplied from its INT8 copy
             return count
         model.packed_head = reorder(head.detach(), rows_hint)
     return count + 1
@@ -302,10 +302,11 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, theta: float, max_pos: int, scaling: float = 1.0):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        t = torch.arange(max_pos, dtype=torch.float32) / scaling
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
+        with torch.device("cpu"):  # computed, never loaded: real even where the loader builds the model on meta
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+            t = torch.arange(max_pos, dtype=torch.float32) / scaling
+            freqs = torch.outer(t, inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 

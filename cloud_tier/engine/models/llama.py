@@ -70,8 +70,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else Linear(c["hidden_size"], c["vocab_size"], bias=False)
         head_dim = self.layers[0].self_attn.head_dim
         theta, scaling = rope_theta(c)
-        with torch.device("cpu"):  # computed here, never loaded: real even where the loader builds on meta
-            self.rotary = Rotary(head_dim, theta, max_pos, scaling)
+        self.rotary = Rotary(head_dim, theta, max_pos, scaling)
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:

@@ -75,9 +75,9 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_po
 
 def _unfilled(cls, config: dict, max_pos: int) -> torch.nn.Module:
     """The model with its parameters on the meta device (no memory, no random init: the weights
-    replace them), where its buffers can be made so; else on the CPU. A model builds its computed
-    buffers (RoPE tables) on the CPU explicitly to allow this: a 1.5B model in float32 then peaks
-    at the weights and their fused copies, not twice that."""
+    replace them), where its buffers can be made so; else on the CPU. ``Rotary`` builds its tables
+    on the CPU whatever the device around it, so every model here takes the meta path: a 1.5B model in
+    float32 then peaks at the weights and their fused copies, not twice that."""
     with torch.device("meta"):
         model = cls(config, max_pos=max_pos)
     if any(b.is_meta for b in model.buffers()):
