@@ -59,14 +59,21 @@ def new_id(prefix: str) -> str:
     return f"{prefix}{time.time_ns():016x}{secrets.token_hex(6)}"
 
 
+@dataclass(frozen=True)
+class _Reader:
+    conn: sqlite3.Connection
+    lock: threading.Lock
+
+
 class FileStore(SQLiteStore):
     def __init__(self, path: Path | str, clock=time.time, limits: FileLimits = FileLimits()):
         super().__init__(path)
         self.path = Path(path)
         self.clock = clock
         self.limits = limits
-        self._readers: list[sqlite3.Connection] = []
+        self._readers: list[_Reader] = []
         self._local = threading.local()
+        self._closed = False
         with self._lock:
             conn = self._db.conn
             conn.execute(f"PRAGMA journal_size_limit = {_WAL_LIMIT}")
@@ -89,23 +96,30 @@ class FileStore(SQLiteStore):
         return int(self.clock())
 
     def close(self) -> None:
+        """Close the store: each reader waits for the query it runs (closing a connection under a
+        running query crashes the process), and a read after this raises ProgrammingError."""
         with self._lock:
-            for reader in self._readers:
-                reader.close()
-            self._readers.clear()
+            self._closed = True
+            readers, self._readers = self._readers, []
+        for reader in readers:
+            with reader.lock:
+                reader.conn.close()
         super().close()
 
     def _read(self, sql: str, params=()) -> list[dict]:
-        """The rows of one query, through this thread's read-only connection (no lock)."""
+        """The rows of one query, through this thread's read-only connection (no lock of the store)."""
         reader = getattr(self._local, "reader", None)
         if reader is None:
-            reader = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=10.0,
-                                     check_same_thread=False)
-            reader.row_factory = sqlite3.Row
-            self._local.reader = reader
             with self._lock:
+                if self._closed:
+                    raise sqlite3.ProgrammingError(f"the store {self.path} is closed")
+                conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=10.0,
+                                       check_same_thread=False)
+                conn.row_factory = sqlite3.Row
+                reader = self._local.reader = _Reader(conn, threading.Lock())
                 self._readers.append(reader)
-        return [dict(row) for row in reader.execute(sql, params)]
+        with reader.lock:  # close() takes it: the connection is never closed under this query
+            return [dict(row) for row in reader.conn.execute(sql, params)]
 
     def reclaim(self) -> None:
         """Give the space of deleted rows back to the file system: the free pages cut off the
