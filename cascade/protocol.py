@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
@@ -50,6 +50,38 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+MAX_DRAFT_TOKENS = 64
+MAX_DRAFT_TOP = 64
+Probability = Annotated[float, Strict(), Field(ge=0.0, le=1.0)]
+DraftToken = Annotated[int, Strict(), Field(ge=0, le=INT32[1])]  # "2" or 2.0 is not a token id
+
+
+class DraftOptions(BaseModel):
+    """``cascade.draft``: the tokens the device already generated for this request (its hold-back),
+    offered to the cloud to verify instead of starting over. Used only by a worker whose tokenizer
+    identity equals ``tokenizer``; elsewhere the request runs as if it had none.
+
+    ``probs``: the device's probability of each drafted token under its own sampling distribution
+    (1.0 for a greedy device); ``top``: per position, that distribution as (token id, probability)
+    pairs, for exact speculative sampling (where it covers the whole distribution)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    token_ids: Annotated[list[DraftToken], Field(min_length=1, max_length=MAX_DRAFT_TOKENS)]
+    probs: list[Probability] | None = None
+    top: list[Annotated[list[tuple[DraftToken, Probability]], Field(max_length=MAX_DRAFT_TOP)]] | None = None
+    tokenizer: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[0-9A-Za-z:._-]+$")]
+
+    @model_validator(mode="after")
+    def _lengths(self) -> DraftOptions:
+        for name in ("probs", "top"):
+            value = getattr(self, name)
+            if value is not None and len(value) != len(self.token_ids):
+                raise ValueError(f"cascade.draft.{name} has {len(value)} entries for {len(self.token_ids)} "
+                                 "token_ids")
+        return self
+
+
 class CascadeOptions(BaseModel):
     """The ``cascade`` extra body field: how this request may move between tiers."""
 
@@ -65,6 +97,7 @@ class CascadeOptions(BaseModel):
     callback_url: Annotated[str, Field(max_length=2048)] | None = None  # POSTed to when the queued request ends
     priority: Annotated[int, Field(ge=INT32[0], le=INT32[1])] = 0  # queued: higher is sent first
     ttl_s: Annotated[float, Field(gt=0, le=MAX_TTL_S)] | None = None  # queued: expires if not delivered by then
+    draft: DraftOptions | None = None  # an escalation's draft tokens, for the cloud to verify
 
 
 MAX_PASSTHROUGH_DEPTH = 32

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from cascade import errors
 from cascade.chat_template import ChatTemplate, ChatTemplateError
 from cascade.protocol import INT32, PRIORITY_CLASSES, ChatCompletionRequest, CompletionRequest
+from cloud_tier.draft import Draft, draft_of
 from cloud_tier.sampling import SamplingParams
 
 
@@ -31,6 +32,7 @@ class RequestPlan:
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
     timeout_s: float | None = None
+    draft: Draft | None = None  # the device's tokens to verify (its tokenizer matched ours)
 
     @property
     def max_total_tokens(self) -> int:
@@ -39,8 +41,11 @@ class RequestPlan:
 
 
 class RequestBuilder:
-    def __init__(self, tokenizer, max_model_len: int, default_max_tokens: int = 512):
+    def __init__(self, tokenizer, max_model_len: int, default_max_tokens: int = 512, tokenizer_identity: str = ""):
+        """``tokenizer_identity``: this model's (``model_distribution.artifacts.tokenizer_identity``);
+        a request's draft is used only when it names the same ("": never)."""
         self.tokenizer = tokenizer
+        self.tokenizer_identity = tokenizer_identity
         self.max_model_len = max_model_len
         self.default_max_tokens = default_max_tokens
         self.template = ChatTemplate(getattr(tokenizer, "chat_template", None), tokenizer.bos_token or "",
@@ -102,7 +107,8 @@ class RequestBuilder:
                                    for name in ("ttft_slo_s", "tpot_slo_s", "timeout"))
         except (ValueError, TypeError) as e:
             raise errors.bad_request(str(e)) from e
-        return RequestPlan(tokens, params, logprobs, priority, priority_class, ttft, tpot, timeout)
+        draft = draft_of(req.cascade.draft if req.cascade else None, self.tokenizer_identity, self._vocab)
+        return RequestPlan(tokens, params, logprobs, priority, priority_class, ttft, tpot, timeout, draft)
 
 
 def with_headers(plan: RequestPlan, headers: Mapping[str, str], wall: float | None = None) -> RequestPlan:

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
+import math
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ def idempotency_key(device: str, app_key: str | None) -> str:
     return "app-" + hashlib.sha256(f"{device}\0{app_key}".encode()).hexdigest()[:32]
 
 
+TOKENIZER_RELIST_S = 60.0  # an unknown model's tokenizer is asked for at most this often
 REFUSAL = {401, 403}  # the cloud refuses this device: its key is wrong or revoked
 
 
@@ -98,6 +100,8 @@ class Upstream:
         self.breaker = CircuitBreaker(max_backoff_s=config.max_backoff_s, refused_backoff_s=config.refused_backoff_s,
                                       max_retry_after_s=config.max_retry_after_s)
         self._cloud_model: str | None = None
+        self._tokenizers: dict[str, str] = {}  # the cloud's models -> their tokenizer identity (meta.tokenizer)
+        self._listed_at = -math.inf  # when the cloud's model list was last read
         self.max_event_bytes = sse.MAX_EVENT_BYTES  # one line of the cloud's stream, bounded while read
 
     async def close(self) -> None:
@@ -120,10 +124,12 @@ class Upstream:
                       "on a slow schedule: %s", status, text[:200])
         self.breaker.refusal(f"refused: HTTP {status} (check [upstream] api_key)", retry_after_s)
 
-    async def escalate(self, endpoint: str, body: dict, reason: str, draft: str | None = None,
+    async def escalate(self, endpoint: str, body: dict, reason: str, draft: dict | None = None,
                        session: str | None = None, retries: int = 1, app_key: str | None = None) -> Escalation:
         """Start the request on the cloud, streamed; returns once its first chunk arrived (so a
         refusal is known before anything is sent to the app). UpstreamUnavailable otherwise.
+        ``draft``: the device's tokens so far (``cascade.draft``: ``draft_of``), sent only to a cloud
+        model whose tokenizer identity is the draft's (its /v1/models card says so).
         Every exit settles the breaker: a success, a failure, a refusal of this device, or (when
         cancelled) the probe slot given back."""
         if not self.breaker.allow():
@@ -134,11 +140,11 @@ class Upstream:
         headers = {"idempotency-key": key, "x-cascade-reason": reason}
         if session:
             headers["x-cascade-session"] = session
-        if draft:
-            headers["x-cascade-draft"] = json.dumps(draft[:2000])
         try:
             payload = {k: v for k, v in body.items() if k != "cascade"}
             payload["model"] = await self._model() or payload.get("model")
+            if draft and await self._tokenizer(payload["model"]) == draft["tokenizer"]:
+                payload["cascade"] = {"draft": draft}
             payload["stream"] = True
             payload["stream_options"] = {"include_usage": True}
             for attempt in range(retries + 1):
@@ -215,7 +221,9 @@ class Upstream:
         if not r.is_success:
             return Outcome(r.status_code, None, parse_retry_after(r.headers.get("retry-after")),
                            f"probe: HTTP {r.status_code}")
-        models = _model_ids(_json_object(r))
+        listing = _json_object(r)
+        models = _model_ids(listing)
+        self._note_tokenizers(listing)
         if models is None:
             return Outcome(502, None, None, f"probe: HTTP {r.status_code} but not a model list ({_content_type(r)})")
         if not self.config.model and self._cloud_model is None and models:
@@ -230,7 +238,9 @@ class Upstream:
             try:
                 r = await self.client.get(self.base_url + "/models")
                 r.raise_for_status()
-                models = _model_ids(_json_object(r))
+                listing = _json_object(r)
+                models = _model_ids(listing)
+                self._note_tokenizers(listing)
                 if not models:
                     raise ValueError(f"not a model list ({_content_type(r)})")
                 self._cloud_model = models[0]
@@ -238,6 +248,28 @@ class Upstream:
                 log.warning("cannot list the cloud's models (%s); asking for the app's model name", e)
                 return None
         return self._cloud_model
+
+    async def _tokenizer(self, model: str | None) -> str:
+        """The tokenizer identity the cloud states for ``model`` ("" when it states none): from its
+        model list, read at most once a minute."""
+        if model not in self._tokenizers and time.monotonic() - self._listed_at > TOKENIZER_RELIST_S:
+            self._listed_at = time.monotonic()
+            try:
+                r = await self.client.get(self.base_url + "/models", timeout=5.0)
+                if r.is_success:
+                    self._note_tokenizers(_json_object(r))
+            except httpx.HTTPError as e:
+                log.debug("cannot list the cloud's models for their tokenizers: %r", e)
+        return self._tokenizers.get(model or "", "")
+
+    def _note_tokenizers(self, listing: dict | None) -> None:
+        """Keep what a model list says of each model's tokenizer (``meta.tokenizer``, a short token)."""
+        self._listed_at = time.monotonic()
+        for card in (listing or {}).get("data") or ():
+            meta = card.get("meta") if isinstance(card, dict) else None
+            tok = meta.get("tokenizer") if isinstance(meta, dict) else None
+            if isinstance(card.get("id"), str) and isinstance(tok, str) and 0 < len(tok) <= 128:
+                self._tokenizers[card["id"]] = tok
 
     async def _open(self, endpoint: str, payload: dict, headers: dict, key: str) -> Escalation:
         req = self.client.build_request("POST", self.base_url + ENDPOINTS[endpoint], json=payload, headers=headers)
@@ -368,3 +400,14 @@ async def _events(resp: httpx.Response, lines: AsyncIterator[bytes], first: dict
                               code="upstream_broken") from e
     finally:
         await resp.aclose()
+
+
+def draft_of(events: list, identity: str, greedy: bool) -> dict | None:
+    """The ``cascade.draft`` of a held-back local answer (its first K tokens), for a cloud with the
+    same tokenizer to verify instead of generating them again: None without tokens, without this
+    model's tokenizer identity, or for a sampled answer (exact verification of a sample needs the
+    device's whole distribution at each position, which the agent does not keep)."""
+    ids = [e.token_id for e in events if isinstance(e, TokenEvent)][:64]
+    if not ids or not identity or not greedy:
+        return None
+    return {"token_ids": ids, "probs": [1.0] * len(ids), "tokenizer": identity}

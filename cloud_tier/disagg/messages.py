@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from cloud_tier.draft import Draft
+
 MAGIC = b"CKV1"
 _PREFIX = struct.Struct(">4sBI")  # magic, kind, body length
 PREFIX_SIZE = _PREFIX.size  # 9
@@ -90,6 +92,21 @@ class RequestRecord(_Message):
     # The decode worker's secret for this request's KV transfer, sent to the prefill worker in
     # its PrefillRequest, which puts it in the TransferHeader (and sends no record with it).
     transfer_token: str = Field(default="", max_length=256)
+    # a draft to verify (``cloud_tier.draft.Draft``): the device's tokens after the prompt, and its
+    # probability of each / its distribution per position when it sampled (the gateway checked them)
+    draft_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] = []
+    draft_probs: list[Annotated[float, Field(ge=0, le=1)]] | None = None
+    draft_top: list[Annotated[list[tuple[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=0, le=1)]]],
+                              Field(max_length=64)]] | None = None
+
+    def draft(self) -> Draft | None:
+        """The record's draft as a ``cloud_tier.draft.Draft`` (None: it has none); ValueError when
+        it is not a valid one."""
+        if not self.draft_token_ids:
+            return None
+        return Draft(tuple(self.draft_token_ids), None if self.draft_probs is None else tuple(self.draft_probs),
+                     None if self.draft_top is None else tuple(tuple((t, p) for t, p in pos)
+                                                               for pos in self.draft_top))
 
 
 class TransferHeader(_Message):

@@ -13,7 +13,7 @@ import re
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from cloud_tier.disagg.messages import RequestRecord
 
@@ -95,3 +95,6 @@ class ServedModel(_Body):
     # LLMEngine.model_identity: the model, its dtype and its KV layout (block size, KV dtype, layers,
     # KV heads, head size). Workers whose identities differ cannot exchange KV ("" if not told).
     model_identity: str = ""
+    # model_distribution.artifacts.tokenizer_identity of its tokenizer: a device whose model has the
+    # same may send its draft tokens to verify (cascade.draft); "" if not told (no drafts)
+    tokenizer_identity: str = Field(default="", max_length=128)

@@ -64,8 +64,11 @@ async def metrics(request: Request):
 
 def _card(request: Request) -> ModelCard:
     svc = service(request)
-    return ModelCard(id=svc.model_id, created=request.app.state.started,
-                     meta={"max_model_len": svc.max_model_len})
+    meta = {"max_model_len": svc.max_model_len}
+    identity = svc.own.builder.tokenizer_identity if svc.own.builder is not None else ""
+    if identity:  # a device whose model has the same tokenizer may send its draft tokens (cascade.draft)
+        meta["tokenizer"] = identity
+    return ModelCard(id=svc.model_id, created=request.app.state.started, meta=meta)
 
 
 @v1.get("/models", responses=openapi.errors(401, 403, 500))

@@ -36,6 +36,8 @@ class ForeignWorkers:
 
     def prepare(self, flight: Flight, endpoint: str, body: dict, req, priority: int,
                 request_id: str | None) -> ForeignJob:
+        if "cascade" in body:  # our own extension (a device's draft, its tier options): no foreign worker's
+            body = {k: v for k, v in body.items() if k != "cascade"}
         flight.openai = "chunks" if body.get("stream") else "body"
         flight.model = str(body.get("model", ""))  # a foreign pool may serve several: priced by the one asked
         flight.cache_key = answers.cache_key(flight.tenant, endpoint, body)

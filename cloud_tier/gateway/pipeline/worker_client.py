@@ -22,6 +22,7 @@ from cascade import errors
 from cascade.generation import Finish, TokenEvent, event_from_wire
 from cloud_tier.disagg.messages import RequestRecord
 from cloud_tier.disagg.protocol import GenerateRequest
+from cloud_tier.draft import draft_fields
 from cloud_tier.gateway.pipeline.flight import Flight
 from cloud_tier.gateway.workers import stream as worker_stream
 from cloud_tier.gateway.workers.admission import Admission, Ticket
@@ -95,7 +96,8 @@ class WorkerClient:
         return RequestRecord(request_id=rid, prompt_token_ids=plan.prompt_token_ids,
                              sampling=plan.params.to_dict(), priority=plan.priority,
                              priority_class=flight.priority_class, tenant=flight.tenant,
-                             ttft_slo_s=ttft, tpot_slo_s=tpot, timeout_s=time_left(flight, plan))
+                             ttft_slo_s=ttft, tpot_slo_s=tpot, timeout_s=time_left(flight, plan),
+                             **draft_fields(plan.draft))
 
     async def generate(self, flight: Flight, plan: RequestPlan, need: int) -> AsyncIterator[TokenEvent | Finish]:
         rid = uuid.uuid4().hex

@@ -1,0 +1,140 @@
+"""An escalation's draft on the wire (issue 40): ``cascade.draft`` in the body is decoded strictly
+(hostile values are a 400, never reach the engine), used only by a server whose tokenizer identity
+is the draft's, carried to the worker in the request record, and sent by the edge agent only to a
+cloud that names the same tokenizer in its model list."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from pydantic import ValidationError
+
+from cascade.generation import Finish, TokenEvent
+from cascade.protocol import ChatCompletionRequest
+from cloud_tier.disagg.messages import RequestRecord, decode, encode
+from cloud_tier.draft import Draft, draft_fields, draft_of
+from edge_agent.config import UpstreamConfig
+from edge_agent.upstream import Upstream
+from edge_agent.upstream import draft_of as edge_draft_of
+
+IDENTITY = "qwen2-" + "ab" * 16
+
+
+def body(draft) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], "cascade": {"draft": draft}}
+
+
+GOOD = {"token_ids": [1, 2, 3], "probs": [1.0, 0.5, 0.25], "tokenizer": IDENTITY}
+
+
+@pytest.mark.parametrize("bad", [
+    {**GOOD, "probs": [1.0, 0.5]},  # lengths differ
+    {**GOOD, "probs": [1.0, 1.5, 0.2]},  # not a probability
+    {**GOOD, "probs": [1.0, float("nan"), 0.2]},
+    {**GOOD, "probs": [1.0, float("inf"), 0.2]},
+    {**GOOD, "token_ids": [1, -2, 3]},
+    {**GOOD, "token_ids": [1, 2**40, 3]},
+    {**GOOD, "token_ids": [1, "2", 3]},
+    {**GOOD, "token_ids": [1, 2.5, 3]},
+    {**GOOD, "token_ids": [1, 2.0, 3]},
+    {**GOOD, "token_ids": [1, True, 3]},
+    {**GOOD, "probs": [1.0, "0.5", 0.2]},
+    {**GOOD, "token_ids": list(range(65)), "probs": None},  # over 64
+    {**GOOD, "token_ids": []},
+    {**GOOD, "top": [[[1, 1.0]]] * 2},  # lengths differ
+    {**GOOD, "top": [[[i, 0.01] for i in range(65)]] * 3},  # one position too wide
+    {**GOOD, "tokenizer": ""},
+    {**GOOD, "tokenizer": "x" * 129},
+    {**GOOD, "tokenizer": "has space"},
+    {**GOOD, "tokenizer": "line\u2028sep"},
+    {**GOOD, "extra": 1},
+    {"token_ids": [1], "probs": [1.0]},  # no tokenizer
+])
+def test_a_hostile_draft_is_refused_with_its_field_named(bad):
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate(body(bad))
+    assert "draft" in str(e.value)
+
+
+def test_a_good_draft_is_used_only_with_the_same_tokenizer_and_in_the_vocabulary():
+    opts = ChatCompletionRequest.model_validate(body(GOOD)).cascade.draft
+    assert draft_of(opts, IDENTITY, 100) == Draft((1, 2, 3), (1.0, 0.5, 0.25))
+    assert draft_of(opts, "another", 100) is None
+    assert draft_of(opts, "", 100) is None  # a server that knows no identity takes none
+    assert draft_of(opts, IDENTITY, 3) is None  # token 3 is not in a 3-token vocabulary
+    assert draft_of(None, IDENTITY, 100) is None
+
+
+def test_greedy_and_full_support_are_told_apart():
+    assert Draft((1, 2), (1.0, 1.0)).greedy
+    assert not Draft((1, 2), (1.0, 0.5)).greedy
+    assert not Draft((1, 2)).greedy  # no probabilities: not known to be greedy
+    assert Draft((1,), (0.5,), (((1, 0.5), (2, 0.5)),)).full_support()
+    assert not Draft((1,), (0.5,), (((1, 0.5), (2, 0.4)),)).full_support()
+
+
+def test_the_request_record_carries_the_draft_to_the_worker_strictly():
+    draft = Draft((5, 6), (1.0, 0.75), (((5, 1.0),), ((6, 0.75), (7, 0.25))))
+    record = RequestRecord(request_id="r", prompt_token_ids=[1, 2], sampling={}, **draft_fields(draft))
+    back = decode(encode(record))
+    assert back.draft() == draft
+    assert RequestRecord(request_id="r", prompt_token_ids=[1], sampling={}).draft() is None
+    frame = encode(record).replace(b'"draft_probs":[1.0,0.75]', b'"draft_probs":[1.0,7.5]')
+    with pytest.raises(ValueError):
+        decode(frame)
+
+
+def test_the_edge_drafts_only_a_greedy_answer_it_can_name_the_tokenizer_of():
+    events = [TokenEvent(token_id=7, text="a", piece=b"a", logprob=-0.1, entropy=0.5),
+              TokenEvent(token_id=8, text="b", piece=b"b", logprob=-2.0, entropy=1.5), Finish("stop", 3, 2)]
+    assert edge_draft_of(events, IDENTITY, True) == {"token_ids": [7, 8], "probs": [1.0, 1.0], "tokenizer": IDENTITY}
+    assert edge_draft_of(events, IDENTITY, False) is None
+    assert edge_draft_of(events, "", True) is None
+    assert edge_draft_of([Finish("stop", 3, 0)], IDENTITY, True) is None
+
+
+class RecordingCloud:
+    """A cloud that lists one model (with or without a tokenizer) and records what it is asked."""
+
+    def __init__(self, tokenizer: str | None):
+        self.tokenizer = tokenizer
+        self.bodies: list[dict] = []
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/models"):
+            card = {"id": "cloud-m", "object": "model", "created": 0, "owned_by": "cascade", "meta": {}}
+            if self.tokenizer is not None:
+                card["meta"]["tokenizer"] = self.tokenizer
+            return httpx.Response(200, json={"object": "list", "data": [card]})
+        self.bodies.append(json.loads(request.content))
+        chunk = {"id": "c", "object": "chat.completion.chunk", "model": "cloud-m",
+                 "choices": [{"index": 0, "delta": {"content": "ok"}, "finish_reason": "stop"}]}
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              content=b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n")
+
+
+def sent(tokenizer: str | None, model: str = "") -> dict:
+    cloud = RecordingCloud(tokenizer)
+    up = Upstream(UpstreamConfig(url="http://cloud.test", model=model), device="d1")
+    up.client = httpx.AsyncClient(transport=httpx.MockTransport(cloud.handle), headers=up.client.headers)
+
+    async def go():
+        app_body = {"messages": [{"role": "user", "content": "hi"}], "cascade": {"mode": "auto"}}
+        esc = await up.escalate("chat", app_body, "low_confidence",
+                                {"token_ids": [1, 2], "probs": [1.0, 1.0], "tokenizer": IDENTITY}, retries=0)
+        [e async for e in esc.events]
+        await up.close()
+    asyncio.run(go())
+    (body,) = cloud.bodies
+    return body
+
+
+@pytest.mark.parametrize("model", ["", "cloud-m"])  # the model listed, or named in [upstream] model
+def test_the_draft_goes_only_to_a_cloud_that_names_the_same_tokenizer(model):
+    assert sent(IDENTITY, model)["cascade"] == {"draft": {"token_ids": [1, 2], "probs": [1.0, 1.0],
+                                                          "tokenizer": IDENTITY}}
+    assert "cascade" not in sent("another-tokenizer", model)  # never the app's own cascade options either
+    assert "cascade" not in sent(None, model)  # a cloud that names none (vLLM, OpenAI) gets a plain request
