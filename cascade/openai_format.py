@@ -44,11 +44,17 @@ def usage_of(finish: Finish) -> Usage:
 
 
 def cascade_of(base: dict | None, finish: Finish | None) -> dict | None:
-    """The response's ``cascade`` object: the edge agent's (tier, reason), and ``truncated``
-    when the answer was cut short ("deadline")."""
-    if finish is None or not finish.truncated:
+    """The response's ``cascade`` object: the edge agent's (tier, reason), ``truncated`` when the
+    answer was cut short ("deadline"), and ``draft`` (tokens offered, accepted) when the engine
+    verified a device's draft."""
+    if finish is None or not (finish.truncated or finish.draft_offered):
         return base
-    return {**(base or {}), "truncated": finish.truncated}
+    out = dict(base or {})
+    if finish.truncated:
+        out["truncated"] = finish.truncated
+    if finish.draft_offered:
+        out["draft"] = {"offered": finish.draft_offered, "accepted": finish.draft_accepted}
+    return out
 
 
 class ChatFormatter:

@@ -349,6 +349,18 @@ def _tokens(usage: dict, name: str) -> int:
     return min(max(v, 0), 2**31 - 1) if isinstance(v, int) and not isinstance(v, bool) else 0
 
 
+def _draft_counts(value) -> tuple[int, int] | None:
+    """What the cloud says of our draft (``cascade.draft``: offered, accepted), clamped into
+    0 <= accepted <= offered <= 64; None when it says nothing usable."""
+    if not isinstance(value, dict):
+        return None
+    offered, accepted = value.get("offered"), value.get("accepted")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (offered, accepted)):
+        return None
+    offered = min(max(offered, 0), 64)
+    return offered, min(max(accepted, 0), offered)
+
+
 def _model_ids(body: dict | None) -> list[str] | None:
     """The ids of an OpenAI model list, or None when ``body`` is not one."""
     data = body.get("data") if body else None
@@ -371,12 +383,14 @@ async def _events(resp: httpx.Response, lines: AsyncIterator[bytes], first: dict
     """OpenAI chunks -> generation events: one TokenEvent per chunk with text, then a Finish.
     A stream that ends with neither ``[DONE]`` nor a finish reason, or breaks (an unreadable
     chunk, an in-band error), is no answer: a 502 (in-band once streaming), never a short "stop"."""
-    finish_reason, usage = None, None
+    finish_reason, usage, draft = None, None, (0, 0)
     try:
         chunk = first
         while chunk is not None:
             if isinstance(chunk.get("usage"), dict):
                 usage = chunk["usage"]
+            if isinstance(chunk.get("cascade"), dict):
+                draft = _draft_counts(chunk["cascade"].get("draft")) or draft
             for choice in chunk.get("choices") or []:
                 text = (choice.get("delta") or {}).get("content") if endpoint == "chat" else choice.get("text")
                 lp = ((choice.get("logprobs") or {}).get("content") or [None])[0] if endpoint == "chat" else None
@@ -393,7 +407,8 @@ async def _events(resp: httpx.Response, lines: AsyncIterator[bytes], first: dict
                     raise
                 chunk = None  # finished, only the end of the stream was lost
         usage = usage or {}
-        yield Finish(finish_reason or "stop", _tokens(usage, "prompt_tokens"), _tokens(usage, "completion_tokens"))
+        yield Finish(finish_reason or "stop", _tokens(usage, "prompt_tokens"), _tokens(usage, "completion_tokens"),
+                     draft_offered=draft[0], draft_accepted=draft[1])
     except (UpstreamBroken, httpx.HTTPError, AttributeError, TypeError, KeyError, ValueError) as e:
         log.warning("the cloud's stream broke: %r", e)
         raise errors.APIError(502, f"The cloud tier's answer broke off: {str(e) or repr(e)}", "server_error",

@@ -138,3 +138,46 @@ def test_the_draft_goes_only_to_a_cloud_that_names_the_same_tokenizer(model):
                                                           "tokenizer": IDENTITY}}
     assert "cascade" not in sent("another-tokenizer", model)  # never the app's own cascade options either
     assert "cascade" not in sent(None, model)  # a cloud that names none (vLLM, OpenAI) gets a plain request
+
+
+@pytest.mark.parametrize("counts", [[3], [1, 2], [65, 1], [-1, 0], ["8", 4], [True, 0], [2**70, 1], {"o": 1}])
+def test_a_workers_draft_counts_are_checked_before_they_reach_a_counter(counts):
+    from cascade.generation import event_from_wire
+
+    with pytest.raises(ValueError):
+        event_from_wire({"finish": ["stop", 3, 2, 0, ""], "draft": counts})
+
+
+def test_draft_counts_travel_from_the_worker_into_the_answer():
+    from cascade.generation import event_from_wire, event_to_wire
+    from cascade.openai_format import cascade_of
+
+    fin = event_from_wire(event_to_wire(Finish("stop", 10, 9, draft_offered=8, draft_accepted=5)))
+    assert (fin.draft_offered, fin.draft_accepted) == (8, 5)
+    assert cascade_of({"tier": "cloud"}, fin) == {"tier": "cloud", "draft": {"offered": 8, "accepted": 5}}
+    assert cascade_of(None, Finish("stop", 1, 1)) is None
+
+
+@pytest.mark.parametrize("said, seen", [({"offered": 8, "accepted": 5}, (8, 5)),
+                                        ({"offered": 10**30, "accepted": 10**30}, (64, 64)),  # clamped
+                                        ({"offered": 4, "accepted": 9}, (4, 4)),
+                                        ({"offered": -3, "accepted": -1}, (0, 0)),
+                                        ({"offered": "8", "accepted": 5}, (0, 0)),  # ignored
+                                        ("junk", (0, 0))])
+def test_the_edge_reads_what_the_cloud_says_of_its_draft_clamped(said, seen):
+    async def handle(request: httpx.Request) -> httpx.Response:
+        chunk = {"id": "c", "object": "chat.completion.chunk", "model": "cloud-m", "cascade": {"draft": said},
+                 "choices": [{"index": 0, "delta": {"content": "ok"}, "finish_reason": "stop"}]}
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              content=b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n")
+
+    up = Upstream(UpstreamConfig(url="http://cloud.test", model="cloud-m"), device="d1")
+    up.client = httpx.AsyncClient(transport=httpx.MockTransport(handle), headers=up.client.headers)
+
+    async def go():
+        esc = await up.escalate("chat", {"messages": [{"role": "user", "content": "hi"}]}, "forced", retries=0)
+        events = [e async for e in esc.events]
+        await up.close()
+        return events[-1]
+    fin = asyncio.run(go())
+    assert (fin.draft_offered, fin.draft_accepted) == seen

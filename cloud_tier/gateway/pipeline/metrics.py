@@ -27,6 +27,11 @@ class GatewayMetrics:
                                       ["priority_class", "outcome"], registry=r)
         self.tokens_in = Counter("cascade_gateway_prompt_tokens_total", "Prompt tokens", t, registry=r)
         self.tokens_out = Counter("cascade_gateway_completion_tokens_total", "Generated tokens", t, registry=r)
+        self.drafts = Counter("cascade_gateway_drafts_total", "Requests whose device draft (cascade.draft) a worker "
+                              "verified", registry=r)
+        self.draft_tokens = Counter("cascade_gateway_draft_tokens_total", "Draft tokens by outcome: offered "
+                                    "(verified by a worker), accepted (kept: not generated again)", ["outcome"],
+                                    registry=r)
         self.goodput = Counter("cascade_gateway_goodput_requests_total",
                                "Requests that met both the TTFT and the TPOT objectives", t, registry=r)
         self.ttft = Histogram("cascade_gateway_time_to_first_token_seconds", "Arrival to first token",

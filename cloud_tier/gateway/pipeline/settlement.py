@@ -98,6 +98,10 @@ class Settlement:
             m, t = self.metrics, f.tenant
             m.of(m.tokens_in, t).inc(fin.prompt_tokens)
             m.of(m.tokens_out, t).inc(fin.completion_tokens)
+            if fin.draft_offered:  # checked on the wire: 0 <= accepted <= offered <= 64
+                m.drafts.inc()
+                m.draft_tokens.labels("offered").inc(fin.draft_offered)
+                m.draft_tokens.labels("accepted").inc(fin.draft_accepted)
             ttft = (f.first_token_at or time.perf_counter()) - f.arrived
             tpot = ((f.last_token_at - f.first_token_at) / (fin.completion_tokens - 1)
                     if fin.completion_tokens > 1 and f.first_token_at else 0.0)
