@@ -159,7 +159,7 @@ def test_draft_counts_travel_from_the_worker_into_the_answer():
 
 
 @pytest.mark.parametrize("said, seen", [({"offered": 8, "accepted": 5}, (8, 5)),
-                                        ({"offered": 2**40, "accepted": 2**40}, (64, 64)),  # clamped (past 64 bits the decoder refuses the chunk)
+                                        ({"offered": 2**40, "accepted": 2**40}, (64, 64)),  # clamped
                                         ({"offered": 4, "accepted": 9}, (4, 4)),
                                         ({"offered": -3, "accepted": -1}, (0, 0)),
                                         ({"offered": "8", "accepted": 5}, (0, 0)),  # ignored
