@@ -10,10 +10,16 @@ import json
 
 import httpx
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from cascade.generation import Finish, TokenEvent
 from cascade.protocol import ChatCompletionRequest
+from cascade.web.app import install_error_handlers
+from cascade.web.requests import parse_body, read_json
 from cloud_tier.disagg.messages import RequestRecord, decode, encode
 from cloud_tier.draft import Draft, draft_fields, draft_of
 from edge_agent.config import UpstreamConfig
@@ -181,3 +187,58 @@ def test_the_edge_reads_what_the_cloud_says_of_its_draft_clamped(said, seen):
         return events[-1]
     fin = asyncio.run(go())
     assert (fin.draft_offered, fin.draft_accepted) == seen
+
+
+# -- the door, attacked: whatever a client sends as cascade.draft is a 4xx or a draft the engine can take --
+
+_NUMS = ["0", "1", "-1", "0.5", "1.0", "2", "1e400", "NaN", "Infinity", "-0.0", "2147483647", "2147483648",
+         "9223372036854775808", "1e-320", "true", "null", '"3"', "[]", "{}"]
+
+
+def _draft_bodies():
+    num = st.sampled_from(_NUMS)
+    arr = st.lists(num, max_size=6).map(lambda xs: "[" + ",".join(xs) + "]")
+    pairs = st.lists(st.lists(num, min_size=0, max_size=3).map(lambda xs: "[" + ",".join(xs) + "]"), max_size=3)
+    top = st.lists(pairs.map(lambda xs: "[" + ",".join(xs) + "]"), max_size=6).map(lambda xs: "[" + ",".join(xs) + "]")
+    tok = st.sampled_from(['"' + IDENTITY + '"', '""', '"a b"', '"\\u2028"', "1", "null", '"' + "z" * 200 + '"'])
+    ids = st.lists(st.sampled_from(["0", "1", "7", "2147483647"]), min_size=1, max_size=3)
+    probs = st.lists(st.sampled_from(["0", "1", "1.0", "0.25"]), min_size=1, max_size=3)
+    fields = st.fixed_dictionaries(
+        {"token_ids": st.one_of(ids.map(lambda xs: "[" + ",".join(xs) + "]"), arr),
+         "tokenizer": st.one_of(st.just('"' + IDENTITY + '"'), tok)},
+        optional={"probs": st.one_of(probs.map(lambda xs: "[" + ",".join(xs) + "]"), arr, st.just("null")),
+                  "top": st.one_of(top, st.just("null")), "junk": num})
+    return fields.map(lambda d: '{"model":"m","messages":[{"role":"user","content":"hi"}],"cascade":{"draft":{'
+                      + ",".join(f'"{k}":{v}' for k, v in d.items()) + "}}}")
+
+
+def test_any_draft_a_client_sends_is_a_4xx_or_one_the_engine_can_take():
+    app, passed, accepted = FastAPI(), [], [0]
+    install_error_handlers(app)
+
+    @app.post("/chat")
+    async def chat(request: Request):
+        passed.append(parse_body(ChatCompletionRequest, await read_json(request, 1 << 20)))
+        return {}
+
+    client = TestClient(app, raise_server_exceptions=False)
+
+    @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+    @given(_draft_bodies())
+    def run(raw):
+        passed.clear()
+        r = client.post("/chat", content=raw.encode(), headers={"content-type": "application/json"})
+        assert r.status_code in (200, 400, 422), (r.status_code, r.text)
+        if r.status_code != 200:
+            assert r.json()["error"]["message"]
+            return
+        accepted[0] += 1
+        draft = draft_of(passed[0].cascade.draft, IDENTITY, 2**31)
+        if draft is not None:  # the engine's invariants hold for whatever passed
+            assert 1 <= len(draft.token_ids) <= 64 and all(0 <= t < 2**31 for t in draft.token_ids)
+            assert all(0.0 <= p <= 1.0 for p in draft.probs or ())
+            assert draft.probs is None or len(draft.probs) == len(draft.token_ids)
+            RequestRecord.model_validate_json(RequestRecord(request_id="r", prompt_token_ids=[1], sampling={},
+                                                            **draft_fields(draft)).model_dump_json())
+    run()
+    assert accepted[0] >= 5, "no generated draft passed: the invariants were never checked"
