@@ -17,6 +17,7 @@ from dataclasses import replace
 import torch
 
 from cloud_tier.engine.calibrate import calibrate_step_cost
+from cloud_tier.engine.draft import Draft
 from cloud_tier.engine.handoff import KVCapacityError, KVHandoff, KVLayout, model_identity
 from cloud_tier.engine.kv_cache_manager import KVCacheManager
 from cloud_tier.engine.kv_moves import KVMover, measure_copy_s_per_byte
@@ -29,7 +30,6 @@ from cloud_tier.engine.request import Request, RequestStatus, ServiceLevel
 from cloud_tier.engine.sampler import TokenLogprobs
 from cloud_tier.engine.scheduler import Scheduler
 from cloud_tier.engine.scheduling.output import SchedulerOutput
-from cloud_tier.engine.spec.draft import Draft
 from cloud_tier.engine.spec.speculation import Speculation
 from cloud_tier.engine.swap import SwapSpace
 from cloud_tier.engine.tracked import TrackedRequest

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from cascade.protocol import PRIORITY_CLASSES
-from cloud_tier.engine.spec.draft import SpecState
+from cloud_tier.engine.draft import SpecState
 from cloud_tier.sampling import SamplingParams
 
 

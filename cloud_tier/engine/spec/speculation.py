@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cloud_tier.engine.draft import Draft
 from cloud_tier.engine.request import Request
 from cloud_tier.engine.scheduling.output import SchedulerOutput
 from cloud_tier.engine.scheduling.speculation import spec_room
-from cloud_tier.engine.spec.draft import Draft
 from cloud_tier.engine.spec.ngram import propose_ngram
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from cloud_tier.engine import LLMEngine, SamplingParams
-from cloud_tier.engine.spec.draft import Draft
+from cloud_tier.engine.draft import Draft
 from tests.unit.engine.spec_models import SMALL, make_tiny, plain_greedy, run
 
 PROMPT = list(b"def fibonacci(n):")
@@ -90,3 +90,19 @@ def test_drafts_in_one_batch_with_plain_requests_each_get_their_own_answer(engin
     assert [o.token_ids for o in outs] == [base, expected_other, base, expected_other]
     assert [o.draft_accepted for o in outs] == [10, 0, 2, 4]
     engine.kv.reset_prefix_cache()
+
+
+def test_a_malformed_draft_is_refused_when_the_request_is_made_and_nothing_is_queued(engine):
+    from cloud_tier.engine.draft import DraftError
+
+    with pytest.raises(DraftError, match=r"cascade\.draft\.token_ids\[1\]"):
+        engine.make_request(PROMPT, SamplingParams(temperature=0.0), draft=Draft.of([1, 10**6]))
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(("params", "why"), [({"logprobs": 1}, "logprobs"), ({"repetition_penalty": 1.2}, "penalties")])
+def test_a_draft_for_a_request_it_cannot_serve_exactly_runs_without(engine, base, params, why):
+    expected = plain_greedy(engine, PROMPT, N, **params)
+    out = with_draft(engine, base[:8], **params)
+    assert out.token_ids == expected
+    assert (out.draft_offered, out.draft_accepted, out.draft_skipped) == (8, 0, why)

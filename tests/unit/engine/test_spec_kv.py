@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from cloud_tier.engine import LLMEngine, SamplingParams
-from cloud_tier.engine.spec.draft import Draft
+from cloud_tier.engine.draft import Draft
 from tests.unit.engine.spec_models import SMALL, make_tiny, plain_greedy, run
 
 PROMPT = list(b"def fibonacci(n):")  # 17 tokens: blocks of 4 end mid-draft
@@ -84,7 +84,8 @@ def test_preempted_requests_with_drafts_give_the_plain_answers(path, plain, mode
     drafts = [bases[0][:8], [(bases[1][0] + 1) % 256, *bases[1][1:6]], bases[2][:3] + [0] * 4, bases[3][:16]]
     tight = {**SMALL, "num_kv_blocks": 20, "max_model_len": 64, "preemption_mode": mode}
     engine = LLMEngine.from_model(str(path), **tight)
-    outs = run(engine, [engine.make_request(p, GREEDY, draft=Draft.of(d)) for p, d in zip(prompts, drafts)])
+    reqs = [engine.make_request(p, GREEDY, draft=Draft.of(d)) for p, d in zip(prompts, drafts, strict=True)]
+    outs = run(engine, reqs)
     assert engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == bases
     assert dataclasses.asdict(engine.scheduler.swap.stats)[f"by_{mode}"] > 0

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cloud_tier.engine import LLMEngine, SamplingParams
-from cloud_tier.engine.spec.draft import Draft
+from cloud_tier.engine.draft import Draft
 from cloud_tier.engine.spec.verify import verify_sampled
 from tests.unit.engine.spec_models import SMALL, make_tiny, plain_greedy, run
 
