@@ -37,6 +37,7 @@ from cloud_tier.engine.window_kv import window_group
 from cloud_tier.engine_config import EngineConfig, resolve_dtype
 from cloud_tier.sampling import SamplingParams
 from model_distribution.artifacts.model_dirs import resolve_model_dir
+from model_distribution.artifacts.tokenizer_identity import model_tokenizer_identity
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +204,11 @@ class LLMEngine:
         if self.kv.window is not None:
             raise ValueError("KV handoff needs one block table for all layers: this engine has kv_window_blocks")
 
+    def tokenizer_identity(self) -> str:
+        """This model's tokenizer identity, from its source GGUF (or HF directory): a device's draft
+        is meaningful here only if its model's is the same (``model_tokenizer_identity``)."""
+        return model_tokenizer_identity(self.config.model)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -352,6 +358,7 @@ class LLMEngine:
                 "step_base_s": s.cost.base_s, "step_prefill_token_s": s.cost.per_prefill_token_s,
                 "step_decode_s": s.cost.per_decode_s, "step_prefill_seq_s": s.cost.per_prefill_seq_s,
                 **{"preemptions_" + k: v for k, v in dataclasses.asdict(s.swap.stats).items()},
+                **{"spec_" + k: v for k, v in dataclasses.asdict(self.speculation.counts).items()},
                 **({"kv_tier_" + k: v for k, v in dataclasses.asdict(self.kv.tier.stats).items()}
                    if self.kv.tier is not None else {})}
 
