@@ -6,6 +6,7 @@ says which), reported in the answer's ``cascade`` object and in /metrics; a malf
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from fastapi.testclient import TestClient
@@ -114,7 +115,8 @@ def test_a_malformed_draft_is_a_400_naming_its_field(client, served, draft, para
 
 
 def test_a_nan_probability_is_a_400(client, served):
-    body = ('{"model": "%s", "prompt": "x", "max_tokens": 2, "cascade": {"draft": {"token_ids": [1], '
-            '"probs": [NaN], "tokenizer": "%s"}}}' % (served["id"], served["tokenizer"]))
+    body = json.dumps({"model": served["id"], "prompt": "x", "max_tokens": 2,
+                       "cascade": {"draft": {"token_ids": [1], "probs": [math.nan], "tokenizer": served["tokenizer"]}}})
+    assert "NaN" in body
     r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 400  # the body's JSON has no NaN: refused before the draft is read
