@@ -57,7 +57,8 @@ def tiny_model(out: Path) -> Path:
 def prompt_ids(engine: LLMEngine, text: str) -> list[int]:
     tok = engine.tokenizer
     if getattr(tok, "chat_template", None):
-        return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        return tok.encode(text, add_special_tokens=False)
     return tok.encode(text)
 
 
