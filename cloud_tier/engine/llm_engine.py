@@ -132,6 +132,7 @@ class LLMEngine:
         """Queue a request made by ``make_request`` (ValueError if refused; SLOMissError, a
         ValueError, if it would miss its TTFT target)."""
         self.scheduler.add_request(req)
+        self.speculation.added(req)
         self._tracked[req.request_id] = TrackedRequest.start(req, self.tokenizer)
         return req.request_id
 

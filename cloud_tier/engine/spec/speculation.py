@@ -38,11 +38,9 @@ class Speculation:
     def attach(self, request: Request, draft: Draft) -> None:
         """``draft`` onto ``request``, to verify in its first sampling step (DraftError if malformed;
         one that cannot be verified exactly here is refused: the request runs without it)."""
-        draft.check(self.vocab_size)
+        draft.check(self.vocab_size)  # on the caller's thread: nothing of the engine's is touched here
         spec = request.spec
         spec.draft, spec.offered, spec.token_ids = draft, len(draft.token_ids), list(draft.token_ids)
-        self.counts.drafts += 1
-        self.counts.draft_tokens_offered += len(draft.token_ids)
         why = self._unsupported(request)
         if why is None and not request.sampling_params.greedy and draft.distributions() is None:
             why = "unverifiable"  # q unknown: no exact rejection sampling
@@ -70,8 +68,14 @@ class Speculation:
             if k > 0:
                 req.spec.token_ids = propose_ngram(req.token_ids, k, self.ngram_min, self.ngram_max)
 
+    def added(self, request: Request) -> None:
+        """Count the draft of a request the engine took (on the engine's thread)."""
+        if request.spec.offered:
+            self.counts.drafts += 1
+            self.counts.draft_tokens_offered += request.spec.offered
+
     def finished(self, request: Request) -> None:
-        """Count a finished request's refused draft (refused here or by the scheduler)."""
+        """Count a finished request's refused draft (refused when attached or by the scheduler)."""
         if request.spec.skipped:
             self.counts.drafts_refused += 1
 
