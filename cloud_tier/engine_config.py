@@ -15,6 +15,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
 WEIGHT_DTYPES = ("auto", "int8")  # auto: the model's dtype; int8: the decoder's linear layers weight-only INT8
 PREEMPTION_MODES = ("auto", "swap", "recompute")
+SPECULATIVE_METHODS = ("", "ngram")  # "": the engine proposes nothing itself (a device's draft is still verified)
 
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> str:
@@ -152,6 +153,12 @@ class EngineConfig:
     # Gemma 3: its sliding-window layers get their own pool of this many blocks, freed as they leave
     # the window (0: one block table for all layers). Then no prefix caching, tier, swap or KV handoff.
     kv_window_blocks: int = 0
+    # speculative decoding of its own: "ngram" proposes up to num_speculative_tokens per decode by prompt
+    # lookup (the last ngram_max..ngram_min tokens matched in the request's own tokens), verified in the step
+    speculative: str = ""
+    num_speculative_tokens: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 3
     scheduler: SchedulerConfig = field(init=False, repr=False, compare=False)  # built from the keys above
 
     def __post_init__(self):
@@ -181,6 +188,10 @@ class EngineConfig:
             raise ValueError("swap_space_bytes, kv_tier_bytes and kv_window_blocks must be >= 0")
         if self.kv_window_blocks and (self.kv_tier_bytes or self.preemption_mode == "swap"):
             raise ValueError("kv_window_blocks works with neither kv_tier_bytes nor preemption_mode 'swap'")
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be 'ngram' or '' (off), got {self.speculative!r}")
+        if not 1 <= self.num_speculative_tokens <= 64 or not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("num_speculative_tokens must be in [1, 64] and 1 <= ngram_min <= ngram_max")
         object.__setattr__(self, "scheduler", self._scheduler_config())
 
     def _scheduler_config(self) -> SchedulerConfig:

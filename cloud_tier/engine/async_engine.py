@@ -13,6 +13,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 
+from cloud_tier.engine.draft import Draft
 from cloud_tier.engine.llm_engine import LLMEngine
 from cloud_tier.engine.outputs import RequestOutput
 from cloud_tier.engine.request import Request, ServiceLevel
@@ -84,14 +85,16 @@ class AsyncLLMEngine:
             yield out
 
     def prepare(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None,
-                priority: int = 0, slo: ServiceLevel | None = None, arrival_time: float | None = None) -> Request:
+                priority: int = 0, slo: ServiceLevel | None = None, arrival_time: float | None = None,
+                draft: Draft | None = None) -> Request:
         """A validated request (ValueError, also for the id of a request streaming here).
-        ``arrival_time``: when it arrived (``time.monotonic()``; now if not given), where its TTFT counts from."""
+        ``arrival_time``: when it arrived (``time.monotonic()``; now if not given), where its TTFT counts from;
+        ``draft``: a device's draft to verify (``LLMEngine.make_request``)."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error}")
         if request_id is not None and request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}: a request with this id is in flight")
-        return self.engine.make_request(prompt, params, request_id, priority, arrival_time, slo)
+        return self.engine.make_request(prompt, params, request_id, priority, arrival_time, slo, draft)
 
     async def stream(self, req: Request) -> AsyncIterator[RequestOutput]:
         """Queue ``req`` and stream its outputs (ValueError if the engine refuses it, e.g. a

@@ -200,6 +200,23 @@ class KVCacheManager:
         self.pool.evicted, self.tier_loads = [], []
         return evicted, loads
 
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Free the blocks of ``request`` past its first ``num_tokens`` tokens (those of proposed
+        tokens it rejected). They were never registered in the prefix cache (only blocks full of
+        known tokens are), so none is; they go first in the eviction order."""
+        blocks = self.req_blocks.get(request.request_id)
+        keep = self.blocks_for_tokens(num_tokens)
+        if blocks is None or len(blocks) <= keep:
+            return
+        tail = blocks[keep:]
+        del blocks[keep:]
+        assert self._num_cached_blocks.get(request.request_id, 0) <= keep, "a proposed token's block was cached"
+        self.pool.free_blocks(tail)
+        self.pool.uncache(b for b in tail if b.ref_cnt == 0)
+        for b in tail:  # to the head of the free queue: nothing in them is worth keeping
+            if b.ref_cnt == 0:
+                self.pool.free_queue.move_to_end(b.block_id, last=False)
+
     def free_preempted(self, request: Request) -> None:
         """Free a preempted request's blocks: those past its computed tokens were allocated for a
         step that will not run for it, so they leave the prefix cache unless another request

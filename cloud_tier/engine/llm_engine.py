@@ -17,6 +17,7 @@ from dataclasses import replace
 import torch
 
 from cloud_tier.engine.calibrate import calibrate_step_cost
+from cloud_tier.engine.draft import Draft
 from cloud_tier.engine.handoff import KVCapacityError, KVHandoff, KVLayout, model_identity
 from cloud_tier.engine.kv_cache_manager import KVCacheManager
 from cloud_tier.engine.kv_moves import KVMover, measure_copy_s_per_byte
@@ -29,12 +30,14 @@ from cloud_tier.engine.request import Request, RequestStatus, ServiceLevel
 from cloud_tier.engine.sampler import TokenLogprobs
 from cloud_tier.engine.scheduler import Scheduler
 from cloud_tier.engine.scheduling.output import SchedulerOutput
+from cloud_tier.engine.spec.speculation import Speculation
 from cloud_tier.engine.swap import SwapSpace
 from cloud_tier.engine.tracked import TrackedRequest
 from cloud_tier.engine.window_kv import window_group
 from cloud_tier.engine_config import EngineConfig, resolve_dtype
 from cloud_tier.sampling import SamplingParams
 from model_distribution.artifacts.model_dirs import resolve_model_dir
+from model_distribution.artifacts.tokenizer_identity import model_tokenizer_identity
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +85,9 @@ class LLMEngine:
         if mode != "recompute":
             swap.copy_s_per_byte = measure_copy_s_per_byte(self.runner, num_blocks)
         self.scheduler = Scheduler(replace(config.scheduler, max_model_len=self.max_model_len), self.kv, swap=swap)
+        self.speculation = Speculation(config.speculative, config.num_speculative_tokens, config.ngram_min,
+                                       config.ngram_max, self.model.config["vocab_size"], self.max_model_len,
+                                       supported=window is None)
         self.kv_mover = KVMover(self.runner, self.kv, swap, tier_dir(config))
         self._tracked: dict[str, TrackedRequest] = {}
         self._handoffs: dict[str, tuple[list[TokenLogprobs], bytes | None]] = {}
@@ -100,10 +106,12 @@ class LLMEngine:
 
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                      request_id: str | None = None, priority: int = 0,
-                     arrival_time: float | None = None, slo: ServiceLevel | None = None) -> Request:
+                     arrival_time: float | None = None, slo: ServiceLevel | None = None,
+                     draft: Draft | None = None) -> Request:
         """Tokenize and validate a prompt into a request record (raises ValueError). Safe to call
         from another thread than the one stepping the engine. ``slo``: its class, targets and
-        deadline (a ``time.monotonic()`` time)."""
+        deadline (a ``time.monotonic()`` time); ``draft``: tokens a device generated after the
+        prompt, verified in the first step (a ``DraftError`` naming the field if malformed)."""
         params = params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.model.config["vocab_size"]
@@ -116,12 +124,15 @@ class LLMEngine:
                       priority=priority, arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
                       slo=slo or ServiceLevel())
         self.scheduler.check_admissible(req)  # reads only the configuration: safe on any thread
+        if draft is not None:
+            self.speculation.attach(req, draft)
         return req
 
     def add(self, req: Request) -> str:
         """Queue a request made by ``make_request`` (ValueError if refused; SLOMissError, a
         ValueError, if it would miss its TTFT target)."""
         self.scheduler.add_request(req)
+        self.speculation.added(req)
         self._tracked[req.request_id] = TrackedRequest.start(req, self.tokenizer)
         return req.request_id
 
@@ -183,7 +194,7 @@ class LLMEngine:
         if sampler_state is not None:
             self.runner.sampler.set_state(req.request_id, sampler_state)
         tracked = self._tracked[req.request_id] = TrackedRequest.start(req, self.tokenizer)
-        return self._process(tracked, req.output_token_ids[0], logprobs, time.monotonic())
+        return self._process(tracked, req.output_token_ids[:1], logprobs, time.monotonic())
 
     def calibrate(self, prefill_tokens: int = 128, decodes: int = 8, context: int = 32, repeats: int = 3) -> None:
         """Teach the scheduler's step-cost model this machine's speed (``calibrate_step_cost``)."""
@@ -194,6 +205,11 @@ class LLMEngine:
         if self.kv.window is not None:
             raise ValueError("KV handoff needs one block table for all layers: this engine has kv_window_blocks")
 
+    def tokenizer_identity(self) -> str:
+        """This model's tokenizer identity, from its source GGUF (or HF directory): a device's draft
+        is meaningful here only if its model's is the same (``model_tokenizer_identity``)."""
+        return model_tokenizer_identity(self.config.model)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -203,6 +219,7 @@ class LLMEngine:
         """One batch: returns an output for every request that got tokens or finished. A request
         that cannot go on ends with finish_reason "error" (its output says why); the others and
         the engine go on."""
+        self.speculation.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule()
         outputs = self._ended_early(scheduled)
         self.stalled = scheduled.is_empty and self.scheduler.has_unfinished()
@@ -215,7 +232,8 @@ class LLMEngine:
             log.exception("a step of %d requests failed", len(scheduled.scheduled))
             return outputs + self._fail_all(scheduled, f"the engine step failed: {e!r}")
         self.scheduler.observe_step(scheduled, elapsed)
-        self.scheduler.update(scheduled, result.sampled)
+        self.speculation.observe(scheduled, result.accepted, result.failed)
+        self.scheduler.update(scheduled, result.sampled, result.accepted)
         return outputs + self._step_outputs(scheduled, result)
 
     def _execute(self, scheduled: SchedulerOutput):
@@ -245,7 +263,8 @@ class LLMEngine:
                 out = self._fail(s.request, result.failed[rid])
             elif rid in result.sampled:
                 try:
-                    out = self._process(tracked, result.sampled[rid], result.logprobs.get(rid), now)
+                    out = self._process(tracked, s.request.output_token_ids[len(tracked.output.token_ids):],
+                                        result.logprobs.get(rid), now)
                 except Exception as e:  # a bug on this request's output side fails it alone
                     log.exception("the output of %s failed", rid)
                     out = self._fail(s.request, f"its output failed: {e!r}")
@@ -281,9 +300,11 @@ class LLMEngine:
         self._forget(rid)
         return None if tracked is None else tracked.fail(why)
 
-    def _process(self, t: TrackedRequest, token: int, logprobs, now: float) -> RequestOutput:
+    def _process(self, t: TrackedRequest, tokens: list[int], logprobs, now: float) -> RequestOutput:
+        """This step's new tokens of ``t`` (more than one where proposed tokens were accepted;
+        ``logprobs``: the last one's, the only one then) into its output."""
         req = t.request
-        t.take_token(token, logprobs, now)
+        t.take_tokens(tokens, logprobs, now)
         if t.detok.stopped:  # a stop string, even on the token that also hit max_tokens
             if req.is_finished:
                 self.scheduler.release(req.request_id)  # no transfer: it ends here
@@ -295,6 +316,7 @@ class LLMEngine:
                                               self.runner.sampler.get_state(req.request_id))
         if req.is_finished:
             t.finish()
+            self.speculation.finished(req)
             self._forget(req.request_id)
         t.output.text = t.detok.text
         return t.output
@@ -337,6 +359,7 @@ class LLMEngine:
                 "step_base_s": s.cost.base_s, "step_prefill_token_s": s.cost.per_prefill_token_s,
                 "step_decode_s": s.cost.per_decode_s, "step_prefill_seq_s": s.cost.per_prefill_seq_s,
                 **{"preemptions_" + k: v for k, v in dataclasses.asdict(s.swap.stats).items()},
+                **{"spec_" + k: v for k, v in dataclasses.asdict(self.speculation.counts).items()},
                 **({"kv_tier_" + k: v for k, v in dataclasses.asdict(self.kv.tier.stats).items()}
                    if self.kv.tier is not None else {})}
 

@@ -44,6 +44,8 @@ class ModelOutput:
     logprobs: dict[str, TokenLogprobs]
     logits: dict[str, torch.Tensor] | None = None  # kept only when asked (parity tests)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why no token could be sampled
+    # request id -> the accepted prefix of its proposed tokens (which come before its sampled token)
+    accepted: dict[str, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -140,14 +142,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
-        ids, chunks, sample_rows, sample_reqs = [], [], [], []
+        ids, chunks, sample_rows, sample_reqs, spec = [], [], [], [], []
         row = 0
         for s in out.scheduled:
             req, start, n = s.request, s.start, s.num_new_tokens
-            ids.extend(req.token_ids[start:start + n])
+            ids.extend(req.token_ids[start:start + s.num_known_tokens])
+            ids.extend(s.spec_token_ids)
             chunks.append((start, n, s.block_ids))
             row += n
-            if s.samples:
+            if s.samples and s.spec_token_ids:  # logits at the last known token and at each proposed one
+                spec.append((s, len(sample_rows)))
+                sample_rows.extend(range(row - 1 - len(s.spec_token_ids), row))
+            elif s.samples:
                 sample_rows.append(row - 1)
                 sample_reqs.append(req)
         dev = self.device
@@ -157,18 +163,40 @@ class ModelRunner:
             meta.windowed = AttentionMetadata.build(local, self.block_size, self.windows - {None}, dev,
                                                     self.native_attention)
         hidden = self.model(torch.tensor(ids, device=dev), meta.positions, self.kv_caches, meta)
-        if not sample_reqs:
+        if not sample_rows:
             return ModelOutput({}, {})
         if len(sample_rows) < row:
             hidden = hidden[torch.tensor(sample_rows, device=dev)]
         # in the model's dtype: the sampler widens to float32 only where it computes more than an argmax
         logits = self.model.compute_logits(hidden)
-        result = self.sampler(logits, sample_reqs)
-        failed = {sample_reqs[i].request_id: why for i, why in result.errors.items()}
-        sampled = {r.request_id: t for r, t in zip(sample_reqs, result.token_ids, strict=True)
-                   if r.request_id not in failed}
-        logprobs = {r.request_id: lp for r, lp in zip(sample_reqs, result.logprobs, strict=True) if lp is not None}
-        kept = None
+        result = self._verify(logits, spec)
+        if sample_reqs and spec:  # the plain rows, in order, are those no proposal took
+            taken = {i for s, first in spec for i in range(first, first + len(s.spec_token_ids) + 1)}
+            logits = logits[torch.tensor([i for i in range(len(sample_rows)) if i not in taken], device=dev)]
+        if sample_reqs:
+            self._sample(logits, sample_reqs, result)
+        return result
+
+    def _verify(self, logits: torch.Tensor, spec: list) -> ModelOutput:
+        """The verdicts on the proposed tokens of the rows ``spec`` lists (scheduled, first logits row)."""
+        result = ModelOutput({}, {}, accepted={})
+        for s, first in spec:
+            rid = s.request.request_id
+            verdict = self.sampler.verify(logits[first:first + len(s.spec_token_ids) + 1], s.request,
+                                          s.spec_token_ids)
+            if isinstance(verdict, str):
+                result.failed[rid] = verdict
+            else:
+                result.sampled[rid], result.accepted[rid] = verdict.token, verdict.accepted
+        return result
+
+    def _sample(self, logits: torch.Tensor, sample_reqs: list, into: ModelOutput) -> None:
+        sampled = self.sampler(logits, sample_reqs)
+        failed = {sample_reqs[i].request_id: why for i, why in sampled.errors.items()}
+        into.failed.update(failed)
+        into.sampled.update((r.request_id, t) for r, t in zip(sample_reqs, sampled.token_ids, strict=True)
+                            if r.request_id not in failed)
+        into.logprobs.update((r.request_id, lp) for r, lp in zip(sample_reqs, sampled.logprobs, strict=True)
+                             if lp is not None)
         if self.keep_logits:
-            kept = {r.request_id: row.float() for r, row in zip(sample_reqs, logits.cpu(), strict=True)}
-        return ModelOutput(sampled, logprobs, kept, failed)
+            into.logits = {r.request_id: row.float() for r, row in zip(sample_reqs, logits.cpu(), strict=True)}

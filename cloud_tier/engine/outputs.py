@@ -26,6 +26,11 @@ class RequestOutput:
     num_cached_tokens: int = 0
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    # a device's draft: its tokens received, how many were accepted, and why it was run without
+    # ("" if verified): kv_layout, logprobs, penalties, unverifiable, kv_transfer, no_room
+    draft_offered: int = 0
+    draft_accepted: int = 0
+    draft_skipped: str = ""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from cascade.protocol import PRIORITY_CLASSES
+from cloud_tier.engine.draft import SpecState
 from cloud_tier.sampling import SamplingParams
 
 
@@ -80,6 +81,7 @@ class Request:
     # when its first token is expected (the scheduler's clock), as admitted against its TTFT target;
     # a newcomer of its class served before it adds its own prefill time (see SloAdmission.place)
     promised: float | None = None
+    spec: SpecState = field(default_factory=SpecState)  # speculation: a draft to verify, proposals (engine/spec)
 
     def __post_init__(self):
         if not self.prompt_token_ids:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from cloud_tier.engine.request import Request
+from cloud_tier.engine.spec.verify import Verdict, draft_q, verify_greedy, verify_sampled
 
 _NOT_FINITE = "the logits are not finite (NaN or infinity): no token can be sampled"
 
@@ -88,18 +89,35 @@ class Sampler:
                     out_logprobs[i] = _token_logprobs(raw_logprobs[i], token_list[i], p.logprobs)
         return SampleResult(token_list, out_logprobs, errors)
 
+    def verify(self, logits: torch.Tensor, request: Request, proposed: tuple[int, ...]) -> Verdict | str:
+        """The verdict on ``proposed`` from ``logits`` [K+1, V] (``spec.verify``), or why there is
+        none (non-finite logits). Speculation runs only without penalties and logprobs."""
+        if not logits.isfinite().all():
+            return _NOT_FINITE
+        p = request.sampling_params
+        if p.greedy:
+            return verify_greedy(logits, proposed)
+        probs = _processed_probs(logits.float(), [p] * len(logits))
+        return verify_sampled(probs, proposed, draft_q(request), self._generator(request))
+
+    def _generator(self, r: Request) -> torch.Generator:
+        """A seeded request's own generator, else the shared one."""
+        seed = r.sampling_params.seed
+        if seed is None:
+            return self.generator
+        g = self._seeded.get(r.request_id)
+        if g is None:
+            g = self._seeded[r.request_id] = torch.Generator(self.device).manual_seed(seed)
+        return g
+
     def _draw(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         out = torch.empty(len(requests), dtype=torch.long, device=probs.device)
         shared = []
         for i, r in enumerate(requests):
-            seed = r.sampling_params.seed
-            if seed is None:
+            if r.sampling_params.seed is None:
                 shared.append(i)
                 continue
-            g = self._seeded.get(r.request_id)
-            if g is None:
-                g = self._seeded[r.request_id] = torch.Generator(self.device).manual_seed(seed)
-            out[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+            out[i] = torch.multinomial(probs[i], 1, generator=self._generator(r))[0]
         if shared:
             idx = torch.tensor(shared, device=probs.device)
             out[idx] = torch.multinomial(probs[idx], 1, generator=self.generator)[:, 0]

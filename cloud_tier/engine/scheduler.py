@@ -31,6 +31,7 @@ from cloud_tier.engine.scheduling.budget import StepBudget
 from cloud_tier.engine.scheduling.output import SchedulerOutput
 from cloud_tier.engine.scheduling.pools import TenantPools
 from cloud_tier.engine.scheduling.running import schedule_running
+from cloud_tier.engine.scheduling.speculation import schedule_speculation
 from cloud_tier.engine.scheduling.step_cost import StepCostModel
 from cloud_tier.engine.scheduling.tenants import Reservations
 from cloud_tier.engine.scheduling.waiting import WaitingPass
@@ -169,6 +170,7 @@ class Scheduler:
         if not out.preempted:
             WaitingPass(self.waiting, self.running, self.kv, self.pools, self.admission, budget, out,
                         self._preempt_for).run()
+        schedule_speculation(out, self.pools, budget, self.config.max_model_len)
         self._swap_in_pass(out)
         return out
 
@@ -196,19 +198,32 @@ class Scheduler:
 
     # -- after the step ------------------------------------------------------------------
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance the counters of what ran, append sampled tokens, finish what has to stop."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, int],
+               accepted: dict[str, list[int]] | None = None) -> list[Request]:
+        """Advance the counters of what ran, append sampled tokens, finish what has to stop.
+        ``accepted``: for a request that verified proposed tokens, those accepted (a prefix of
+        them), which come before its sampled token; the KV of the rejected ones is dropped."""
         finished = []
         for s in out.scheduled:
             req = s.request
             if req.is_finished:  # aborted while the step ran
                 continue
-            req.num_computed_tokens += s.num_new_tokens
+            req.num_computed_tokens += s.num_known_tokens
             token = sampled.get(req.request_id)
             if token is None:
                 continue
-            req.append_token(token)
-            status = self._stop_status(req, token)
+            good = (accepted or {}).get(req.request_id, []) if s.spec_token_ids else []
+            status = None
+            for i, t in enumerate([*good, token]):
+                if i < len(good):  # an accepted proposal: its KV was computed this step
+                    req.num_computed_tokens += 1
+                req.append_token(t)
+                status = self._stop_status(req, t)
+                if status is not None:
+                    break
+            if s.spec_token_ids:
+                req.spec.token_ids = []
+                self.kv.truncate(req, req.num_tokens)  # the blocks past it hold rejected proposals
             if status is None and req.kv_transfer:
                 status = RequestStatus.FINISHED_TRANSFERRED
             if status is not None:

@@ -24,20 +24,28 @@ class TrackedRequest:
                    RequestOutput(request.request_id, list(request.prompt_token_ids), arrival_time=request.arrival_time,
                                  logprobs=[] if params.logprobs is not None else None))
 
-    def take_token(self, token: int, logprobs, now: float) -> None:
-        """This step's token (and its logprobs) into the output and the detokenizer."""
+    def take_tokens(self, tokens: list[int], logprobs, now: float) -> None:
+        """This step's tokens (and the last one's logprobs) into the output and the detokenizer,
+        up to a stop string's: the rest is not output (the request ends with it)."""
         req, out = self.request, self.output
-        out.new_token_ids = [token]
-        out.token_ids.append(token)
-        # as vLLM: the stop token is in token_ids, its text only if asked for
-        hidden = (req.status == RequestStatus.FINISHED_STOPPED and req.is_stop_token(token)
-                  and not req.sampling_params.include_stop_str_in_output)
-        out.delta_text = "" if hidden else self.detok.add(token)
-        out.new_logprobs = [logprobs] if logprobs is not None else []
-        if out.logprobs is not None and logprobs is not None:
-            out.logprobs.append(logprobs)
+        out.new_token_ids, out.new_logprobs, out.delta_text = [], [], ""
+        for token in tokens:
+            out.new_token_ids.append(token)
+            out.token_ids.append(token)
+            # as vLLM: the stop token is in token_ids, its text only if asked for
+            hidden = (req.status == RequestStatus.FINISHED_STOPPED and req.is_stop_token(token)
+                      and not req.sampling_params.include_stop_str_in_output)
+            out.delta_text += "" if hidden else self.detok.add(token)
+            if self.detok.stopped:
+                break
+        if logprobs is not None and len(tokens) == 1:
+            out.new_logprobs = [logprobs]
+            if out.logprobs is not None:
+                out.logprobs.append(logprobs)
         if out.first_token_time is None:
             out.first_token_time = now
+        spec = req.spec
+        out.draft_offered, out.draft_accepted, out.draft_skipped = spec.offered, spec.accepted, spec.skipped
 
     def finish(self) -> None:
         """The request ended with this step's token: the held-back text and its finish reason."""

@@ -38,6 +38,20 @@ class WorkerMetrics:
                                     registry=r)
         self.prefix_hits = Gauge("cascade_worker_prefix_cache_hits_tokens", "Prompt tokens found cached",
                                  registry=r)
+        # speculative decoding: devices' drafts (per request), the engine's own n-gram proposals (engine totals)
+        self.drafts = Counter("cascade_worker_drafts_total", "Drafts received: outcome received (this "
+                              "tokenizer), tokenizer_mismatch (run without), verified, refused (run without)",
+                              ["outcome"], registry=r)
+        self.draft_offered = Counter("cascade_worker_draft_tokens_offered_total", "Draft tokens received (verified "
+                                     "drafts)", registry=r)
+        self.draft_accepted = Counter("cascade_worker_draft_tokens_accepted_total", "Draft tokens accepted",
+                                      registry=r)
+        self.draft_acceptance = Histogram("cascade_worker_draft_acceptance_rate", "Accepted / offered per draft",
+                                          buckets=(0, 0.1, 0.25, 0.5, 0.75, 0.9, 1), registry=r)
+        self.ngram_proposed = Gauge("cascade_worker_ngram_tokens_proposed", "n-gram tokens proposed so far",
+                                    registry=r)
+        self.ngram_accepted = Gauge("cascade_worker_ngram_tokens_accepted", "n-gram tokens accepted so far",
+                                    registry=r)
 
     def refresh(self, stats: dict) -> None:
         self.kv_blocks_total.set(stats["kv_blocks_total"])
@@ -47,3 +61,17 @@ class WorkerMetrics:
         self.preemptions.set(stats["preemptions"])
         self.prefix_queries.set(stats["prefix_cache_queries"])
         self.prefix_hits.set(stats["prefix_cache_hits"])
+        self.ngram_proposed.set(stats.get("spec_ngram_tokens_proposed", 0))
+        self.ngram_accepted.set(stats.get("spec_ngram_tokens_accepted", 0))
+
+    def observe_draft(self, out) -> dict:
+        """Count a finished request's draft (an engine ``RequestOutput``); its report for the answer."""
+        if out.draft_skipped:
+            self.drafts.labels(outcome="refused").inc()
+            return {"offered": out.draft_offered, "accepted": 0, "skipped": out.draft_skipped}
+        self.drafts.labels(outcome="verified").inc()
+        self.draft_offered.inc(out.draft_offered)
+        self.draft_accepted.inc(out.draft_accepted)
+        if out.draft_offered:
+            self.draft_acceptance.observe(out.draft_accepted / out.draft_offered)
+        return {"offered": out.draft_offered, "accepted": out.draft_accepted}

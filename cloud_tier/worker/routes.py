@@ -8,7 +8,7 @@ import logging
 import os
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
@@ -22,6 +22,7 @@ from cascade.web.caller import CallerGone, while_connected
 from cloud_tier.disagg.decode import PrefillFailed
 from cloud_tier.disagg.protocol import GenerateRequest, PrefillRequest, PrefillResponse, ServedModel, WorkerLoadReport
 from cloud_tier.engine.async_engine import EngineDeadError
+from cloud_tier.worker.drafts import pop_draft
 from cloud_tier.worker.protocol import WorkerStats
 from cloud_tier.worker.service import WorkerService
 
@@ -56,32 +57,39 @@ async def metrics(request: Request):
     return PlainTextResponse(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def _card(request: Request) -> ModelCard:
+async def _card(request: Request) -> dict:
+    """The model's card, with its ``tokenizer`` identity (a device's draft must name the same)."""
     svc = service(request)
     engine = request.app.state.config.engine
-    return ModelCard(id=svc.model_id, created=request.app.state.started,
+    tokenizer = await asyncio.to_thread(svc.tokenizer_identity)  # read from the GGUF on the first ask
+    card = ModelCard(id=svc.model_id, created=request.app.state.started,
                      meta={"max_model_len": svc.max_model_len, "dtype": svc.engine.engine.config.dtype,
-                           "kv_cache_dtype": engine.kv_cache_dtype})
+                           "kv_cache_dtype": engine.kv_cache_dtype, "tokenizer": tokenizer})
+    # ModelCard has no ``tokenizer`` field (cascade/protocol.py): added to its JSON here
+    return {**card.model_dump(mode="json"), "tokenizer": tokenizer}
 
 
-@v1.get("/models", responses=openapi.errors(401, 500))
-async def list_models(request: Request) -> ModelList:
-    return ModelList(data=[_card(request)])
+@v1.get("/models", responses={200: {"model": ModelList}, **openapi.errors(401, 500)})
+async def list_models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [await _card(request)]})
 
 
-@v1.get("/models/{model:path}", responses=openapi.errors(401, 404, 500))
-async def get_model(request: Request, model: str) -> ModelCard:
+@v1.get("/models/{model:path}", responses={200: {"model": ModelCard}, **openapi.errors(401, 404, 500)})
+async def get_model(request: Request, model: str) -> JSONResponse:
     service(request).check_model(model)
-    return _card(request)
+    return JSONResponse(await _card(request))
 
 
 @v1.post("/chat/completions", openapi_extra=openapi.body(ChatCompletionRequest),
          responses={**openapi.generation(ChatCompletion, "chat.completion.chunk"), **_GENERATION_ERRORS})
 async def chat_completions(request: Request):
     svc = service(request)
-    req = parse_body(ChatCompletionRequest, await read_json(request, request.app.state.config.server.max_body_bytes))
-    job = svc.chat_job(req, request.headers)
+    body = await read_json(request, request.app.state.config.server.max_body_bytes)
+    draft = pop_draft(body)
+    req = parse_body(ChatCompletionRequest, body)
+    job = svc.chat_job(req, request.headers, draft)
     fmt = ChatFormatter(svc.model_id, req.logprobs)
+    fmt.cascade = job.cascade  # a draft's outcome, filled in when the answer ends
     return await openai_response(request, svc.run(job), fmt, req.stream, req.include_usage_in_stream(),
                                  _counter(svc, "chat"))
 
@@ -90,9 +98,12 @@ async def chat_completions(request: Request):
          responses={**openapi.generation(Completion, "text_completion"), **_GENERATION_ERRORS})
 async def completions(request: Request):
     svc = service(request)
-    req = parse_body(CompletionRequest, await read_json(request, request.app.state.config.server.max_body_bytes))
-    job = svc.completion_job(req, request.headers)
+    body = await read_json(request, request.app.state.config.server.max_body_bytes)
+    draft = pop_draft(body)
+    req = parse_body(CompletionRequest, body)
+    job = svc.completion_job(req, request.headers, draft)
     fmt = CompletionFormatter(svc.model_id, req.logprobs)
+    fmt.cascade = job.cascade
     return await openai_response(request, svc.run(job), fmt, req.stream, req.include_usage_in_stream(),
                                  _counter(svc, "completions"))
 

@@ -21,6 +21,7 @@ from cloud_tier.engine.outputs import RequestOutput
 from cloud_tier.engine.request import Request, ServiceLevel
 from cloud_tier.engine.scheduling.admission import SLOMissError
 from cloud_tier.request_builder import RequestBuilder, RequestPlan, with_headers
+from cloud_tier.worker.drafts import parse_draft
 from cloud_tier.worker.metrics import WorkerMetrics
 from cloud_tier.worker.protocol import DecodeStats, EngineStats, PrefillStats, WorkerStats
 
@@ -30,6 +31,7 @@ class EngineJob:
     request: Request
     logprobs: int | None
     arrived: float
+    cascade: dict | None = None  # the answer's ``cascade`` object (a draft's outcome), filled when it ends
 
 
 class WorkerService:
@@ -46,6 +48,14 @@ class WorkerService:
         self.prefill = prefill
         self.decode = decode
         self._served: ServedModel | None = None
+        self._tokenizer_identity: str | None = None
+
+    def tokenizer_identity(self) -> str:
+        """This model's tokenizer identity (``model_distribution.artifacts.tokenizer_identity``):
+        a draft is used only when it names the same."""
+        if self._tokenizer_identity is None:
+            self._tokenizer_identity = self.engine.engine.tokenizer_identity()
+        return self._tokenizer_identity
 
     def served_model(self) -> ServedModel:
         """The model's names and tokenizer for a gateway (dumped once, on first ask)."""
@@ -76,29 +86,40 @@ class WorkerService:
 
     # -- OpenAI request -> job -----------------------------------------------------------
 
-    def chat_job(self, req: ChatCompletionRequest, headers: Mapping[str, str] | None = None) -> EngineJob:
+    def chat_job(self, req: ChatCompletionRequest, headers: Mapping[str, str] | None = None,
+                 draft: object = None) -> EngineJob:
+        """``draft``: the body's raw ``cascade.draft`` (``drafts.pop_draft``), if any."""
         self.check_model(req.model)
-        return self._job(self.builder.chat(req), headers or {})
+        return self._job(self.builder.chat(req), headers or {}, draft)
 
-    def completion_job(self, req: CompletionRequest, headers: Mapping[str, str] | None = None) -> EngineJob:
+    def completion_job(self, req: CompletionRequest, headers: Mapping[str, str] | None = None,
+                       draft: object = None) -> EngineJob:
         self.check_model(req.model)
-        return self._job(self.builder.completion(req), headers or {})
+        return self._job(self.builder.completion(req), headers or {}, draft)
 
-    def _job(self, plan: RequestPlan, headers: Mapping[str, str]) -> EngineJob:
+    def _job(self, plan: RequestPlan, headers: Mapping[str, str], raw_draft: object = None) -> EngineJob:
         slo = service_level(plan, headers)
+        offer = parse_draft(raw_draft, self.engine.engine.model.config["vocab_size"])
+        draft = None
+        if offer is not None:
+            matches = offer.tokenizer == self.tokenizer_identity()
+            self.metrics.drafts.labels(outcome="received" if matches else "tokenizer_mismatch").inc()
+            draft = offer.draft if matches else None
         try:
-            request = self.engine.prepare(plan.prompt_token_ids, plan.params, priority=plan.priority, slo=slo)
+            request = self.engine.prepare(plan.prompt_token_ids, plan.params, priority=plan.priority, slo=slo,
+                                          draft=draft)
         except EngineDeadError as e:
             raise errors.APIError(503, str(e), "server_error", code="engine_unavailable") from e
         except (ValueError, TypeError) as e:
-            raise errors.bad_request(str(e)) from e
-        return EngineJob(request, plan.logprobs, time.perf_counter())
+            raise errors.bad_request(str(e), getattr(e, "param", None)) from e
+        cascade = {"draft": {"offered": len(draft.token_ids), "accepted": 0}} if draft is not None else None
+        return EngineJob(request, plan.logprobs, time.perf_counter(), cascade)
 
     # -- running ---------------------------------------------------------------------------
 
     async def run(self, job: EngineJob) -> AsyncIterator[TokenEvent | Finish]:
         """The engine's outputs for ``job`` as generation events (aborted if not read to the end)."""
-        async for ev in self.events(self.engine.stream(job.request), job.arrived, job.request.slo):
+        async for ev in self.events(self.engine.stream(job.request), job.arrived, job.request.slo, job.cascade):
             yield ev
 
     async def generate(self, body: GenerateRequest) -> AsyncIterator[TokenEvent | Finish]:
@@ -122,8 +143,9 @@ class WorkerService:
         async for ev in self.events(outputs, arrived, service_level_of(rec)):
             yield ev
 
-    async def events(self, outputs: AsyncIterator[RequestOutput], arrived: float, slo: ServiceLevel
-                     ) -> AsyncIterator[TokenEvent | Finish]:
+    async def events(self, outputs: AsyncIterator[RequestOutput], arrived: float, slo: ServiceLevel,
+                     cascade: dict | None = None) -> AsyncIterator[TokenEvent | Finish]:
+        """``cascade``: the answer's ``cascade`` object, its draft's outcome filled in when it ends."""
         decode = self.engine.tokenizer.decode
         m = self.metrics
         last = first = None
@@ -145,6 +167,8 @@ class WorkerService:
                     yield TokenEvent(token, out.delta_text if i == len(out.new_token_ids) - 1 else "", piece,
                                      lp.logprob if lp else 0.0, 0.0, top)
                 if out.finished:
+                    if cascade is not None and "draft" in cascade:
+                        cascade["draft"] = self.metrics.observe_draft(out)
                     m.prompt_tokens.inc(out.num_prompt_tokens)
                     m.e2e.observe(now - arrived)
                     self._count_goodput(slo, tenant, arrived, first, now, len(out.token_ids))

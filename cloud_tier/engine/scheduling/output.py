@@ -12,8 +12,9 @@ from cloud_tier.engine.swap import SwapIn, SwapOut
 @dataclass(frozen=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # the proposed tokens included
     block_ids: list[int]
+    spec_token_ids: tuple[int, ...] = ()  # proposed tokens computed after the known ones, to verify
 
     @property
     def start(self) -> int:
@@ -23,7 +24,13 @@ class ScheduledRequest:
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the known tokens, so a new token is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        known = self.num_new_tokens - len(self.spec_token_ids)
+        return self.request.num_computed_tokens + known == self.request.num_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """The tokens computed this step that are the request's own (not proposed)."""
+        return self.num_new_tokens - len(self.spec_token_ids)
 
     @property
     def is_decode(self) -> bool:
