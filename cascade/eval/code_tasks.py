@@ -108,7 +108,8 @@ def _problems(rng: random.Random) -> list[Callable[[], _Problem]]:
         lambda: _Problem("second_largest", "(xs)", "the second largest distinct value in the list xs",
                          _second_largest, [(_ints(rng, 6) + [50, 49],), ([3, 3, 1],), ([5, 9],)]),
         lambda: _Problem("rle", "(s)", "the run-length encoding of s: each run of a character as the character "
-                         "followed by its count, e.g. 'aab' -> 'a2b1'", _rle, [("aab",), ("",), ("zzzzyzz",), ("abc",)]),
+                         "followed by its count, e.g. 'aab' -> 'a2b1'", _rle,
+                         [("aab",), ("",), ("zzzzyzz",), ("abc",)]),
         lambda: _Problem("digit_sum", "(n)", "the sum of the decimal digits of the non-negative integer n",
                          lambda n: sum(map(int, str(n))), [(0,), (7,), (rng.randint(100, 99999),), (9999,)]),
         lambda: _Problem("is_prime", "(n)", "True if the integer n is prime, else False", _is_prime,

@@ -32,7 +32,8 @@ def synthetic(n: int, seed: int, carrier: str = "lp_min") -> list[cal.Sample]:
         worst = rng.uniform(-6.0, 0.0)
         lps = [*noise[:-1], worst] if carrier == "lp_min" else noise
         edge_wrong = rng.random() < 1 / (1 + np.exp(2.5 * (worst + 3.0)))
-        words = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "12", "+", "?"]) for _ in range(rng.randint(3, 30)))
+        vocab = ["alpha", "beta", "gamma", "delta", "12", "+", "?"]
+        words = " ".join(rng.choice(vocab) for _ in range(rng.randint(3, 30)))
         s = cal.Sample(Task(f"{words} {i}", "x", "fact"),
                        confidence={"tokens": K, "logprobs": rng.sample(lps, K),
                                    "entropies": [rng.uniform(0, 2) for _ in range(K)]})
