@@ -23,7 +23,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from cascade.eval import calibration as cal
 from cascade.eval import samples as sample_io
+from cascade.eval.router_eval import evaluate_router, print_table, signal_costs
+from cascade.eval.router_fit import fit_router
 from cascade.eval.tasks import generate
 from cascade.processes import free_port, spawn, stop, wait_healthy
 from cascade_cli.calibrate.tiers import collect
@@ -72,6 +75,42 @@ def collect_samples(args) -> list:
             stop(proc)
 
 
+def by_kind(samples: list) -> None:
+    print(f"{'kind':<12} {'items':>5} {'edge right':>11} {'cloud right':>12} {'cloud better':>13} {'edge better':>12}")
+    kinds = sorted({s.task.kind for s in samples})
+    for kind in [*kinds, "all"]:
+        ss = [s for s in samples if kind in ("all", s.task.kind)]
+        e, c = sum(s.edge_score for s in ss) / len(ss), sum(s.cloud_score for s in ss) / len(ss)
+        up = sum(s.cloud_score > s.edge_score for s in ss)
+        down = sum(s.edge_score > s.cloud_score for s in ss)
+        print(f"{kind:<12} {len(ss):>5} {e:>10.1%} {c:>11.1%} {up:>13} {down:>12}")
+
+
+def report(samples: list, args) -> None:
+    fit, held = cal.split(samples, args.holdout, args.seed)
+    print(f"{len(samples)} items ({len(fit)} to fit, {len(held)} held out, split seed {args.seed}); "
+          f"edge {args.edge_model} (llama.cpp), cloud {args.cloud_model} (our engine)\n")
+    by_kind(samples)
+    for weighted in (False, True):
+        router, _ = fit_router(fit, args.target_escalation, args.window, args.edge_model, gap_weights=weighted)
+        results, info = evaluate_router(fit, held, args.target_escalation, router)
+        print(f"\nheld-out, target escalation {args.target_escalation:.0%}, K = {args.window}"
+              f"{', samples weighted by gap' if weighted else ''}:")
+        print_table(results, info, args.target_escalation)
+    print("\nthe router at other targets (thresholds chosen on the fitting half):")
+    print(f"{'target':>7} {'escalated':>10} {'before gen':>11} {'kept':>7}")
+    q_c = cal.quality(held, [True] * len(held))
+    for target in (0.1, 0.2, 0.3, 0.4, 0.5):
+        router, _ = fit_router(fit, target, args.window, args.edge_model)
+        results, info = evaluate_router(fit, held, target, router)
+        r = results[-1]  # the router, two-stage
+        print(f"{target:>7.0%} {r.escalation:>10.1%} {info['router_before']:>11.1%} {r.quality_kept:>7.1%}")
+    costs = signal_costs(samples, router)
+    print("\ncost per request on this machine (microseconds): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in costs.items()))
+    print(f"q_cloud {q_c:.3f}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=400, help="items in the graded set")
@@ -87,6 +126,7 @@ def main() -> int:
     p.add_argument("--out", default="router-samples.json", help="where the answers are kept")
     p.add_argument("--holdout", type=float, default=0.5)
     p.add_argument("--target-escalation", type=float, default=0.3)
+    p.add_argument("--window", type=int, default=16, help="K: the hold-back tokens the router reads")
     args = p.parse_args()
     if bool(args.edge) != bool(args.cloud):
         p.error("give both --edge and --cloud, or neither")
@@ -96,6 +136,7 @@ def main() -> int:
         samples = collect_samples(args)
         Path(args.out).write_text(json.dumps(sample_io.to_json(samples), indent=1))
         print(f"answers kept in {args.out}", file=sys.stderr)
+    report(samples, args)
     return 0
 
 

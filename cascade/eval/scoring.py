@@ -43,7 +43,7 @@ class Task:
 
     prompt: str
     answer: str | None = None  # the expected answer
-    kind: str = "open"  # arithmetic | conversion | fact | format | extraction | code | open
+    kind: str = "open"  # arithmetic | conversion | fact | format | extraction | python | code | open
     tests: str | None = None  # code: hidden asserts the answer's code block must pass
     max_tokens: int = 32  # the answer length this kind needs (code: a function)
 
@@ -56,7 +56,7 @@ class Task:
             return grade(response, self.tests)
         if self.answer is None:
             return token_f1(response, reference or "")
-        return float(matches(response, self.answer, numeric=self.kind in ("arithmetic", "conversion")))
+        return float(matches(response, self.answer, numeric=self.kind in ("arithmetic", "conversion", "python")))
 
 
 def matches(response: str, answer: str, numeric: bool = False) -> bool:

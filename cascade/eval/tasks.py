@@ -143,6 +143,17 @@ def _format(rng: random.Random) -> Task:
                 f"{', '.join(words)}.", " ".join(sorted(words)), "format")
 
 
+def _python_value(rng: random.Random) -> Task:
+    """What a short Python expression evaluates to (what a coder model should know)."""
+    a, b = rng.randint(2, 30), rng.randint(2, 9)
+    items = [rng.randint(0, 9) for _ in range(rng.randint(2, 6))]
+    expr, value = rng.choice([(f"len({items})", len(items)), (f"{a} // {b}", a // b), (f"{a} % {b}", a % b),
+                              (f"sum(range({b}))", sum(range(b))), (f"{b} ** 2", b ** 2),
+                              (f"max({items}) - min({items})", max(items) - min(items)),
+                              (f"sorted({items})[1]", sorted(items)[1])])
+    return Task(f"In Python, what does {expr} return? Answer with just the number.", str(value), "python")
+
+
 def _extract_json(rng: random.Random) -> Task:
     record = {"id": rng.randint(1000, 9999), "name": rng.choice(NAMES), "city": rng.choice(sorted(CAPITALS.values())),
               "items": rng.randint(1, 50), "courier": rng.choice(COURIERS)}
@@ -175,4 +186,4 @@ def _extract_list(rng: random.Random) -> Task:
 
 _MIX = [(_arithmetic, 6), (_multi_step, 4), (_word_problem, 4), (_conversion, 4), (_temperature, 1),
         (_capital, 3), (_symbol, 2), (_opposite, 1), (_count_fact, 2), (_format, 4), (_extract_json, 3),
-        (_extract_text, 3), (_extract_list, 2), (code_task, 10)]
+        (_extract_text, 3), (_extract_list, 2), (_python_value, 3), (code_task, 10)]
