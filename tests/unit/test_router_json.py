@@ -166,3 +166,20 @@ def test_a_router_matches_its_model_by_name_and_digest():
     r = router(edge_sha256="ab" * 32)
     assert r.matches("smollm2-135m", "ab" * 32) and r.matches("smollm2-135m", "")
     assert not r.matches("smollm2-135m", "cd" * 32) and not r.matches("other", "ab" * 32)
+
+
+def test_fleet_push_with_an_edge_toml_carries_the_router_it_names_inline(tmp_path):
+    from model_distribution.registry.store import Registry, RegistryError
+    from tests.unit.test_registry import make_gguf
+
+    (tmp_path / "calib").mkdir()
+    (tmp_path / "calib" / "router.json").write_text(json.dumps(good()))
+    edge = tmp_path / "calib" / "edge.toml"  # as cascade calibrate writes it: the router by path
+    edge.write_text('[cascade]\nhold_tokens = 4\nmin_mean_logprob = -inf\nrouter = "router.json"\n')
+    reg = Registry(tmp_path / "fleet")
+    m, _ = reg.push(make_gguf(tmp_path / "a.gguf", 1.0), "tiny", "1.0.0", edge)
+    assert m.calibration["router"] == good()
+    json.dumps(m.to_dict(), allow_nan=False)
+    with pytest.raises(RegistryError, match="stage1.bias"):
+        reg.push(make_gguf(tmp_path / "b.gguf", 2.0), "tiny", "1.1.0", {"router": _edit(["stage1", "bias"], math.inf)})
+    reg.close()
