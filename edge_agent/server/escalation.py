@@ -164,7 +164,8 @@ class Escalator:
             mode=(opts.mode if opts and opts.mode else self.config.mode),
             offline=(opts.offline if opts and opts.offline else self.config.offline),
             hint=opts.hint if opts else None,
-            difficulty=self.policy.hard.model.score(features(prompt_text)) if self.policy.hard.model.weights else 0.0,
+            difficulty=(self.policy.hard.model.score(features(prompt_text))  # a router replaces it
+                        if self.policy.hard.model.weights and router is None else 0.0),
             load=load, latency_budget_s=opts.latency_budget_s if opts else None,
             upstream=self.upstream is not None,
             cloud_available=self.upstream.available if self.upstream else False,

@@ -36,9 +36,10 @@ def cloud():
     w.stop()
 
 
-def start(home, cloud, router: str) -> Agent:
+def start(home, cloud, router: str, **cascade) -> Agent:
     env = {"CASCADE_EDGE_UPSTREAM_URL": cloud.url, "CASCADE_EDGE_CASCADE_ROUTER": router,
            "CASCADE_EDGE_CASCADE_HOLD_TOKENS": str(WINDOW)}
+    env.update({f"CASCADE_EDGE_CASCADE_{k.upper()}": str(v) for k, v in cascade.items()})
     return Agent(home, "--n-ctx", "512", "--threads", "1", env=env).wait_healthy()
 
 
@@ -80,8 +81,10 @@ def test_stage_two_escalates_low_confidence_after_the_hold_back(tmp_path, cloud)
         a.stop()
 
 
-def test_a_router_that_never_escalates_keeps_the_answer_local(tmp_path, cloud):
-    a = start(tmp_path, cloud, router_file(tmp_path / "r.json", stage1_bias=-10.0, stage2_bias=-10.0))
+def test_a_router_that_never_escalates_keeps_the_answer_local_whatever_the_thresholds_say(tmp_path, cloud):
+    # the thresholds alone would escalate every answer (every logprob < 0): the router replaces them
+    a = start(tmp_path, cloud, router_file(tmp_path / "r.json", stage1_bias=-10.0, stage2_bias=-10.0),
+              min_mean_logprob="0.0")
     try:
         headers, body = ask(a)
         assert (headers["x-cascade-tier"], headers["x-cascade-reason"]) == ("edge", "easy")
