@@ -26,7 +26,9 @@ FORMAT = "cascade.router/1"
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
 _OPERATOR = re.compile(r"(?<=[\d\s)])[-+*/%](?=[\s\d(])")
 PROMPT_FEATURES = (*DIFFICULTY_FEATURES, "numbers", "longest_number", "operators", "lines", "brackets")
-UNCERTAINTY_FEATURES = ("lp_min", "lp_p10", "lp_p25", "lp_median", "lp_mean", "ent_mean", "ent_max", "finished")
+UNCERTAINTY_FEATURES = ("lp_min", "lp_p10", "lp_p25", "lp_median", "lp_mean", "lp_first", "unsure_share", "ent_mean",
+                        "ent_max", "finished")
+UNSURE_LOGPROB = math.log(0.5)  # a token the model gave less than even odds
 FEATURES = (*PROMPT_FEATURES, *UNCERTAINTY_FEATURES)
 MAX_WINDOW = 4096
 
@@ -58,13 +60,15 @@ def _quantile(sorted_xs: list[float], q: float) -> float:
 
 def uncertainty_features(logprobs: list[float], entropies: list[float], window: int,
                          finished: bool = False) -> dict[str, float]:
-    """Quantiles of the first K tokens' logprobs, their mean and max entropy, and whether the
-    answer ended within them (all 0 for no tokens)."""
+    """Quantiles of the first K tokens' logprobs, the first token's, the share of tokens below
+    even odds, their mean and max entropy, and whether the answer ended within them (all 0 for no
+    tokens)."""
     if not logprobs:
         return {k: 0.0 for k in UNCERTAINTY_FEATURES} | {"finished": float(finished)}
     lp = sorted(logprobs)
     return {"lp_min": lp[0], "lp_p10": _quantile(lp, 0.10), "lp_p25": _quantile(lp, 0.25),
-            "lp_median": _quantile(lp, 0.5), "lp_mean": sum(lp) / len(lp),
+            "lp_median": _quantile(lp, 0.5), "lp_mean": sum(lp) / len(lp), "lp_first": logprobs[0],
+            "unsure_share": sum(x < UNSURE_LOGPROB for x in lp) / len(lp),
             "ent_mean": sum(entropies) / len(entropies) if entropies else 0.0,
             "ent_max": max(entropies) if entropies else 0.0,
             "finished": float(finished or len(logprobs) < window)}
