@@ -105,6 +105,18 @@ def report(samples: list, args) -> None:
         results, info = evaluate_router(fit, held, target, router)
         r = results[-1]  # the router, two-stage
         print(f"{target:>7.0%} {r.escalation:>10.1%} {info['router_before']:>11.1%} {r.quality_kept:>7.1%}")
+    print("\nan unseen kind: the router fitted without it, judged on its held-out items "
+          "(full model's APGR; the kinds the generator has are never a feature):")
+    for kind in sorted({s.task.kind for s in samples}):
+        rest = [s for s in fit if s.task.kind != kind]
+        mine = [s for s in held if s.task.kind == kind]
+        if len(mine) < 10 or len(rest) < 50:
+            continue
+        r_wo, _ = fit_router(rest, args.target_escalation, args.window, args.edge_model)
+        res, inf = evaluate_router(rest, mine, args.target_escalation, r_wo)
+        full = next(r for r in res if r.name == "full")
+        print(f"  {kind:<11} {len(mine):>4} held-out items, edge {inf['q_edge']:.2f} cloud {inf['q_cloud']:.2f}: "
+              f"APGR {full.apgr:.3f}, router escalates {res[-1].escalation:.0%} keeping {res[-1].quality_kept:.1%}")
     costs = signal_costs(samples, router)
     print("\ncost per request on this machine (microseconds): "
           + ", ".join(f"{k} {v:.1f}" for k, v in costs.items()))
