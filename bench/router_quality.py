@@ -45,8 +45,11 @@ def start_tiers(args, work: Path) -> tuple[list, str, str, str]:
     cloud = spawn([*cli, "cloud", "serve", "--port", str(cloud_port), "--model", args.cloud_model, "--both", "1",
                    "--prefill", "0", "--decode", "0", "--weight-dtype", args.weight_dtype, "--max-model-len", "1024"],
                   env=env, cwd=REPO)
+    # the agent returns the logprobs of its first hold_tokens tokens: record more than the router
+    # reads, so other windows can be judged from the same answers
     edge = spawn([*cli, "edge", "run", "--port", str(edge_port), "--model", args.edge_model, "--n-ctx", "1024"],
-                 env={**env, "CASCADE_EDGE_UPSTREAM_URL": ""}, cwd=REPO)
+                 env={**env, "CASCADE_EDGE_UPSTREAM_URL": "", "CASCADE_EDGE_CASCADE_HOLD_TOKENS": str(args.record)},
+                 cwd=REPO)
     edge_url, cloud_url = f"http://127.0.0.1:{edge_port}", f"http://127.0.0.1:{cloud_port}"
     wait_healthy(edge_url, edge, 900, "edge agent")
     wait_healthy(cloud_url, cloud, 1800, "cloud tier")
@@ -139,6 +142,7 @@ def main() -> int:
     p.add_argument("--holdout", type=float, default=0.5)
     p.add_argument("--target-escalation", type=float, default=0.3)
     p.add_argument("--window", type=int, default=16, help="K: the hold-back tokens the router reads")
+    p.add_argument("--record", type=int, default=32, help="tokens whose logprobs the started agent returns")
     args = p.parse_args()
     if bool(args.edge) != bool(args.cloud):
         p.error("give both --edge and --cloud, or neither")

@@ -37,7 +37,7 @@ WORDS = ["apple", "river", "table", "garden", "rocket", "violin", "pencil", "win
 
 
 NAMES = ["Ana", "Bruno", "Chen", "Dara", "Emeka", "Farah", "Goran", "Hana", "Ivan", "Jules", "Kofi", "Lena"]
-ITEMS = ["apples", "pencils", "tickets", "boxes", "stamps", "marbles", "cookies", "books"]
+ITEMS = ["apples", "pencils", "tickets", "cards", "stamps", "marbles", "cookies", "books"]
 COURIERS = ["Nova", "Swift", "Atlas", "Polar", "Orbit", "Comet"]
 LEGS = {"spider": 8, "insect": 6, "dog": 4, "bird": 2, "octopus": 8, "horse": 4, "ant": 6, "crab": 10}
 SIDES = {"triangle": 3, "square": 4, "pentagon": 5, "hexagon": 6, "heptagon": 7, "octagon": 8, "decagon": 10}
