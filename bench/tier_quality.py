@@ -1,6 +1,7 @@
-"""What escalation buys: each tier's share of right answers on a small graded set of our own
-(generated arithmetic, unit conversions, facts from a table, formatting, and short Python
-questions with one checkable answer), greedy, the same prompts to both tiers in the same run.
+"""What escalation buys: each tier's share of right answers on the graded set of our own
+(cascade.eval.tasks: arithmetic of graded difficulty, unit conversions, facts from tables,
+extraction, formatting, short Python questions with one checkable answer, and code problems graded
+by running their hidden asserts), greedy, the same prompts to both tiers in the same run.
 
     .venv/bin/python bench/tier_quality.py [--n 120] [--seed 39] [--weight-dtype int8]
     .venv/bin/python bench/tier_quality.py --edge URL --cloud URL --api-key KEY   # tiers already up
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
 import subprocess
 import sys
 import tempfile
@@ -32,34 +32,9 @@ from cascade_cli.spawn import cascade_command
 REPO = Path(__file__).resolve().parent.parent
 
 
-def code_tasks(n: int, seed: int) -> list[Task]:
-    """Short Python questions whose answer is one number: what a coder model should know."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        a, b = rng.randint(2, 30), rng.randint(2, 9)
-        kind = rng.randrange(5)
-        if kind == 0:
-            items = [rng.randint(0, 9) for _ in range(rng.randint(2, 6))]
-            out.append(Task(f"In Python, what does len({items}) return? Answer with just the number.",
-                            str(len(items)), "arithmetic"))
-        elif kind == 1:
-            out.append(Task(f"In Python, what is {a} // {b}? Answer with just the number.", str(a // b), "arithmetic"))
-        elif kind == 2:
-            out.append(Task(f"In Python, what is {a} % {b}? Answer with just the number.", str(a % b), "arithmetic"))
-        elif kind == 3:
-            out.append(Task(f"In Python, what does sum(range({b})) return? Answer with just the number.",
-                            str(sum(range(b))), "arithmetic"))
-        else:
-            out.append(Task(f"In Python, what is {b} ** 2? Answer with just the number.", str(b ** 2), "arithmetic"))
-    return out
-
-
 def graded_set(n: int, seed: int) -> list[tuple[str, Task]]:
-    """(group, task): a fifth Python questions, the rest the calibration generator's kinds."""
-    code = [("python", t) for t in code_tasks(n // 5, seed)]
-    rest = [(t.kind if t.kind != "fact" else "fact", t) for t in generate(n - len(code), seed)]
-    return rest + code
+    """(group, task): the shared graded set, grouped by kind."""
+    return [(t.kind, t) for t in generate(n, seed)]
 
 
 def start_tiers(args, work: Path) -> tuple[list, str, str, str]:
@@ -87,10 +62,10 @@ def report(groups: list[str], samples) -> None:
     print(f"\n{'group':<12} {'items':>5} {'edge right':>11} {'cloud right':>12} {'cloud only':>11} {'edge only':>10}")
     for g in sorted(by, key=lambda k: (k == "all", k)):
         ss = by[g]
-        e = sum(s.task.score(s.edge_text) for s in ss)
-        c = sum(s.task.score(s.cloud_text) for s in ss)
-        c_only = sum(1 for s in ss if s.task.score(s.cloud_text) and not s.task.score(s.edge_text))
-        e_only = sum(1 for s in ss if s.task.score(s.edge_text) and not s.task.score(s.cloud_text))
+        e = sum(s.edge_score for s in ss)  # graded once, when collected (code runs in a child process)
+        c = sum(s.cloud_score for s in ss)
+        c_only = sum(1 for s in ss if s.cloud_score and not s.edge_score)
+        e_only = sum(1 for s in ss if s.edge_score and not s.cloud_score)
         print(f"{g:<12} {len(ss):>5} {e / len(ss):>10.1%} {c / len(ss):>11.1%} {c_only:>11} {e_only:>10}")
 
 
@@ -104,7 +79,7 @@ def main() -> int:
     p.add_argument("--edge-model", default="qwen2.5-coder-0.5b")
     p.add_argument("--cloud-model", default="qwen2.5-coder-1.5b")
     p.add_argument("--weight-dtype", default="auto", help="the cloud engine's weights, when started here")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=0, help="tokens per answer (0: each kind's own; code 128)")
     args = p.parse_args()
     if bool(args.edge) != bool(args.cloud):
         p.error("give both --edge and --cloud, or neither")
@@ -121,7 +96,7 @@ def main() -> int:
     finally:
         for proc in procs:
             stop(proc)
-    print(f"graded set: {len(items)} items (seed {args.seed}), greedy, {args.max_tokens} tokens; "
+    print(f"graded set: {len(items)} items (seed {args.seed}), greedy, {args.max_tokens or 'per-kind'} tokens; "
           f"edge {args.edge_model} (llama.cpp), cloud {args.cloud_model} (our engine, weights {args.weight_dtype})")
     report([g for g, _ in items], samples)
     return 0

@@ -11,7 +11,9 @@ cannot use.
   ``null``, which JSON carries (an infinity it does not);
 - ``difficulty_model`` is the model itself (``{"weights": {feature: w}, "bias": b}``), read from
   the file the table names (relative to ``base_dir``, the edge.toml's folder): the path of a file
-  on the calibrating host would mean nothing on a device.
+  on the calibrating host would mean nothing on a device;
+- ``router`` likewise is the router itself (``cascade.policy.router``'s JSON: both stages, both
+  thresholds and the edge model it was calibrated for), validated strictly (``Router.from_json``).
 
 ``thresholds(calibration, current)`` is what an agent applies: the ``CascadeConfig`` with the
 calibration's values (``null``: the threshold off) and the difficulty model left for the caller
@@ -26,8 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cascade import wire
+from cascade.policy.router import Router, RouterError
 
 MAX_DIFFICULTY_FEATURES = 64
+MAX_ROUTER_BYTES = 1 << 20  # a router is a few KB; a file larger than this is refused unread
 
 
 class CalibrationError(ValueError):
@@ -49,6 +53,7 @@ class CascadeConfig:
     max_prompt_tokens: int = 0  # hard: prompts longer than this go up (0: only the context limits)
     difficulty_threshold: float = 1.01  # hard: learned difficulty above this goes up (> 1: off)
     difficulty_model: str = ""  # JSON written by `cascade calibrate`
+    router: str = ""  # the two-stage router's JSON written by `cascade calibrate` ("": none)
     latency_budget_s: float = 0.0  # overflow: default budget per request (0: none)
 
     def __post_init__(self):
@@ -67,13 +72,15 @@ class CascadeConfig:
             raise ValueError("difficulty_threshold must be in 0..100 (above 1: off)")
         if not (math.isfinite(self.latency_budget_s) and 0 <= self.latency_budget_s <= 86400):
             raise ValueError("latency_budget_s must be in 0..86400")
+        if self.router:  # read and checked now, so an agent with a bad one refuses to start
+            load_router(Path(self.router).expanduser())
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(CascadeConfig)}
 _TYPES = {"mode": str, "offline": str, "hold_tokens": int, "min_mean_logprob": float, "min_token_logprob": float,
           "max_mean_entropy": float, "max_prompt_tokens": int, "difficulty_threshold": float,
           "latency_budget_s": float}
-CALIBRATED = (*_TYPES, "difficulty_model")  # what a version's calibration may set
+CALIBRATED = (*_TYPES, "difficulty_model", "router")  # what a version's calibration may set
 NOT_CARRIED = ("device",)
 
 
@@ -92,6 +99,8 @@ def check_calibration(table: dict, base_dir: Path | None = None) -> dict:
                                    f"(one of {', '.join(CALIBRATED)})")
         if key == "difficulty_model":
             out[key] = _difficulty_model(value, base_dir)
+        elif key == "router":
+            out[key] = _router(value, base_dir)
         else:
             out[key] = _value(key, value)
     try:  # the dataclass's own checks: ranges and choices, as an agent's config gets them
@@ -105,7 +114,8 @@ def check_calibration(table: dict, base_dir: Path | None = None) -> dict:
 
 def thresholds(calibration: dict, current: CascadeConfig) -> CascadeConfig:
     """``current`` with a checked calibration's thresholds (``null``: the field's default, off);
-    ``difficulty_model`` is left as it is (the caller writes the inline model to a file)."""
+    ``difficulty_model`` and ``router`` are left as they are (the caller writes the inline models
+    to files)."""
     changes = {k: (_FIELDS[k].default if v is None else v) for k, v in calibration.items()
                if k in _TYPES}
     return dataclasses.replace(current, **changes)
@@ -164,3 +174,43 @@ def _difficulty_model(value, base_dir: Path | None) -> dict | None:
                 or not math.isfinite(w):
             raise CalibrationError(f"difficulty_model {str(name)[:64]!r} must be a finite number")
     return {"weights": {k: float(w) for k, w in weights.items()}, "bias": float(bias)}
+
+
+def load_router(path: Path) -> Router:
+    """The router in the JSON file at ``path``; ValueError naming the key (``router``, or the
+    router's own key) when it cannot be read or is not a valid router."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_ROUTER_BYTES:
+            raise ValueError(f"router: {str(path)!r} is {size} bytes, over the limit of {MAX_ROUTER_BYTES}")
+        return parse_router(wire.loads(path.read_bytes(), limit=MAX_ROUTER_BYTES))
+    except OSError as e:
+        raise ValueError(f"router: {str(path)!r} cannot be read: {e.strerror or e}") from None
+    except wire.WireError as e:
+        raise ValueError(f"router: {str(path)!r} is not valid JSON: {e}") from None
+
+
+def parse_router(value) -> Router:
+    try:
+        return Router.from_json(value)
+    except RouterError as e:
+        raise ValueError(str(e)) from None
+
+
+def _router(value, base_dir: Path | None) -> dict | None:
+    if value in ("", None):
+        return None
+    if isinstance(value, str):
+        if base_dir is None:
+            raise CalibrationError("calibration key 'router' names a file, which a device does not have: send "
+                                   "the router itself; cascade fleet push --calibration edge.toml reads the file "
+                                   "it names")
+        path = Path(value).expanduser()
+        try:
+            return load_router(path if path.is_absolute() else base_dir / path).to_json()
+        except ValueError as e:
+            raise CalibrationError(f"calibration key {e}") from None
+    try:
+        return parse_router(value).to_json()
+    except ValueError as e:
+        raise CalibrationError(f"calibration key {e}") from None

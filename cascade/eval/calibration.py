@@ -87,16 +87,16 @@ def evaluate(cal: list[Sample], held: list[Sample], target: float) -> tuple[list
     # 1. confidence of the first K tokens
     thr = threshold_for([confidence_risk(s) for s in cal], target)
     risk_h = [confidence_risk(s) for s in held]
-    results.append(_judge("confidence", thr, held, risk_h, q_edge_h, q_cloud_h))
+    results.append(judge("confidence", thr, held, risk_h, q_edge_h, q_cloud_h))
     # 2. learned difficulty of the prompt, before generating
     model = fit([prompt_features(s.task.prompt) for s in cal], [int(s.edge_score < s.cloud_score) for s in cal])
     thr = threshold_for([model.score(prompt_features(s.task.prompt)) for s in cal], target)
     risk_h = [model.score(prompt_features(s.task.prompt)) for s in held]
-    results.append(_judge("difficulty", thr, held, risk_h, q_edge_h, q_cloud_h))
+    results.append(judge("difficulty", thr, held, risk_h, q_edge_h, q_cloud_h))
     return results, {"q_edge": q_edge_h, "q_cloud": q_cloud_h, "difficulty_model": model.to_json()}
 
 
-def _judge(name, thr, held, risk, q_edge, q_cloud) -> SignalResult:
+def judge(name, thr, held, risk, q_edge, q_cloud) -> SignalResult:
     esc = [r > thr for r in risk]
     pts = curve(held, risk)
     kept = quality(held, esc) / q_cloud if q_cloud else float("nan")

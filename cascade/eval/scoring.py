@@ -1,5 +1,6 @@
-"""How good an answer is, for calibration: exact match where the task has an answer, else the
-token F1 of the edge answer against the cloud's. One module, so every tool scores alike."""
+"""How good an answer is, for calibration: exact match where the task has an answer, the hidden
+asserts run against the answer's code for a code problem (``sandbox``), else the token F1 of the
+edge answer against the cloud's. One module, so every tool scores alike."""
 
 from __future__ import annotations
 
@@ -42,13 +43,20 @@ class Task:
 
     prompt: str
     answer: str | None = None  # the expected answer
-    kind: str = "open"  # arithmetic | conversion | fact | format | open
+    kind: str = "open"  # arithmetic | conversion | fact | format | extraction | python | code | open
+    tests: str | None = None  # code: hidden asserts the answer's code block must pass
+    max_tokens: int = 32  # the answer length this kind needs (code: a function)
 
     def score(self, response: str, reference: str | None = None) -> float:
-        """1/0 against ``answer``; else token F1 against ``reference`` (the cloud's answer)."""
+        """1/0 against ``answer`` (or, for code, ``tests`` run against the answer's code block);
+        else token F1 against ``reference`` (the cloud's answer)."""
+        if self.tests is not None:
+            from cascade.eval.sandbox import grade
+
+            return grade(response, self.tests)
         if self.answer is None:
             return token_f1(response, reference or "")
-        return float(matches(response, self.answer, numeric=self.kind in ("arithmetic", "conversion")))
+        return float(matches(response, self.answer, numeric=self.kind in ("arithmetic", "conversion", "python")))
 
 
 def matches(response: str, answer: str, numeric: bool = False) -> bool:

@@ -1,10 +1,12 @@
 """Low confidence: over the answer's first K tokens (or all of it, if shorter), the mean and the
-minimum token logprob and the mean entropy against calibrated thresholds."""
+minimum token logprob and the mean entropy against calibrated thresholds. ``Confidence`` keeps
+the K values themselves too (``logprobs``, ``entropies``): the router (``policy.router``) reads
+their quantiles, and the agent returns them in ``cascade.confidence`` for calibration."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,8 @@ class Confidence:
     sum_logprob: float = 0.0
     min_logprob: float = 0.0
     sum_entropy: float = 0.0
+    logprobs: list[float] = field(default_factory=list)  # the first ``window`` tokens' logprobs, in order
+    entropies: list[float] = field(default_factory=list)  # ... and their entropies (nats)
 
     def add(self, logprob: float, entropy: float) -> None:
         if self.n >= self.window:
@@ -37,6 +41,8 @@ class Confidence:
         self.n += 1
         self.sum_logprob += logprob
         self.sum_entropy += entropy
+        self.logprobs.append(logprob)
+        self.entropies.append(entropy)
 
     @property
     def full(self) -> bool:
@@ -52,7 +58,8 @@ class Confidence:
 
     def as_dict(self) -> dict:
         return {"tokens": self.n, "mean_logprob": round(self.mean_logprob, 4),
-                "min_logprob": round(self.min_logprob, 4), "mean_entropy": round(self.mean_entropy, 4)}
+                "min_logprob": round(self.min_logprob, 4), "mean_entropy": round(self.mean_entropy, 4),
+                "logprobs": [round(x, 4) for x in self.logprobs], "entropies": [round(x, 4) for x in self.entropies]}
 
 
 def low_confidence(c: Confidence, config: ConfidenceConfig) -> bool:

@@ -4,7 +4,7 @@ Precedence, first match wins:
   1. ``mode: local``                 -> edge  "local"       (never leaves the device)
   2. no upstream configured          -> edge  "edge_only"
   3. escalation, in order:  ``mode: cloud`` "forced" > prompt too long "too_long" > app hint
-     "hint" > queue overflow "overflow" > learned difficulty "hard"
+     "hint" > queue overflow "overflow" > learned difficulty or the router's stage 1 "hard"
   4. an escalation while the cloud is available -> cloud, with its reason; but behind its
      session's backlog (queue, 202) when that session has requests queued for the cloud and
      its offline policy is ``queue`` (``session_order``)
@@ -13,7 +13,8 @@ Precedence, first match wins:
      ``local`` -> edge "cloud_unavailable" degraded (if the prompt fits locally), else reject 503;
      the reason is "cloud_refused" instead when the cloud refuses this device (401/403)
   6. otherwise                       -> edge  "easy", its answer checked for low confidence
-After a local answer (or its first K tokens): ``after_local`` escalates "low_confidence".
+After a local answer (or its first K tokens): ``after_local`` escalates "low_confidence" (with a
+router, ``after_router``: its stage 2 decides instead of the confidence thresholds).
 When the local queue is full: ``when_queue_full`` (overflow to the cloud, or the queue's 429).
 A degraded local answer may also be queued for the cloud: ``refine.wants_refinement``.
 """
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from cascade.policy.confidence import Confidence, ConfidenceConfig, low_confidence
 from cascade.policy.hard import HardConfig, is_hard, too_long
 from cascade.policy.overflow import LoadSignals, overflow_on_full_queue, overflows
+from cascade.policy.router import Router, uncertainty_features
 from cascade.policy.session_order import goes_behind_backlog
 
 
@@ -33,6 +35,7 @@ class PolicyConfig:
     hard: HardConfig = field(default_factory=HardConfig)
     confidence: ConfidenceConfig = field(default_factory=ConfidenceConfig)
     latency_budget_s: float = 0.0  # default per-request budget for the overflow rule; 0: none
+    router: Router | None = None  # the two-stage router (used only while it matches the served model)
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,8 @@ class RequestSignals:
     cloud_available: bool = True  # the back-pressure circuit lets a request through
     cloud_refused: bool = False  # not available because the cloud refuses this device (401/403)
     session_backlog: bool = False  # the request's session has requests queued for the cloud
+    routed_hard: bool = False  # the router's stage 1 is sure the cloud answers better
+    router_judges: bool = False  # a router's stage 2 will judge the hold-back tokens
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,7 @@ def escalation_reason(s: RequestSignals, config: PolicyConfig) -> str | None:
     budget = s.latency_budget_s if s.latency_budget_s is not None else config.latency_budget_s
     if s.load is not None and overflows(s.load, budget):
         return "overflow"
-    if is_hard(s.difficulty, config.hard):
+    if s.routed_hard or is_hard(s.difficulty, config.hard):
         return "hard"
     return None
 
@@ -85,7 +90,8 @@ def decide(s: RequestSignals, config: PolicyConfig) -> Decision:
         return Decision("edge", "edge_only")
     reason = escalation_reason(s, config)
     if reason is None:
-        return Decision("edge", "easy", check_confidence=s.mode == "auto" and config.confidence.enabled)
+        return Decision("edge", "easy", check_confidence=s.mode == "auto" and (config.confidence.enabled
+                                                                               or s.router_judges))
     if s.cloud_available:
         if goes_behind_backlog(s.session_backlog, s.offline):
             return Decision("queue", reason, status=202)
@@ -103,6 +109,21 @@ def after_local(conf: Confidence, config: ConfidenceConfig, cloud_available: boo
     """Escalate a local answer (or its first K tokens) whose confidence is too low; None keeps it.
     With the cloud unavailable the local answer stands, marked degraded."""
     if not low_confidence(conf, config):
+        return None
+    if cloud_available:
+        return Decision("cloud", "low_confidence")
+    return Decision("edge", "low_confidence_cloud_unavailable", degraded=True)
+
+
+def after_router(router: Router, prompt: dict[str, float], conf: Confidence, cloud_available: bool
+                 ) -> Decision | None:
+    """The router's stage 2 on the hold-back tokens: escalate "low_confidence" when it predicts the
+    cloud answers better; None keeps the local answer (degraded as ``after_local`` when the cloud
+    is unavailable)."""
+    if conf.n == 0:
+        return None
+    unc = uncertainty_features(conf.logprobs, conf.entropies, conf.window, finished=not conf.full)
+    if not router.after(prompt, unc):
         return None
     if cloud_available:
         return Decision("cloud", "low_confidence")

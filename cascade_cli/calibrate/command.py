@@ -1,7 +1,10 @@
 """``cascade calibrate``: run the edge and the cloud model on a prompt set, score both, choose
 the escalation threshold that hits a target rate (``cascade.eval.calibration``), write it into
 the edge config, and plot quality kept against escalation rate (with random routing for
-comparison). The signal with the larger held-out APGR is written into the config.
+comparison). The signal with the larger held-out APGR is written into the config as the fallback
+thresholds, and the two-stage router (cascade.policy.router, fitted by cascade.eval.router_fit on
+the same half) as ``[cascade] router``: the agent uses it while it serves the model it was
+calibrated for (name and GGUF sha256), the thresholds otherwise.
 
 This module holds the parser and the steps in order; the tiers are asked in tiers.py, the prompt
 sets read in prompts.py, the results shown by report.py (all imported when the command runs).
@@ -85,25 +88,25 @@ def _answers(args, edge_model: str, cloud_url: str, cloud_model: str, key: str) 
 
 
 def _write(samples: list, results: list, best, info: dict, config_path: Path, out_dir: Path) -> dict:
-    """The difficulty model, the samples, and the best signal's [cascade] keys into the edge
-    config; the keys written."""
+    """The difficulty model, the router, the samples, and the best signal's [cascade] keys into the
+    edge config; the keys written."""
     import math
 
     from cascade.config import write_section
+    from cascade.eval.samples import to_json
 
     out_dir.mkdir(parents=True, exist_ok=True)
     model_path = out_dir / "difficulty.json"
     model_path.write_text(json.dumps(info["difficulty_model"], indent=2))
-    updates = {"difficulty_model": str(model_path)}
+    router_path = out_dir / "router.json"
+    router_path.write_text(json.dumps(info["router"].to_json(), indent=1))
+    updates = {"difficulty_model": str(model_path), "router": str(router_path)}
     if best.name == "confidence":
         updates.update(min_mean_logprob=-best.threshold, difficulty_threshold=1.01)
     else:
         updates.update(difficulty_threshold=best.threshold, min_mean_logprob=-math.inf)
     write_section(config_path, "cascade", updates)
-    (out_dir / "samples.json").write_text(json.dumps(
-        [{"prompt": s.task.prompt, "answer": s.task.answer, "edge": s.edge_text, "cloud": s.cloud_text,
-          "confidence": s.confidence, "edge_score": s.edge_score, "cloud_score": s.cloud_score} for s in samples],
-        indent=1))
+    (out_dir / "samples.json").write_text(json.dumps(to_json(samples), indent=1))
     return updates
 
 
@@ -113,7 +116,10 @@ def cmd_calibrate(args) -> int:
 
     from cascade.config import cascade_home
     from cascade.eval import calibration as cal
+    from cascade.eval.router_eval import evaluate_router, print_table
+    from cascade.eval.router_fit import fit_router
     from cascade_cli.calibrate import report
+    from cascade_cli.calibrate.tiers import edge_sha256
 
     try:
         config_path, edge_cfg = _edge_config(args)
@@ -125,13 +131,23 @@ def cmd_calibrate(args) -> int:
     calib, held = cal.split(samples, args.holdout, args.seed)
     results, info = cal.evaluate(calib, held, args.target_escalation)
     best = max(results, key=lambda r: -1 if math.isnan(r.apgr) else r.apgr)
+    router, _ = fit_router(calib, args.target_escalation, edge_cfg.cascade.hold_tokens, edge_model,
+                           edge_sha256(args.edge))
+    signals, router_info = evaluate_router(calib, held, args.target_escalation, router)
+    info["router"] = router
     out_dir = cascade_home() / "calibration"
     updates = _write(samples, results, best, info, config_path, out_dir)
     plot_path = Path(args.plot) if args.plot else out_dir / "calibration.png"
-    report.plot(results, info["q_edge"], info["q_cloud"], args.target_escalation, plot_path)
+    shown = [r for r in signals if r.name in ("old confidence", "old difficulty", "prompt-only", "full", "router")]
+    report.plot(shown, info["q_edge"], info["q_cloud"], args.target_escalation, plot_path)
     print(f"{len(samples)} prompts ({len(calib)} to fit, {len(held)} held out); edge {edge_model} @ {args.edge}, "
           f"cloud {cloud_model} @ {cloud_url}")
     report.print_results(results, best, info["q_edge"], info["q_cloud"], args.target_escalation)
+    print()
+    print_table(signals, router_info, args.target_escalation)
+    print(f"router (written): before generating above {router.stage1_threshold:.4f}, after {router.window} tokens "
+          f"above {router.stage2_threshold:.4f}; calibrated for {router.edge_model}"
+          + (f" (sha256 {router.edge_sha256[:12]}...)" if router.edge_sha256 else " (no GGUF sha256 from the agent)"))
     print(f"wrote [cascade] {', '.join(f'{k}={v}' for k, v in updates.items())} to {config_path}")
     print(f"plot: {plot_path}")
     print(f"apply it: cascade edge run --config {config_path}  (an agent running now keeps its old thresholds "
@@ -156,7 +172,8 @@ def add_calibrate_parser(sub) -> None:
     calib.add_argument("--cloud-model", help="default: [upstream] model, else the cloud's first model")
     calib.add_argument("--config", help="the edge.toml to write (default: $CASCADE_HOME/edge.toml)")
     calib.add_argument("--plot", help="PNG path (default: $CASCADE_HOME/calibration/calibration.png)")
-    calib.add_argument("--max-tokens", type=int, default=32, help="tokens per answer")
+    calib.add_argument("--max-tokens", type=int, default=0, help="tokens per answer (default 0: each task "
+                       "kind's own, e.g. 128 for code, 32 for short answers)")
     calib.add_argument("--concurrency", type=int, default=4, help="prompts in flight")
     calib.add_argument("--seed", type=int, default=0, help="for sampling prompts and the split")
     calib.set_defaults(func=cmd_calibrate)

@@ -15,10 +15,11 @@ def plot(results: list[SignalResult], q_edge: float, q_cloud: float, target: flo
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=110)
+    scale = 100 / q_cloud if q_cloud else 100.0  # a cloud that got nothing right: the raw quality
     for r in results:
         xs, ys = zip(*r.points, strict=True)
-        ax.plot([100 * x for x in xs], [100 * y / q_cloud for y in ys], label=f"{r.name} (APGR {r.apgr:.2f})")
-    ax.plot([0, 100], [100 * q_edge / q_cloud, 100], "--", color="grey", label="random routing (APGR 0.50)")
+        ax.plot([100 * x for x in xs], [scale * y for y in ys], label=f"{r.name} (APGR {r.apgr:.2f})")
+    ax.plot([0, 100], [scale * q_edge, scale * q_cloud], "--", color="grey", label="random routing (APGR 0.50)")
     ax.axvline(100 * target, color="black", lw=0.8, ls=":")
     ax.axhline(90, color="red", lw=0.6, ls=":")
     ax.set_xlabel("escalated to the cloud (%)")

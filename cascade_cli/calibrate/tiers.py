@@ -43,6 +43,28 @@ def served_model(url: str, headers: dict, what: str, start: str) -> str:
 
 
 
+def edge_sha256(url: str, wait_s: float = 60.0) -> str:
+    """The edge agent's served GGUF sha256 from its /healthz (hashed in the background the first
+    time it is asked for); "" when the agent does not tell it (an older agent, an ONNX model)."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            health = loads(httpx.get(f"{url.rstrip('/').removesuffix('/v1')}/healthz", timeout=10).content,
+                           limit=MAX_ANSWER_BYTES)
+        except (httpx.HTTPError, WireError):
+            return ""
+        if not isinstance(health, dict) or "model_sha256" not in health:
+            return ""
+        digest = health["model_sha256"]
+        if isinstance(digest, str):
+            return digest
+        if time.monotonic() > deadline:
+            return ""
+        time.sleep(0.5)
+
+
 async def _ask(client: httpx.AsyncClient, url: str, headers: dict, prompt: str, max_tokens: int,
                extra: dict | None = None) -> dict:
     body = {"model": extra.pop("model") if extra and "model" in extra else "default",
@@ -59,21 +81,25 @@ async def _ask(client: httpx.AsyncClient, url: str, headers: dict, prompt: str, 
 
 
 async def collect(tasks: list[Task], edge_url: str, edge_model: str, cloud_url: str, cloud_model: str,
-                  cloud_key: str, max_tokens: int = 32, concurrency: int = 4, progress=None) -> list[Sample]:
+                  cloud_key: str, max_tokens: int = 0, concurrency: int = 4, progress=None) -> list[Sample]:
+    """Every task answered by both tiers (greedy) and scored; ``max_tokens`` 0: each task's own
+    length (``Task.max_tokens``: a code problem needs a function's worth)."""
     samples = [Sample(t) for t in tasks]
     gate = asyncio.Semaphore(concurrency)
     cloud_headers = {"authorization": f"Bearer {cloud_key}"} if cloud_key else {}
     async with httpx.AsyncClient(timeout=300) as client:
         async def one(s: Sample) -> None:
             async with gate:
-                edge = await _ask(client, edge_url, {}, s.task.prompt, max_tokens,
+                n = max_tokens or s.task.max_tokens
+                edge = await _ask(client, edge_url, {}, s.task.prompt, n,
                                   {"model": edge_model, "cascade": {"mode": "local"}})
-                cloud = await _ask(client, cloud_url, cloud_headers, s.task.prompt, max_tokens, {"model": cloud_model})
+                cloud = await _ask(client, cloud_url, cloud_headers, s.task.prompt, n, {"model": cloud_model})
             s.edge_text = edge["choices"][0]["message"]["content"]
             s.confidence = (edge.get("cascade") or {}).get("confidence")
             s.cloud_text = cloud["choices"][0]["message"]["content"]
-            s.edge_score = s.task.score(s.edge_text, s.cloud_text)
-            s.cloud_score = s.task.score(s.cloud_text, s.cloud_text)
+            # a code answer is graded in a child process: off the event loop
+            s.edge_score = await asyncio.to_thread(s.task.score, s.edge_text, s.cloud_text)
+            s.cloud_score = await asyncio.to_thread(s.task.score, s.cloud_text, s.cloud_text)
             if progress:
                 progress()
         await asyncio.gather(*(one(s) for s in samples))

@@ -2,7 +2,9 @@
 backend and the upstream client. Routing happens before any byte goes to the app, so the
 headers (``X-Cascade-Tier``, ``X-Cascade-Reason``) are always true: a cloud request is started
 (and its refusal known) first, and in auto mode the local answer's first K tokens are held back
-and judged before anything of it is released."""
+and judged before anything of it is released. With a router (``[cascade] router``, calibrated for
+the served model: ``routing.RouterGate``) its stage 1 may escalate "hard" before generating, and
+its stage 2 judges the held-back tokens instead of the confidence thresholds."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from cascade import errors
+from cascade.calibration import load_router
 from cascade.generation import Finish, TokenEvent
 from cascade.policy.confidence import Confidence, ConfidenceConfig
 from cascade.policy.decide import (
@@ -22,15 +25,18 @@ from cascade.policy.decide import (
     PolicyConfig,
     RequestSignals,
     after_local,
+    after_router,
     decide,
     when_queue_full,
 )
 from cascade.policy.hard import DifficultyModel, HardConfig, features
 from cascade.policy.overflow import LoadSignals
 from cascade.policy.refine import wants_refinement
+from cascade.policy.router import prompt_features
 from cascade.policy.session_order import goes_behind_backlog
 from edge_agent.config import CascadeConfig
 from edge_agent.server.outbox import Outbox
+from edge_agent.server.routing import RouterGate
 from edge_agent.server.service import EdgeService, LocalJob, LocalRun
 from edge_agent.upstream import Upstream, UpstreamRefused, UpstreamUnavailable
 
@@ -45,7 +51,8 @@ def policy_config(c: CascadeConfig) -> PolicyConfig:
         hard=HardConfig(max_prompt_tokens=c.max_prompt_tokens, threshold=c.difficulty_threshold, model=model),
         confidence=ConfidenceConfig(window=c.hold_tokens, min_mean_logprob=c.min_mean_logprob,
                                     min_token_logprob=c.min_token_logprob, max_mean_entropy=c.max_mean_entropy),
-        latency_budget_s=c.latency_budget_s)
+        latency_budget_s=c.latency_budget_s,
+        router=load_router(Path(c.router).expanduser()) if c.router else None)
 
 
 @dataclass
@@ -132,20 +139,33 @@ class Escalator:
         self.service = service
         self.upstream = upstream
         self.outbox = outbox
+        self.gate = RouterGate(service.description.name, service.description.path)
+        self.gate.active(self.policy.router)  # judged (and the model hashed) now, not on a first request
 
-    def signals(self, req, job: LocalJob | None, prompt_text: str, prompt_tokens: int) -> RequestSignals:
+    @property
+    def router(self):
+        """The configured router when it was calibrated for the served model, else None."""
+        return self.gate.active(self.policy.router)
+
+    def signals(self, req, job: LocalJob | None, prompt_text: str, prompt_tokens: int,
+                prompt_feats: dict[str, float] | None = None) -> RequestSignals:
+        """``prompt_feats``: the router's prompt features, when a router is in effect."""
         opts = req.cascade
         svc = self.service
         pool = svc.pool
         max_tokens = job.options.max_tokens if job else (req.token_limit() or 0)
         load = LoadSignals(waiting=pool.waiting, free_slots=pool.size - pool.busy, service_time_s=pool.mean_service_s,
                            decode_tok_s=svc.decode_tok_s, max_tokens=max_tokens)
+        router = self.router if prompt_feats is not None else None
         return RequestSignals(
+            routed_hard=router is not None and router.before(prompt_feats),
+            router_judges=router is not None,
             prompt_tokens=prompt_tokens, max_tokens=max_tokens, n_ctx=svc.description.n_ctx,
             mode=(opts.mode if opts and opts.mode else self.config.mode),
             offline=(opts.offline if opts and opts.offline else self.config.offline),
             hint=opts.hint if opts else None,
-            difficulty=self.policy.hard.model.score(features(prompt_text)) if self.policy.hard.model.weights else 0.0,
+            difficulty=(self.policy.hard.model.score(features(prompt_text))  # a router replaces it
+                        if self.policy.hard.model.weights and router is None else 0.0),
             load=load, latency_budget_s=opts.latency_budget_s if opts else None,
             upstream=self.upstream is not None,
             cloud_available=self.upstream.available if self.upstream else False,
@@ -168,7 +188,8 @@ class Escalator:
             if e.code != "context_length_exceeded" or self.upstream is None:
                 raise
             too_long_locally, n_prompt = e, self.service.description.n_ctx
-        signals = self.signals(req, job, prompt_text, n_prompt)
+        feats = prompt_features(prompt_text) if self.router is not None else None
+        signals = self.signals(req, job, prompt_text, n_prompt, feats)
         if session and goes_behind_backlog(True, signals.offline):  # the rule could apply: ask the queue
             backlog = await asyncio.to_thread(self.outbox.queue.session_pending, session)
             signals = replace(signals, session_backlog=backlog)
@@ -197,7 +218,7 @@ class Escalator:
                                            "X-Cascade-Reason": decision.reason})
         if job is None:  # too long for this device, and kept here (mode local)
             raise too_long_locally
-        routed = await self._local(job, decision, signals, endpoint, body, app_key)
+        routed = await self._local(job, decision, signals, endpoint, body, app_key, feats)
         if wants_refinement(routed.degraded, bool(req.cascade and req.cascade.refine), signals.upstream):
             # the app takes the degraded local answer now and the cloud's when it comes
             try:
@@ -221,7 +242,7 @@ class Escalator:
         return Routed(esc.events, "cloud", reason, model=esc.model or None)
 
     async def _local(self, job: LocalJob, decision: Decision, signals: RequestSignals, endpoint: str,
-                     body: dict, app_key: str | None = None) -> Routed:
+                     body: dict, app_key: str | None = None, feats: dict[str, float] | None = None) -> Routed:
         svc = self.service
         try:
             reservation = svc.admit()
@@ -243,7 +264,8 @@ class Escalator:
             routed.events = _tracked(events, self.policy.confidence.window, routed.cascade_field)
             return routed
         started = time.perf_counter()
-        conf = Confidence(window=self.policy.confidence.window)
+        router = self.router if feats is not None else None
+        conf = Confidence(window=router.window if router else self.policy.confidence.window)
         held: list = []
         try:
             async for ev in events:
@@ -258,7 +280,8 @@ class Escalator:
             raise
         svc.metrics.hold_back.observe(time.perf_counter() - started)
         info = {"confidence": conf.as_dict()}
-        after = after_local(conf, self.policy.confidence, self.upstream.available)
+        after = (after_router(router, feats, conf, self.upstream.available) if router
+                 else after_local(conf, self.policy.confidence, self.upstream.available))
         if after is not None and after.tier == "cloud":
             draft = "".join(e.text for e in held if isinstance(e, TokenEvent))
             try:

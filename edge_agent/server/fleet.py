@@ -158,7 +158,7 @@ def version_names(manifest: dict, backends: list[Backend]) -> set[str]:
 def prepare_calibration(current: CascadeConfig, manifest: dict, state_dir: Path
                         ) -> tuple[CascadeConfig, PolicyConfig] | None:
     """The thresholds and policy the version's calibration makes of ``current`` (None: it has
-    none), its difficulty model written to a file of this device's (``state_dir/calibration``);
+    none), its difficulty model and router written to files of this device's (``state_dir/calibration``);
     CalibrationError (a ValueError) with the reason when it cannot be applied."""
     calibration = manifest.get("calibration") or {}
     if isinstance(calibration, str):  # the signed manifest carries it as a JSON string (TUF's canonical JSON)
@@ -174,6 +174,13 @@ def prepare_calibration(current: CascadeConfig, manifest: dict, state_dir: Path
             path = str(_write_json(Path(state_dir) / "calibration" / f"{manifest.get('sha256', 'version')}.json",
                                    model))
         config = CascadeConfig(**{**config.__dict__, "difficulty_model": path})
+    if "router" in checked:  # written beside it, named the same way; the agent judges it against the model
+        router = checked["router"]
+        path = ""
+        if router is not None:
+            path = str(_write_json(Path(state_dir) / "calibration" / f"{manifest.get('sha256', 'version')}.router.json",
+                                   router))
+        config = CascadeConfig(**{**config.__dict__, "router": path})
     try:
         return config, policy_config(config)
     except (OSError, ValueError, KeyError, TypeError) as e:

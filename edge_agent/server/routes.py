@@ -47,7 +47,8 @@ async def healthz(request: Request):
             "slots": {"total": svc.pool.size, "busy": svc.pool.busy, "waiting": svc.pool.waiting},
             "upstream": None if up is None else {"url": up.base_url, "circuit": up.breaker.state,
                                                  "retry_after_s": round(up.breaker.retry_after_s(), 3),
-                                                 "last_error": up.breaker.last_error or None}}
+                                                 "last_error": up.breaker.last_error or None},
+            "model_sha256": esc.gate.sha256(wait=False), "router": esc.gate.status(esc.policy.router)}
 
 
 @ops.get("/metrics", response_class=PlainTextResponse)
