@@ -1,7 +1,9 @@
-"""A draft to verify: the tokens a device already generated after the prompt (an escalation's
-hold-back), which the engine checks in one pass instead of generating them again. Plain data, no
-torch: the gateway builds it from a request's ``cascade.draft`` (``draft_of``), the request record
-carries it to a worker, and the engine verifies it."""
+"""A device's draft: K tokens it generated after the prompt (an escalation's hold-back) and,
+optionally, the probability it gave each one (``probs``) and its whole processed distribution per
+position as sparse (token id, prob) pairs (``top``), which the engine verifies in one pass instead
+of generating those tokens again. Plain data, no torch: the gateway builds it from a request's
+``cascade.draft`` (``draft_of``), the request record carries it to a worker (``draft_fields``),
+the engine verifies it (``cloud_tier.engine.spec``)."""
 
 from __future__ import annotations
 
@@ -10,52 +12,104 @@ from dataclasses import dataclass
 
 from cascade.protocol import DraftOptions
 
-_FULL_MASS = 1.0 - 1e-6  # a ``top`` that covers this much of the distribution is the distribution
+MAX_DRAFT_TOKENS = 64
+# q is known over the whole vocabulary where the listed mass reaches this (a greedy or top-k device
+# sends its full support); below it the tail is unknown and no rejection sampling is exact
+FULL_SUPPORT = 1 - 1e-6
+
+
+class DraftError(ValueError):
+    """A draft that is not well formed; ``param`` names the field (``cascade.draft.probs``)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
 
 
 @dataclass(frozen=True)
 class Draft:
     token_ids: tuple[int, ...]
-    probs: tuple[float, ...] | None = None  # the device's probability of each drafted token
-    top: tuple[tuple[tuple[int, float], ...], ...] | None = None  # its distribution, per position
+    probs: tuple[float, ...] | None = None  # q(x_i) of each drafted token under the device's distribution
+    top: tuple[tuple[tuple[int, float], ...], ...] | None = None  # per position: (token id, q) pairs
 
-    def __post_init__(self):
-        n = len(self.token_ids)
-        if not 1 <= n <= 64:
-            raise ValueError(f"a draft has 1..64 tokens, not {n}")
-        for name in ("probs", "top"):
-            value = getattr(self, name)
-            if value is not None and len(value) != n:
-                raise ValueError(f"draft {name} has {len(value)} entries for {n} tokens")
-        if self.probs is not None and not all(math.isfinite(p) and 0.0 <= p <= 1.0 for p in self.probs):
-            raise ValueError("draft probs must be numbers in [0, 1]")
-        for pos in self.top or ():
-            if not all(math.isfinite(p) and 0.0 <= p <= 1.0 for _, p in pos):
-                raise ValueError("draft top probabilities must be numbers in [0, 1]")
+    @classmethod
+    def of(cls, token_ids, probs=None, top=None) -> Draft:
+        """A draft from JSON-like lists (tuples made here; nothing checked yet: ``check``)."""
+        return cls(tuple(token_ids), None if probs is None else tuple(probs),
+                   None if top is None else tuple(tuple((t, p) for t, p in row) for row in top))
 
-    @property
-    def greedy(self) -> bool:
-        """Drawn greedily by the device (each token had probability 1 there)."""
-        return self.probs is not None and all(p >= _FULL_MASS for p in self.probs)
+    def check(self, vocab_size: int, prefix: str = "cascade.draft") -> None:
+        """DraftError naming the first bad field: ids outside [0, vocab_size), more than
+        MAX_DRAFT_TOKENS, probabilities not finite in [0, 1], lengths that differ, a drafted
+        token its own distribution gives no mass."""
+        k = len(self.token_ids)
+        if not 1 <= k <= MAX_DRAFT_TOKENS:
+            raise DraftError(f"a draft has 1 to {MAX_DRAFT_TOKENS} tokens, got {k}", f"{prefix}.token_ids")
+        for i, t in enumerate(self.token_ids):
+            if not _is_id(t, vocab_size):
+                raise DraftError(f"token id {t!r} is not in [0, {vocab_size})", f"{prefix}.token_ids[{i}]")
+        if self.probs is not None:
+            if len(self.probs) != k:
+                raise DraftError(f"{len(self.probs)} probabilities for {k} tokens", f"{prefix}.probs")
+            for i, p in enumerate(self.probs):
+                if not _is_prob(p) or p == 0:
+                    raise DraftError(f"{p!r} is not a probability in (0, 1]", f"{prefix}.probs[{i}]")
+        if self.top is not None:
+            if len(self.top) != k:
+                raise DraftError(f"{len(self.top)} distributions for {k} tokens", f"{prefix}.top")
+            for i, row in enumerate(self.top):
+                self._check_row(i, row, vocab_size, f"{prefix}.top[{i}]")
 
-    def full_support(self) -> bool:
-        """``top`` holds the device's whole distribution at every position (exact speculative
-        sampling needs it)."""
-        return self.top is not None and all(sum(p for _, p in pos) >= _FULL_MASS for pos in self.top)
+    def _check_row(self, i: int, row, vocab_size: int, param: str) -> None:
+        seen = set()
+        for t, p in row:
+            if not _is_id(t, vocab_size) or t in seen:
+                raise DraftError(f"token id {t!r} is not in [0, {vocab_size}) or is listed twice", param)
+            if not _is_prob(p):
+                raise DraftError(f"{p!r} is not a probability in [0, 1]", param)
+            seen.add(t)
+        if sum(p for _, p in row) > 1 + 1e-3:
+            raise DraftError("the probabilities add up to more than 1", param)
+        q = dict(row).get(self.token_ids[i], 0.0)
+        if q <= 0:
+            raise DraftError(f"the drafted token {self.token_ids[i]} has no probability in it", param)
+        if self.probs is not None and abs(q - self.probs[i]) > 1e-3:
+            raise DraftError(f"gives the drafted token {q}, probs gives it {self.probs[i]}", param)
+
+    def distributions(self) -> list[dict[int, float]] | None:
+        """q at each position over the whole vocabulary (token id -> prob; absent: 0), or None when
+        some position's is not known (no full ``top`` there, and no ``probs`` of 1: a greedy device)."""
+        out = []
+        for i, x in enumerate(self.token_ids):
+            row = dict(self.top[i]) if self.top is not None else {}
+            if sum(row.values()) >= FULL_SUPPORT:
+                out.append(row)
+            elif self.probs is not None and self.probs[i] >= FULL_SUPPORT:
+                out.append({x: 1.0})
+            else:
+                return None
+        return out
+
+
+def _is_id(t, vocab_size: int) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+
+
+def _is_prob(p) -> bool:
+    return isinstance(p, (int, float)) and not isinstance(p, bool) and math.isfinite(p) and 0 <= p <= 1
 
 
 def draft_of(options: DraftOptions | None, identity: str, vocab_size: int) -> Draft | None:
-    """The draft a request offers, if this server can use it: its tokenizer identity must equal
-    ``identity`` (this server's; "" accepts none) and its token ids lie in the vocabulary, else
-    None (the request runs as if it offered none: a draft is an offer, never a requirement)."""
+    """The draft a request offers, if this server can use it: None without one, or when its
+    tokenizer identity is not ``identity`` (this server's; "" takes none: the request runs as if it
+    offered none, a draft being an offer, never a requirement). DraftError naming the field when
+    the tokenizer is ours but the draft is not one it could have made (ids outside the vocabulary,
+    a drafted token its own distribution gives no mass, ...)."""
     if options is None or not identity or options.tokenizer != identity:
         return None
-    if any(t >= vocab_size for t in options.token_ids) or any(
-            t >= vocab_size for pos in options.top or () for t, _ in pos):
-        return None
-    return Draft(tuple(options.token_ids), None if options.probs is None else tuple(options.probs),
-                 None if options.top is None else tuple(tuple((int(t), float(p)) for t, p in pos)
-                                                        for pos in options.top))
+    draft = Draft.of(options.token_ids, options.probs, options.top)
+    draft.check(vocab_size)
+    return draft
 
 
 def draft_fields(draft: Draft | None) -> dict:

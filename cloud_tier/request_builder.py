@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from cascade import errors
 from cascade.chat_template import ChatTemplate, ChatTemplateError
 from cascade.protocol import INT32, PRIORITY_CLASSES, ChatCompletionRequest, CompletionRequest
-from cloud_tier.draft import Draft, draft_of
+from cloud_tier.draft import Draft, DraftError, draft_of
 from cloud_tier.sampling import SamplingParams
 
 
@@ -41,9 +41,12 @@ class RequestPlan:
 
 
 class RequestBuilder:
-    def __init__(self, tokenizer, max_model_len: int, default_max_tokens: int = 512, tokenizer_identity: str = ""):
+    def __init__(self, tokenizer, max_model_len: int, default_max_tokens: int = 512, tokenizer_identity: str = "",
+                 model_vocab_size: int = 0):
         """``tokenizer_identity``: this model's (``model_distribution.artifacts.tokenizer_identity``);
-        a request's draft is used only when it names the same ("": never)."""
+        a request's draft is used only when it names the same ("": never). ``model_vocab_size``: the
+        ids the model can produce (its embedding rows, often past the tokenizer's: a draft may hold
+        them); 0: the tokenizer's."""
         self.tokenizer = tokenizer
         self.tokenizer_identity = tokenizer_identity
         self.max_model_len = max_model_len
@@ -53,6 +56,7 @@ class RequestBuilder:
         self._bos = tokenizer.bos_token_id
         self._adds_bos = self._bos is not None and tokenizer.encode("a")[:1] == [self._bos]
         self._vocab = len(tokenizer)
+        self.draft_vocab = max(self._vocab, model_vocab_size)
 
     def chat(self, req: ChatCompletionRequest) -> RequestPlan:
         try:
@@ -107,7 +111,10 @@ class RequestBuilder:
                                    for name in ("ttft_slo_s", "tpot_slo_s", "timeout"))
         except (ValueError, TypeError) as e:
             raise errors.bad_request(str(e)) from e
-        draft = draft_of(req.cascade.draft if req.cascade else None, self.tokenizer_identity, self._vocab)
+        try:
+            draft = draft_of(req.cascade.draft if req.cascade else None, self.tokenizer_identity, self.draft_vocab)
+        except DraftError as e:
+            raise errors.bad_request(f"Invalid draft: {e}", e.param, "invalid_draft") from e
         return RequestPlan(tokens, params, logprobs, priority, priority_class, ttft, tpot, timeout, draft)
 
 

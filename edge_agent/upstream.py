@@ -6,6 +6,7 @@ back-pressure circuit: a 429 or an unreachable cloud opens it; a success closes 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import math
@@ -20,6 +21,7 @@ from cascade import errors, sse, wire
 from cascade.generation import Finish, TokenEvent, TopToken
 from cascade.policy.backpressure import CircuitBreaker, parse_retry_after
 from edge_agent.config import UpstreamConfig
+from edge_agent.drafts import draft_counts, tokenizers_of
 from sync.delivery import Outcome, openai_error
 from sync.queue import Item
 
@@ -253,23 +255,13 @@ class Upstream:
         """The tokenizer identity the cloud states for ``model`` ("" when it states none): from its
         model list, read at most once a minute."""
         if model not in self._tokenizers and time.monotonic() - self._listed_at > TOKENIZER_RELIST_S:
-            self._listed_at = time.monotonic()
-            try:
-                r = await self.client.get(self.base_url + "/models", timeout=5.0)
-                if r.is_success:
-                    self._note_tokenizers(_json_object(r))
-            except httpx.HTTPError as e:
-                log.debug("cannot list the cloud's models for their tokenizers: %r", e)
+            with contextlib.suppress(httpx.HTTPError):  # no list: no draft, nothing else changes
+                self._note_tokenizers(_json_object(await self.client.get(self.base_url + "/models", timeout=5.0)))
         return self._tokenizers.get(model or "", "")
 
     def _note_tokenizers(self, listing: dict | None) -> None:
-        """Keep what a model list says of each model's tokenizer (``meta.tokenizer``, a short token)."""
         self._listed_at = time.monotonic()
-        for card in (listing or {}).get("data") or ():
-            meta = card.get("meta") if isinstance(card, dict) else None
-            tok = meta.get("tokenizer") if isinstance(meta, dict) else None
-            if isinstance(card.get("id"), str) and isinstance(tok, str) and 0 < len(tok) <= 128:
-                self._tokenizers[card["id"]] = tok
+        self._tokenizers.update(tokenizers_of(listing))
 
     async def _open(self, endpoint: str, payload: dict, headers: dict, key: str) -> Escalation:
         req = self.client.build_request("POST", self.base_url + ENDPOINTS[endpoint], json=payload, headers=headers)
@@ -349,18 +341,6 @@ def _tokens(usage: dict, name: str) -> int:
     return min(max(v, 0), 2**31 - 1) if isinstance(v, int) and not isinstance(v, bool) else 0
 
 
-def _draft_counts(value) -> tuple[int, int] | None:
-    """What the cloud says of our draft (``cascade.draft``: offered, accepted), clamped into
-    0 <= accepted <= offered <= 64; None when it says nothing usable."""
-    if not isinstance(value, dict):
-        return None
-    offered, accepted = value.get("offered"), value.get("accepted")
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (offered, accepted)):
-        return None
-    offered = min(max(offered, 0), 64)
-    return offered, min(max(accepted, 0), offered)
-
-
 def _model_ids(body: dict | None) -> list[str] | None:
     """The ids of an OpenAI model list, or None when ``body`` is not one."""
     data = body.get("data") if body else None
@@ -390,7 +370,7 @@ async def _events(resp: httpx.Response, lines: AsyncIterator[bytes], first: dict
             if isinstance(chunk.get("usage"), dict):
                 usage = chunk["usage"]
             if isinstance(chunk.get("cascade"), dict):
-                draft = _draft_counts(chunk["cascade"].get("draft")) or draft
+                draft = draft_counts(chunk["cascade"].get("draft")) or draft
             for choice in chunk.get("choices") or []:
                 text = (choice.get("delta") or {}).get("content") if endpoint == "chat" else choice.get("text")
                 lp = ((choice.get("logprobs") or {}).get("content") or [None])[0] if endpoint == "chat" else None
@@ -416,13 +396,3 @@ async def _events(resp: httpx.Response, lines: AsyncIterator[bytes], first: dict
     finally:
         await resp.aclose()
 
-
-def draft_of(events: list, identity: str, greedy: bool) -> dict | None:
-    """The ``cascade.draft`` of a held-back local answer (its first K tokens), for a cloud with the
-    same tokenizer to verify instead of generating them again: None without tokens, without this
-    model's tokenizer identity, or for a sampled answer (exact verification of a sample needs the
-    device's whole distribution at each position, which the agent does not keep)."""
-    ids = [e.token_id for e in events if isinstance(e, TokenEvent)][:64]
-    if not ids or not identity or not greedy:
-        return None
-    return {"token_ids": ids, "probs": [1.0] * len(ids), "tokenizer": identity}

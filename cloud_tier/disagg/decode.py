@@ -6,6 +6,7 @@ own token, a cap from its prompt's blocks) and validates each before anything is
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ from cloud_tier.disagg.messages import RequestRecord, TransferAck, TransferHeade
 from cloud_tier.disagg.protocol import GenerateRequest, PrefillRequest, PrefillResponse
 from cloud_tier.disagg.records import logprobs_of, params_of, service_level_of
 from cloud_tier.disagg.transport import KVReceiver, ReceiverLimits, payload_to_tensor
+from cloud_tier.draft import Draft
 from cloud_tier.engine.async_engine import AsyncLLMEngine
 from cloud_tier.engine.llm_engine import KVCapacityError
 from cloud_tier.engine.model_runner import ModelRunner
@@ -39,6 +41,7 @@ class _Waiting:
 
     record: RequestRecord  # as asked for: the transfer must be of this prompt
     adopted: asyncio.Future  # (its first output, its stream) once its KV is in this engine
+    draft_kept: int = 0  # of its draft (cascade.draft), the tokens the prefill worker's first token confirmed
 
 
 class DecodeService:
@@ -100,10 +103,10 @@ class DecodeService:
                 raise PrefillFailed("error", "the prefill worker reported a transfer this worker did not adopt")
             first, stream = waiting.adopted.result()
             finished, started = first.finished, True
-            yield first
+            yield _draft_told(first, rec, waiting.draft_kept)
             async for out in stream:
                 finished = out.finished
-                yield out
+                yield _draft_told(out, rec, waiting.draft_kept)
         except asyncio.CancelledError:
             if not started:
                 self.cancelled += 1
@@ -123,7 +126,9 @@ class DecodeService:
             # refused as a duplicate must not abort the other request holding that id)
 
     async def _call_prefill(self, body: GenerateRequest, token: str) -> PrefillResponse:
-        req = PrefillRequest(record=body.record.model_copy(update={"transfer_token": token}),
+        # the draft is verified here, in the first decode step (the handoff carries one token)
+        req = PrefillRequest(record=body.record.model_copy(update={"transfer_token": token, "draft_token_ids": [],
+                                                                   "draft_probs": None, "draft_top": None}),
                              kv_target=self.address, transport=body.transport)
         headers = {"content-type": "application/json"}
         if self.api_key:
@@ -152,8 +157,11 @@ class DecodeService:
                 raise ValueError("the KV is of another prompt than the one asked for")
             if len(sent.output_token_ids) != 1:
                 raise ValueError("a transferred request carries exactly its first token")
-            req = self.engine.prepare(rec.prompt_token_ids, params_of(rec), rid, rec.priority, service_level_of(rec))
+            rest = _draft_after(rec.draft(), sent.output_token_ids[0])
+            req = self.engine.prepare(rec.prompt_token_ids, params_of(rec), rid, rec.priority, service_level_of(rec),
+                                      draft=rest)
             req.append_token(sent.output_token_ids[0])
+            waiting.draft_kept = 1 if rest is not None or (rec.draft_token_ids == sent.output_token_ids) else 0
             kv = payload_to_tensor(header, payload)
             stream = await self.engine.adopt(req, kv, logprobs_of(sent.logprobs[0]) if sent.logprobs else None,
                                              sent.sampler_state, sent.num_cached_tokens)
@@ -182,3 +190,22 @@ def _ended_on_prefill(resp: PrefillResponse) -> RequestOutput:
                          text=resp.text, new_token_ids=list(rec.output_token_ids), delta_text=resp.text,
                          logprobs=lps if rec.sampling.get("logprobs") is not None else None, new_logprobs=lps,
                          finished=True, finish_reason=rec.finish_reason, num_cached_tokens=rec.num_cached_tokens)
+
+
+def _draft_after(draft: Draft | None, first: int) -> Draft | None:
+    """What is left of a device's draft to verify after the prefill worker's first token: the rest
+    of it when that token is its first (the same prefix, so speculative verification of the rest
+    stays exact), else nothing (the draft went another way at once)."""
+    if draft is None or len(draft.token_ids) < 2 or draft.token_ids[0] != first:
+        return None
+    return Draft(draft.token_ids[1:], draft.probs[1:] if draft.probs is not None else None,
+                 draft.top[1:] if draft.top is not None else None)
+
+
+def _draft_told(out: RequestOutput, rec: RequestRecord, kept: int) -> RequestOutput:
+    """The output with its draft's counts as the device offered it: the whole draft, and accepted
+    the token the prefill side confirmed plus what this engine accepted of the rest."""
+    if not rec.draft_token_ids or not out.finished:
+        return out
+    return dataclasses.replace(out, draft_offered=len(rec.draft_token_ids),
+                               draft_accepted=kept + out.draft_accepted if kept else 0)

@@ -98,3 +98,4 @@ class ServedModel(_Body):
     # model_distribution.artifacts.tokenizer_identity of its tokenizer: a device whose model has the
     # same may send its draft tokens to verify (cascade.draft); "" if not told (no drafts)
     tokenizer_identity: str = Field(default="", max_length=128)
+    vocab_size: int = Field(default=0, ge=0, le=1 << 24)  # ids the model can produce (past the tokenizer)

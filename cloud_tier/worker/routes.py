@@ -22,7 +22,6 @@ from cascade.web.caller import CallerGone, while_connected
 from cloud_tier.disagg.decode import PrefillFailed
 from cloud_tier.disagg.protocol import GenerateRequest, PrefillRequest, PrefillResponse, ServedModel, WorkerLoadReport
 from cloud_tier.engine.async_engine import EngineDeadError
-from cloud_tier.worker.drafts import pop_draft
 from cloud_tier.worker.protocol import WorkerStats
 from cloud_tier.worker.service import WorkerService
 
@@ -61,7 +60,7 @@ async def _card(request: Request) -> dict:
     """The model's card, with its ``tokenizer`` identity (a device's draft must name the same)."""
     svc = service(request)
     engine = request.app.state.config.engine
-    tokenizer = await asyncio.to_thread(svc.tokenizer_identity)  # read from the GGUF on the first ask
+    tokenizer = svc.tokenizer_identity()
     card = ModelCard(id=svc.model_id, created=request.app.state.started,
                      meta={"max_model_len": svc.max_model_len, "dtype": svc.engine.engine.config.dtype,
                            "kv_cache_dtype": engine.kv_cache_dtype, "tokenizer": tokenizer})
@@ -85,11 +84,9 @@ async def get_model(request: Request, model: str) -> JSONResponse:
 async def chat_completions(request: Request):
     svc = service(request)
     body = await read_json(request, request.app.state.config.server.max_body_bytes)
-    draft = pop_draft(body)
     req = parse_body(ChatCompletionRequest, body)
-    job = svc.chat_job(req, request.headers, draft)
+    job = svc.chat_job(req, request.headers)
     fmt = ChatFormatter(svc.model_id, req.logprobs)
-    fmt.cascade = job.cascade  # a draft's outcome, filled in when the answer ends
     return await openai_response(request, svc.run(job), fmt, req.stream, req.include_usage_in_stream(),
                                  _counter(svc, "chat"))
 
@@ -99,11 +96,9 @@ async def chat_completions(request: Request):
 async def completions(request: Request):
     svc = service(request)
     body = await read_json(request, request.app.state.config.server.max_body_bytes)
-    draft = pop_draft(body)
     req = parse_body(CompletionRequest, body)
-    job = svc.completion_job(req, request.headers, draft)
+    job = svc.completion_job(req, request.headers)
     fmt = CompletionFormatter(svc.model_id, req.logprobs)
-    fmt.cascade = job.cascade
     return await openai_response(request, svc.run(job), fmt, req.stream, req.include_usage_in_stream(),
                                  _counter(svc, "completions"))
 

@@ -21,7 +21,6 @@ from cloud_tier.engine.outputs import RequestOutput
 from cloud_tier.engine.request import Request, ServiceLevel
 from cloud_tier.engine.scheduling.admission import SLOMissError
 from cloud_tier.request_builder import RequestBuilder, RequestPlan, with_headers
-from cloud_tier.worker.drafts import parse_draft
 from cloud_tier.worker.metrics import WorkerMetrics
 from cloud_tier.worker.protocol import DecodeStats, EngineStats, PrefillStats, WorkerStats
 
@@ -31,7 +30,6 @@ class EngineJob:
     request: Request
     logprobs: int | None
     arrived: float
-    cascade: dict | None = None  # the answer's ``cascade`` object (a draft's outcome), filled when it ends
 
 
 class WorkerService:
@@ -44,17 +42,18 @@ class WorkerService:
         self.metrics = metrics
         self.role = role
         self.max_model_len = engine.engine.max_model_len
-        self.builder = RequestBuilder(engine.tokenizer, self.max_model_len, default_max_tokens)
+        # a device's draft is used only when its tokenizer identity is this model's (read from the GGUF once)
+        self._tokenizer_identity = engine.engine.tokenizer_identity()
+        self.builder = RequestBuilder(engine.tokenizer, self.max_model_len, default_max_tokens,
+                                      tokenizer_identity=self._tokenizer_identity,
+                                      model_vocab_size=engine.engine.model.config["vocab_size"])
         self.prefill = prefill
         self.decode = decode
         self._served: ServedModel | None = None
-        self._tokenizer_identity: str | None = None
 
     def tokenizer_identity(self) -> str:
         """This model's tokenizer identity (``model_distribution.artifacts.tokenizer_identity``):
         a draft is used only when it names the same."""
-        if self._tokenizer_identity is None:
-            self._tokenizer_identity = self.engine.engine.tokenizer_identity()
         return self._tokenizer_identity
 
     def served_model(self) -> ServedModel:
@@ -63,6 +62,8 @@ class WorkerService:
             self._served = ServedModel(model=self.model_id, aliases=sorted(self.model_names - {self.model_id}),
                                        max_model_len=self.max_model_len,
                                        model_identity=self.engine.engine.model_identity,
+                                       tokenizer_identity=self._tokenizer_identity,
+                                       vocab_size=self.builder.draft_vocab,
                                        tokenizer_files=tokenizer_files.dump(self.engine.tokenizer))
         return self._served
 
@@ -86,40 +87,36 @@ class WorkerService:
 
     # -- OpenAI request -> job -----------------------------------------------------------
 
-    def chat_job(self, req: ChatCompletionRequest, headers: Mapping[str, str] | None = None,
-                 draft: object = None) -> EngineJob:
-        """``draft``: the body's raw ``cascade.draft`` (``drafts.pop_draft``), if any."""
+    def chat_job(self, req: ChatCompletionRequest, headers: Mapping[str, str] | None = None) -> EngineJob:
         self.check_model(req.model)
-        return self._job(self.builder.chat(req), headers or {}, draft)
+        return self._job(self.builder.chat(req), headers or {}, req)
 
-    def completion_job(self, req: CompletionRequest, headers: Mapping[str, str] | None = None,
-                       draft: object = None) -> EngineJob:
+    def completion_job(self, req: CompletionRequest, headers: Mapping[str, str] | None = None) -> EngineJob:
         self.check_model(req.model)
-        return self._job(self.builder.completion(req), headers or {}, draft)
+        return self._job(self.builder.completion(req), headers or {}, req)
 
-    def _job(self, plan: RequestPlan, headers: Mapping[str, str], raw_draft: object = None) -> EngineJob:
+    def _job(self, plan: RequestPlan, headers: Mapping[str, str], req) -> EngineJob:
+        """``plan.draft``: the body's draft when its tokenizer is this model's (``RequestBuilder``)."""
         slo = service_level(plan, headers)
-        offer = parse_draft(raw_draft, self.engine.engine.model.config["vocab_size"])
-        draft = None
-        if offer is not None:
-            matches = offer.tokenizer == self.tokenizer_identity()
-            self.metrics.drafts.labels(outcome="received" if matches else "tokenizer_mismatch").inc()
-            draft = offer.draft if matches else None
+        self._count_offer(req, plan)
         try:
             request = self.engine.prepare(plan.prompt_token_ids, plan.params, priority=plan.priority, slo=slo,
-                                          draft=draft)
+                                          draft=plan.draft)
         except EngineDeadError as e:
             raise errors.APIError(503, str(e), "server_error", code="engine_unavailable") from e
         except (ValueError, TypeError) as e:
             raise errors.bad_request(str(e), getattr(e, "param", None)) from e
-        cascade = {"draft": {"offered": len(draft.token_ids), "accepted": 0}} if draft is not None else None
-        return EngineJob(request, plan.logprobs, time.perf_counter(), cascade)
+        return EngineJob(request, plan.logprobs, time.perf_counter())
+
+    def _count_offer(self, req, plan: RequestPlan) -> None:
+        if req.cascade is not None and req.cascade.draft is not None:
+            self.metrics.drafts.labels(outcome="received" if plan.draft else "tokenizer_mismatch").inc()
 
     # -- running ---------------------------------------------------------------------------
 
     async def run(self, job: EngineJob) -> AsyncIterator[TokenEvent | Finish]:
         """The engine's outputs for ``job`` as generation events (aborted if not read to the end)."""
-        async for ev in self.events(self.engine.stream(job.request), job.arrived, job.request.slo, job.cascade):
+        async for ev in self.events(self.engine.stream(job.request), job.arrived, job.request.slo):
             yield ev
 
     async def generate(self, body: GenerateRequest) -> AsyncIterator[TokenEvent | Finish]:
@@ -129,7 +126,7 @@ class WorkerService:
         if body.prefill_url is None:
             try:
                 req = self.engine.prepare(rec.prompt_token_ids, params_of(rec), rec.request_id, rec.priority,
-                                          service_level_of(rec), arrival_of(rec))
+                                          service_level_of(rec), arrival_of(rec), draft=rec.draft())
             except EngineDeadError as e:
                 raise errors.APIError(503, str(e), "server_error", code="engine_unavailable") from e
             except (ValueError, TypeError) as e:
@@ -143,9 +140,8 @@ class WorkerService:
         async for ev in self.events(outputs, arrived, service_level_of(rec)):
             yield ev
 
-    async def events(self, outputs: AsyncIterator[RequestOutput], arrived: float, slo: ServiceLevel,
-                     cascade: dict | None = None) -> AsyncIterator[TokenEvent | Finish]:
-        """``cascade``: the answer's ``cascade`` object, its draft's outcome filled in when it ends."""
+    async def events(self, outputs: AsyncIterator[RequestOutput], arrived: float, slo: ServiceLevel
+                     ) -> AsyncIterator[TokenEvent | Finish]:
         decode = self.engine.tokenizer.decode
         m = self.metrics
         last = first = None
@@ -167,13 +163,14 @@ class WorkerService:
                     yield TokenEvent(token, out.delta_text if i == len(out.new_token_ids) - 1 else "", piece,
                                      lp.logprob if lp else 0.0, 0.0, top)
                 if out.finished:
-                    if cascade is not None and "draft" in cascade:
-                        cascade["draft"] = self.metrics.observe_draft(out)
+                    if out.draft_offered:
+                        self.metrics.observe_draft(out)
                     m.prompt_tokens.inc(out.num_prompt_tokens)
                     m.e2e.observe(now - arrived)
                     self._count_goodput(slo, tenant, arrived, first, now, len(out.token_ids))
                     yield Finish(out.finish_reason or "stop", out.num_prompt_tokens, len(out.token_ids),
-                                 out.num_cached_tokens, truncated=out.truncated)
+                                 out.num_cached_tokens, truncated=out.truncated, draft_offered=out.draft_offered,
+                                 draft_accepted=out.draft_accepted)
                     return
         except SLOMissError as e:  # refused before its first token: it would miss its TTFT target
             m.slo_rejected.labels(tenant=tenant, priority_class=slo.priority_class).inc()

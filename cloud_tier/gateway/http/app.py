@@ -79,7 +79,7 @@ async def _service(config: CloudConfig, pool: WorkerPool, stores, client: httpx.
         model = await served_model(pool, g.startup_timeout_s)
         tokenizer = await asyncio.to_thread(tokenizer_files.load, model.tokenizer_files)
         builder = RequestBuilder(tokenizer, pool.max_model_len or model.max_model_len,
-                                 tokenizer_identity=model.tokenizer_identity)
+                                 tokenizer_identity=model.tokenizer_identity, model_vocab_size=model.vocab_size)
         model_id, aliases, max_model_len = model.model, set(model.aliases), builder.max_model_len
     return GatewayService(g, pool, stores, builder, model_id, aliases, client, config.server.api_key,
                           max_model_len)
