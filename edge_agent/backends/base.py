@@ -17,12 +17,15 @@ Invariants the contract tests check for every backend:
 
 from __future__ import annotations
 
+import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from cascade.generation import Finish, TokenEvent, TopToken
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ class ModelDescription:
     chat_template: bool
     quantization: str
     format: str = "gguf"  # the weights' format, as /v1/models shows it: gguf (llama.cpp) | onnx
+    tokenizer: str = ""  # model_distribution.artifacts.tokenizer_identity ("": unknown): a cloud with the
+    # same verifies this model's draft tokens instead of generating them again (cascade.draft)
 
 
 class Backend(ABC):
@@ -111,3 +116,15 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 __all__ = ["Backend", "common_prefix", "Finish", "GenerationOptions", "ModelDescription", "TokenEvent", "TopToken"]
+
+
+def identity_of(path) -> str:
+    """The tokenizer identity of the model at ``path`` (a GGUF file or an HF/ONNX directory), ""
+    when it cannot be read (the agent then never offers a draft)."""
+    from model_distribution.artifacts.tokenizer_identity import tokenizer_identity
+
+    try:
+        return tokenizer_identity(path)
+    except (OSError, ValueError, KeyError) as e:
+        log.warning("no tokenizer identity for %s (%s): escalations carry no draft", path, e)
+        return ""

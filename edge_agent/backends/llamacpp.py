@@ -36,6 +36,7 @@ from edge_agent.backends.base import (
     TokenEvent,
     TopToken,
     common_prefix,
+    identity_of,
 )
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,7 @@ class LlamaCppBackend(Backend):
             architecture=meta.get("general.architecture", "unknown"),
             n_ctx=self._ctx.n_ctx(), n_vocab=vocab,
             chat_template=not self._template.is_transcript, quantization=self._quantization,
+            tokenizer=identity_of(self.config.path),
         )
         self._warm_up()
         log.info("loaded %s (%s, n_ctx=%d, threads=%d/%d)", self.config.name, self.config.path,

@@ -32,6 +32,7 @@ from edge_agent.backends.base import (
     TokenEvent,
     TopToken,
     common_prefix,
+    identity_of,
 )
 from edge_agent.backends.sampling import LogitsSampler, StepStats
 from edge_agent.hardware import choose_providers
@@ -175,7 +176,8 @@ class OnnxBackend(Backend):
             self.description = ModelDescription(
                 name=self.config.name, path=self.config.path, architecture=genai.get("type", "unknown"),
                 n_ctx=n_ctx, n_vocab=self._n_vocab, chat_template=not self._template.is_transcript,
-                quantization=self._quantization or describe_onnx_dir(root)["quantization"], format="onnx")
+                quantization=self._quantization or describe_onnx_dir(root)["quantization"], format="onnx",
+                tokenizer=identity_of(root))
             self._stats = StepStats(self._n_vocab)
             self._warm_up()
         except BaseException:

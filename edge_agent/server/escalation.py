@@ -35,6 +35,7 @@ from cascade.policy.refine import wants_refinement
 from cascade.policy.router import prompt_features
 from cascade.policy.session_order import goes_behind_backlog
 from edge_agent.config import CascadeConfig
+from edge_agent.drafts import draft_of
 from edge_agent.server.outbox import Outbox
 from edge_agent.server.routing import RouterGate
 from edge_agent.server.service import EdgeService, LocalJob, LocalRun
@@ -231,7 +232,7 @@ class Escalator:
             routed.extra_headers["X-Cascade-Refinement"] = refinement.location
         return routed
 
-    async def _cloud(self, endpoint: str, body: dict, reason: str, draft: str | None = None,
+    async def _cloud(self, endpoint: str, body: dict, reason: str, draft: dict | None = None,
                      app_key: str | None = None) -> Routed:
         try:
             esc = await self.upstream.escalate(endpoint, body, reason, draft, app_key=app_key)
@@ -283,7 +284,7 @@ class Escalator:
         after = (after_router(router, feats, conf, self.upstream.available) if router
                  else after_local(conf, self.policy.confidence, self.upstream.available))
         if after is not None and after.tier == "cloud":
-            draft = "".join(e.text for e in held if isinstance(e, TokenEvent))
+            draft = draft_of(held, svc.description.tokenizer, job.options.temperature == 0)  # the cloud verifies
             try:
                 routed = await self._cloud(endpoint, body, after.reason, draft, app_key)
             except (UpstreamUnavailable, errors.APIError) as e:

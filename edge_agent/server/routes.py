@@ -62,7 +62,8 @@ def _model_card(request: Request) -> ModelCard:
     d = svc.description
     return ModelCard(id=svc.model_id, created=request.app.state.started,
                      meta={"format": d.format, "quantization": d.quantization, "n_ctx": d.n_ctx,
-                           "architecture": d.architecture, "chat_template": d.chat_template})
+                           "architecture": d.architecture, "chat_template": d.chat_template,
+                           **({"tokenizer": d.tokenizer} if d.tokenizer else {})})
 
 
 @v1.get("/models", responses=openapi.errors(401, 500))

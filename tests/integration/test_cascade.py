@@ -107,6 +107,10 @@ def test_low_confidence_stream_switches_to_the_cloud_before_releasing_anything(e
         streamed = "".join((c["choices"][0].get("delta") or {}).get("content") or "" for c in chunks if c["choices"])
         final = next(c for c in chunks if c["choices"] and c["choices"][0].get("finish_reason"))
         assert final["cascade"]["tier"] == "cloud" and final["cascade"]["confidence"]["tokens"] == 4
+        # the held-back tokens went up as a draft (one tokenizer on both tiers), and the cloud kept
+        # what its own greedy answer agrees with: the answer is still the cloud's own (below)
+        draft = final["cascade"]["draft"]
+        assert draft["offered"] == 4 and 0 <= draft["accepted"] <= 4
         # the cloud's own answer, straight from the gateway
         cloud_client = openai.OpenAI(base_url=f"{cloud.url}/v1", api_key=key, max_retries=0)
         expected = cloud_client.chat.completions.create(model=MODEL, messages=EASY, max_tokens=16, temperature=0)
