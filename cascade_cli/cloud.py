@@ -24,7 +24,8 @@ def cmd_cloud_worker(args) -> int:
                    "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "threads": args.threads, "ttft_slo_s": args.ttft_slo_s, "tpot_slo_s": args.tpot_slo_s,
                    "slo_headroom": args.slo_headroom, "reservations": args.reservations,
-                   "tpot_min_batch": args.tpot_min_batch, "min_tpot_slo_s": args.min_tpot_slo_s},
+                   "tpot_min_batch": args.tpot_min_batch, "min_tpot_slo_s": args.min_tpot_slo_s,
+                   **_speculative(args)},
         "worker": {"role": args.role},
     }
     try:
@@ -76,7 +77,7 @@ def cmd_cloud_serve(args) -> int:
                    "kv_cache_memory_bytes": args.kv_cache_bytes,
                    "ttft_slo_s": args.ttft_slo_s, "tpot_slo_s": args.tpot_slo_s, "slo_headroom": args.slo_headroom,
                    "reservations": args.reservations, "tpot_min_batch": args.tpot_min_batch,
-                   "min_tpot_slo_s": args.min_tpot_slo_s},
+                   "min_tpot_slo_s": args.min_tpot_slo_s, **_speculative(args)},
     }
     overrides["gateway"].update(k8s_namespace=args.k8s_namespace, k8s_selector=args.k8s_selector,
                                 k8s_prefill_selector=args.k8s_prefill_selector,
@@ -138,6 +139,7 @@ def add_cloud_parser(sub) -> None:
                                                  f"{eng.kv_cache_dtype})")
     worker.add_argument("--weight-dtype", help=f"linear layers' weights: auto (the dtype) or int8 (per-channel, "
                                                f"activations in the dtype) (default: {eng.weight_dtype})")
+    _speculative_flags(worker, eng, "")
     worker.add_argument("--device", help=f"cpu, cuda, cuda:1 ... (default: {eng.device})")
     worker.add_argument("--api-key", help="require 'Authorization: Bearer KEY' of callers (default: none)")
     worker.add_argument("--kv-cache-bytes", type=int,
@@ -195,6 +197,7 @@ def add_cloud_parser(sub) -> None:
                                                 f"(default: {eng.kv_cache_dtype})")
     serve.add_argument("--weight-dtype", help=f"for the workers it starts: auto (the dtype) or int8 "
                                               f"(default: {eng.weight_dtype})")
+    _speculative_flags(serve, eng, "for the workers it starts: ")
     serve.add_argument("--kv-cache-bytes", type=int, help=f"memory for KV blocks, per started worker "
                                                           f"(default: {eng.kv_cache_memory_bytes})")
     serve.add_argument("--worker-api-key", help="the bearer key between the gateway and its workers (default: none)")
@@ -216,3 +219,22 @@ def add_cloud_parser(sub) -> None:
     serve.set_defaults(func=cmd_cloud_serve)
 
     add_keys_parser(cloud)
+
+
+def _speculative_flags(parser, eng, prefix: str) -> None:
+    """``--speculative`` and ``--num-speculative-tokens``: the engine's own speculation ([engine]
+    speculative, num_speculative_tokens); a device's draft (cascade.draft) is verified either way."""
+    parser.add_argument("--speculative", choices=["ngram", "none"],
+                        help=f"{prefix}ngram: prompt-lookup speculative decoding (each decode step also "
+                             f"verifies up to --num-speculative-tokens tokens found earlier in the request); "
+                             f"none: off (default: {eng.speculative or 'none'})")
+    parser.add_argument("--num-speculative-tokens", type=int, help=f"{prefix}tokens proposed per decode step, "
+                                                                   f"1..64 (default: {eng.num_speculative_tokens})")
+
+
+def _speculative(args) -> dict:
+    """The [engine] overrides the speculation flags make (none when not given)."""
+    out = {"num_speculative_tokens": args.num_speculative_tokens}
+    if args.speculative is not None:
+        out["speculative"] = "" if args.speculative == "none" else args.speculative
+    return out

@@ -62,3 +62,22 @@ def test_a_bad_value_exits_2_with_one_line(monkeypatch, capsys, flags):
     assert args.func(args) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("cascade: ") and "\n" not in err
+
+
+def test_the_speculation_flags_reach_the_workers_it_starts(monkeypatch):
+    config = served_config(monkeypatch, "--speculative", "ngram", "--num-speculative-tokens", "6")
+    worker, _ = read_settings(worker_command(config, "both", "127.0.0.1", 9000, 2)[1][SETTINGS_ENV])
+    assert (worker.engine.speculative, worker.engine.num_speculative_tokens) == ("ngram", 6)
+    assert served_config(monkeypatch, "--speculative", "none").engine.speculative == ""
+    assert served_config(monkeypatch).engine.speculative == ""  # off unless asked
+
+
+@pytest.mark.parametrize("flags", [["--speculative", "eagle"], ["--num-speculative-tokens", "0"],
+                                   ["--num-speculative-tokens", "65"]])
+def test_a_bad_speculation_flag_is_one_line_and_exit_2(flags, capsys):
+    with pytest.raises(SystemExit) as e:
+        args = build_parser().parse_args(["cloud", "worker", *flags])
+        sys.exit(args.func(args))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "speculative" in err[-1]
