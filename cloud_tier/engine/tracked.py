@@ -45,7 +45,9 @@ class TrackedRequest:
         if out.first_token_time is None:
             out.first_token_time = now
         spec = req.spec
-        out.draft_offered, out.draft_accepted, out.draft_skipped = spec.offered, spec.accepted, spec.skipped
+        # accepted counts the draft's tokens the answer keeps: not those past a stop string, stop token or EOS
+        out.draft_offered, out.draft_accepted, out.draft_skipped = (spec.offered, min(spec.accepted,
+                                                                    len(out.token_ids)), spec.skipped)
 
     def finish(self) -> None:
         """The request ended with this step's token: the held-back text and its finish reason."""

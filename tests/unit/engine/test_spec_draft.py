@@ -69,6 +69,17 @@ def test_a_stop_token_inside_a_right_draft_ends_the_answer_there(engine, base):
     assert expected == base[:base.index(stop) + 1]
     out = with_draft(engine, base[:16], stop_token_ids=(stop,))
     assert out.token_ids == expected and out.finish_reason == "stop"
+    assert out.draft_accepted == len(expected)  # the draft's tokens the answer keeps, not the 16 it agreed with
+
+
+def test_a_stop_string_inside_a_right_draft_counts_only_what_the_answer_keeps(engine, base):
+    text = engine.tokenizer.decode(base[:4])
+    stop = text[-1]
+    params = SamplingParams(temperature=0.0, max_tokens=N, stop=(stop,))
+    expected = run(engine, [engine.make_request(PROMPT, params)])[0]
+    out = with_draft(engine, base[:16], stop=(stop,))
+    assert out.token_ids == expected.token_ids and out.finish_reason == "stop"
+    assert out.draft_accepted <= len(out.token_ids) < 16
 
 
 def test_eos_drafted_where_the_engine_goes_on_is_rejected(engine, base):
