@@ -93,3 +93,25 @@ def test_a_draft_of_ids_past_the_vocabulary_is_a_400_naming_it(gateways):
         "model": MODEL, "prompt": PROMPT, "max_tokens": 4,
         "cascade": {"draft": {"token_ids": [1, 10**6], "tokenizer": identity}}})
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("cascade.draft.token_ids"), r.text
+
+
+def test_the_result_cache_keeps_no_draft_report_and_no_sampled_answer_drawn_against_a_draft(gateways):
+    servers, auth = gateways
+    gateway = servers["both"]
+    identity = httpx.get(f"{gateway.url}/v1/models", headers=auth, timeout=10).json()["data"][0]["meta"]["tokenizer"]
+    draft = {"token_ids": [1, 2, 3], "probs": [1.0, 1.0, 1.0], "tokenizer": identity}
+
+    def post(body):
+        r = httpx.post(f"{gateway.url}/v1/completions", headers=auth, timeout=120, json=body)
+        assert r.status_code == 200, r.text
+        return r.headers["x-cascade-cache"], r.json()
+
+    greedy = {"model": MODEL, "prompt": PROMPT + " (cache)", "max_tokens": 8, "temperature": 0}
+    first = post({**greedy, "cascade": {"draft": draft}})
+    assert first[0] == "miss" and first[1]["cascade"]["draft"]["offered"] == 3
+    again = post(greedy)  # the same greedy answer, from the cache: without the other request's draft report
+    assert again[0] == "hit" and again[1]["choices"] == first[1]["choices"]
+    assert "draft" not in (again[1].get("cascade") or {})
+    sampled = {**greedy, "temperature": 0.8, "seed": 5, "prompt": PROMPT + " (sampled)"}
+    assert post({**sampled, "cascade": {"draft": draft}})[0] == "miss"
+    assert post(sampled)[0] == "miss"  # the seed's own answer was never stored from the drafted one

@@ -41,7 +41,10 @@ class OwnWorkers:
         job = OwnJob(self, flight, endpoint, req, priority)
         if flight.cache_key is None:
             job.plan = self.plan(endpoint, req, priority)
-            flight.cache_key = cache_key(flight.tenant, self.model_id, endpoint, job.plan)
+            # a sampled answer verified against a draft is drawn another way than the same seed's without
+            # one (greedy ones are equal): it is not the seed's answer to keep or to take
+            sampled_draft = job.plan.draft is not None and job.plan.params.temperature != 0
+            flight.cache_key = None if sampled_draft else cache_key(flight.tenant, self.model_id, endpoint, job.plan)
             if flight.cache_key:
                 self.cache_keys.put(seen, flight.cache_key, 0, owner=flight.tenant)
         return job

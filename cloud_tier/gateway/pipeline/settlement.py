@@ -93,6 +93,8 @@ class Settlement:
         """A finished flight's result into the cache, its tokens and times into the metrics."""
         try:
             if f.cache_key and not fin.truncated:  # an answer cut at its deadline is not the answer to keep
+                if fin.draft_offered:  # what came of this request's draft is no other request's
+                    stored = {**stored, "events": [{k: v for k, v in e.items() if k != "draft"} for e in f.events]}
                 self.cache.put(f.cache_key, stored, sum(len(json.dumps(e)) for e in f.events), owner=f.tenant)
         finally:
             m, t = self.metrics, f.tenant
