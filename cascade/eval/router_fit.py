@@ -15,10 +15,11 @@ import numpy as np
 
 from cascade.eval.calibration import Sample
 from cascade.policy.router import (
+    FEATURES,
     PROMPT_FEATURES,
-    UNCERTAINTY_FEATURES,
     Router,
     Stage,
+    combined,
     prompt_features,
     uncertainty_features,
 )
@@ -28,13 +29,14 @@ FOLDS = 5
 
 
 def sample_features(s: Sample, window: int) -> dict[str, float]:
-    """A sample's prompt features and, from its ``cascade.confidence``, its uncertainty features
-    (the K values when the agent returned them, else its mean and minimum as the quantiles)."""
+    """A sample's stage-2 features: its prompt's and, from its ``cascade.confidence``, its
+    uncertainty features (the K values when the agent returned them, else its mean and minimum as
+    the quantiles), with their interactions."""
     c = s.confidence or {}
     lps, ents = list(c.get("logprobs") or []), list(c.get("entropies") or [])
     if not lps and c.get("tokens"):  # an agent that returned only the summary
         lps, ents = [float(c["min_logprob"]), float(c["mean_logprob"])], [float(c.get("mean_entropy", 0.0))]
-    return prompt_features(s.task.prompt) | uncertainty_features(lps[:window], ents[:window], window)
+    return combined(prompt_features(s.task.prompt), uncertainty_features(lps[:window], ents[:window], window))
 
 
 def labels(samples: list[Sample]) -> np.ndarray:
@@ -163,7 +165,7 @@ def fit_router(samples: list[Sample], target: float, window: int, edge_model: st
     gain = np.array([s.cloud_score - s.edge_score for s in samples])
     w = 1.0 + np.abs(gain) if gap_weights else np.ones(len(samples))
     stage1, s1_oof = fit_stage(rows, y, PROMPT_FEATURES, w, seed=seed)
-    stage2, s2_oof = fit_stage(rows, y, (*PROMPT_FEATURES, *UNCERTAINTY_FEATURES), w, seed=seed)
+    stage2, s2_oof = fit_stage(rows, y, FEATURES, w, seed=seed)
     s1 = np.array([stage1.score(r) for r in rows])
     s2 = np.array([stage2.score(r) for r in rows])
     t1, t2 = choose_thresholds(s1, s2, s1_oof, s2_oof, gain, target)
