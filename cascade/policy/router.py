@@ -32,7 +32,7 @@ UNSURE_LOGPROB = math.log(0.5)  # a token the model gave less than even odds
 # what the tokens' uncertainty means depends on what was asked (the first K tokens of code are
 # mostly boilerplate, of a number the answer itself): products of the general prompt categories
 # with the main uncertainty features (never a feature per task kind of our generator)
-INTERACTIONS = tuple(f"{p}*{u}" for p in ("code", "math", "digits")
+INTERACTIONS = tuple(f"{p}*{u}" for p in ("code", "math", "digits", "numbers", "longest_number")
                      for u in ("lp_min", "lp_mean", "ent_max", "unsure_share", "finished"))
 FEATURES = (*PROMPT_FEATURES, *UNCERTAINTY_FEATURES, *INTERACTIONS)
 MAX_WINDOW = 4096
