@@ -5,8 +5,9 @@ L2-regularized logistic regression on standardized features, solved by Newton's 
 hundred rows, a few dozen features: exact in a handful of iterations); the L2 strength is chosen
 by cross-validated log-loss. The two thresholds are chosen on the fitting samples so that the
 overall escalation rate is the target: the share stage 1 escalates before generating is the one
-that keeps the most quality by out-of-fold scores (ties: the larger share, which saves the
-hold-back), and stage 2 escalates the rest of the target among what stage 1 kept.
+that keeps the most quality by out-of-fold scores (ties: the smaller share: stage 2 reads the
+prompt features too, so stage 1 goes first only where that gains), and stage 2 escalates the rest
+of the target among what stage 1 kept.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def choose_thresholds(s1: np.ndarray, s2: np.ndarray, s1_oof: np.ndarray, s2_oof
     best_n1, best_q = 0, -np.inf
     for n1 in range(0, total + 1, max(1, n // 40)):
         q = float(gain[_two_stage(s1_oof, s2_oof, n1, total)].sum())
-        if q >= best_q - 1e-9:  # ties: more before generating (no hold-back)
+        if q > best_q + 1e-9:  # stage 1 takes more only when that keeps more quality out of fold
             best_n1, best_q = n1, q
     t1 = _above(s1, best_n1)
     kept = s1 <= t1
