@@ -90,9 +90,13 @@ def by_kind(samples: list) -> None:
 
 
 def report(samples: list, args) -> None:
-    fit, held = cal.split(samples, args.holdout, args.seed)
-    print(f"{len(samples)} items ({len(fit)} to fit, {len(held)} held out, split seed {args.seed}); "
-          f"edge {args.edge_model} (llama.cpp), cloud {args.cloud_model} (our engine)\n")
+    if args.fit_on:  # fitted on another run's answers (another seed), judged on every item of this one
+        fit, held = sample_io.from_json(json.loads(Path(args.fit_on).read_text())), samples
+        print(f"fitted on {len(fit)} items of {args.fit_on}, judged on all {len(held)} items here")
+    else:
+        fit, held = cal.split(samples, args.holdout, args.seed)
+        print(f"{len(samples)} items ({len(fit)} to fit, {len(held)} held out, split seed {args.seed})")
+    print(f"edge {args.edge_model} (llama.cpp), cloud {args.cloud_model} (our engine)\n")
     by_kind(samples)
     for weighted in (False, True):
         router, _ = fit_router(fit, args.target_escalation, args.window, args.edge_model, gap_weights=weighted)
@@ -140,6 +144,7 @@ def main() -> int:
     p.add_argument("--samples", help="fit on answers kept before (a samples JSON) instead of asking the tiers")
     p.add_argument("--out", default="router-samples.json", help="where the answers are kept")
     p.add_argument("--holdout", type=float, default=0.5)
+    p.add_argument("--fit-on", help="fit on the answers in this samples JSON and judge on all of these")
     p.add_argument("--target-escalation", type=float, default=0.3)
     p.add_argument("--window", type=int, default=16, help="K: the hold-back tokens the router reads")
     p.add_argument("--record", type=int, default=32, help="tokens whose logprobs the started agent returns")

@@ -5,8 +5,9 @@ L2-regularized logistic regression on standardized features, solved by Newton's 
 hundred rows, a few dozen features: exact in a handful of iterations); the L2 strength is chosen
 by cross-validated log-loss. The two thresholds are chosen on the fitting samples so that the
 overall escalation rate is the target: the share stage 1 escalates before generating is the one
-that keeps the most quality by out-of-fold scores (ties: the larger share, which saves the
-hold-back), and stage 2 escalates the rest of the target among what stage 1 kept.
+that keeps the most quality by out-of-fold scores (ties: the smaller share: stage 2 reads the
+prompt features too, so stage 1 goes first only where that gains), and stage 2 escalates the rest
+of the target among what stage 1 kept.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import numpy as np
 
 from cascade.eval.calibration import Sample
 from cascade.policy.router import (
+    FEATURES,
     PROMPT_FEATURES,
-    UNCERTAINTY_FEATURES,
     Router,
     Stage,
+    combined,
     prompt_features,
     uncertainty_features,
 )
@@ -28,13 +30,14 @@ FOLDS = 5
 
 
 def sample_features(s: Sample, window: int) -> dict[str, float]:
-    """A sample's prompt features and, from its ``cascade.confidence``, its uncertainty features
-    (the K values when the agent returned them, else its mean and minimum as the quantiles)."""
+    """A sample's stage-2 features: its prompt's and, from its ``cascade.confidence``, its
+    uncertainty features (the K values when the agent returned them, else its mean and minimum as
+    the quantiles), with their interactions."""
     c = s.confidence or {}
     lps, ents = list(c.get("logprobs") or []), list(c.get("entropies") or [])
     if not lps and c.get("tokens"):  # an agent that returned only the summary
         lps, ents = [float(c["min_logprob"]), float(c["mean_logprob"])], [float(c.get("mean_entropy", 0.0))]
-    return prompt_features(s.task.prompt) | uncertainty_features(lps[:window], ents[:window], window)
+    return combined(prompt_features(s.task.prompt), uncertainty_features(lps[:window], ents[:window], window))
 
 
 def labels(samples: list[Sample]) -> np.ndarray:
@@ -147,7 +150,7 @@ def choose_thresholds(s1: np.ndarray, s2: np.ndarray, s1_oof: np.ndarray, s2_oof
     best_n1, best_q = 0, -np.inf
     for n1 in range(0, total + 1, max(1, n // 40)):
         q = float(gain[_two_stage(s1_oof, s2_oof, n1, total)].sum())
-        if q >= best_q - 1e-9:  # ties: more before generating (no hold-back)
+        if q > best_q + 1e-9:  # stage 1 takes more only when that keeps more quality out of fold
             best_n1, best_q = n1, q
     t1 = _above(s1, best_n1)
     kept = s1 <= t1
@@ -163,7 +166,7 @@ def fit_router(samples: list[Sample], target: float, window: int, edge_model: st
     gain = np.array([s.cloud_score - s.edge_score for s in samples])
     w = 1.0 + np.abs(gain) if gap_weights else np.ones(len(samples))
     stage1, s1_oof = fit_stage(rows, y, PROMPT_FEATURES, w, seed=seed)
-    stage2, s2_oof = fit_stage(rows, y, (*PROMPT_FEATURES, *UNCERTAINTY_FEATURES), w, seed=seed)
+    stage2, s2_oof = fit_stage(rows, y, FEATURES, w, seed=seed)
     s1 = np.array([stage1.score(r) for r in rows])
     s2 = np.array([stage2.score(r) for r in rows])
     t1, t2 = choose_thresholds(s1, s2, s1_oof, s2_oof, gain, target)

@@ -29,7 +29,12 @@ PROMPT_FEATURES = (*DIFFICULTY_FEATURES, "numbers", "longest_number", "operators
 UNCERTAINTY_FEATURES = ("lp_min", "lp_p10", "lp_p25", "lp_median", "lp_mean", "lp_first", "unsure_share", "ent_mean",
                         "ent_max", "finished")
 UNSURE_LOGPROB = math.log(0.5)  # a token the model gave less than even odds
-FEATURES = (*PROMPT_FEATURES, *UNCERTAINTY_FEATURES)
+# what the tokens' uncertainty means depends on what was asked (the first K tokens of code are
+# mostly boilerplate, of a number the answer itself): products of the general prompt categories
+# with the main uncertainty features (never a feature per task kind of our generator)
+INTERACTIONS = tuple(f"{p}*{u}" for p in ("code", "math", "digits", "numbers", "longest_number")
+                     for u in ("lp_min", "lp_mean", "ent_max", "unsure_share", "finished"))
+FEATURES = (*PROMPT_FEATURES, *UNCERTAINTY_FEATURES, *INTERACTIONS)
 MAX_WINDOW = 4096
 
 
@@ -74,6 +79,15 @@ def uncertainty_features(logprobs: list[float], entropies: list[float], window: 
             "finished": float(finished or len(logprobs) < window)}
 
 
+def combined(prompt: dict[str, float], uncertainty: dict[str, float]) -> dict[str, float]:
+    """Stage 2's features: the prompt's, the tokens', and their ``INTERACTIONS``."""
+    feats = prompt | uncertainty
+    for name in INTERACTIONS:
+        p, u = name.split("*")
+        feats[name] = feats.get(p, 0.0) * feats.get(u, 0.0)
+    return feats
+
+
 @dataclass(frozen=True)
 class Stage:
     """A logistic model over standardized features: sigmoid(bias + sum w * (x - mean) / scale)."""
@@ -108,7 +122,7 @@ class Router:
 
     def after(self, prompt: dict[str, float], uncertainty: dict[str, float]) -> bool:
         """Stage 2: after the hold-back, with what the first K tokens say."""
-        return self.stage2.score(prompt | uncertainty) > self.stage2_threshold
+        return self.stage2.score(combined(prompt, uncertainty)) > self.stage2_threshold
 
     def matches(self, model: str, sha256: str = "") -> bool:
         """Calibrated for this model: the same name, and the same digest when both are known."""

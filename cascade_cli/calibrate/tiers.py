@@ -44,15 +44,16 @@ def served_model(url: str, headers: dict, what: str, start: str) -> str:
 
 
 def edge_sha256(url: str, wait_s: float = 60.0) -> str:
-    """The edge agent's served GGUF sha256 from its /healthz (hashed in the background the first
-    time it is asked for); "" when the agent does not tell it (an older agent, an ONNX model)."""
+    """The edge agent's served GGUF sha256 from its ``/healthz?sha256=1`` (which starts the hash in
+    the background; asked again until it is done); "" when the agent does not tell it (an older
+    agent, an ONNX model)."""
     import time
 
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            health = loads(httpx.get(f"{url.rstrip('/').removesuffix('/v1')}/healthz", timeout=10).content,
-                           limit=MAX_ANSWER_BYTES)
+            health = loads(httpx.get(f"{url.rstrip('/').removesuffix('/v1')}/healthz", params={"sha256": "1"},
+                                     timeout=10).content, limit=MAX_ANSWER_BYTES)
         except (httpx.HTTPError, WireError):
             return ""
         if not isinstance(health, dict) or "model_sha256" not in health:

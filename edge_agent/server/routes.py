@@ -37,7 +37,8 @@ _GENERATION = {**openapi.queued(), **openapi.errors(400, 401, 403, 404, 409, 413
 
 @ops.get("/healthz")
 @ops.get("/health")
-async def healthz(request: Request):
+async def healthz(request: Request, sha256: bool = False):
+    """``?sha256=1``: hash the served GGUF (once, in the background) for ``model_sha256``."""
     svc = service(request)
     esc = escalator(request)
     up = esc.upstream
@@ -48,7 +49,8 @@ async def healthz(request: Request):
             "upstream": None if up is None else {"url": up.base_url, "circuit": up.breaker.state,
                                                  "retry_after_s": round(up.breaker.retry_after_s(), 3),
                                                  "last_error": up.breaker.last_error or None},
-            "model_sha256": esc.gate.sha256(wait=False), "router": esc.gate.status(esc.policy.router)}
+            "model_sha256": esc.gate.sha256(wait=False) if sha256 else esc.gate.known_sha256,
+            "router": esc.gate.status(esc.policy.router)}
 
 
 @ops.get("/metrics", response_class=PlainTextResponse)

@@ -3,8 +3,8 @@ same name, and the same GGUF sha256 when the router names one). Any other falls 
 configured confidence thresholds, said once in the log and always in ``/healthz`` (``router``).
 
 The GGUF's sha256 is computed once per file (about a second for a 0.5B Q4 model on one core):
-at start-up when a router is configured, else in the background the first time it is asked
-for, so `cascade calibrate` can record it without slowing an agent that never routes."""
+at start-up when a router is configured, else in the background when `cascade calibrate` asks
+for it (``/healthz?sha256=1``), so an agent that never routes never pays for it."""
 
 from __future__ import annotations
 
@@ -40,6 +40,11 @@ class RouterGate:
         self._lock = threading.Lock()
         self._judged: tuple[int, bool] | None = None  # (id of the router judged, whether it matches)
         self.reason = ""
+
+    @property
+    def known_sha256(self) -> str | None:
+        """The digest if it was computed already (None otherwise); never starts the hash."""
+        return self._sha256
 
     def sha256(self, wait: bool = True) -> str | None:
         """The served GGUF's sha256; with ``wait`` False, None until a background hash is done."""

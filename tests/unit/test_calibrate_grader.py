@@ -29,6 +29,7 @@ def test_right_code_passes():
     ("wrong", "def add(a, b):\n    return a - b"),
     ("infinite_loop", "def add(a, b):\n    while True:\n        pass"),
     ("memory_bomb", "x = bytearray(1 << 34)\ndef add(a, b):\n    return a + b"),
+    ("over_the_memory_limit", "x = bytearray(1 << 30)\ndef add(a, b):\n    return a + b"),  # 1 GiB > 256 MiB
     ("memory_bomb_growing", "x = []\nwhile True:\n    x.append(' ' * (1 << 20))"),
     ("sys_exit", "import sys\ndef add(a, b):\n    return a + b\nsys.exit(0)"),
     ("os_exit", "import os\ndef add(a, b):\n    return a + b\nos._exit(0)"),

@@ -183,3 +183,17 @@ def test_fleet_push_with_an_edge_toml_carries_the_router_it_names_inline(tmp_pat
     with pytest.raises(RegistryError, match="stage1.bias"):
         reg.push(make_gguf(tmp_path / "b.gguf", 2.0), "tiny", "1.1.0", {"router": _edit(["stage1", "bias"], math.inf)})
     reg.close()
+
+
+def test_uncertainty_features_are_quantiles_of_the_k_values():
+    from cascade.policy.router import combined, uncertainty_features
+
+    f = uncertainty_features([-0.1, -2.0, -0.5, -0.3, -1.0], [0.2, 1.5, 0.4, 0.3, 0.9], window=8)
+    assert f["lp_min"] == -2.0 and f["lp_median"] == -0.5 and f["lp_first"] == -0.1
+    assert f["lp_p25"] == pytest.approx(-1.0) and f["lp_p10"] == pytest.approx(-1.6)
+    assert f["lp_mean"] == pytest.approx(-0.78) and f["ent_max"] == 1.5 and f["ent_mean"] == pytest.approx(0.66)
+    assert f["unsure_share"] == pytest.approx(0.4) and f["finished"] == 1.0  # 5 tokens < K: it ended
+    assert uncertainty_features([-0.1] * 8, [0.1] * 8, window=8)["finished"] == 0.0
+    assert set(uncertainty_features([], [], 8).values()) == {0.0}
+    both = combined(prompt_features("def f(x): return x"), f)
+    assert both["code*lp_min"] == -2.0 and both["math*lp_min"] == 0.0
