@@ -15,6 +15,7 @@ The tiny model (random weights, built here) measures the machinery, not acceptan
 from __future__ import annotations
 
 import argparse
+import gc
 import tempfile
 import time
 from pathlib import Path
@@ -84,33 +85,47 @@ def best(engine, prompt, max_tokens, repeats, draft=None):
     return min(s for s, _ in runs), runs[-1][1]
 
 
-def bench_drafts(engine, args, draft_engine) -> list[tuple]:
+def device_draft(args) -> list[int] | None:
+    """The ``--draft-model``'s own greedy answer to the question (its tokenizer is the served model's:
+    the same prompt ids), its engine freed after: one model in memory at a time."""
+    if not args.draft_model:
+        return None
+    small = LLMEngine.from_model(args.draft_model, dtype="float32", max_model_len=1024, num_kv_blocks=64,
+                                 threads=args.threads)
+    _, out = timed(small, prompt_ids(small, QUESTION), max(args.ks))
+    del small
+    gc.collect()
+    return out.token_ids
+
+
+def bench_drafts(engine, args, device: list[int] | None) -> list[tuple]:
     rows = []
     prompt = prompt_ids(engine, QUESTION)
     base_s, base = best(engine, prompt, args.max_tokens, args.repeats)
     rows.append(("no draft", 0, 0, base_s, 1.0))
-    device = None
-    if draft_engine is not None:
-        _, device = timed(draft_engine, prompt, max(args.ks), None)
     for k in args.ks:
         s, out = best(engine, prompt, args.max_tokens, args.repeats, base.token_ids[:k])
         assert out.token_ids == base.token_ids, "a draft changed the greedy answer"
         rows.append(("own answer", k, out.draft_accepted, s, base_s / s))
         if device is not None:
-            s, out = best(engine, prompt, args.max_tokens, args.repeats, device.token_ids[:k])
+            s, out = best(engine, prompt, args.max_tokens, args.repeats, device[:k])
             assert out.token_ids == base.token_ids, "a draft changed the greedy answer"
             rows.append((args.draft_model, k, out.draft_accepted, s, base_s / s))
     return rows
 
 
-def bench_ngram(plain, spec, args) -> list[tuple]:
+def bench_ngram(engine, args) -> list[tuple]:
+    """Plain, then ngram on the same engine (its proposer switched on: one model in memory)."""
     rows = []
+    spec = engine.speculation
     for i, text in enumerate(COPY_PROMPTS):
-        prompt = prompt_ids(plain, text)
-        p_s, p_out = best(plain, prompt, args.max_tokens, args.repeats)
-        before = dict(vars(spec.speculation.counts))
-        s_s, s_out = best(spec, prompt, args.max_tokens, args.repeats)
-        c, runs = spec.speculation.counts, args.repeats + 1
+        prompt = prompt_ids(engine, text)
+        spec.method = ""
+        p_s, p_out = best(engine, prompt, args.max_tokens, args.repeats)
+        spec.method, spec.num_tokens = "ngram", 4
+        before = dict(vars(spec.counts))
+        s_s, s_out = best(engine, prompt, args.max_tokens, args.repeats)
+        c, runs = spec.counts, args.repeats + 1
         proposed = (c.ngram_tokens_proposed - before["ngram_tokens_proposed"]) // runs
         accepted = (c.ngram_tokens_accepted - before["ngram_tokens_accepted"]) // runs
         assert s_out.token_ids == p_out.token_ids, "ngram speculation changed the greedy answer"
@@ -131,19 +146,17 @@ def main() -> None:
     model = str(tiny_model(Path(tempfile.mkdtemp()))) if args.model == "tiny" else args.model
     common = dict(dtype="float32", weight_dtype=args.weight_dtype, max_model_len=1024, num_kv_blocks=256,
                   threads=args.threads)
+    device = device_draft(args)
     engine = LLMEngine.from_model(model, **common)
-    draft_engine = LLMEngine.from_model(args.draft_model, **{**common, "weight_dtype": "auto"}) \
-        if args.draft_model else None
     name = Path(model).name if args.model == "tiny" else args.model
     print(f"\n(a) a draft verified in one pass: {name} (weights {args.weight_dtype}), {args.max_tokens} tokens, "
           f"best of {args.repeats}")
     print(f"{'draft':<22}{'K':>4}{'accepted':>10}{'answer s':>10}{'speed-up':>10}")
-    for label, k, acc, s, up in bench_drafts(engine, args, draft_engine):
+    for label, k, acc, s, up in bench_drafts(engine, args, device):
         print(f"{label:<22}{k:>4}{acc:>10}{s:>10.3f}{up:>9.2f}x")
-    spec = LLMEngine.from_model(model, speculative="ngram", num_speculative_tokens=4, **common)
     print(f"\n(b) ngram speculation (k=4, n 1-3) vs plain, copy-heavy prompts, {args.max_tokens} tokens")
     print(f"{'workload':<16}{'prompt':>7}{'proposed':>10}{'accepted':>10}{'plain s':>9}{'ngram s':>9}{'speed-up':>10}")
-    for label, n, prop, acc, p_s, s_s, up in bench_ngram(engine, spec, args):
+    for label, n, prop, acc, p_s, s_s, up in bench_ngram(engine, args):
         print(f"{label:<16}{n:>7}{prop:>10}{acc:>10}{p_s:>9.3f}{s_s:>9.3f}{up:>9.2f}x")
 
 

@@ -88,3 +88,12 @@ def test_sampled_requests_speculate_and_keep_their_seeded_lengths(engines):
     (out,) = run(spec, [spec.make_request(COPY, sp)])
     assert len(out.token_ids) == 40 or out.finish_reason == "stop"
     assert spec.speculation.counts.ngram_steps > before
+
+
+def test_the_worker_config_turns_ngram_on_by_its_engine_section():
+    from cloud_tier.config import CloudConfig
+
+    config = CloudConfig.load(environ={"CASCADE_CLOUD_ENGINE_SPECULATIVE": "ngram",
+                                       "CASCADE_CLOUD_ENGINE_NUM_SPECULATIVE_TOKENS": "6"})
+    assert (config.engine.speculative, config.engine.num_speculative_tokens) == ("ngram", 6)
+    assert CloudConfig.load(environ={}).engine.speculative == ""  # off by default
