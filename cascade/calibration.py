@@ -158,7 +158,7 @@ def _difficulty_model(value, base_dir: Path | None) -> dict | None:
         path = Path(value).expanduser()
         path = path if path.is_absolute() else base_dir / path
         try:
-            value = wire.loads(path.read_bytes(), limit=1 << 20)
+            value = wire.loads(wire.read_file(path, 1 << 20), limit=1 << 20)
         except OSError as e:
             raise CalibrationError(f"difficulty_model {str(path)!r} cannot be read: {e.strerror or e}") from None
         except wire.WireError as e:
@@ -179,11 +179,8 @@ def _difficulty_model(value, base_dir: Path | None) -> dict | None:
 def load_router(path: Path) -> Router:
     """The router in the JSON file at ``path``; ValueError naming the key (``router``, or the
     router's own key) when it cannot be read or is not a valid router."""
-    try:
-        size = path.stat().st_size
-        if size > MAX_ROUTER_BYTES:
-            raise ValueError(f"router: {str(path)!r} is {size} bytes, over the limit of {MAX_ROUTER_BYTES}")
-        return parse_router(wire.loads(path.read_bytes(), limit=MAX_ROUTER_BYTES))
+    try:  # bounded while read: a FIFO, /dev/zero or a huge file is refused, never read whole
+        return parse_router(wire.loads(wire.read_file(path, MAX_ROUTER_BYTES), limit=MAX_ROUTER_BYTES))
     except OSError as e:
         raise ValueError(f"router: {str(path)!r} cannot be read: {e.strerror or e}") from None
     except wire.WireError as e:

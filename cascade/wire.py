@@ -149,3 +149,19 @@ def one_line(s: str, limit: int = 500) -> str:
     characters: what a process says of itself in a field another one will check as text."""
     flat = _UNSAFE_TEXT.sub(" ", s)
     return flat if len(flat) <= limit else flat[:limit - 1] + "…"
+
+
+def read_file(path, limit: int) -> bytes:
+    """The bytes of the regular file at ``path``, read up to ``limit``: OSError for what is not a
+    regular file (a FIFO would block forever, /dev/zero never end) or is longer than ``limit`` (said
+    when found, never read whole). For files an operator names: a config's companion, a prompt set."""
+    import os
+    import stat
+
+    with open(path, "rb", buffering=0, opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(f"{path} is over the limit of {limit} bytes")
+    return data

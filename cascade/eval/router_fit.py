@@ -16,7 +16,9 @@ import numpy as np
 
 from cascade.eval.calibration import Sample
 from cascade.policy.router import (
+    FEATURE_BOUND,
     FEATURES,
+    MIN_SCALE,
     PROMPT_FEATURES,
     Router,
     Stage,
@@ -45,7 +47,10 @@ def labels(samples: list[Sample]) -> np.ndarray:
 
 
 def matrix(rows: list[dict[str, float]], names: tuple[str, ...]) -> np.ndarray:
-    return np.array([[r.get(k, 0.0) for k in names] for r in rows], dtype=float).reshape(len(rows), len(names))
+    x = np.array([[r.get(k, 0.0) for k in names] for r in rows], dtype=float).reshape(len(rows), len(names))
+    # what a router file may hold (cascade.policy.router): an edge's -inf logprob is a very low one
+    x = np.nan_to_num(x, nan=0.0, posinf=FEATURE_BOUND, neginf=-FEATURE_BOUND)
+    return np.clip(x, -FEATURE_BOUND, FEATURE_BOUND)
 
 
 def _sigmoid(z: np.ndarray) -> np.ndarray:
@@ -75,7 +80,7 @@ def logistic(x: np.ndarray, y: np.ndarray, w: np.ndarray | None = None, l2: floa
 
 def _standardize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     mean, scale = x.mean(axis=0), x.std(axis=0)
-    return mean, np.where(scale > 1e-9, scale, 1.0)
+    return mean, np.where(scale >= MIN_SCALE, scale, 1.0)
 
 
 def _folds(n: int, seed: int) -> list[np.ndarray]:

@@ -23,6 +23,8 @@ from cascade.policy.hard import FEATURES as DIFFICULTY_FEATURES
 from cascade.policy.hard import features as difficulty_features
 
 FORMAT = "cascade.router/1"
+MIN_SCALE = 1e-6  # a feature's standardizing scale: below it one term can overflow to infinity
+FEATURE_BOUND = 1e6  # a router file's numbers (means, scales, weights) lie within this
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
 _OPERATOR = re.compile(r"(?<=[\d\s)])[-+*/%](?=[\s\d(])")
 PROMPT_FEATURES = (*DIFFICULTY_FEATURES, "numbers", "longest_number", "operators", "lines", "brackets")
@@ -99,6 +101,8 @@ class Stage:
 
     def score(self, feats: dict[str, float]) -> float:
         z = self.bias + sum(w * (feats.get(k, 0.0) - self.mean[k]) / self.scale[k] for k, w in self.weights.items())
+        if math.isnan(z):  # infinite features pulling both ways: no opinion
+            z = 0.0
         return 1.0 / (1.0 + math.exp(-max(-60.0, min(60.0, z))))
 
     def to_json(self) -> dict:
@@ -165,7 +169,7 @@ class Router:
                    _number(data.get("target_escalation", 0.0), "target_escalation", 0.0, 1.0))
 
 
-def _number(value, key: str, low: float = -1e6, high: float = 1e6) -> float:
+def _number(value, key: str, low: float = -FEATURE_BOUND, high: float = FEATURE_BOUND) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
             or not low <= value <= high:
         raise RouterError(f"router: {key!r} must be a finite number in {low:g}..{high:g}")
@@ -189,6 +193,6 @@ def _stage(value, key: str, allowed: tuple[str, ...]) -> Stage:
     if set(maps["mean"]) != set(maps["weights"]) or set(maps["scale"]) != set(maps["weights"]):
         raise RouterError(f"router: '{key}' mean and scale must name the same features as its weights")
     for name, s in maps["scale"].items():
-        if s <= 0:
-            raise RouterError(f"router: '{key}.scale.{name}' must be > 0")
+        if not MIN_SCALE <= s:  # a tinier scale overflows a term to infinity: the score would be NaN
+            raise RouterError(f"router: '{key}.scale.{name}' must be at least {MIN_SCALE}")
     return Stage(maps["weights"], maps["mean"], maps["scale"], _number(value["bias"], f"{key}.bias"))

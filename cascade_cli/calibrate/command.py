@@ -94,7 +94,9 @@ def _write(samples: list, results: list, best, info: dict, config_path: Path, ou
 
     from cascade.config import write_section
     from cascade.eval.samples import to_json
+    from cascade.policy.router import Router
 
+    Router.from_json(info["router"].to_json())  # what the agent will load: RouterError (named), nothing written
     out_dir.mkdir(parents=True, exist_ok=True)
     model_path = out_dir / "difficulty.json"
     model_path.write_text(json.dumps(info["difficulty_model"], indent=2))
@@ -136,7 +138,11 @@ def cmd_calibrate(args) -> int:
     signals, router_info = evaluate_router(calib, held, args.target_escalation, router)
     info["router"] = router
     out_dir = cascade_home() / "calibration"
-    updates = _write(samples, results, best, info, config_path, out_dir)
+    try:
+        updates = _write(samples, results, best, info, config_path, out_dir)
+    except ValueError as e:  # a router the agent could not load: nothing of it is written
+        print(f"cascade: calibration failed: {e}", file=sys.stderr)
+        return 1
     plot_path = Path(args.plot) if args.plot else out_dir / "calibration.png"
     shown = [r for r in signals if r.name in ("old confidence", "old difficulty", "prompt-only", "full", "router")]
     report.plot(shown, info["q_edge"], info["q_cloud"], args.target_escalation, plot_path)

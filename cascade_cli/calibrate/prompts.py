@@ -3,14 +3,16 @@ file (JSON lines with prompt/answer, or one prompt per line)."""
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
 from cascade.eval.scoring import Task
 from cascade.eval.tasks import generate
-from cascade.wire import WireError, loads
+from cascade.wire import WireError, loads, read_file
 
 MAX_LINE_BYTES = 1 << 20  # one prompt with its answer
+MAX_FILE_BYTES = 256 << 20  # a prompt set
 
 
 def load_prompts(source: str, n: int, seed: int) -> list[Task]:
@@ -24,7 +26,11 @@ def load_prompts(source: str, n: int, seed: int) -> list[Task]:
         return [Task(c[0]) for c in rng.sample(convs, min(n, len(convs)))]
     tasks = []
     # lines end at "\n" alone: splitlines() would also cut a prompt at U+2028 or U+0085 inside it
-    for number, line in enumerate(Path(source).read_text().split("\n"), 1):
+    try:  # bounded while read: a FIFO or /dev/zero is refused, never read whole
+        text = read_file(Path(source), MAX_FILE_BYTES).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{source}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         tasks.append(_json_task(line, f"{source}:{number}") if line.lstrip().startswith("{") else Task(line.strip()))
@@ -41,4 +47,16 @@ def _json_task(line: str, where: str) -> Task:
     if not isinstance(prompt, str) or not isinstance(answer, str | None) or not isinstance(kind, str | None):
         raise ValueError(f"{where}: a JSON line needs a string \"prompt\" (and a string \"answer\" and \"kind\" "
                          "if it has them)")
-    return Task(prompt, answer, kind or ("fact" if answer else "open"))
+    if not prompt.strip() or (answer is not None and not answer.strip()):
+        raise ValueError(f"{where}: \"prompt\" and \"answer\" must not be empty (an empty answer would match any)")
+    kind = kind or ("fact" if answer else "open")
+    if kind in ("arithmetic", "conversion") and answer is not None and not _number(answer):
+        raise ValueError(f"{where}: a {kind} task's \"answer\" must be a number, not {answer[:40]!r}")
+    return Task(prompt, answer, kind)
+
+
+def _number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False

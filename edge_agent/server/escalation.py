@@ -9,14 +9,13 @@ its stage 2 judges the held-back tokens instead of the confidence thresholds."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from cascade import errors
+from cascade import errors, wire
 from cascade.calibration import load_router
 from cascade.generation import Finish, TokenEvent
 from cascade.policy.confidence import Confidence, ConfidenceConfig
@@ -47,7 +46,8 @@ log = logging.getLogger(__name__)
 def policy_config(c: CascadeConfig) -> PolicyConfig:
     model = DifficultyModel()
     if c.difficulty_model:
-        model = DifficultyModel.from_json(json.loads(Path(c.difficulty_model).expanduser().read_text()))
+        model = DifficultyModel.from_json(wire.loads(wire.read_file(Path(c.difficulty_model).expanduser(), 1 << 20),
+                                                     limit=1 << 20))
     return PolicyConfig(
         hard=HardConfig(max_prompt_tokens=c.max_prompt_tokens, threshold=c.difficulty_threshold, model=model),
         confidence=ConfidenceConfig(window=c.hold_tokens, min_mean_logprob=c.min_mean_logprob,

@@ -60,6 +60,7 @@ def _edit(path: list[str], value):
     (_edit(["stage2", "weights", "bogus_feature"], 1.0), "bogus_feature"),
     (_edit(["stage2", "weights", "code"], "1.0"), "stage2.weights.code"),
     (_edit(["stage2", "scale", "code"], 0.0), "stage2.scale.code"),
+    (_edit(["stage2", "scale", "code"], 5e-324), "stage2.scale.code"),  # a term would overflow: NaN scores
     (_edit(["window"], "16"), "window"),
     (_edit(["window"], True), "window"),
     (_edit(["stage1_threshold"], math.nan), "stage1_threshold"),
@@ -92,6 +93,30 @@ def test_a_router_file_that_is_not_json_too_large_or_missing_is_refused(tmp_path
     for path, says in [(big, "over the limit"), (nan, "not valid JSON"), (tmp_path / "none.json", "cannot be read")]:
         with pytest.raises(ValueError, match=f"router: .*{says}"):
             load_router(path)
+
+
+def test_a_router_path_that_is_no_regular_file_is_refused_not_read(tmp_path):
+    import os
+
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    link = tmp_path / "zero.json"
+    link.symlink_to("/dev/zero")
+    for path in (fifo, link):  # a FIFO blocked the agent's start forever; /dev/zero ate its memory
+        with pytest.raises(ValueError, match="router: .*not a regular file"):
+            load_router(path)
+
+
+def test_opposite_infinite_terms_give_no_opinion_not_an_escalation():
+    s = Stage({"lp_min": 1.0, "lp_mean": -1.0}, {"lp_min": 0.0, "lp_mean": 0.0}, {"lp_min": 1.0, "lp_mean": 1.0}, 0.0)
+    assert s.score({"lp_min": -math.inf, "lp_mean": -math.inf}) == 0.5
+
+
+def test_a_fit_on_infinite_logprobs_writes_a_router_the_agent_loads():
+    from cascade.eval.router_fit import matrix
+
+    x = matrix([{"lp_min": -math.inf, "lp_mean": -1e7}, {"lp_min": -1.0, "lp_mean": math.nan}], ("lp_min", "lp_mean"))
+    assert (abs(x) <= 1e6).all()
 
 
 def test_an_agent_config_with_a_bad_router_file_is_a_config_error_naming_the_key(tmp_path):
