@@ -6,7 +6,12 @@ passes: a crash, a timeout, a memory bomb, a failed assert or an early ``sys.exi
 This is a grader for our own generated problems answered by our own models, not a security
 boundary against a hostile author (that would need a container): the limits keep a wrong or
 runaway answer from hanging or starving the calibration host, and the temporary directory is
-the child's working directory, so code that deletes files in cwd deletes only its own."""
+the child's working directory, so code that deletes files in cwd deletes only its own. What it
+does not stop (an attacker reproduced each): writing or deleting files elsewhere by absolute path,
+reading the home directory, forked children adding up past the memory limit, a child that leaves
+the session (setsid) outliving the grade, and an answer built to pass (an object equal to
+everything, or one that finds the nonce in its own program). A grade never waits for such a
+child: the timeout holds whatever it keeps open."""
 
 from __future__ import annotations
 
@@ -72,14 +77,26 @@ def run_python(code: str, tests: str, timeout_s: float = 5.0, memory_bytes: int 
             stdout, stderr = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
-            stdout, _ = proc.communicate()
-            return RunResult(False, "timeout", stdout.decode(errors="replace")[-MAX_OUTPUT:])
+            return RunResult(False, "timeout", _drain(proc).decode(errors="replace")[-MAX_OUTPUT:])
         finally:
             _kill_group(proc)  # whatever the answer forked goes with it
     out = (stdout.decode(errors="replace") + stderr.decode(errors="replace"))[-MAX_OUTPUT:]
     if proc.returncode == 0 and nonce in stdout.decode(errors="replace"):
         return RunResult(True, "passed", out)
     return RunResult(False, "failed" if "AssertionError" in out else "crashed", out)
+
+
+def _drain(proc: subprocess.Popen) -> bytes:
+    """What the killed child wrote, read for a second at most: a descendant that left its session
+    (setsid) may hold the pipe open forever, and grading must not wait for it."""
+    try:
+        stdout, _ = proc.communicate(timeout=1.0)
+    except subprocess.TimeoutExpired:
+        for pipe in (proc.stdout, proc.stderr):
+            pipe.close()
+        proc.wait()
+        return b""
+    return stdout
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -36,6 +36,9 @@ def test_right_code_passes():
     ("syntax_error", "def add(a, b)\n    return a + b"),
     ("no_function", "print('hello')"),
     ("fork_and_sleep", "import os, time\nif os.fork() == 0:\n    time.sleep(60)\ndef add(a, b):\n    while True: pass"),
+    # a descendant that leaves the session keeps the output pipe open: grading once waited for it forever
+    ("setsid_child_holds_the_pipe", "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(30)\n"
+                                    "    os._exit(0)\ndef add(a, b):\n    return a + b"),
 ])
 def test_bad_code_grades_zero_within_the_timeout(name, code):
     started = time.monotonic()
