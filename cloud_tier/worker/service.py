@@ -123,6 +123,8 @@ class WorkerService:
         """The internal call: run ``body.record`` here, prefilled here or by ``body.prefill_url``."""
         arrived = time.perf_counter()
         rec = body.record
+        if rec.draft_token_ids:  # the gateway took it: its tokenizer is this model's
+            self.metrics.drafts.labels(outcome="received").inc()
         if body.prefill_url is None:
             try:
                 req = self.engine.prepare(rec.prompt_token_ids, params_of(rec), rec.request_id, rec.priority,
