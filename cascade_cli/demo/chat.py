@@ -23,7 +23,7 @@ def stream_chat(base: str, model: str, prompt: str, cascade: dict | None, max_to
             message = r.json().get("error", {}).get("message", r.text) if r.text.startswith("{") else r.text
             return {"tier": headers.get("x-cascade-tier", "-"), "reason": f"HTTP {r.status_code}", "degraded": False,
                     "text": message, "tokens": 0, "ttft_ms": float("nan"),
-                    "total_ms": (time.perf_counter() - start) * 1000, "confidence": None}
+                    "total_ms": (time.perf_counter() - start) * 1000, "confidence": None, "draft": None}
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -39,4 +39,4 @@ def stream_chat(base: str, model: str, prompt: str, cascade: dict | None, max_to
     return {"tier": headers.get("x-cascade-tier"), "reason": headers.get("x-cascade-reason"),
             "degraded": headers.get("x-cascade-degraded") == "true", "text": "".join(text).strip(),
             "tokens": usage.get("completion_tokens", 0), "ttft_ms": ((first or start + total) - start) * 1000,
-            "total_ms": total * 1000, "confidence": final.get("confidence")}
+            "total_ms": total * 1000, "confidence": final.get("confidence"), "draft": final.get("draft")}

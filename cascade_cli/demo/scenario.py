@@ -85,11 +85,13 @@ def scripted_scene(edge_url: str) -> None:
         r = stream_chat(edge_url, EDGE_MODEL, prompt, options)
         print(f"-- {r['tier']} ({r['reason']}{', degraded' if r['degraded'] else ''}): {r['text'][:160]}")
         rows.append((first_line, options, r))
-    print(f"\n{'request':<46} {'answered by':<11} {'why':<18} {'TTFT ms':>8} {'total ms':>9} {'conf':>6}")
+    print(f"\n{'request':<46} {'answered by':<11} {'why':<18} {'TTFT ms':>8} {'total ms':>9} {'conf':>6} "
+          f"{'draft kept':>10}")
     for first_line, _, r in rows:
         conf = r["confidence"]["mean_logprob"] if r["confidence"] else float("nan")
+        draft = f"{r['draft']['accepted']}/{r['draft']['offered']}" if r.get("draft") else "-"
         print(f"{first_line[:45]:<46} {r['tier'] or '-':<11} {r['reason'] or '-':<18} {r['ttft_ms']:>8.0f} "
-              f"{r['total_ms']:>9.0f} {conf:>6.2f}")
+              f"{r['total_ms']:>9.0f} {conf:>6.2f} {draft:>10}")
 
 
 # questions where a 0.5B model often slips and a 1.5B one seldom does: each asked of both tiers
