@@ -1,8 +1,9 @@
 """A device's draft through the gateway (issue 40): the gateway names its model's tokenizer in
 /v1/models, takes a draft naming the same, carries it in the request record, and the answer is
-the one the request gets without a draft, with ``cascade.draft`` saying what was kept: on a
-worker that runs the whole request, and across a prefill/decode pair (the prefill worker's first
-token confirms the draft's first, the decode worker verifies the rest in its first step)."""
+the one the request gets without a draft, with ``cascade.draft`` saying what was kept, across a
+prefill/decode pair (the prefill worker's first token confirms the draft's first, the decode
+worker verifies the rest in its first step). A worker that runs the whole request is covered end
+to end from the edge agent (tests/integration/test_cascade.py, the low-confidence case)."""
 
 from __future__ import annotations
 
@@ -24,16 +25,15 @@ def _worker(home, role: str) -> Server:
 def gateways(engine_home, smollm2_engine):  # the engine fixture has converted the model already
     servers: list[Server] = []
     try:
-        both, prefill, decode = (_worker(engine_home, r) for r in ("both", "prefill", "decode"))
-        servers += [both, prefill, decode]
+        prefill, decode = (_worker(engine_home, r) for r in ("prefill", "decode"))
+        servers += [prefill, decode]
         for w in servers:
             w.wait_healthy()
-        plain = Server(engine_home, ["cloud", "serve"], "--workers", both.url)
         pd = Server(engine_home, ["cloud", "serve"], "--workers", f"{prefill.url},{decode.url}")
-        servers += [plain, pd]
-        plain.wait_healthy(120), pd.wait_healthy(120)
+        servers.append(pd)
+        pd.wait_healthy(120)
         key = create_key(engine_home, "--tenant", "drafts")
-        yield {"both": plain, "pd": pd}, {"authorization": f"Bearer {key}"}
+        yield {"pd": pd}, {"authorization": f"Bearer {key}"}
     finally:
         for s in reversed(servers):
             s.stop()
@@ -62,7 +62,7 @@ def _ask(gateway: Server, auth: dict, draft: dict | None = None, stream: bool = 
     return {"choices": [{"text": text}], "cascade": last.get("cascade")}
 
 
-@pytest.mark.parametrize("path", ["both", "pd"])
+@pytest.mark.parametrize("path", ["pd"])
 def test_a_draft_is_verified_and_the_answer_is_the_one_without_it(gateways, smollm2_engine, path):
     servers, auth = gateways
     gateway = servers[path]
@@ -87,7 +87,7 @@ def test_a_draft_is_verified_and_the_answer_is_the_one_without_it(gateways, smol
 
 def test_a_draft_of_ids_past_the_vocabulary_is_a_400_naming_it(gateways):
     servers, auth = gateways
-    gateway = servers["both"]
+    gateway = servers["pd"]
     identity = httpx.get(f"{gateway.url}/v1/models", headers=auth, timeout=10).json()["data"][0]["meta"]["tokenizer"]
     r = httpx.post(f"{gateway.url}/v1/completions", headers=auth, timeout=60, json={
         "model": MODEL, "prompt": PROMPT, "max_tokens": 4,
@@ -97,7 +97,7 @@ def test_a_draft_of_ids_past_the_vocabulary_is_a_400_naming_it(gateways):
 
 def test_the_result_cache_keeps_no_draft_report_and_no_sampled_answer_drawn_against_a_draft(gateways):
     servers, auth = gateways
-    gateway = servers["both"]
+    gateway = servers["pd"]
     identity = httpx.get(f"{gateway.url}/v1/models", headers=auth, timeout=10).json()["data"][0]["meta"]["tokenizer"]
     draft = {"token_ids": [1, 2, 3], "probs": [1.0, 1.0, 1.0], "tokenizer": identity}
 
