@@ -45,8 +45,8 @@ class Run:
     seconds: float = 0.0
 
 
-async def ask(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, mode: str) -> dict:
-    body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+async def ask(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, mode: str, model: str) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "cascade": {"mode": mode}}
     for _ in range(5):
         r = await client.post(f"{url}/v1/chat/completions", json=body)
@@ -58,13 +58,14 @@ async def ask(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int,
     return r.json()
 
 
-async def run_policy(name: str, url: str, tasks, max_tokens: int, mode: str, concurrency: int) -> Run:
+async def run_policy(name: str, url: str, tasks, max_tokens: int, mode: str, concurrency: int, model: str) -> Run:
     out, gate = Run(name), asyncio.Semaphore(concurrency)
     started = time.perf_counter()
     async with httpx.AsyncClient(timeout=600) as client:
         async def one(task):
             async with gate:
-                answer = await ask(client, url, task.prompt, getattr(task, "max_tokens", None) or max_tokens, mode)
+                answer = await ask(client, url, task.prompt, getattr(task, "max_tokens", None) or max_tokens, mode,
+                                   model)
             info = answer.get("cascade") or {}
             out.right += task.score(answer["choices"][0]["message"]["content"] or "")
             out.reasons[info.get("reason", "?")] = out.reasons.get(info.get("reason", "?"), 0) + 1
@@ -135,13 +136,14 @@ def main() -> int:
         edge, url = start_edge(args, None, cloud_url, key, env)
         procs.append(edge)
         for name, mode in (("always-edge", "local"), ("always-cloud", "cloud")):
-            runs.append(asyncio.run(run_policy(name, url, tasks, args.max_tokens, mode, args.concurrency)))
+            runs.append(asyncio.run(run_policy(name, url, tasks, args.max_tokens, mode, args.concurrency,
+                                               args.edge_model)))
             print(f"  {name}: done", file=sys.stderr)
         stop(procs.pop())
         for config in args.config:
             edge, url = start_edge(args, config, cloud_url, key, env)
             runs.append(asyncio.run(run_policy(f"auto: {Path(config).name}", url, tasks, args.max_tokens, "auto",
-                                               args.concurrency)))
+                                               args.concurrency, args.edge_model)))
             stop(edge)
             print(f"  {config}: done", file=sys.stderr)
     finally:
