@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -153,3 +154,4 @@ def run_demo(args) -> int:
         stop(cloud)
         if fleet is not None:
             fleet.stop()
+        shutil.rmtree(work, ignore_errors=True)  # its queue, keys, fleet and artifacts: gigabytes per run
