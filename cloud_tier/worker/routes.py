@@ -35,7 +35,7 @@ def service(request: Request) -> WorkerService:
 ops = APIRouter()  # health and metrics
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 internal = APIRouter(prefix="/internal", dependencies=[Depends(require_api_key)])
-_GENERATION_ERRORS = openapi.errors(400, 401, 404, 413, 500, 503)
+_GENERATION_ERRORS = openapi.errors(400, 401, 404, 413, 429, 500, 503)  # 429: it would miss its TTFT target
 
 
 @ops.get("/healthz", responses=openapi.errors(503))
@@ -164,7 +164,7 @@ async def prefill(request: Request):
 @internal.post("/generate", openapi_extra=openapi.body(GenerateRequest), response_class=Response,
                responses={200: {"description": "Generation events, one JSON object a line (cascade.generation).",
                                 "content": {"application/x-ndjson": {"schema": {"type": "string"}}}},
-                          **openapi.errors(400, 401, 413, 500, 502, 503)})
+                          **openapi.errors(400, 401, 413, 429, 500, 502, 503)})
 async def generate(request: Request):
     """NDJSON generation events. A failure before the first event is an HTTP error (so the
     gateway can retry elsewhere); after it, an ``{"error": ...}`` line ends the stream. A caller
