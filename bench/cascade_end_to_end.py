@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import subprocess
 import sys
 import tempfile
@@ -27,12 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import tiers  # noqa: I001 (a sibling: sys.path[0] is bench/)
+from tiers import bench_env, cloud_key  # noqa: I001 (a sibling: sys.path[0] is bench/)
 
-from cascade.processes import free_port, spawn, stop, wait_healthy
+from cascade.processes import stop, wait_healthy
 from cascade_cli.calibrate.prompts import load_prompts
-from cascade_cli.spawn import cascade_command
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -78,25 +76,17 @@ async def run_policy(name: str, url: str, tasks, max_tokens: int, mode: str, con
     return out
 
 
-def start_cloud(args, work: Path, env: dict) -> tuple[subprocess.Popen, str, str]:
-    cli = cascade_command(log_level="WARNING")
-    key = subprocess.run([*cli, "cloud", "keys", "create", "--tenant", "bench", "--db", str(work / "gateway.db")],
-                         env=env, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    port = free_port()
-    cloud = spawn([*cli, "cloud", "serve", "--port", str(port), "--model", args.cloud_model, "--weight-dtype",
-                   args.weight_dtype, "--max-model-len", "2048"], env=env, cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
+def start_cloud_tier(args, work: Path, env: dict) -> tuple[subprocess.Popen, str, str]:
+    key = cloud_key(env, work)
+    cloud, url = tiers.start_cloud(env, args.cloud_model, args.weight_dtype, max_model_len=2048)
     wait_healthy(url, cloud, 1800, "cloud tier")
     return cloud, url, key
 
 
-def start_edge(args, config: str | None, cloud_url: str, key: str, env: dict) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [*cascade_command(log_level="WARNING"), "edge", "run", "--port", str(port), "--model", args.edge_model,
-           "--n-ctx", "2048", *(["--config", config] if config else [])]
-    edge = spawn(cmd, env={**env, "CASCADE_EDGE_UPSTREAM_URL": cloud_url, "CASCADE_EDGE_UPSTREAM_API_KEY": key,
-                           "CASCADE_EDGE_MODEL_NAME": None}, cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
+def start_agent(args, config: str | None, cloud_url: str, key: str, env: dict) -> tuple[subprocess.Popen, str]:
+    edge, url = tiers.start_edge({**env, "CASCADE_EDGE_UPSTREAM_URL": cloud_url, "CASCADE_EDGE_UPSTREAM_API_KEY": key,
+                                  "CASCADE_EDGE_MODEL_NAME": None}, args.edge_model,
+                                 *(["--config", config] if config else []), n_ctx=2048)
     wait_healthy(url, edge, 900, "edge agent")
     return edge, url
 
@@ -126,14 +116,13 @@ def main() -> int:
     args = p.parse_args()
     tasks = load_prompts("tasks", args.n, args.seed)
     work = Path(tempfile.mkdtemp(prefix="cascade-e2e-"))
-    env = {**os.environ, "CASCADE_HOME": os.environ.get("CASCADE_HOME") or str(Path.home() / ".cascade"),
-           "OMP_WAIT_POLICY": "passive", "CASCADE_CLOUD_GATEWAY_DB": str(work / "gateway.db")}
+    env = bench_env(work)
     procs: list = []
     runs: list[Run] = []
     try:
-        cloud, cloud_url, key = start_cloud(args, work, env)
+        cloud, cloud_url, key = start_cloud_tier(args, work, env)
         procs.append(cloud)
-        edge, url = start_edge(args, None, cloud_url, key, env)
+        edge, url = start_agent(args, None, cloud_url, key, env)
         procs.append(edge)
         for name, mode in (("always-edge", "local"), ("always-cloud", "cloud")):
             runs.append(asyncio.run(run_policy(name, url, tasks, args.max_tokens, mode, args.concurrency,
@@ -141,7 +130,7 @@ def main() -> int:
             print(f"  {name}: done", file=sys.stderr)
         stop(procs.pop())
         for config in args.config:
-            edge, url = start_edge(args, config, cloud_url, key, env)
+            edge, url = start_agent(args, config, cloud_url, key, env)
             runs.append(asyncio.run(run_policy(f"auto: {Path(config).name}", url, tasks, args.max_tokens, "auto",
                                                args.concurrency, args.edge_model)))
             stop(edge)

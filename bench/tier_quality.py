@@ -16,20 +16,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import subprocess
 import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
 
+from tiers import bench_env, cloud_key, start_cloud, start_edge  # noqa: I001 (a sibling: sys.path[0] is bench/)
+
 from cascade.eval.scoring import Task
 from cascade.eval.tasks import generate
-from cascade.processes import free_port, spawn, stop, wait_healthy
+from cascade.processes import stop, wait_healthy
 from cascade_cli.calibrate.tiers import collect
-from cascade_cli.spawn import cascade_command
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def graded_set(n: int, seed: int) -> list[tuple[str, Task]]:
@@ -38,17 +35,10 @@ def graded_set(n: int, seed: int) -> list[tuple[str, Task]]:
 
 
 def start_tiers(args, work: Path) -> tuple[list, str, str, str]:
-    env = {**os.environ, "CASCADE_HOME": os.environ.get("CASCADE_HOME") or str(Path.home() / ".cascade"),
-           "OMP_WAIT_POLICY": "passive", "CASCADE_CLOUD_GATEWAY_DB": str(work / "gateway.db")}
-    cli = cascade_command(log_level="WARNING")
-    key = subprocess.run([*cli, "cloud", "keys", "create", "--tenant", "bench", "--db", str(work / "gateway.db")],
-                         env=env, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    edge_port, cloud_port = free_port(), free_port()
-    cloud = spawn([*cli, "cloud", "serve", "--port", str(cloud_port), "--model", args.cloud_model,
-                   "--weight-dtype", args.weight_dtype, "--max-model-len", "1024"], env=env, cwd=REPO)
-    edge = spawn([*cli, "edge", "run", "--port", str(edge_port), "--model", args.edge_model, "--n-ctx", "1024"],
-                 env={**env, "CASCADE_EDGE_UPSTREAM_URL": ""}, cwd=REPO)
-    edge_url, cloud_url = f"http://127.0.0.1:{edge_port}", f"http://127.0.0.1:{cloud_port}"
+    env = bench_env(work)
+    key = cloud_key(env, work)
+    cloud, cloud_url = start_cloud(env, args.cloud_model, args.weight_dtype)
+    edge, edge_url = start_edge({**env, "CASCADE_EDGE_UPSTREAM_URL": ""}, args.edge_model)
     wait_healthy(edge_url, edge, 900, "edge agent")
     wait_healthy(cloud_url, cloud, 1800, "cloud tier")
     return [edge, cloud], edge_url, cloud_url, key

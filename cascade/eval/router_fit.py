@@ -12,6 +12,8 @@ of the target among what stage 1 kept.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from cascade.eval.calibration import Sample
@@ -35,11 +37,20 @@ def sample_features(s: Sample, window: int) -> dict[str, float]:
     """A sample's stage-2 features: its prompt's and, from its ``cascade.confidence``, its
     uncertainty features (the K values when the agent returned them, else its mean and minimum as
     the quantiles), with their interactions."""
-    c = s.confidence or {}
-    lps, ents = list(c.get("logprobs") or []), list(c.get("entropies") or [])
+    c = s.confidence if isinstance(s.confidence, dict) else {}
+    lps, ents = _numbers(c.get("logprobs")), _numbers(c.get("entropies"))
     if not lps and c.get("tokens"):  # an agent that returned only the summary
-        lps, ents = [float(c["min_logprob"]), float(c["mean_logprob"])], [float(c.get("mean_entropy", 0.0))]
+        lps, ents = _numbers([c.get("min_logprob"), c.get("mean_logprob")]), _numbers([c.get("mean_entropy", 0.0)])
     return combined(prompt_features(s.task.prompt), uncertainty_features(lps[:window], ents[:window], window))
+
+
+def _numbers(values) -> list[float]:
+    """An agent's numbers (its answer's ``cascade.confidence``), each clamped into what a router file
+    holds; what is not a number is left out."""
+    if not isinstance(values, list):
+        return []
+    return [min(max(float(v), -FEATURE_BOUND), FEATURE_BOUND) for v in values
+            if isinstance(v, int | float) and not isinstance(v, bool) and not math.isnan(v)]
 
 
 def labels(samples: list[Sample]) -> np.ndarray:

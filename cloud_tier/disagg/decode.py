@@ -161,7 +161,7 @@ class DecodeService:
             req = self.engine.prepare(rec.prompt_token_ids, params_of(rec), rid, rec.priority, service_level_of(rec),
                                       draft=rest)
             req.append_token(sent.output_token_ids[0])
-            waiting.draft_kept = 1 if rest is not None or (rec.draft_token_ids == sent.output_token_ids) else 0
+            waiting.draft_kept = int(rec.draft_token_ids[:1] == sent.output_token_ids)  # its first token confirmed
             kv = payload_to_tensor(header, payload)
             stream = await self.engine.adopt(req, kv, logprobs_of(sent.logprobs[0]) if sent.logprobs else None,
                                              sent.sampler_state, sent.num_cached_tokens)

@@ -10,6 +10,7 @@ fail, so anything that fails leaves the old model serving, thresholds and all.""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -167,20 +168,15 @@ def prepare_calibration(current: CascadeConfig, manifest: dict, state_dir: Path
         return None
     checked = check_calibration(calibration)
     config = thresholds(checked, current)
-    if "difficulty_model" in checked:
-        model = checked["difficulty_model"]
-        path = ""
-        if model is not None:
-            path = str(_write_json(Path(state_dir) / "calibration" / f"{manifest.get('sha256', 'version')}.json",
-                                   model))
-        config = CascadeConfig(**{**config.__dict__, "difficulty_model": path})
-    if "router" in checked:  # written beside it, named the same way; the agent judges it against the model
-        router = checked["router"]
-        path = ""
-        if router is not None:
-            path = str(_write_json(Path(state_dir) / "calibration" / f"{manifest.get('sha256', 'version')}.router.json",
-                                   router))
-        config = CascadeConfig(**{**config.__dict__, "router": path})
+    # the difficulty model and the router, each to a file of its own named after the version (the
+    # agent judges the router against the model it serves); null: the version has none
+    for key, suffix in (("difficulty_model", ".json"), ("router", ".router.json")):
+        if key in checked:
+            value, path = checked[key], ""
+            if value is not None:
+                path = str(_write_json(Path(state_dir) / "calibration" / f"{manifest.get('sha256', 'version')}{suffix}",
+                                       value))
+            config = dataclasses.replace(config, **{key: path})
     try:
         return config, policy_config(config)
     except (OSError, ValueError, KeyError, TypeError) as e:
