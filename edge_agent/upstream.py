@@ -20,6 +20,7 @@ import httpx
 from cascade import errors, sse, wire
 from cascade.generation import Finish, TokenEvent, TopToken
 from cascade.policy.backpressure import CircuitBreaker, parse_retry_after
+from cascade.structured.tools import StreamedCalls
 from edge_agent.config import UpstreamConfig
 from edge_agent.drafts import draft_counts, tokenizers_of
 from sync.delivery import Outcome, openai_error
@@ -364,6 +365,7 @@ async def _events(resp: httpx.Response, lines: AsyncIterator[bytes], first: dict
     A stream that ends with neither ``[DONE]`` nor a finish reason, or breaks (an unreadable
     chunk, an in-band error), is no answer: a 502 (in-band once streaming), never a short "stop"."""
     finish_reason, usage, draft = None, None, (0, 0)
+    calls = StreamedCalls()
     try:
         chunk = first
         while chunk is not None:
@@ -372,6 +374,8 @@ async def _events(resp: httpx.Response, lines: AsyncIterator[bytes], first: dict
             if isinstance(chunk.get("cascade"), dict):
                 draft = draft_counts(chunk["cascade"].get("draft")) or draft
             for choice in chunk.get("choices") or []:
+                if endpoint == "chat":
+                    calls.add((choice.get("delta") or {}).get("tool_calls"))
                 text = (choice.get("delta") or {}).get("content") if endpoint == "chat" else choice.get("text")
                 lp = ((choice.get("logprobs") or {}).get("content") or [None])[0] if endpoint == "chat" else None
                 if text:
@@ -380,6 +384,8 @@ async def _events(resp: httpx.Response, lines: AsyncIterator[bytes], first: dict
                                            for t in (lp or {}).get("top_logprobs") or []))
                 if choice.get("finish_reason"):
                     finish_reason = str(choice["finish_reason"])
+                    for markup in calls.take():  # the cloud's calls, as the model's markup the agent's formatter reads
+                        yield TokenEvent(-1, markup, markup.encode(), 0.0, 0.0)
             try:
                 chunk = await _next_chunk(lines, limit)
             except UpstreamBroken:

@@ -126,3 +126,28 @@ def tools_system_prompt(tools: list[dict]) -> str:
             f"{listing}\n</tools>\n\nFor each function call, return a json object with function name and "
             "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
             '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+class StreamedCalls:
+    """A chat stream's ``delta.tool_calls``, assembled by index (a call's name, then its arguments
+    in pieces), taken as the model's call markup once the choice finishes."""
+
+    def __init__(self):
+        self._calls: dict[int, list[str]] = {}
+
+    def add(self, deltas) -> None:
+        for d in deltas if isinstance(deltas, list) else []:
+            index = d.get("index", 0) if isinstance(d, dict) else None
+            fn = d.get("function") if isinstance(d, dict) else None
+            if type(index) is not int or not 0 <= index < 128 or not isinstance(fn, dict):
+                raise ValueError("a tool call delta without an index or a function")
+            call = self._calls.setdefault(index, ["", ""])
+            if isinstance(fn.get("name"), str):
+                call[0] += fn["name"]
+            if isinstance(fn.get("arguments"), str):
+                call[1] += fn["arguments"]
+
+    def take(self) -> list[str]:
+        out = [call_markup(name, args or "{}") for _, (name, args) in sorted(self._calls.items())]
+        self._calls.clear()
+        return out

@@ -179,6 +179,7 @@ class OnnxBackend(Backend):
                 quantization=self._quantization or describe_onnx_dir(root)["quantization"], format="onnx",
                 tokenizer=identity_of(root))
             self._stats = StepStats(self._n_vocab)
+            self._grammar_cache = None
             self._warm_up()
         except BaseException:
             self.unload()
@@ -222,8 +223,8 @@ class OnnxBackend(Backend):
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return b"".join(self._pieces[t] for t in token_ids).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> str:
-        return self._template.render(messages)
+    def apply_chat_template(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> str:
+        return self._template.render(messages, tools)
 
     def chat_stop_strings(self) -> tuple[str, ...]:
         return self._template.stop_strings()
@@ -234,6 +235,18 @@ class OnnxBackend(Backend):
         if self._adds_bos and (not tokens or tokens[0] != self._bos):
             tokens.insert(0, self._bos)
         return tokens
+
+    def grammars(self):
+        """Compiled grammars over the export's own tokenizer.json (built on first use, ~1 s)."""
+        if self._grammar_cache is None:
+            from llguidance import LLTokenizer
+
+            from cascade.structured.matcher import GrammarCache
+
+            text = (Path(self.config.path) / "tokenizer.json").read_text()
+            tok = LLTokenizer(text, n_vocab=self._n_vocab, eos_token=sorted(self._eos))
+            self._grammar_cache = GrammarCache(tok, self._n_vocab)
+        return self._grammar_cache
 
     # -- generation ------------------------------------------------------------------------
 
@@ -247,6 +260,7 @@ class OnnxBackend(Backend):
                 f"prompt is {len(tokens)} tokens; the context window is {self.n_ctx}")
         if any(t < 0 or t >= self._n_vocab for t in tokens):
             raise ValueError(f"prompt token ids must be in [0, {self._n_vocab})")
+        matcher = self.grammars().matcher(options.grammar) if options.grammar else None
         cached = self._evaluate_prompt(tokens)
         sampler = LogitsSampler(options, tokens, self._n_vocab)
         releaser = TextReleaser(tuple(options.stop))
@@ -257,11 +271,16 @@ class OnnxBackend(Backend):
                 reason = "cancelled"
                 break
             logits = self._generator.get_logits()[0, -1]
-            log_z, entropy = self._stats(logits)
+            if matcher is not None:
+                logits = np.array(logits, dtype=np.float32)
+                matcher.mask(logits)
+            log_z, entropy = self._stats(logits, masked=matcher is not None)
             token = sampler.sample(logits)
             if token in self._eos:
                 reason = "stop"
                 break
+            if matcher is not None and not matcher.accept(token):
+                raise RuntimeError(f"a token outside the grammar was sampled: {matcher.error[:200]}")
             sampler.accept(token)
             n_generated += 1
             piece = self._pieces[token]
@@ -269,7 +288,7 @@ class OnnxBackend(Backend):
             yield TokenEvent(token_id=token, text=text, piece=piece,
                              logprob=float(logits[token]) - log_z, entropy=entropy,
                              top=self._top(options.top_logprobs))
-            if releaser.stopped:
+            if releaser.stopped or (matcher is not None and matcher.done):
                 reason = "stop"
                 break
             if len(self._kv_tokens) + 1 >= self.n_ctx:
