@@ -24,6 +24,7 @@ from cascade.protocol import (
     new_id,
     now,
 )
+from cascade.structured.contract import wants_tool_calls
 from cascade.structured.tools import ToolCall, ToolCallParser
 
 DONE = "data: [DONE]\n\n"
@@ -179,3 +180,11 @@ class CompletionFormatter:
                                   finish_reason=finish.finish_reason)
         return Completion(id=self.id, created=self.created, model=self.model, choices=[choice],
                           usage=usage_of(finish), cascade=cascade_of(self.cascade, finish))
+
+
+def formatter_for(endpoint: str, model: str, req) -> ChatFormatter | CompletionFormatter:
+    """The formatter of ``req``'s answer on ``endpoint`` ("chat" | "completions"): tool calls parsed
+    where the request allows them."""
+    if endpoint == "chat":
+        return ChatFormatter(model, req.logprobs, tool_calls=wants_tool_calls(req))
+    return CompletionFormatter(model, req.logprobs)

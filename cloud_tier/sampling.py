@@ -30,6 +30,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI: on tokens present in the output
     frequency_penalty: float = 0.0  # OpenAI: by count in the output
     include_stop_str_in_output: bool = False
+    guided: str | None = None  # an llguidance grammar (cascade.structured) every output token must follow
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):

@@ -10,8 +10,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import cascade
-from cascade import errors
-from cascade.openai_format import ChatFormatter, CompletionFormatter
+from cascade.openai_format import formatter_for
 from cascade.protocol import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList
 from cascade.structured.contract import contract_of
 from cascade.web import openai_response, openapi, parse_body, read_json, require_api_key
@@ -83,7 +82,7 @@ async def get_model(request: Request, model: str) -> ModelCard:
 @v1.post("/chat/completions", openapi_extra=openapi.body(ChatCompletionRequest),
          responses={**openapi.generation(ChatCompletion, "chat.completion.chunk"), **_GENERATION})
 async def chat_completions(request: Request):
-    return await _serve(request, "chat", ChatCompletionRequest, ChatFormatter,
+    return await _serve(request, "chat", ChatCompletionRequest,
                         lambda svc, req, contract: svc.chat_job(req, contract),
                         lambda req: "\n".join(m.text() for m in req.messages))
 
@@ -91,32 +90,23 @@ async def chat_completions(request: Request):
 @v1.post("/completions", openapi_extra=openapi.body(CompletionRequest),
          responses={**openapi.generation(Completion, "text_completion"), **_GENERATION})
 async def completions(request: Request):
-    return await _serve(request, "completions", CompletionRequest, CompletionFormatter,
+    return await _serve(request, "completions", CompletionRequest,
                         lambda svc, req, contract: svc.completion_job(req, contract),
                         lambda req: req.prompt if isinstance(req.prompt, str) else "")
 
 
-def contract(req, endpoint: str):
-    """The request's output contract (``cascade.structured``): a 400 naming a bad field; tools only
-    on chat."""
-    c = contract_of(req)
-    if endpoint != "chat" and c.tools:
-        raise errors.bad_request("`tools` are served on /v1/chat/completions only.", "tools", "unsupported_parameter")
-    return c
-
-
-async def _serve(request: Request, endpoint: str, schema, formatter, make_job, prompt_text):
+async def _serve(request: Request, endpoint: str, schema, make_job, prompt_text):
     """Parse, route (edge, cloud or queue) and answer one OpenAI request."""
     svc = service(request)
     body = await read_json(request, request.app.state.config.server.max_body_bytes)
     req = parse_body(schema, body)
-    shape = contract(req, endpoint)
+    shape = contract_of(req, endpoint)
     svc.check_model(req.model)
     routed = await escalator(request).route(req, endpoint, body, lambda: make_job(svc, req, shape), prompt_text(req),
                                             _session(request, req), request.headers.get("idempotency-key"), shape)
     if isinstance(routed, Queued):
         return JSONResponse(routed.body(), status_code=202, headers=routed.headers)
-    fmt = formatter(routed.model or svc.model_id, req.logprobs, **({"tool_calls": True} if shape.calls_tools else {}))
+    fmt = formatter_for(endpoint, routed.model or svc.model_id, req)
     fmt.cascade = routed.cascade_field
     # answers are counted by status in one place (status_count.CountAnswers); a stream's end is told it
     events = request.app.state.drain.guard(routed.events)  # SIGTERM: ends in-band at the drain's deadline
