@@ -12,10 +12,10 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from cascade.generation import Finish, TokenEvent
 from cascade.openai_format import ChatFormatter
+from cascade.protocol import ChatCompletionRequest
 from cascade.structured.contract import contract_of
 from cascade.structured.tools import StreamedCalls, ToolCallParser
 from cascade.structured.validate import problem
-from cascade.protocol import ChatCompletionRequest
 
 ANSWER = ('Sure.\n<tool_call>\n{"name": "open_door", "arguments": {"door": 3}}\n</tool_call>\n'
           '<tool_call>\n{"name": "lookup", "arguments": {"id": "AB12"}}\n</tool_call>')
