@@ -34,6 +34,7 @@ from edge_agent.backends.base import (
     common_prefix,
     identity_of,
 )
+from edge_agent.backends.onnx_vocab import token_pieces
 from edge_agent.backends.sampling import LogitsSampler, StepStats
 from edge_agent.hardware import choose_providers
 from model_distribution.artifacts.onnx_model import describe_onnx_dir
@@ -359,7 +360,7 @@ def _read_text(root: Path, tokenizer: og.Tokenizer) -> _Text:
         eos.add(added[eos_text])
     template_file = root / "chat_template.jinja"
     template = template_file.read_text() if template_file.is_file() else tok_config.get("chat_template")
-    return _Text(n_vocab, _token_pieces(tok_json, n_vocab), bos, bos >= 0 and bool(first) and first[0] == bos, eos,
+    return _Text(n_vocab, token_pieces(tok_json, n_vocab), bos, bos >= 0 and bool(first) and first[0] == bos, eos,
                  ChatTemplate(template, bos_token=_token_text(tok_config.get("bos_token")), eos_token=eos_text))
 
 
@@ -368,46 +369,3 @@ def _token_text(value) -> str:
     if isinstance(value, dict):
         return value.get("content", "")
     return value or ""
-
-
-def _token_pieces(tok_json: dict, n_vocab: int) -> list[bytes]:
-    """Each token id's bytes, so text split inside a UTF-8 character streams right. Byte-level
-    BPE (GPT-2, SmolLM2, Llama 3) spells bytes as printable characters, which we map back;
-    SentencePiece-style vocabularies spell a space as U+2581 and raw bytes as <0xNN>. Special
-    tokens render as nothing, as on llama.cpp."""
-    model = tok_json["model"]
-    vocab = model["vocab"]
-    items = vocab.items() if isinstance(vocab, dict) else ((tok, i) for i, (tok, _) in enumerate(vocab))
-    decoder = tok_json.get("decoder") or {}
-    byte_level = decoder.get("type") == "ByteLevel" or any(
-        d.get("type") == "ByteLevel" for d in decoder.get("decoders", []))
-    pieces = [b""] * n_vocab
-    if byte_level:
-        to_byte = _gpt2_byte_decoder()
-        for tok, i in items:
-            if i < n_vocab:
-                pieces[i] = bytes(to_byte[c] for c in tok if c in to_byte)
-    else:
-        for tok, i in items:
-            if i < n_vocab:
-                if len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
-                    pieces[i] = bytes([int(tok[3:5], 16)])
-                else:
-                    pieces[i] = tok.replace("\u2581", " ").encode("utf-8")
-    for t in tok_json.get("added_tokens", []):
-        if t["id"] < n_vocab:
-            pieces[t["id"]] = b"" if t.get("special") else t["content"].encode("utf-8")
-    return pieces
-
-
-def _gpt2_byte_decoder() -> dict[str, int]:
-    """The inverse of GPT-2's bytes_to_unicode: printable bytes stand for themselves, the rest
-    are shifted to code points from 256 up."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    out = {chr(b): b for b in printable}
-    shifted = 0
-    for b in range(256):
-        if b not in out.values():
-            out[chr(256 + shifted)] = b
-            shifted += 1
-    return out

@@ -124,7 +124,26 @@ async def _tracked(events: AsyncIterator, window: int, routed_field: dict) -> As
         await events.aclose()
 
 
-def _answer_text(held: list) -> str:
+async def _hold(events, conf: Confidence, whole: bool) -> list:
+    """The local answer's first events, read before anything is released: until ``conf`` is full
+    (its first K tokens), or the whole answer when ``whole``."""
+    held: list = []
+    try:
+        async for ev in events:
+            held.append(ev)
+            if isinstance(ev, Finish):
+                break
+            if not conf.full:
+                conf.add(ev.logprob, ev.entropy)
+            if conf.full and not whole:
+                break
+    except BaseException:
+        await events.aclose()
+        raise
+    return held
+
+
+def _text(held: list) -> str:
     return "".join(ev.text for ev in held)  # the tokens' released text, and the finish's rest
 
 
@@ -190,15 +209,7 @@ class Escalator:
         self.outbox.check_callback(req.cascade.callback_url if req.cascade else None)
         if app_key is not None and (earlier := await self.outbox.earlier(body, app_key)) is not None:
             return Queued(earlier.id, earlier.reason)  # the app's retry of a request queued under its key
-        job, too_long_locally, unservable = None, None, False
-        try:
-            job = make_job()
-            n_prompt = len(job.prompt_tokens)
-        except errors.APIError as e:
-            if e.code not in ("context_length_exceeded", "schema_unsupported") or self.upstream is None:
-                raise
-            unservable = e.code == "schema_unsupported"
-            too_long_locally, n_prompt = e, (0 if unservable else self.service.description.n_ctx)
+        job, too_long_locally, unservable, n_prompt = self._job(make_job)
         feats = prompt_features(prompt_text) if self.router is not None else None
         signals = self.signals(req, job, prompt_text, n_prompt, feats, unservable)
         if session and goes_behind_backlog(True, signals.offline):  # the rule could apply: ask the queue
@@ -242,6 +253,19 @@ class Escalator:
             routed.extra_headers["X-Cascade-Refinement"] = refinement.location
         return routed
 
+    def _job(self, make_job) -> tuple[LocalJob | None, errors.APIError | None, bool, int]:
+        """(the local job, why there is none, whether that is a contract the device cannot enforce,
+        the prompt's length): a prompt too long or a contract unenforceable here is no error while a
+        cloud could take it."""
+        try:
+            job = make_job()
+            return job, None, False, len(job.prompt_tokens)
+        except errors.APIError as e:
+            if e.code not in ("context_length_exceeded", "schema_unsupported") or self.upstream is None:
+                raise
+            unservable = e.code == "schema_unsupported"
+            return None, e, unservable, 0 if unservable else self.service.description.n_ctx
+
     async def _cloud(self, endpoint: str, body: dict, reason: str, draft: dict | None = None,
                      app_key: str | None = None) -> Routed:
         try:
@@ -279,30 +303,15 @@ class Escalator:
         started = time.perf_counter()
         router = self.router if feats is not None else None
         conf = Confidence(window=router.window if router else self.policy.confidence.window)
-        held: list = []
-        try:
-            async for ev in events:
-                held.append(ev)
-                if isinstance(ev, Finish):
-                    break
-                if not conf.full:
-                    conf.add(ev.logprob, ev.entropy)
-                if conf.full and not check_answer:
-                    break
-        except BaseException:
-            await events.aclose()
-            raise
+        held = await _hold(events, conf, whole=check_answer)
         svc.metrics.hold_back.observe(time.perf_counter() - started)
         info = {"confidence": conf.as_dict()}
         after = None
         if decision.check_confidence:
             after = (after_router(router, feats, conf, self.upstream.available) if router
                      else after_local(conf, self.policy.confidence, self.upstream.available))
-        if check_answer and (after is None or after.tier != "cloud"):
-            why = problem(job.contract, _answer_text(held))
-            after = after_check(why, self.upstream.available) or after
-            if why:
-                info["schema_problem"] = why[:300]
+        if check_answer and (after is None or after.tier != "cloud") and (why := problem(job.contract, _text(held))):
+            after, info["schema_problem"] = after_check(why, self.upstream.available), why[:300]
         if after is not None and after.tier == "cloud":
             # the cloud verifies the device's low-confidence draft; an answer that broke its contract is none
             draft = (draft_of(held, svc.description.tokenizer, job.options.temperature == 0)
