@@ -122,6 +122,7 @@ def running_tier(name: str, model: str, args, work: Path, parallel: int = 1) -> 
         key, timeout_s = "", 900
     else:
         key = cloud_key(env, work)
+        env["CASCADE_CLOUD_GATEWAY_RESULT_CACHE_TTL_S"] = "0.001"  # a repeated greedy request is generated again
         proc, url = start_cloud(env, model, args.weight_dtype, "--both", "1", "--prefill", "0", "--decode", "0")
         timeout_s = 1800
     try:
