@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 # As vLLM: a smaller temperature or repetition penalty would overflow the logits to inf/NaN.
 MIN_TEMPERATURE = 0.01
 MIN_REPETITION_PENALTY = 0.01
+MAX_GUIDED_BYTES = 256 * 1024  # a grammar (llguidance's) longer than this is refused
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI: on tokens present in the output
     frequency_penalty: float = 0.0  # OpenAI: by count in the output
     include_stop_str_in_output: bool = False
+    guided: str | None = None  # an llguidance grammar the output tokens must follow (cascade.structured)
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -52,6 +54,9 @@ class SamplingParams:
             raise ValueError("repetition_penalty must be > 0")
         if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
             raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if self.guided is not None and (not isinstance(self.guided, str) or not self.guided
+                                        or len(self.guided.encode()) > MAX_GUIDED_BYTES):
+            raise ValueError(f"guided must be a non-empty grammar of at most {MAX_GUIDED_BYTES} bytes")
         if 0 < self.temperature < MIN_TEMPERATURE:
             object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         object.__setattr__(self, "repetition_penalty", max(self.repetition_penalty, MIN_REPETITION_PENALTY))

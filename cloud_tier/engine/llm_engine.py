@@ -18,6 +18,7 @@ import torch
 
 from cloud_tier.engine.calibrate import calibrate_step_cost
 from cloud_tier.engine.draft import Draft
+from cloud_tier.engine.guided import Guides
 from cloud_tier.engine.handoff import KVCapacityError, KVHandoff, KVLayout, model_identity
 from cloud_tier.engine.kv_cache_manager import KVCacheManager
 from cloud_tier.engine.kv_moves import KVMover, measure_copy_s_per_byte
@@ -58,6 +59,7 @@ class LLMEngine:
             quantize_model(self.model)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = eos_ids(self.model_dir, self.tokenizer, hf_config)
+        self.guides = Guides(self.tokenizer, self.model.config["vocab_size"], self.eos_token_ids)
         per_block = ModelRunner.bytes_per_block(self.model, config.block_size, self.dtype, config.kv_cache_dtype)
         window, per_block, window_bytes = window_group(config, self.model.layer_windows(), per_block)
         num_blocks = config.num_kv_blocks or max(1, (config.kv_cache_memory_bytes - window_bytes) // per_block)
@@ -111,7 +113,8 @@ class LLMEngine:
         """Tokenize and validate a prompt into a request record (raises ValueError). Safe to call
         from another thread than the one stepping the engine. ``slo``: its class, targets and
         deadline (a ``time.monotonic()`` time); ``draft``: tokens a device generated after the
-        prompt, verified in the first step (a ``DraftError`` naming the field if malformed)."""
+        prompt, verified in the first step (a ``DraftError`` naming the field if malformed). A guided
+        request's grammar is compiled here (``GrammarRefused``, a ValueError, if it cannot be)."""
         params = params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.model.config["vocab_size"]
@@ -124,6 +127,8 @@ class LLMEngine:
                       priority=priority, arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
                       slo=slo or ServiceLevel())
         self.scheduler.check_admissible(req)  # reads only the configuration: safe on any thread
+        if params.guided is not None:
+            req.guide = self.guides.matcher(params.guided)
         if draft is not None:
             self.speculation.attach(req, draft)
         return req
@@ -133,6 +138,7 @@ class LLMEngine:
         ValueError, if it would miss its TTFT target)."""
         self.scheduler.add_request(req)
         self.speculation.added(req)
+        self.guides.count(req)
         self._tracked[req.request_id] = TrackedRequest.start(req, self.tokenizer)
         return req.request_id
 
@@ -180,6 +186,8 @@ class LLMEngine:
         from there. KVCapacityError (nothing changed) if the blocks do not fit now; ValueError
         (nothing changed) if ``kv`` is not in this cache's layout or the request is refused."""
         self._check_one_kv_group()
+        if req.sampling_params.guided is not None:  # its matcher at its first token
+            req.guide = self.guides.matcher(req.sampling_params.guided, req.output_token_ids)
         num_blocks = self.kv.blocks_for_tokens(req.num_prompt_tokens)
         self.runner.check_payload(kv, num_blocks)
         if not self.scheduler.adopt(req):
@@ -191,6 +199,7 @@ class LLMEngine:
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
             raise
         req.num_cached_tokens = num_cached_tokens
+        self.guides.count(req)
         if sampler_state is not None:
             self.runner.sampler.set_state(req.request_id, sampler_state)
         tracked = self._tracked[req.request_id] = TrackedRequest.start(req, self.tokenizer)
@@ -360,6 +369,8 @@ class LLMEngine:
                 "step_decode_s": s.cost.per_decode_s, "step_prefill_seq_s": s.cost.per_prefill_seq_s,
                 **{"preemptions_" + k: v for k, v in dataclasses.asdict(s.swap.stats).items()},
                 **{"spec_" + k: v for k, v in dataclasses.asdict(self.speculation.counts).items()},
+                **{"guided_" + k: v for k, v in dataclasses.asdict(self.guides.counts).items()},
+                "grammar_compiles": self.guides.compiles,
                 **({"kv_tier_" + k: v for k, v in dataclasses.asdict(self.kv.tier.stats).items()}
                    if self.kv.tier is not None else {})}
 

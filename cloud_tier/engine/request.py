@@ -9,10 +9,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cascade.protocol import PRIORITY_CLASSES
 from cloud_tier.engine.draft import SpecState
 from cloud_tier.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from cascade.structured.matcher import Matcher
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,8 @@ class Request:
     # a newcomer of its class served before it adds its own prefill time (see SloAdmission.place)
     promised: float | None = None
     spec: SpecState = field(default_factory=SpecState)  # speculation: a draft to verify, proposals (engine/spec)
+    # guided decoding: its grammar's matcher, at its output so far (engine/guided); kept across preemptions
+    guide: Matcher | None = None
 
     def __post_init__(self):
         if not self.prompt_token_ids:

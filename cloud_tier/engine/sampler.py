@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from cloud_tier.engine.guided import advance_rows, mask_rows
 from cloud_tier.engine.request import Request
 from cloud_tier.engine.spec.verify import Verdict, draft_q, verify_greedy, verify_sampled
 
@@ -51,14 +52,25 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         """``logits`` [B, V] (any float dtype; computed in float32 beyond an argmax), one row per
         request in ``requests``. A row that cannot be sampled (non-finite logits) is reported in
-        ``errors``; the other rows are unaffected."""
+        ``errors``; the other rows are unaffected. A guided request's row is sampled among the tokens
+        its grammar allows (its logprobs stay the model's own), and its matcher takes the token."""
+        masked, guided = mask_rows(logits, requests)
+        if all(r.sampling_params.greedy and r.sampling_params.logprobs is None
+               and not r.sampling_params.needs_penalties for r in requests):
+            result = _greedy(masked, self.native)
+        else:
+            result = self._sample(masked, logits, requests)
+        if guided.rows:
+            advance_rows(result.token_ids, requests, guided, result.errors)
+        return result
+
+    def _sample(self, logits: torch.Tensor, raw: torch.Tensor, requests: list[Request]) -> SampleResult:
+        """Sampled rows of ``logits``; the logprobs from ``raw`` (the same logits before a grammar's mask)."""
         params = [r.sampling_params for r in requests]
-        if all(p.greedy and p.logprobs is None and not p.needs_penalties for p in params):
-            return _greedy(logits, self.native)
         logits = logits.float()
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+            raw_logprobs = torch.log_softmax(raw.float(), dim=-1)
         if any(p.needs_penalties for p in params):
             logits = logits.clone()
             for i, r in enumerate(requests):

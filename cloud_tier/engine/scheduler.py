@@ -234,7 +234,7 @@ class Scheduler:
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         p = req.sampling_params
-        if req.is_stop_token(token):
+        if req.is_stop_token(token) or (req.guide is not None and req.guide.done):  # its grammar ended
             return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH

@@ -53,6 +53,14 @@ class WorkerMetrics:
         self.ngram_accepted = Gauge("cascade_worker_ngram_tokens_accepted", "n-gram tokens accepted so far",
                                     registry=r)
 
+        # guided decoding (a grammar on the output): requests received here, grammars compiled and refused
+        self.guided = Counter("cascade_worker_guided_requests_total", "Requests whose output follows a grammar "
+                              "(response_format, tools)", registry=r)
+        self.grammar_compiles = Gauge("cascade_worker_grammar_compiles", "Grammars compiled so far (a cache "
+                                      "miss)", registry=r)
+        self.grammar_refused = Gauge("cascade_worker_grammar_refused", "Grammars refused so far (could not be "
+                                     "compiled within bounds)", registry=r)
+
     def refresh(self, stats: dict) -> None:
         self.kv_blocks_total.set(stats["kv_blocks_total"])
         self.kv_blocks_used.set(stats["kv_blocks_total"] - stats["kv_blocks_free"])
@@ -63,6 +71,8 @@ class WorkerMetrics:
         self.prefix_hits.set(stats["prefix_cache_hits"])
         self.ngram_proposed.set(stats.get("spec_ngram_tokens_proposed", 0))
         self.ngram_accepted.set(stats.get("spec_ngram_tokens_accepted", 0))
+        self.grammar_compiles.set(stats.get("grammar_compiles", 0))
+        self.grammar_refused.set(stats.get("guided_refused", 0))
 
     def observe_draft(self, out) -> dict:
         """Count a finished request's draft (an engine ``RequestOutput``); its report for the answer."""

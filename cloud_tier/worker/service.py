@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from cascade import errors
 from cascade.generation import Finish, TokenEvent, TopToken
 from cascade.protocol import ChatCompletionRequest, CompletionRequest
+from cascade.structured.matcher import GrammarRefused
 from cloud_tier import tokenizer_files
 from cloud_tier.disagg.decode import DecodeService
 from cloud_tier.disagg.prefill import PrefillService
@@ -104,8 +105,12 @@ class WorkerService:
                                           draft=plan.draft)
         except EngineDeadError as e:
             raise errors.APIError(503, str(e), "server_error", code="engine_unavailable") from e
+        except GrammarRefused as e:
+            raise grammar_refused(e) from e
         except (ValueError, TypeError) as e:
             raise errors.bad_request(str(e), getattr(e, "param", None)) from e
+        if plan.params.guided is not None:
+            self.metrics.guided.inc()
         return EngineJob(request, plan.logprobs, time.perf_counter())
 
     def _count_offer(self, req, plan: RequestPlan) -> None:
@@ -131,6 +136,8 @@ class WorkerService:
                                           service_level_of(rec), arrival_of(rec), draft=rec.draft())
             except EngineDeadError as e:
                 raise errors.APIError(503, str(e), "server_error", code="engine_unavailable") from e
+            except GrammarRefused as e:
+                raise grammar_refused(e) from e
             except (ValueError, TypeError) as e:
                 raise errors.bad_request(str(e)) from e
             outputs = self.engine.stream(req)
@@ -138,9 +145,21 @@ class WorkerService:
             if self.decode is None:
                 raise errors.bad_request(f"this worker's role is {self.role}: it does not adopt prefilled "
                                          "requests", "prefill_url")
+            self._check_grammar(rec.sampling.get("guided"))
             outputs = self.decode.generate_remote(body)
+        if rec.sampling.get("guided") is not None:
+            self.metrics.guided.inc()
         async for ev in self.events(outputs, arrived, service_level_of(rec)):
             yield ev
+
+    def _check_grammar(self, grammar) -> None:
+        """A guided request's grammar compiled here (cached for its adoption): a 400 before a prefill
+        worker is asked, not an error after its prefill."""
+        if isinstance(grammar, str):
+            try:
+                self.engine.engine.guides.matcher(grammar)
+            except GrammarRefused as e:
+                raise grammar_refused(e) from e
 
     async def events(self, outputs: AsyncIterator[RequestOutput], arrived: float, slo: ServiceLevel
                      ) -> AsyncIterator[TokenEvent | Finish]:
@@ -206,6 +225,11 @@ def service_level(plan: RequestPlan, headers: Mapping[str, str], now: float | No
     plan = with_headers(plan, headers)
     deadline = None if plan.timeout_s is None else (time.monotonic() if now is None else now) + plan.timeout_s
     return ServiceLevel(plan.priority_class, plan.ttft_slo_s, plan.tpot_slo_s, deadline)
+
+
+def grammar_refused(e: GrammarRefused) -> errors.APIError:
+    """The 400 of a guided request whose grammar cannot be compiled (within its bounds) here."""
+    return errors.bad_request(f"the output's grammar cannot be enforced: {e}", "response_format", "invalid_schema")
 
 
 def _engine_stats(engine) -> EngineStats:  # on the engine thread

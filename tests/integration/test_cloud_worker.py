@@ -122,3 +122,33 @@ def test_the_engines_extra_fields_are_checked_when_the_worker_is_called_directly
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, **extra}
     r = loopback.post(f"{worker.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra)), r.text
+
+
+
+def _generate(worker, prompt_ids: list[int], sampling: dict):
+    record = {"request_id": "", "prompt_token_ids": prompt_ids, "sampling": sampling}
+    return loopback.post(f"{worker.url}/internal/generate", json={"record": record}, timeout=120)
+
+
+def test_a_guided_request_answers_within_its_grammar_and_an_uncompilable_one_is_a_400(worker, smollm2_engine):
+    import json
+
+    from llguidance import LLMatcher
+
+    from tests.integration.worker_checks import total
+
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]}, "stars": {"type": "integer",
+              "minimum": 1, "maximum": 5}}, "required": ["city", "stars"], "additionalProperties": False}
+    grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    prompt = smollm2_engine.tokenizer.encode("Rate the capital of France as JSON:")
+    before = total(worker.url, "cascade_worker_guided_requests_total")
+    r = _generate(worker, prompt, {"max_tokens": 40, "temperature": 0, "guided": grammar})
+    assert r.status_code == 200, r.text
+    events = [json.loads(line) for line in r.text.splitlines()]
+    answer = json.loads("".join(e["token"][1] for e in events if "token" in e))
+    assert answer["city"] in ("Paris", "Lyon") and 1 <= answer["stars"] <= 5
+    assert events[-1]["finish"][0] == "stop"
+    assert total(worker.url, "cascade_worker_guided_requests_total") == before + 1
+    assert total(worker.url, "cascade_worker_grammar_compiles") >= 1
+    bad = _generate(worker, prompt, {"max_tokens": 4, "guided": "start: missing_rule"})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_schema", bad.text

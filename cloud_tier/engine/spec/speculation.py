@@ -55,6 +55,8 @@ class Speculation:
             return "logprobs"
         if p.needs_penalties:
             return "penalties"
+        if p.guided is not None:  # a proposal is not checked against the grammar: it runs without
+            return "guided"
         return None
 
     def propose(self, running: list[Request]) -> None:
