@@ -6,8 +6,9 @@
 - tiers: decode tokens/s of each tier (bench/structured_coverage.py starts them), constrained
   (strict json_schema) vs unconstrained, same prompt and max_tokens, greedy, streamed; batch 1
   (sequential) and batch 8 (8 requests at once); goal: < 5 % slower at batch 1, < 10 % at 8;
-- llguidance: grammar compile time (``LLMatcher(tokenizer, grammar)``, first compile) over the whole
-  corpus on the GGUF's own vocabulary, and the mask's time per token along each example instance;
+- llguidance: grammar compile time (``LLMatcher(tokenizer, grammar)``, first compile, the servers' JSON
+  style and limits) over the corpus on the GGUF's own vocabulary, and the mask's time per token along
+  each example instance;
 - llamacpp: llama-cpp-python's GBNF path (``response_format`` json_object + schema) vs none, tokens/s,
   and its grammar compile time (schema to GBNF, then llama.cpp's parse in ``llama_sampler_init_grammar``);
 - vllm: vLLM's CPU build (~/.cache/cascade/vllm-venv) on our converted model dir, the same requests as
@@ -34,6 +35,7 @@ from structured_coverage import Tier, add_tier_args, prompt, refusal, response_f
 from structured_schemas import enforced, load_corpus  # noqa: I001 (siblings: sys.path[0] is bench/)
 
 from cascade.processes import NotHealthy, free_port, spawn, stop, wait_healthy
+from cascade.structured.grammar import JSON_STYLE, limits
 
 SCHEMAS = ("kiosk_form", "tool_open_door", "sentiment", "github_issue", "sql_query_plan", "order_line_items",
            "sensor_reading", "payment_method", "flight_booking", "named_entities")
@@ -126,12 +128,11 @@ def bench_llguidance(gguf: Path, corpus: list[dict]) -> dict:
         compile_ms, mask_us, failed = [], [], []
         bitmask = llguidance.numpy.allocate_token_bitmask(1, tok.vocab_size)
         for entry in enforced(corpus):
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(entry["schema"],
-                                                                     defaults={"whitespace_flexible": False})
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(entry["schema"], defaults=JSON_STYLE)
             start = time.perf_counter()
-            matcher = llguidance.LLMatcher(tok, grammar)
+            matcher = llguidance.LLMatcher(tok, grammar, limits=limits())
             compile_ms.append(1000 * (time.perf_counter() - start))
-            for token in tok.tokenize_str(json.dumps(entry["example"], separators=(",", ":"))):
+            for token in tok.tokenize_str(json.dumps(entry["example"])):  # the servers' ", " and ": "
                 start = time.perf_counter()
                 llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, 0)
                 mask_us.append(1e6 * (time.perf_counter() - start))
