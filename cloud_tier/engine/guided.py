@@ -98,14 +98,14 @@ def mask_rows(logits: torch.Tensor, requests: list) -> tuple[torch.Tensor, Guide
         if i in guided.errors or not bits[k].any():
             bits[k] = -1  # placeholder: the row is reported, and the batch is sampled as usual
             guided.errors.setdefault(i, "its grammar allows no next token")
-    allowed = np.unpackbits(bits.view(np.uint8), axis=1, count=vocab, bitorder="little")
-    blocked = torch.from_numpy(allowed).to(logits.device) == 0
-    masked = logits.clone()
+    # the inverted bits unpacked are the blocked tokens, one byte each (0 or 1): a bool array as it is
+    blocked = np.unpackbits((~bits).view(np.uint8), axis=1, count=vocab, bitorder="little").view(np.bool_)
+    blocked = torch.from_numpy(blocked).to(logits.device)
     if len(guided.rows) == len(requests):
-        masked.masked_fill_(blocked, float("-inf"))
-    else:
-        idx = torch.tensor(guided.rows, device=logits.device)
-        masked[idx] = masked[idx].masked_fill(blocked, float("-inf"))
+        return logits.masked_fill(blocked, float("-inf")), guided
+    idx = torch.tensor(guided.rows, device=logits.device)
+    masked = logits.clone()
+    masked[idx] = logits[idx].masked_fill(blocked, float("-inf"))
     return masked, guided
 
 
