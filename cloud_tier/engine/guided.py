@@ -117,5 +117,8 @@ def advance_rows(token_ids: list[int], requests: list, guided: GuidedRows, error
         if i in errors:
             continue
         guide: Matcher = requests[i].guide
-        if not guide.accept(token_ids[i]):
-            errors[i] = f"its grammar refused the sampled token {token_ids[i]}: {guide.error}"
+        try:
+            if not guide.accept(token_ids[i]):
+                errors[i] = f"its grammar refused the sampled token {token_ids[i]}: {guide.error}"
+        except Exception as e:  # a matcher's bug fails its request, not the batch
+            errors[i] = f"its grammar could not take the sampled token {token_ids[i]}: {e!r}"
