@@ -55,6 +55,9 @@ class CascadeConfig:
     difficulty_model: str = ""  # JSON written by `cascade calibrate`
     router: str = ""  # the two-stage router's JSON written by `cascade calibrate` ("": none)
     latency_budget_s: float = 0.0  # overflow: default budget per request (0: none)
+    # structured outputs (response_format, tools): held to their grammar on the device (true), or generated
+    # freely and checked afterwards (false: an answer that breaks its contract escalates "schema_invalid")
+    constrain: bool = True
 
     def __post_init__(self):
         if self.mode not in ("auto", "local", "cloud"):
@@ -81,7 +84,7 @@ _TYPES = {"mode": str, "offline": str, "hold_tokens": int, "min_mean_logprob": f
           "max_mean_entropy": float, "max_prompt_tokens": int, "difficulty_threshold": float,
           "latency_budget_s": float}
 CALIBRATED = (*_TYPES, "difficulty_model", "router")  # what a version's calibration may set
-NOT_CARRIED = ("device",)
+NOT_CARRIED = ("device", "constrain")
 
 
 def check_calibration(table: dict, base_dir: Path | None = None) -> dict:

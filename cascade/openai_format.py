@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 
@@ -23,6 +24,8 @@ from cascade.protocol import (
     new_id,
     now,
 )
+from cascade.structured.contract import wants_tool_calls
+from cascade.structured.tools import ToolCall, ToolCallParser
 
 DONE = "data: [DONE]\n\n"
 
@@ -58,12 +61,17 @@ def cascade_of(base: dict | None, finish: Finish | None) -> dict | None:
 
 
 class ChatFormatter:
-    def __init__(self, model: str, logprobs: bool):
+    """``tool_calls``: the request may be answered with tool calls: the model's call markup
+    (``cascade.structured.tools``) becomes OpenAI ``tool_calls``, each streamed whole in one delta,
+    and a finish after calls is "tool_calls"."""
+
+    def __init__(self, model: str, logprobs: bool, tool_calls: bool = False):
         self.id = new_id("chatcmpl")
         self.created = now()
         self.model = model
         self.logprobs = logprobs
         self.cascade: dict | None = None  # set by the edge agent: goes on the final chunk / body
+        self._calls = ToolCallParser() if tool_calls else None
 
     def _chunk(self, delta: DeltaMessage, events: Sequence[TokenEvent] = (), finish: Finish | None = None,
                usage: Usage | None = None) -> str:
@@ -76,13 +84,33 @@ class ChatFormatter:
         return self._chunk(DeltaMessage(role="assistant", content=""))
 
     def token_chunk(self, ev: TokenEvent) -> str | None:
+        if self._calls is not None:
+            content, calls = self._calls.feed(ev.text)
+            out = self._chunk(DeltaMessage(content=content), [ev]) if content or self.logprobs else ""
+            return (out + self._call_chunks(calls)) or None
         if not ev.text and not self.logprobs:
             return None  # held back for a stop-string check; released later
         return self._chunk(DeltaMessage(content=ev.text), [ev])
 
+    def _call_chunks(self, calls: list[ToolCall]) -> str:
+        first = len(self._calls.calls) - len(calls)
+        return "".join(self._chunk(DeltaMessage(tool_calls=[c.openai(first + i)])) for i, c in enumerate(calls))
+
+    def _finish_calls(self, finish: Finish) -> tuple[str, str, Finish]:
+        """(the rest of the content, the last calls' chunks, the finish) at the end of a tool-call answer."""
+        head, calls = self._calls.feed(finish.text)
+        tail, _ = self._calls.flush()
+        if self._calls.calls and finish.finish_reason == "stop":
+            finish = dataclasses.replace(finish, finish_reason="tool_calls")
+        return head + tail, self._call_chunks(calls), finish
+
     def final_chunks(self, finish: Finish, include_usage: bool) -> list[str]:
         usage = usage_of(finish)
-        out = [self._chunk(DeltaMessage(content=finish.text or None), finish=finish, usage=usage)]
+        text, calls = finish.text, ""
+        if self._calls is not None:
+            text, calls, finish = self._finish_calls(finish)
+        out = [calls] if calls else []
+        out.append(self._chunk(DeltaMessage(content=text or None), finish=finish, usage=usage))
         if include_usage:
             out.append(sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
                                                choices=[], usage=usage)))
@@ -91,8 +119,12 @@ class ChatFormatter:
     def response(self, events: list[TokenEvent], finish: Finish) -> ChatCompletion:
         text = "".join(e.text for e in events) + finish.text
         lp = ChoiceLogprobs(content=[_token_logprob(e) for e in events]) if self.logprobs else None
-        choice = ChatChoice(message=ResponseMessage(content=text), logprobs=lp,
-                            finish_reason=finish.finish_reason)
+        message = ResponseMessage(content=text)
+        if self._calls is not None:
+            text, _, finish = self._finish_calls(dataclasses.replace(finish, text=text))
+            calls = [c.openai() for c in self._calls.calls]
+            message = ResponseMessage(content=text or (None if calls else ""), tool_calls=calls or None)
+        choice = ChatChoice(message=message, logprobs=lp, finish_reason=finish.finish_reason)
         return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice],
                               usage=usage_of(finish), cascade=cascade_of(self.cascade, finish))
 
@@ -148,3 +180,11 @@ class CompletionFormatter:
                                   finish_reason=finish.finish_reason)
         return Completion(id=self.id, created=self.created, model=self.model, choices=[choice],
                           usage=usage_of(finish), cascade=cascade_of(self.cascade, finish))
+
+
+def formatter_for(endpoint: str, model: str, req) -> ChatFormatter | CompletionFormatter:
+    """The formatter of ``req``'s answer on ``endpoint`` ("chat" | "completions"): tool calls parsed
+    where the request allows them."""
+    if endpoint == "chat":
+        return ChatFormatter(model, req.logprobs, tool_calls=wants_tool_calls(req))
+    return CompletionFormatter(model, req.logprobs)

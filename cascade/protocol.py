@@ -31,12 +31,27 @@ class TextPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    arguments: str  # JSON text, as the model wrote it
+
+
+class MessageToolCall(BaseModel):
+    """A call an earlier assistant turn made (sent back with the conversation)."""
+
+    id: Annotated[str, Field(min_length=1, max_length=128)]
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=128)] | None = None  # assistant turns
+    tool_call_id: Annotated[str, Field(max_length=128)] | None = None  # a tool's answer: to which call
 
     def text(self) -> str:
         if self.content is None:
@@ -262,6 +277,7 @@ class ChoiceLogprobs(BaseModel):
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[dict] | None = None  # OpenAI's shape: id, type "function", function {name, arguments}
 
 
 class ChatChoice(BaseModel):
@@ -285,6 +301,7 @@ class ChatCompletion(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict] | None = None  # each with its ``index``; a call is sent whole in one delta
 
 
 class ChatChunkChoice(BaseModel):

@@ -12,8 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cascade import errors
-from cascade.chat_template import ChatTemplate, ChatTemplateError
+from cascade.chat_template import ChatTemplate, ChatTemplateError, chat_messages
 from cascade.protocol import INT32, PRIORITY_CLASSES, ChatCompletionRequest, CompletionRequest
+from cascade.structured.contract import TEXT, OutputContract, contract_of
+from cascade.structured.grammar import CALL_CLOSE, CALL_OPEN, check, contract_param, grammar_of
 from cloud_tier.draft import Draft, DraftError, draft_of
 from cloud_tier.sampling import SamplingParams
 
@@ -33,6 +35,7 @@ class RequestPlan:
     tpot_slo_s: float | None = None
     timeout_s: float | None = None
     draft: Draft | None = None  # the device's tokens to verify (its tokenizer matched ours)
+    contract: OutputContract = TEXT  # the answer's shape (response_format, tools): params.guided holds its grammar
 
     @property
     def max_total_tokens(self) -> int:
@@ -57,10 +60,14 @@ class RequestBuilder:
         self._adds_bos = self._bos is not None and tokenizer.encode("a")[:1] == [self._bos]
         self._vocab = len(tokenizer)
         self.draft_vocab = max(self._vocab, model_vocab_size)
+        added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+        self.special_tool_tags = CALL_OPEN in added and CALL_CLOSE in added  # Qwen's: named as tokens in a grammar
 
     def chat(self, req: ChatCompletionRequest) -> RequestPlan:
+        contract = contract_of(req, "chat")
+        tools = [t.openai() for t in contract.tools] if contract.calls_tools else None
         try:
-            prompt = self.template.render([{"role": m.role, "content": m.text()} for m in req.messages])
+            prompt = self.template.render(chat_messages(req.messages), tools)
         except ChatTemplateError as e:
             raise errors.bad_request(str(e), "messages") from e
         tokens = self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -68,19 +75,27 @@ class RequestBuilder:
             tokens.insert(0, self._bos)
         stops = tuple(req.stop_list()) + self.template.stop_strings()
         k = (req.top_logprobs or 0) if req.logprobs else None
-        return self._plan(req, tokens, req.token_limit(), stops, k, "messages")
+        return self._plan(req, tokens, req.token_limit(), stops, k, "messages", contract)
 
     def completion(self, req: CompletionRequest) -> RequestPlan:
+        contract = contract_of(req, "completions")
         if isinstance(req.prompt, str):
             tokens = self.tokenizer.encode(req.prompt)
         else:
             tokens = list(req.prompt)
             if not tokens or any(not 0 <= t < self._vocab for t in tokens):
                 raise errors.bad_request(f"prompt token ids must be non-empty and in [0, {self._vocab})", "prompt")
-        return self._plan(req, tokens, req.token_limit(), tuple(req.stop_list()), req.logprobs, "prompt")
+        return self._plan(req, tokens, req.token_limit(), tuple(req.stop_list()), req.logprobs, "prompt", contract)
+
+    def grammar(self, contract: OutputContract) -> str | None:
+        """``contract``'s grammar for our engine (None: free text); a 400 naming the keywords it cannot
+        enforce."""
+        grammar = grammar_of(contract, self.special_tool_tags)
+        check(grammar, contract_param(contract))
+        return grammar
 
     def _plan(self, req, tokens: list[int], max_tokens: int | None, stops: tuple[str, ...],
-              logprobs: int | None, prompt_param: str) -> RequestPlan:
+              logprobs: int | None, prompt_param: str, contract: OutputContract = TEXT) -> RequestPlan:
         n_ctx = self.max_model_len
         if len(tokens) >= n_ctx:
             raise errors.bad_request(
@@ -103,7 +118,8 @@ class RequestBuilder:
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                 ignore_eos=_extra(extra, "ignore_eos", False, lambda v: isinstance(v, bool), "a boolean"),
                 stop_token_ids=tuple(_extra(extra, "stop_token_ids", [], lambda v: isinstance(v, list) and all(
-                    _int32(t) and t >= 0 for t in v), "a list of token ids")))
+                    _int32(t) and t >= 0 for t in v), "a list of token ids")),
+                guided=self.grammar(contract))
             priority = _extra(extra, "priority", 0, _int32, "an integer in [-2**31, 2**31)")
             priority_class = _extra(extra, "priority_class", "interactive", PRIORITY_CLASSES.__contains__,
                                     f"one of {', '.join(PRIORITY_CLASSES)}")
@@ -115,7 +131,7 @@ class RequestBuilder:
             draft = draft_of(req.cascade.draft if req.cascade else None, self.tokenizer_identity, self.draft_vocab)
         except DraftError as e:
             raise errors.bad_request(f"Invalid draft: {e}", e.param, "invalid_draft") from e
-        return RequestPlan(tokens, params, logprobs, priority, priority_class, ttft, tpot, timeout, draft)
+        return RequestPlan(tokens, params, logprobs, priority, priority_class, ttft, tpot, timeout, draft, contract)
 
 
 def with_headers(plan: RequestPlan, headers: Mapping[str, str], wall: float | None = None) -> RequestPlan:

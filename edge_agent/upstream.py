@@ -17,12 +17,14 @@ from dataclasses import dataclass
 
 import httpx
 
-from cascade import errors, sse, wire
+from cascade import errors, sse
 from cascade.generation import Finish, TokenEvent, TopToken
 from cascade.policy.backpressure import CircuitBreaker, parse_retry_after
+from cascade.structured.tools import StreamedCalls
 from edge_agent.config import UpstreamConfig
 from edge_agent.drafts import draft_counts, tokenizers_of
-from sync.delivery import Outcome, openai_error
+from edge_agent.upstream_reads import MAX_ERROR_BODY, _content_type, _is_error_body, _json_object, _read_at_most
+from sync.delivery import Outcome
 from sync.queue import Item
 
 log = logging.getLogger(__name__)
@@ -300,41 +302,6 @@ class Upstream:
                           _events(resp, lines, first, endpoint, self.max_event_bytes), key)
 
 
-MAX_ERROR_BODY = 65536  # an error body is read this far at most (a hostile cloud's is not held whole)
-
-
-async def _read_at_most(resp: httpx.Response, limit: int) -> str:
-    got = bytearray()
-    async for piece in resp.aiter_bytes():
-        got += piece[:limit - len(got)]
-        if len(got) >= limit:
-            break
-    return got.decode("utf-8", "replace")
-
-
-def _is_error_body(text: str) -> bool:
-    try:
-        return openai_error(wire.loads(text))
-    except ValueError:
-        return False
-
-
-def _content_type(r: httpx.Response) -> str:
-    return r.headers.get("content-type", "no content-type").split(";")[0]
-
-
-MAX_BODY_BYTES = 32 << 20  # a non-streamed answer of the cloud's (a completion, a model list)
-
-
-def _json_object(r: httpx.Response) -> dict | None:
-    """The body as a JSON object by the strict decoder (None when it is not one)."""
-    try:
-        body = wire.loads(r.content, limit=MAX_BODY_BYTES)
-    except wire.WireError:
-        return None
-    return body if isinstance(body, dict) else None
-
-
 def _tokens(usage: dict, name: str) -> int:
     """A token count of the cloud's usage: an integer, clamped to 0..2**31-1 (0 when it is none)."""
     v = usage.get(name)
@@ -364,6 +331,7 @@ async def _events(resp: httpx.Response, lines: AsyncIterator[bytes], first: dict
     A stream that ends with neither ``[DONE]`` nor a finish reason, or breaks (an unreadable
     chunk, an in-band error), is no answer: a 502 (in-band once streaming), never a short "stop"."""
     finish_reason, usage, draft = None, None, (0, 0)
+    calls = StreamedCalls()
     try:
         chunk = first
         while chunk is not None:
@@ -372,6 +340,8 @@ async def _events(resp: httpx.Response, lines: AsyncIterator[bytes], first: dict
             if isinstance(chunk.get("cascade"), dict):
                 draft = draft_counts(chunk["cascade"].get("draft")) or draft
             for choice in chunk.get("choices") or []:
+                if endpoint == "chat":
+                    calls.add((choice.get("delta") or {}).get("tool_calls"))
                 text = (choice.get("delta") or {}).get("content") if endpoint == "chat" else choice.get("text")
                 lp = ((choice.get("logprobs") or {}).get("content") or [None])[0] if endpoint == "chat" else None
                 if text:
@@ -380,6 +350,8 @@ async def _events(resp: httpx.Response, lines: AsyncIterator[bytes], first: dict
                                            for t in (lp or {}).get("top_logprobs") or []))
                 if choice.get("finish_reason"):
                     finish_reason = str(choice["finish_reason"])
+                    for markup in calls.take():  # the cloud's calls, as the model's markup the agent's formatter reads
+                        yield TokenEvent(-1, markup, markup.encode(), 0.0, 0.0)
             try:
                 chunk = await _next_chunk(lines, limit)
             except UpstreamBroken:

@@ -3,7 +3,8 @@
 Precedence, first match wins:
   1. ``mode: local``                 -> edge  "local"       (never leaves the device)
   2. no upstream configured          -> edge  "edge_only"
-  3. escalation, in order:  ``mode: cloud`` "forced" > prompt too long "too_long" > app hint
+  3. escalation, in order:  ``mode: cloud`` "forced" > prompt too long "too_long" > a structured output
+     (response_format, tools) the device cannot enforce "schema_unsupported" > app hint
      "hint" > queue overflow "overflow" > learned difficulty or the router's stage 1 "hard"
   4. an escalation while the cloud is available -> cloud, with its reason; but behind its
      session's backlog (queue, 202) when that session has requests queued for the cloud and
@@ -14,7 +15,8 @@ Precedence, first match wins:
      the reason is "cloud_refused" instead when the cloud refuses this device (401/403)
   6. otherwise                       -> edge  "easy", its answer checked for low confidence
 After a local answer (or its first K tokens): ``after_local`` escalates "low_confidence" (with a
-router, ``after_router``: its stage 2 decides instead of the confidence thresholds).
+router, ``after_router``: its stage 2 decides instead of the confidence thresholds); a whole local
+answer that breaks its output contract (its schema, its tools): ``after_check`` escalates "schema_invalid".
 When the local queue is full: ``when_queue_full`` (overflow to the cloud, or the queue's 429).
 A degraded local answer may also be queued for the cloud: ``refine.wants_refinement``.
 """
@@ -55,6 +57,7 @@ class RequestSignals:
     session_backlog: bool = False  # the request's session has requests queued for the cloud
     routed_hard: bool = False  # the router's stage 1 is sure the cloud answers better
     router_judges: bool = False  # a router's stage 2 will judge the hold-back tokens
+    unservable: bool = False  # its output contract (schema, tools) cannot be enforced on the device
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,8 @@ def escalation_reason(s: RequestSignals, config: PolicyConfig) -> str | None:
         return "forced"
     if too_long(s.prompt_tokens, s.max_tokens, s.n_ctx, config.hard):
         return "too_long"
+    if s.unservable:
+        return "schema_unsupported"
     if s.hint == "hard":
         return "hint"
     if s.hint == "easy":
@@ -99,7 +104,7 @@ def decide(s: RequestSignals, config: PolicyConfig) -> Decision:
     why = "cloud_refused" if s.cloud_refused else "cloud_unavailable"
     if s.offline == "queue":
         return Decision("queue", why, status=202)
-    fits_locally = s.prompt_tokens + 1 <= s.n_ctx
+    fits_locally = s.prompt_tokens + 1 <= s.n_ctx and not s.unservable
     if s.offline == "local" and fits_locally:
         return Decision("edge", why, degraded=True)
     return Decision("reject", why, status=503)
@@ -128,6 +133,16 @@ def after_router(router: Router, prompt: dict[str, float], conf: Confidence, clo
     if cloud_available:
         return Decision("cloud", "low_confidence")
     return Decision("edge", "low_confidence_cloud_unavailable", degraded=True)
+
+
+def after_check(problem: str, cloud_available: bool) -> Decision | None:
+    """A whole local answer that breaks its output contract (``problem``: why) escalates
+    "schema_invalid"; None keeps it. With the cloud unavailable the app gets it, marked degraded."""
+    if not problem:
+        return None
+    if cloud_available:
+        return Decision("cloud", "schema_invalid")
+    return Decision("edge", "schema_invalid_cloud_unavailable", degraded=True)
 
 
 def when_queue_full(decision: Decision, s: RequestSignals) -> Decision:

@@ -75,9 +75,18 @@ class OutputContract:
 TEXT = OutputContract()
 
 
-def contract_of(req) -> OutputContract:
-    """The contract of an OpenAI request (its extra fields); a 400 naming the field otherwise."""
+def wants_tool_calls(req) -> bool:
+    """The answer may hold tool calls (cheap: no schema checked; ``contract_of`` checks)."""
     extra = getattr(req, "model_extra", None) or {}
+    return bool(extra.get("tools")) and extra.get("tool_choice") != "none"
+
+
+def contract_of(req, endpoint: str = "chat") -> OutputContract:
+    """The contract of an OpenAI request (its extra fields); a 400 naming the field otherwise
+    (``tools`` on any ``endpoint`` but chat too)."""
+    extra = getattr(req, "model_extra", None) or {}
+    if endpoint != "chat" and (extra.get("tools") or extra.get("tool_choice") not in (None, "none")):
+        raise errors.bad_request("`tools` are served on /v1/chat/completions only.", "tools", "unsupported_parameter")
     fmt, schema, name = _response_format(extra.get("response_format"))
     tools = _tools(extra.get("tools"))
     choice = _tool_choice(extra.get("tool_choice"), tools)

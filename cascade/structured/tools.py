@@ -40,6 +40,7 @@ class ToolCallParser:
     def __init__(self):
         self._buf = ""
         self._in_call = False
+        self._after_call = False
         self.calls: list[ToolCall] = []
         self.problems: list[str] = []
 
@@ -48,13 +49,18 @@ class ToolCallParser:
         content, calls = [], []
         while True:
             if not self._in_call:
+                if self._after_call:  # the newline between calls (or after the last) is the markup's
+                    self._buf = self._buf.lstrip("\n")
+                    self._after_call = not self._buf
                 at = self._buf.find(OPEN)
                 if at < 0:
-                    keep = _partial_suffix(self._buf, OPEN)  # may be the start of a call's tag
+                    # held back: what may start a call's tag, and the newlines that would go before it
+                    keep = _partial_suffix(self._buf, OPEN)
+                    keep += len(self._buf[:len(self._buf) - keep]) - len(self._buf[:len(self._buf) - keep].rstrip("\n"))
                     content.append(self._buf[:len(self._buf) - keep])
                     self._buf = self._buf[len(self._buf) - keep:]
                     break
-                content.append(self._buf[:at].rstrip("\n") if at else "")
+                content.append(self._buf[:at].rstrip("\n"))
                 self._buf = self._buf[at + len(OPEN):]
                 self._in_call = True
             end = self._buf.find(CLOSE)
@@ -63,8 +69,8 @@ class ToolCallParser:
                     content.append(OPEN + self._buf)
                     self._buf, self._in_call = "", False
                 break
-            block, self._buf = self._buf[:end], self._buf[end + len(CLOSE):].lstrip("\n")
-            self._in_call = False
+            block, self._buf = self._buf[:end], self._buf[end + len(CLOSE):]
+            self._in_call, self._after_call = False, True
             call = self._call(block)
             if call is None:
                 content.append(f"{OPEN}{block}{CLOSE}")
@@ -126,3 +132,28 @@ def tools_system_prompt(tools: list[dict]) -> str:
             f"{listing}\n</tools>\n\nFor each function call, return a json object with function name and "
             "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
             '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+class StreamedCalls:
+    """A chat stream's ``delta.tool_calls``, assembled by index (a call's name, then its arguments
+    in pieces), taken as the model's call markup once the choice finishes."""
+
+    def __init__(self):
+        self._calls: dict[int, list[str]] = {}
+
+    def add(self, deltas) -> None:
+        for d in deltas if isinstance(deltas, list) else []:
+            index = d.get("index", 0) if isinstance(d, dict) else None
+            fn = d.get("function") if isinstance(d, dict) else None
+            if type(index) is not int or not 0 <= index < 128 or not isinstance(fn, dict):
+                raise ValueError("a tool call delta without an index or a function")
+            call = self._calls.setdefault(index, ["", ""])
+            if isinstance(fn.get("name"), str):
+                call[0] += fn["name"]
+            if isinstance(fn.get("arguments"), str):
+                call[1] += fn["arguments"]
+
+    def take(self) -> list[str]:
+        out = [call_markup(name, args or "{}") for _, (name, args) in sorted(self._calls.items())]
+        self._calls.clear()
+        return out

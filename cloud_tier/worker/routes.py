@@ -15,7 +15,7 @@ from pydantic import ValidationError
 import cascade
 from cascade import errors
 from cascade.generation import event_to_wire
-from cascade.openai_format import ChatFormatter, CompletionFormatter
+from cascade.openai_format import formatter_for
 from cascade.protocol import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList
 from cascade.web import openai_response, openapi, parse_body, read_json, require_api_key
 from cascade.web.caller import CallerGone, while_connected
@@ -86,7 +86,7 @@ async def chat_completions(request: Request):
     body = await read_json(request, request.app.state.config.server.max_body_bytes)
     req = parse_body(ChatCompletionRequest, body)
     job = svc.chat_job(req, request.headers)
-    fmt = ChatFormatter(svc.model_id, req.logprobs)
+    fmt = formatter_for("chat", svc.model_id, req)
     return await openai_response(request, svc.run(job), fmt, req.stream, req.include_usage_in_stream(),
                                  _counter(svc, "chat"))
 
@@ -98,7 +98,7 @@ async def completions(request: Request):
     body = await read_json(request, request.app.state.config.server.max_body_bytes)
     req = parse_body(CompletionRequest, body)
     job = svc.completion_job(req, request.headers)
-    fmt = CompletionFormatter(svc.model_id, req.logprobs)
+    fmt = formatter_for("completions", svc.model_id, req)
     return await openai_response(request, svc.run(job), fmt, req.stream, req.include_usage_in_stream(),
                                  _counter(svc, "completions"))
 

@@ -43,6 +43,7 @@ class GenerationOptions:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     top_logprobs: int = 0  # alternatives to report per token; the chosen one's logprob always is
+    grammar: str | None = None  # llguidance grammar (cascade.structured) every token must follow; None: free
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -85,7 +86,7 @@ class Backend(ABC):
     def detokenize(self, token_ids: Sequence[int]) -> str: ...
 
     @abstractmethod
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> str:
+    def apply_chat_template(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> str:
         """The prompt text for a chat (the model's own template; a plain transcript for base
         models, whose stop strings ``chat_stop_strings`` gives)."""
 
@@ -99,6 +100,16 @@ class Backend(ABC):
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenize(text))
+
+    def grammars(self):
+        """This model's compiled grammars (``cascade.structured.matcher.GrammarCache``), for
+        ``GenerationOptions.grammar``; NotImplementedError where the backend cannot mask."""
+        raise NotImplementedError(f"{type(self).__name__} does not constrain its output")
+
+    @property
+    def special_tool_tags(self) -> bool:
+        """The vocabulary has ``<tool_call>``/``</tool_call>`` as special tokens (Qwen's)."""
+        return False
 
     @abstractmethod
     def generate(self, prompt: str | Sequence[int], options: GenerationOptions,

@@ -38,6 +38,7 @@ from edge_agent.backends.base import (
     common_prefix,
     identity_of,
 )
+from edge_agent.backends.grammars import ModelGrammars
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,7 @@ class LlamaCppBackend(Backend):
             eos_token=self._piece_text(self._model.token_eos()),
         )
         self._n_vocab = vocab
+        self._grammars = ModelGrammars(self._model.vocab, vocab)
         self.description = ModelDescription(
             name=self.config.name, path=self.config.path,
             architecture=meta.get("general.architecture", "unknown"),
@@ -171,6 +173,8 @@ class LlamaCppBackend(Backend):
         self._kv_whole = 0
 
     def unload(self) -> None:
+        if getattr(self, "_grammars", None) is not None:
+            self._grammars._ready.wait()  # it reads the model's vocabulary
         for part in (self._batch, self._ctx, self._model):
             if part is not None:
                 part.close()
@@ -190,8 +194,8 @@ class LlamaCppBackend(Backend):
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return b"".join(self._piece(t) for t in token_ids).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> str:
-        return self._template.render(messages)
+    def apply_chat_template(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> str:
+        return self._template.render(messages, tools)
 
     def chat_stop_strings(self) -> tuple[str, ...]:
         return self._template.stop_strings()
@@ -202,6 +206,14 @@ class LlamaCppBackend(Backend):
         if self._model.add_bos_token() and (not tokens or tokens[0] != self._bos):
             tokens.insert(0, self._bos)
         return tokens
+
+    def grammars(self):
+        return self._grammars.cache()
+
+    @property
+    def special_tool_tags(self) -> bool:
+        self._grammars.cache()
+        return self._grammars.special_tags
 
     def _piece(self, token: int) -> bytes:
         buf = ctypes.create_string_buffer(64)
@@ -228,6 +240,7 @@ class LlamaCppBackend(Backend):
                 f"prompt is {len(tokens)} tokens; the context window is {self.n_ctx}")
         if any(t < 0 or t >= self._n_vocab for t in tokens):
             raise ValueError(f"prompt token ids must be in [0, {self._n_vocab})")
+        matcher = self.grammars().matcher(options.grammar) if options.grammar else None
         cached = self._evaluate_prompt(tokens)
         sampler = self._sampler(options)
         releaser = TextReleaser(tuple(options.stop))
@@ -240,18 +253,22 @@ class LlamaCppBackend(Backend):
                     reason = "cancelled"
                     break
                 logits = np.ctypeslib.as_array(self._ctx.get_logits_ith(-1), shape=(self._n_vocab,))
-                logprobs, entropy = _log_softmax_entropy(logits)
+                if matcher is not None:  # in llama.cpp's own buffer, which its sampler reads next
+                    matcher.mask(logits)
+                logprobs, entropy = _log_softmax_entropy(logits, masked=matcher is not None)
                 token = llama_cpp.llama_sampler_sample(sampler.sampler, self._ctx.ctx, -1)
                 if llama_cpp.llama_vocab_is_eog(vocab, token):
                     reason = "stop"
                     break
+                if matcher is not None and not matcher.accept(token):
+                    raise RuntimeError(f"a token outside the grammar was sampled: {matcher.error[:200]}")
                 n_generated += 1
                 piece = self._piece(token)
                 text = releaser.push(piece)
                 yield TokenEvent(token_id=token, text=text, piece=piece,
                                  logprob=float(logprobs[token]), entropy=entropy,
                                  top=self._top(logprobs, options.top_logprobs))
-                if releaser.stopped:
+                if releaser.stopped or (matcher is not None and matcher.done):
                     reason = "stop"
                     break
                 if len(self._kv_tokens) + 1 >= self.n_ctx:
@@ -324,11 +341,15 @@ class LlamaCppBackend(Backend):
         return tuple(out)
 
 
-def _log_softmax_entropy(logits: np.ndarray) -> tuple[np.ndarray, float]:
-    """Log-probabilities of the model's distribution at this step, and its entropy in nats."""
+def _log_softmax_entropy(logits: np.ndarray, masked: bool = False) -> tuple[np.ndarray, float]:
+    """Log-probabilities of the model's distribution at this step (masked by a grammar: of the
+    tokens it allows), and its entropy in nats."""
     shifted = logits - logits.max()
     exp = np.exp(shifted)
     total = exp.sum()
     logprobs = shifted - np.log(total)
-    entropy = float(-(exp / total * logprobs).sum())
+    terms = exp / total * logprobs
+    if masked:  # masked tokens: 0 * -inf is 0 here, not NaN
+        terms = np.where(exp > 0, terms, 0.0)
+    entropy = float(-terms.sum())
     return logprobs, entropy

@@ -34,6 +34,7 @@ from edge_agent.backends.base import (
     common_prefix,
     identity_of,
 )
+from edge_agent.backends.onnx_vocab import token_pieces
 from edge_agent.backends.sampling import LogitsSampler, StepStats
 from edge_agent.hardware import choose_providers
 from model_distribution.artifacts.onnx_model import describe_onnx_dir
@@ -179,6 +180,7 @@ class OnnxBackend(Backend):
                 quantization=self._quantization or describe_onnx_dir(root)["quantization"], format="onnx",
                 tokenizer=identity_of(root))
             self._stats = StepStats(self._n_vocab)
+            self._grammar_cache = None
             self._warm_up()
         except BaseException:
             self.unload()
@@ -222,8 +224,8 @@ class OnnxBackend(Backend):
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return b"".join(self._pieces[t] for t in token_ids).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> str:
-        return self._template.render(messages)
+    def apply_chat_template(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> str:
+        return self._template.render(messages, tools)
 
     def chat_stop_strings(self) -> tuple[str, ...]:
         return self._template.stop_strings()
@@ -234,6 +236,18 @@ class OnnxBackend(Backend):
         if self._adds_bos and (not tokens or tokens[0] != self._bos):
             tokens.insert(0, self._bos)
         return tokens
+
+    def grammars(self):
+        """Compiled grammars over the export's own tokenizer.json (built on first use, ~1 s)."""
+        if self._grammar_cache is None:
+            from llguidance import LLTokenizer
+
+            from cascade.structured.matcher import GrammarCache
+
+            text = (Path(self.config.path) / "tokenizer.json").read_text()
+            tok = LLTokenizer(text, n_vocab=self._n_vocab, eos_token=sorted(self._eos))
+            self._grammar_cache = GrammarCache(tok, self._n_vocab)
+        return self._grammar_cache
 
     # -- generation ------------------------------------------------------------------------
 
@@ -247,6 +261,7 @@ class OnnxBackend(Backend):
                 f"prompt is {len(tokens)} tokens; the context window is {self.n_ctx}")
         if any(t < 0 or t >= self._n_vocab for t in tokens):
             raise ValueError(f"prompt token ids must be in [0, {self._n_vocab})")
+        matcher = self.grammars().matcher(options.grammar) if options.grammar else None
         cached = self._evaluate_prompt(tokens)
         sampler = LogitsSampler(options, tokens, self._n_vocab)
         releaser = TextReleaser(tuple(options.stop))
@@ -257,11 +272,16 @@ class OnnxBackend(Backend):
                 reason = "cancelled"
                 break
             logits = self._generator.get_logits()[0, -1]
-            log_z, entropy = self._stats(logits)
+            if matcher is not None:
+                logits = np.array(logits, dtype=np.float32)
+                matcher.mask(logits)
+            log_z, entropy = self._stats(logits, masked=matcher is not None)
             token = sampler.sample(logits)
             if token in self._eos:
                 reason = "stop"
                 break
+            if matcher is not None and not matcher.accept(token):
+                raise RuntimeError(f"a token outside the grammar was sampled: {matcher.error[:200]}")
             sampler.accept(token)
             n_generated += 1
             piece = self._pieces[token]
@@ -269,7 +289,7 @@ class OnnxBackend(Backend):
             yield TokenEvent(token_id=token, text=text, piece=piece,
                              logprob=float(logits[token]) - log_z, entropy=entropy,
                              top=self._top(options.top_logprobs))
-            if releaser.stopped:
+            if releaser.stopped or (matcher is not None and matcher.done):
                 reason = "stop"
                 break
             if len(self._kv_tokens) + 1 >= self.n_ctx:
@@ -340,7 +360,7 @@ def _read_text(root: Path, tokenizer: og.Tokenizer) -> _Text:
         eos.add(added[eos_text])
     template_file = root / "chat_template.jinja"
     template = template_file.read_text() if template_file.is_file() else tok_config.get("chat_template")
-    return _Text(n_vocab, _token_pieces(tok_json, n_vocab), bos, bos >= 0 and bool(first) and first[0] == bos, eos,
+    return _Text(n_vocab, token_pieces(tok_json, n_vocab), bos, bos >= 0 and bool(first) and first[0] == bos, eos,
                  ChatTemplate(template, bos_token=_token_text(tok_config.get("bos_token")), eos_token=eos_text))
 
 
@@ -349,46 +369,3 @@ def _token_text(value) -> str:
     if isinstance(value, dict):
         return value.get("content", "")
     return value or ""
-
-
-def _token_pieces(tok_json: dict, n_vocab: int) -> list[bytes]:
-    """Each token id's bytes, so text split inside a UTF-8 character streams right. Byte-level
-    BPE (GPT-2, SmolLM2, Llama 3) spells bytes as printable characters, which we map back;
-    SentencePiece-style vocabularies spell a space as U+2581 and raw bytes as <0xNN>. Special
-    tokens render as nothing, as on llama.cpp."""
-    model = tok_json["model"]
-    vocab = model["vocab"]
-    items = vocab.items() if isinstance(vocab, dict) else ((tok, i) for i, (tok, _) in enumerate(vocab))
-    decoder = tok_json.get("decoder") or {}
-    byte_level = decoder.get("type") == "ByteLevel" or any(
-        d.get("type") == "ByteLevel" for d in decoder.get("decoders", []))
-    pieces = [b""] * n_vocab
-    if byte_level:
-        to_byte = _gpt2_byte_decoder()
-        for tok, i in items:
-            if i < n_vocab:
-                pieces[i] = bytes(to_byte[c] for c in tok if c in to_byte)
-    else:
-        for tok, i in items:
-            if i < n_vocab:
-                if len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
-                    pieces[i] = bytes([int(tok[3:5], 16)])
-                else:
-                    pieces[i] = tok.replace("\u2581", " ").encode("utf-8")
-    for t in tok_json.get("added_tokens", []):
-        if t["id"] < n_vocab:
-            pieces[t["id"]] = b"" if t.get("special") else t["content"].encode("utf-8")
-    return pieces
-
-
-def _gpt2_byte_decoder() -> dict[str, int]:
-    """The inverse of GPT-2's bytes_to_unicode: printable bytes stand for themselves, the rest
-    are shifted to code points from 256 up."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    out = {chr(b): b for b in printable}
-    shifted = 0
-    for b in range(256):
-        if b not in out.values():
-            out[chr(256 + shifted)] = b
-            shifted += 1
-    return out

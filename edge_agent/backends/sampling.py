@@ -132,10 +132,13 @@ class StepStats:
         self._ones = np.ones(n_vocab, dtype=np.float32)
         self._log_total = 0.0
 
-    def __call__(self, logits: np.ndarray) -> tuple[float, float]:
-        """(log of the normaliser, entropy) for ``logits``; logprob(t) = logits[t] - log_z."""
+    def __call__(self, logits: np.ndarray, masked: bool = False) -> tuple[float, float]:
+        """(log of the normaliser, entropy) for ``logits``; logprob(t) = logits[t] - log_z.
+        ``masked``: some logits are -inf (a grammar's mask), which add nothing to the entropy."""
         top = logits.max()
         np.subtract(logits, top, out=self._shifted)
+        if masked:
+            np.maximum(self._shifted, np.float32(-1e30), out=self._shifted)
         np.exp(self._shifted, out=self._exp)
         total = float(np.dot(self._exp, self._ones))
         self._log_total = math.log(total)

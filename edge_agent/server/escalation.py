@@ -23,6 +23,7 @@ from cascade.policy.decide import (
     Decision,
     PolicyConfig,
     RequestSignals,
+    after_check,
     after_local,
     after_router,
     decide,
@@ -33,6 +34,8 @@ from cascade.policy.overflow import LoadSignals
 from cascade.policy.refine import wants_refinement
 from cascade.policy.router import prompt_features
 from cascade.policy.session_order import goes_behind_backlog
+from cascade.structured.contract import TEXT, OutputContract
+from cascade.structured.validate import problem
 from edge_agent.config import CascadeConfig
 from edge_agent.drafts import draft_of
 from edge_agent.server.outbox import Outbox
@@ -121,6 +124,29 @@ async def _tracked(events: AsyncIterator, window: int, routed_field: dict) -> As
         await events.aclose()
 
 
+async def _hold(events, conf: Confidence, whole: bool) -> list:
+    """The local answer's first events, read before anything is released: until ``conf`` is full
+    (its first K tokens), or the whole answer when ``whole``."""
+    held: list = []
+    try:
+        async for ev in events:
+            held.append(ev)
+            if isinstance(ev, Finish):
+                break
+            if not conf.full:
+                conf.add(ev.logprob, ev.entropy)
+            if conf.full and not whole:
+                break
+    except BaseException:
+        await events.aclose()
+        raise
+    return held
+
+
+def _text(held: list) -> str:
+    return "".join(ev.text for ev in held)  # the tokens' released text, and the finish's rest
+
+
 async def _chain(held: list, rest: AsyncIterator) -> AsyncIterator:
     try:
         for ev in held:
@@ -149,7 +175,7 @@ class Escalator:
         return self.gate.active(self.policy.router)
 
     def signals(self, req, job: LocalJob | None, prompt_text: str, prompt_tokens: int,
-                prompt_feats: dict[str, float] | None = None) -> RequestSignals:
+                prompt_feats: dict[str, float] | None = None, unservable: bool = False) -> RequestSignals:
         """``prompt_feats``: the router's prompt features, when a router is in effect."""
         opts = req.cascade
         svc = self.service
@@ -159,7 +185,7 @@ class Escalator:
                            decode_tok_s=svc.decode_tok_s, max_tokens=max_tokens)
         router = self.router if prompt_feats is not None else None
         return RequestSignals(
-            routed_hard=router is not None and router.before(prompt_feats),
+            routed_hard=router is not None and router.before(prompt_feats), unservable=unservable,
             router_judges=router is not None,
             prompt_tokens=prompt_tokens, max_tokens=max_tokens, n_ctx=svc.description.n_ctx,
             mode=(opts.mode if opts and opts.mode else self.config.mode),
@@ -173,24 +199,19 @@ class Escalator:
             cloud_refused=self.upstream.refused if self.upstream else False)
 
     async def route(self, req, endpoint: str, body: dict, make_job, prompt_text: str,
-                    session: str | None = None, app_key: str | None = None) -> Routed | Queued:
-        """``make_job()`` builds the local job (it raises 400 when the prompt cannot run here).
+                    session: str | None = None, app_key: str | None = None,
+                    contract: OutputContract = TEXT) -> Routed | Queued:
+        """``make_job()`` builds the local job (it raises 400 when the prompt cannot run here, or
+        its output contract cannot be enforced here: then, with a cloud, it escalates).
         A request the cloud should answer but cannot reach is queued (``Queued``) when its
         offline policy says so. Everything the request could be refused for is checked before a
         local slot is reserved; a reservation is given back on every exit."""
         self.outbox.check_callback(req.cascade.callback_url if req.cascade else None)
         if app_key is not None and (earlier := await self.outbox.earlier(body, app_key)) is not None:
             return Queued(earlier.id, earlier.reason)  # the app's retry of a request queued under its key
-        job, too_long_locally = None, None
-        try:
-            job = make_job()
-            n_prompt = len(job.prompt_tokens)
-        except errors.APIError as e:
-            if e.code != "context_length_exceeded" or self.upstream is None:
-                raise
-            too_long_locally, n_prompt = e, self.service.description.n_ctx
+        job, too_long_locally, unservable, n_prompt = self._job(make_job)
         feats = prompt_features(prompt_text) if self.router is not None else None
-        signals = self.signals(req, job, prompt_text, n_prompt, feats)
+        signals = self.signals(req, job, prompt_text, n_prompt, feats, unservable)
         if session and goes_behind_backlog(True, signals.offline):  # the rule could apply: ask the queue
             backlog = await asyncio.to_thread(self.outbox.queue.session_pending, session)
             signals = replace(signals, session_backlog=backlog)
@@ -217,7 +238,7 @@ class Escalator:
                                   "answered on the device.", "server_error", code=decision.reason,
                                   headers={"Retry-After": str(max(1, round(retry))),
                                            "X-Cascade-Reason": decision.reason})
-        if job is None:  # too long for this device, and kept here (mode local)
+        if job is None:  # too long for this device or a contract it cannot enforce, and kept here (mode local)
             raise too_long_locally
         routed = await self._local(job, decision, signals, endpoint, body, app_key, feats)
         if wants_refinement(routed.degraded, bool(req.cascade and req.cascade.refine), signals.upstream):
@@ -231,6 +252,19 @@ class Escalator:
             routed.cascade_field["refinement"] = refinement.location
             routed.extra_headers["X-Cascade-Refinement"] = refinement.location
         return routed
+
+    def _job(self, make_job) -> tuple[LocalJob | None, errors.APIError | None, bool, int]:
+        """(the local job, why there is none, whether that is a contract the device cannot enforce,
+        the prompt's length): a prompt too long or a contract unenforceable here is no error while a
+        cloud could take it."""
+        try:
+            job = make_job()
+            return job, None, False, len(job.prompt_tokens)
+        except errors.APIError as e:
+            if e.code not in ("context_length_exceeded", "schema_unsupported") or self.upstream is None:
+                raise
+            unservable = e.code == "schema_unsupported"
+            return None, e, unservable, 0 if unservable else self.service.description.n_ctx
 
     async def _cloud(self, endpoint: str, body: dict, reason: str, draft: dict | None = None,
                      app_key: str | None = None) -> Routed:
@@ -259,7 +293,9 @@ class Escalator:
                                                "reached; retry later.", svc.pool.predicted_wait_s(),
                                                "queue_full") from None
         events = svc.run(job, reservation)
-        if not decision.check_confidence or self.upstream is None:
+        # a structured answer a cloud could give instead is held whole and checked before release
+        check_answer = job.contract.structured and self.upstream is not None and decision.reason == "easy"
+        if not (decision.check_confidence or check_answer) or self.upstream is None:
             self._count(decision)
             routed = Routed(events, "edge", decision.reason, decision.degraded, local=events)
             routed.events = _tracked(events, self.policy.confidence.window, routed.cascade_field)
@@ -267,31 +303,27 @@ class Escalator:
         started = time.perf_counter()
         router = self.router if feats is not None else None
         conf = Confidence(window=router.window if router else self.policy.confidence.window)
-        held: list = []
-        try:
-            async for ev in events:
-                held.append(ev)
-                if isinstance(ev, Finish):
-                    break
-                conf.add(ev.logprob, ev.entropy)
-                if conf.full:
-                    break
-        except BaseException:
-            await events.aclose()
-            raise
+        held = await _hold(events, conf, whole=check_answer)
         svc.metrics.hold_back.observe(time.perf_counter() - started)
         info = {"confidence": conf.as_dict()}
-        after = (after_router(router, feats, conf, self.upstream.available) if router
-                 else after_local(conf, self.policy.confidence, self.upstream.available))
+        after = None
+        if decision.check_confidence:
+            after = (after_router(router, feats, conf, self.upstream.available) if router
+                     else after_local(conf, self.policy.confidence, self.upstream.available))
+        if check_answer and (after is None or after.tier != "cloud") and (why := problem(job.contract, _text(held))):
+            after, info["schema_problem"] = after_check(why, self.upstream.available), why[:300]
         if after is not None and after.tier == "cloud":
-            draft = draft_of(held, svc.description.tokenizer, job.options.temperature == 0)  # the cloud verifies
+            # the cloud verifies the device's low-confidence draft; an answer that broke its contract is none
+            draft = (draft_of(held, svc.description.tokenizer, job.options.temperature == 0)
+                     if after.reason == "low_confidence" else None)
             try:
                 routed = await self._cloud(endpoint, body, after.reason, draft, app_key)
             except (UpstreamUnavailable, errors.APIError) as e:
                 # the cloud cannot take it or refused it (a 4xx): the local answer the app could
                 # have had all along is still here, so it gets that rather than an error
-                log.warning("low-confidence escalation failed: %s; answering locally", e)
-                after = after_local(conf, self.policy.confidence, cloud_available=False)
+                log.warning("%s escalation failed: %s; answering locally", after.reason, e)
+                after = (after_check(info["schema_problem"], cloud_available=False) if after.reason == "schema_invalid"
+                         else after_local(conf, self.policy.confidence, cloud_available=False))
             except BaseException:
                 await events.aclose()
                 raise

@@ -10,9 +10,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import cascade
-from cascade import errors
-from cascade.openai_format import ChatFormatter, CompletionFormatter
+from cascade.openai_format import formatter_for
 from cascade.protocol import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList
+from cascade.structured.contract import contract_of
 from cascade.web import openai_response, openapi, parse_body, read_json, require_api_key
 from edge_agent.server.escalation import Escalator, Queued
 from edge_agent.server.service import EdgeService
@@ -82,48 +82,31 @@ async def get_model(request: Request, model: str) -> ModelCard:
 @v1.post("/chat/completions", openapi_extra=openapi.body(ChatCompletionRequest),
          responses={**openapi.generation(ChatCompletion, "chat.completion.chunk"), **_GENERATION})
 async def chat_completions(request: Request):
-    return await _serve(request, "chat", ChatCompletionRequest, ChatFormatter,
-                        lambda svc, req: svc.chat_job(req), lambda req: "\n".join(m.text() for m in req.messages))
+    return await _serve(request, "chat", ChatCompletionRequest,
+                        lambda svc, req, contract: svc.chat_job(req, contract),
+                        lambda req: "\n".join(m.text() for m in req.messages))
 
 
 @v1.post("/completions", openapi_extra=openapi.body(CompletionRequest),
          responses={**openapi.generation(Completion, "text_completion"), **_GENERATION})
 async def completions(request: Request):
-    return await _serve(request, "completions", CompletionRequest, CompletionFormatter,
-                        lambda svc, req: svc.completion_job(req),
+    return await _serve(request, "completions", CompletionRequest,
+                        lambda svc, req, contract: svc.completion_job(req, contract),
                         lambda req: req.prompt if isinstance(req.prompt, str) else "")
 
 
-def refuse_unserved(req) -> None:
-    """400 naming the first OpenAI parameter the agent would otherwise ignore silently: tools and
-    structured output are not served yet (a local answer would not keep to them, whatever tier
-    the cascade picks)."""
-    extra = req.model_extra or {}
-    for name in ("tools", "functions"):
-        if extra.get(name):
-            raise errors.bad_request(f"The edge agent does not serve `{name}` yet; send the request without it.",
-                                     name, "unsupported_parameter")
-    for name in ("tool_choice", "function_call"):
-        if extra.get(name) not in (None, "none"):
-            raise errors.bad_request(f"The edge agent does not serve `{name}` yet; send the request without it.",
-                                     name, "unsupported_parameter")
-    if extra.get("response_format") not in (None, {"type": "text"}):
-        raise errors.bad_request("The edge agent serves only `response_format` {\"type\": \"text\"} for now; "
-                                 "send the request without it.", "response_format", "unsupported_parameter")
-
-
-async def _serve(request: Request, endpoint: str, schema, formatter, make_job, prompt_text):
+async def _serve(request: Request, endpoint: str, schema, make_job, prompt_text):
     """Parse, route (edge, cloud or queue) and answer one OpenAI request."""
     svc = service(request)
     body = await read_json(request, request.app.state.config.server.max_body_bytes)
     req = parse_body(schema, body)
-    refuse_unserved(req)
+    shape = contract_of(req, endpoint)
     svc.check_model(req.model)
-    routed = await escalator(request).route(req, endpoint, body, lambda: make_job(svc, req), prompt_text(req),
-                                            _session(request, req), request.headers.get("idempotency-key"))
+    routed = await escalator(request).route(req, endpoint, body, lambda: make_job(svc, req, shape), prompt_text(req),
+                                            _session(request, req), request.headers.get("idempotency-key"), shape)
     if isinstance(routed, Queued):
         return JSONResponse(routed.body(), status_code=202, headers=routed.headers)
-    fmt = formatter(routed.model or svc.model_id, req.logprobs)
+    fmt = formatter_for(endpoint, routed.model or svc.model_id, req)
     fmt.cascade = routed.cascade_field
     # answers are counted by status in one place (status_count.CountAnswers); a stream's end is told it
     events = request.app.state.drain.guard(routed.events)  # SIGTERM: ends in-band at the drain's deadline

@@ -11,8 +11,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from cascade import errors
-from cascade.chat_template import ChatTemplateError
+from cascade.chat_template import ChatTemplateError, chat_messages
 from cascade.protocol import ChatCompletionRequest, CompletionRequest
+from cascade.structured.contract import TEXT, OutputContract
+from cascade.structured.grammar import check, contract_param, grammar_of
+from cascade.structured.matcher import GrammarRefused
 from edge_agent.backends.base import Backend, Finish, GenerationOptions, TokenEvent
 from edge_agent.config import EdgeConfig
 from edge_agent.server.metrics import EdgeMetrics
@@ -60,6 +63,7 @@ class LocalJob:
     kind: str  # "chat" | "completion"
     prompt_tokens: list[int]
     options: GenerationOptions
+    contract: OutputContract = TEXT  # what the answer's shape must be (response_format, tools)
     cancel: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.perf_counter)
 
@@ -107,21 +111,39 @@ class EdgeService:
         if model not in self.model_names:
             raise errors.model_not_found(model)
 
-    def chat_job(self, req: ChatCompletionRequest) -> LocalJob:
+    def chat_job(self, req: ChatCompletionRequest, contract: OutputContract = TEXT) -> LocalJob:
         self.check_model(req.model)
         backend = self.backends[0]
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        tools = [t.openai() for t in contract.tools] if contract.calls_tools else None
         try:
-            prompt = backend.apply_chat_template(messages)
+            prompt = backend.apply_chat_template(chat_messages(req.messages), tools)
         except ChatTemplateError as e:
             raise errors.bad_request(str(e), "messages") from e
         tokens = backend.chat_prompt_tokens(prompt)
         stops = tuple(req.stop_list()) + backend.chat_stop_strings()
         options = self._options(req, len(tokens), req.token_limit(), stops,
-                                req.top_logprobs or 0, "messages")
-        return LocalJob("chat", tokens, options)
+                                req.top_logprobs or 0, "messages", self._grammar(contract))
+        return LocalJob("chat", tokens, options, contract)
 
-    def completion_job(self, req: CompletionRequest) -> LocalJob:
+    def _grammar(self, contract: OutputContract) -> str | None:
+        """The grammar the device holds ``contract``'s answer to (None: free text, or the agent's
+        ``constrain`` is off); a 400 coded ``schema_unsupported`` when the device cannot enforce it
+        (the cascade escalates such a request when it has a cloud)."""
+        if not contract.structured or not self.config.cascade.constrain:
+            return None
+        backend = self.backends[0]
+        param = contract_param(contract)
+        try:
+            grammar = grammar_of(contract, backend.special_tool_tags)
+            check(grammar, param)
+            backend.grammars().matcher(grammar)  # compiled once here, cached for the generation
+        except errors.APIError as e:
+            raise errors.bad_request(e.message, param, "schema_unsupported") from e
+        except (GrammarRefused, NotImplementedError) as e:
+            raise errors.bad_request(f"The device cannot enforce '{param}': {e}", param, "schema_unsupported") from e
+        return grammar
+
+    def completion_job(self, req: CompletionRequest, contract: OutputContract = TEXT) -> LocalJob:
         self.check_model(req.model)
         backend = self.backends[0]
         if isinstance(req.prompt, str):
@@ -132,11 +154,11 @@ class EdgeService:
             if any(t < 0 or t >= vocab for t in tokens):
                 raise errors.bad_request(f"prompt token ids must be in [0, {vocab}).", "prompt")
         options = self._options(req, len(tokens), req.token_limit(), tuple(req.stop_list()),
-                                req.logprobs or 0, "prompt")
-        return LocalJob("completion", tokens, options)
+                                req.logprobs or 0, "prompt", self._grammar(contract))
+        return LocalJob("completion", tokens, options, contract)
 
     def _options(self, req, n_prompt: int, max_tokens: int | None, stops: tuple[str, ...],
-                 top_logprobs: int, prompt_param: str) -> GenerationOptions:
+                 top_logprobs: int, prompt_param: str, grammar: str | None = None) -> GenerationOptions:
         n_ctx = self.description.n_ctx
         if n_prompt >= n_ctx:
             raise errors.bad_request(
@@ -162,6 +184,7 @@ class EdgeService:
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             top_logprobs=top_logprobs,
+            grammar=grammar,
         )
 
     # -- running ---------------------------------------------------------------------------

@@ -26,8 +26,9 @@ from collections import Counter
 from dataclasses import dataclass
 
 from cascade import errors
-from cascade.openai_format import ChatFormatter, CompletionFormatter
+from cascade.openai_format import formatter_for
 from cascade.protocol import ChatCompletionRequest, CompletionRequest
+from cascade.structured.contract import contract_of
 from cascade.web import parse_body
 from cloud_tier.gateway.batch.jsonl import ENDPOINTS, MAX_LINE_BYTES, file_errors, parse_lines
 from cloud_tier.gateway.batch.state import InvalidTransition, Status, next_status
@@ -75,13 +76,13 @@ def spare_slots(config: RunnerConfig, in_flight: int, online_in_flight: int, onl
 async def run_line(svc: GatewayService, key: ApiKey, endpoint: str, body: dict) -> tuple[int, dict, str]:
     """One request through the pipeline, answered whole: (status code, body, request id)."""
     request_id = uuid.uuid4().hex
-    schema, formatter = ((ChatCompletionRequest, ChatFormatter) if endpoint == "chat"
-                         else (CompletionRequest, CompletionFormatter))
+    schema = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
     try:
         req = parse_body(schema, body)
+        contract_of(req, endpoint)
         svc.check_model(req.model)
         result = await svc.begin(key, endpoint, body, req, None, request_id, "batch")
-        return 200, await result.whole(endpoint, formatter(svc.model_id, req.logprobs)), request_id
+        return 200, await result.whole(endpoint, formatter_for(endpoint, svc.model_id, req)), request_id
     except errors.APIError as e:
         return e.status, e.body(), request_id
     except Exception:  # a bug of ours, answered as the app shell would answer it (the line is not lost)

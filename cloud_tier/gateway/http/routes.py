@@ -11,8 +11,9 @@ from pydantic import BaseModel, Field
 
 import cascade
 from cascade import errors
-from cascade.openai_format import ChatFormatter, CompletionFormatter
+from cascade.openai_format import formatter_for
 from cascade.protocol import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList
+from cascade.structured.contract import contract_of
 from cascade.web import RequestRoute, openapi, parse_body, read_json
 from cascade.web.caller import CallerGone, while_connected
 from cascade.web.requests import bearer_matches
@@ -84,12 +85,13 @@ async def get_model(request: Request, model: str) -> ModelCard:
     return _card(request)
 
 
-async def _serve(request: Request, endpoint: str, schema, formatter):
+async def _serve(request: Request, endpoint: str, schema):
     svc = service(request)
     key = _key(request)
     try:
         body = await read_json(request, svc.config.max_body_bytes)
         req = parse_body(schema, body)
+        contract_of(req, endpoint)  # a bad response_format or tools: a 400 here, whichever worker would serve it
         svc.check_model(req.model)
         # the class is the gateway's, not the worker's: it leaves the body (a foreign worker gets none)
         klass = priority_class(request.headers.get(PRIORITY_HEADER), body.pop("priority_class", None))
@@ -104,19 +106,19 @@ async def _serve(request: Request, endpoint: str, schema, formatter):
                                request.headers.get("x-request-id"), klass, deadline_s))
     except CallerGone:
         return Response(status_code=499)
-    return await respond(request, result, endpoint, req, lambda: formatter(svc.model_id, req.logprobs))
+    return await respond(request, result, endpoint, req, lambda: formatter_for(endpoint, svc.model_id, req))
 
 
 @generation.post("/chat/completions", openapi_extra=openapi.body(ChatCompletionRequest),
                  responses={**openapi.generation(ChatCompletion, "chat.completion.chunk"), **_GENERATION_ERRORS})
 async def chat_completions(request: Request):
-    return await _serve(request, "chat", ChatCompletionRequest, ChatFormatter)
+    return await _serve(request, "chat", ChatCompletionRequest)
 
 
 @generation.post("/completions", openapi_extra=openapi.body(CompletionRequest),
                  responses={**openapi.generation(Completion, "text_completion"), **_GENERATION_ERRORS})
 async def completions(request: Request):
-    return await _serve(request, "completions", CompletionRequest, CompletionFormatter)
+    return await _serve(request, "completions", CompletionRequest)
 
 
 # -- admin (scope "admin"; a key manages its own tenant) --------------------------------------
