@@ -10,6 +10,7 @@ those rows alone (the other rows are the model's logits untouched), then each sa
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 
@@ -17,6 +18,8 @@ import numpy as np
 import torch
 
 from cascade.structured.matcher import GrammarCache, Matcher
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,13 +41,27 @@ class Guides:
 
     @property
     def cache(self) -> GrammarCache:
+        """The grammar cache, built on first use (ValueError if llguidance cannot read this tokenizer)."""
         with self._lock:
             if self._cache is None:
                 from llguidance.hf import from_tokenizer
 
-                lltok = from_tokenizer(self.tokenizer, n_vocab=self.n_vocab, eos_token=self.eos_token_ids)
+                try:
+                    lltok = from_tokenizer(self.tokenizer, n_vocab=self.n_vocab, eos_token=self.eos_token_ids)
+                except Exception as e:  # a slow (Python) tokenizer, an unreadable one: no guided decoding here
+                    raise ValueError(f"guided decoding is unavailable with this model's tokenizer: {e}") from e
                 self._cache = GrammarCache(lltok, self.n_vocab)
             return self._cache
+
+    def warm(self) -> None:
+        """Build the cache now (a worker does at start, off its event loop, so that its first guided
+        request does not wait for it); a tokenizer llguidance cannot read is logged, not raised."""
+        try:
+            cache = self.cache
+        except ValueError as e:
+            log.warning("%s", e)
+            return
+        log.debug("guided decoding ready: %d tokens", cache.n_vocab)
 
     @property
     def compiles(self) -> int:
