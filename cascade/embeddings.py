@@ -117,10 +117,11 @@ def check_dimensions(req: EmbeddingRequest, native: int) -> None:
 
 
 def token_lists(req: EmbeddingRequest, tokenize: Callable[[str], list[int]], n_vocab: int,
-                n_ctx: int) -> list[list[int]]:
+                n_ctx: int, max_total: int | None = None) -> list[list[int]]:
     """Each input's token ids, checked against the vocabulary and truncated as asked; a 400 naming
-    the field when an id is outside the vocabulary or an input is longer than ``n_ctx`` tokens
-    without truncation asked."""
+    the field when an id is outside the vocabulary, an input is longer than ``n_ctx`` tokens
+    without truncation asked, or the inputs hold more than ``max_total`` tokens together (what
+    bounds a request's time: the body's size alone lets one ask for minutes of a device's compute)."""
     keep = req.truncate_prompt_tokens
     if keep == -1:
         keep = n_ctx
@@ -128,6 +129,7 @@ def token_lists(req: EmbeddingRequest, tokenize: Callable[[str], list[int]], n_v
         raise errors.bad_request(f"truncate_prompt_tokens {keep} is more than this model's context length "
                                  f"({n_ctx} tokens).", "truncate_prompt_tokens", "invalid_value")
     out: list[list[int]] = []
+    total = 0
     for i, item in enumerate(req.inputs()):
         ids = tokenize(item) if isinstance(item, str) else item
         if any(t >= n_vocab for t in ids):
@@ -142,6 +144,10 @@ def token_lists(req: EmbeddingRequest, tokenize: Callable[[str], list[int]], n_v
         if not ids:
             raise errors.bad_request(f"Input {i} has no tokens.", "input", "invalid_value")
         out.append(ids)
+        total += len(ids)
+        if max_total is not None and total > max_total:
+            raise errors.bad_request(f"The inputs hold more than {max_total} tokens, the most one request may embed "
+                                     "here; send them in several requests.", "input", "too_many_tokens")
     return out
 
 

@@ -12,6 +12,7 @@ from cascade.embeddings import EmbeddingRequest, check_dimensions, embedding_res
 from cloud_tier.engine.async_engine import AsyncLLMEngine
 from cloud_tier.engine.embed import POOLING, batches, embed_tokens
 
+MAX_REQUEST_TOKENS = 65_536  # the most tokens one request embeds (its inputs together, or one whole context)
 BATCH_TOKENS = 2048  # tokens per embedding forward: the engine steps between two of them
 
 
@@ -34,7 +35,7 @@ class WorkerEmbeddings:
         eng = self.engine.engine
         check_dimensions(req, eng.model.config["hidden_size"])
         ids = await asyncio.to_thread(token_lists, req, eng.tokenizer.encode, eng.model.config["vocab_size"],
-                                      eng.max_model_len)
+                                      eng.max_model_len, max(eng.max_model_len, MAX_REQUEST_TOKENS))
         vectors: list[list[float]] = []
         for group in batches(ids, BATCH_TOKENS):
             vectors += await self.engine.call(lambda e, g=group: embed_tokens(e, g))

@@ -24,6 +24,9 @@ from edge_agent.cloud_embeddings import CloudEmbeddings
 from edge_agent.config import EdgeConfig
 
 log = logging.getLogger(__name__)
+# the most tokens one request embeds here (its inputs together, or one input of the whole context):
+# about 35 s of a 2-core CPU with SmolLM2-135M (240 tokens/s)
+MAX_REQUEST_TOKENS = 8192
 
 
 class EdgeEmbeddings:
@@ -68,7 +71,7 @@ class EdgeEmbeddings:
         identity = await self.identity(description)
         _, n_embd, n_vocab, n_ctx = await asyncio.to_thread(emb.describe)
         check_dimensions(req, n_embd)
-        ids = await asyncio.to_thread(token_lists, req, emb.tokenize, n_vocab, n_ctx)
+        ids = await asyncio.to_thread(token_lists, req, emb.tokenize, n_vocab, n_ctx, max(n_ctx, MAX_REQUEST_TOKENS))
         vectors = await asyncio.to_thread(emb.embed, ids)
         return embedding_response(served_name(description.name, identity), vectors, req.encoding_format,
                                   sum(len(t) for t in ids))
