@@ -30,6 +30,7 @@ from bench.tiers import bench_env, cloud_key, start_cloud, start_edge
 from cascade.eval.sharegpt import load_conversations
 from cascade.processes import free_port, spawn, stop, wait_healthy
 
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # before llama.cpp loads, as the agent does (busy cores)
 VLLM_PYTHON = Path.home() / ".cache/cascade/vllm-venv/bin/python"
 
 

@@ -61,9 +61,13 @@ class EdgeEmbeddings:
         if description.format != "gguf":
             return ""
         if description.path not in self._identities:
-            pooling = await asyncio.to_thread(stated_pooling, description.path)
-            self._identities[description.path] = await asyncio.to_thread(
-                embedding_identity, description.path, pooling)
+            try:
+                pooling = await asyncio.to_thread(stated_pooling, description.path)
+                identity = await asyncio.to_thread(embedding_identity, description.path, pooling)
+            except (OSError, ValueError, RuntimeError) as e:  # unknown: the card states none, the cloud is refused
+                log.warning("no embedding identity for %s (%s)", description.path, e)
+                identity = ""
+            self._identities[description.path] = identity
         return self._identities[description.path]
 
     async def local(self, req: EmbeddingRequest, description) -> dict:
