@@ -9,8 +9,8 @@ packaged ShareGPT, cut to ``--max-chars``) in requests of ``--batch`` texts:
 - edge: `cascade edge run` (llama.cpp's embedding mode through our agent, one input at a time);
 - cloud: `cascade cloud serve --both 1` (our engine, through the gateway and the worker);
 - vLLM: its CPU build's pooling runner (``--runner pooling --convert embed``, mean pooling,
-  normalised) on our conversion of the same GGUF, when its virtualenv is there and it starts
-  within ``--vllm-start-s``.
+  normalised: vLLM 0.32 spells it ``use_activation``) on our conversion of the same GGUF, when its
+  virtualenv is there and it starts within ``--vllm-start-s``.
 Each is warmed up with one request, then timed over all the texts."""
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def start_vllm(model: str, work: Path, n_ctx: int) -> tuple:
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model_dir(model)),
            "--served-model-name", model, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
            "--dtype", "float32", "--max-model-len", str(n_ctx), "--runner", "pooling", "--convert", "embed",
-           "--pooler-config", json.dumps({"pooling_type": "MEAN", "normalize": True})]
+           "--pooler-config", json.dumps({"pooling_type": "MEAN", "use_activation": True})]
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1"}
     return spawn(cmd, env=env, log=work / "vllm.log", cwd=work), f"http://127.0.0.1:{port}"
