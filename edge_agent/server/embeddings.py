@@ -38,6 +38,7 @@ class EdgeEmbeddings:
         self._embedder: LlamaEmbedder | None = None
         self._identities: dict[str, str] = {}  # weights path -> identity
         self._switch = asyncio.Lock()
+        self._one = asyncio.Lock()  # one request embeds at a time (the embedder runs one input at a time anyway)
         self._cloud: CloudEmbeddings | None = None
 
     async def embedder(self, description) -> LlamaEmbedder:
@@ -71,6 +72,10 @@ class EdgeEmbeddings:
         return self._identities[description.path]
 
     async def local(self, req: EmbeddingRequest, description) -> dict:
+        async with self._one:  # the others wait here, not in the event loop's threads (healthz needs one)
+            return await self._local(req, description)
+
+    async def _local(self, req: EmbeddingRequest, description) -> dict:
         emb = await self.embedder(description)
         identity = await self.identity(description)
         _, n_embd, n_vocab, n_ctx = await asyncio.to_thread(emb.describe)
