@@ -91,6 +91,7 @@ class GatewayService:
         self.own = OwnWorkers(builder, model_id, pool, workers, cache_keys)
         self.foreign = _foreign_workers(config, pool, client, self.admission, worker_api_key, max_model_len)
         self.routing = self.foreign.routing  # the foreign workers' load, as /metrics and the batch runner read it
+        self.embedding_identity = ""  # our workers' ServedModel.embedding_identity (the app sets it): card meta
 
     # -- auth ----------------------------------------------------------------------------
 
