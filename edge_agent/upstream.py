@@ -344,6 +344,8 @@ async def _events(resp: httpx.Response, lines: AsyncIterator[bytes], first: dict
                     calls.add((choice.get("delta") or {}).get("tool_calls"))
                 text = (choice.get("delta") or {}).get("content") if endpoint == "chat" else choice.get("text")
                 lp = ((choice.get("logprobs") or {}).get("content") or [None])[0] if endpoint == "chat" else None
+                for markup in calls.take() if text else ():  # calls the cloud finished before this text
+                    yield TokenEvent(-1, markup, markup.encode(), 0.0, 0.0)
                 if text:
                     yield TokenEvent(-1, text, text.encode(), float(lp["logprob"]) if lp else 0.0, 0.0,
                                      tuple(TopToken(-1, t["token"], float(t["logprob"]), t["token"].encode())

@@ -74,16 +74,19 @@ class ToolCallParser:
             call = self._call(block)
             if call is None:
                 content.append(f"{OPEN}{block}{CLOSE}")
-            else:
-                calls.append(call)
+            elif not any((c.name, c.arguments) == (call.name, call.arguments) for c in self.calls + calls):
+                calls.append(call)  # the same call twice in one answer is one call (small models loop)
         self.calls.extend(calls)
         return "".join(content), calls
 
     def flush(self) -> tuple[str, list[ToolCall]]:
-        """The rest: an unclosed call's text is content (it was cut off)."""
+        """The rest: an unclosed call's text (cut off) is content, unless whole calls came before it
+        (a small model that repeats its calls until its token limit: the whole ones are the answer)."""
         rest = (OPEN + self._buf) if self._in_call else self._buf
         if self._in_call:
             self.problems.append("a tool call was cut off before </tool_call>")
+            if self.calls:
+                rest = ""
         self._buf, self._in_call = "", False
         return rest, []
 

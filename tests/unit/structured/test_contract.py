@@ -58,8 +58,9 @@ def test_tool_choice_none_keeps_the_tools_out_of_the_answer():
 
 RECURSIVE = {"$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}},
                                 "required": ["next"]}}, "$ref": "#/$defs/node"}
-TREE = {"$defs": {"node": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
-                           "required": ["kids"]}}, "$ref": "#/$defs/node"}  # ends: an empty list of kids
+TREE = {"$defs": {"node": {"type": "object", "required": ["kids"],
+                           "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}},
+        "$ref": "#/$defs/node"}  # ends: an empty list of kids
 
 
 @pytest.mark.parametrize("extra, param", [
