@@ -13,7 +13,8 @@
   and its grammar compile time (schema to GBNF, then llama.cpp's parse in ``llama_sampler_init_grammar``);
 - vllm: vLLM's CPU build (~/.cache/cascade/vllm-venv) on our converted model dir, the same requests as
   the tiers; if it is not healthy in 5 min, or refuses guided decoding, the table says so.
-Decode tokens/s of one request: (tokens - 1) / (last token's time - first token's time).
+Decode tokens/s of one request: (tokens - 1) / (last token's time - first token's time); each free request
+is held to the length its constrained twin had (max_tokens), so both decode the same number of tokens.
 """
 
 from __future__ import annotations
@@ -75,30 +76,33 @@ async def stream_one(tier: Tier, client, entry: dict, constrained: bool, max_tok
     return {"tokens": tokens, "rate": decode_rate(tokens, first, last)}
 
 
-async def one_round(tier: Tier, entries: list[dict], constrained: bool, batch: int, max_tokens: int) -> dict:
-    """Every entry once, ``batch`` at a time: median decode rate, aggregate tokens/s, refusals."""
+async def one_round(tier: Tier, entries: list[dict], constrained: bool, batch: int, lengths: list[int]) -> dict:
+    """Every entry once (``lengths``: each one's max_tokens), ``batch`` at a time: the median decode rate,
+    aggregate tokens/s, each entry's completion tokens, the first refusal."""
     start, runs = time.perf_counter(), []
     async with tier.client(asynchronous=True) as client:
         for i in range(0, len(entries), batch):
-            runs += await asyncio.gather(*(stream_one(tier, client, e, constrained, max_tokens)
-                                           for e in entries[i:i + batch]))
+            runs += await asyncio.gather(*(stream_one(tier, client, e, constrained, n)
+                                           for e, n in zip(entries[i:i + batch], lengths[i:i + batch], strict=True)))
     wall = time.perf_counter() - start
-    done = [r for r in runs if "refused" in r or r["rate"] is not None]
-    rates = [r["rate"] for r in done if "rate" in r]
-    refused = [r["refused"] for r in done if "refused" in r]
-    tokens = sum(r.get("tokens", 0) for r in runs)
-    return {"median": statistics.median(rates) if rates else float("nan"), "agg": tokens / wall,
-            "tokens": tokens, "refused": refused[0] if refused else ""}
+    rates = [r["rate"] for r in runs if r.get("rate") is not None]
+    refused = [r["refused"] for r in runs if "refused" in r]
+    tokens = [r.get("tokens", 0) for r in runs]
+    return {"median": statistics.median(rates) if rates else float("nan"), "agg": sum(tokens) / wall,
+            "lengths": tokens, "refused": refused[0] if refused else ""}
 
 
 def bench_server(tier: Tier, entries: list[dict], max_tokens: int) -> list[tuple]:
-    """(server, batch, unconstrained, constrained) rows: a warm-up each way, then batch 1 and 8."""
-    asyncio.run(one_round(tier, entries[:1], False, 1, 16))
-    asyncio.run(one_round(tier, entries[:1], True, 1, 16))
+    """(server, batch, unconstrained, constrained) rows: a warm-up each way, then batch 1 and 8. The
+    free requests get the constrained ones' lengths as max_tokens: the same tokens and the same batch
+    as it drains (a JSON answer ends early; free ones running to max_tokens would be a fuller batch)."""
+    asyncio.run(one_round(tier, entries[:1], False, 1, [16]))
+    asyncio.run(one_round(tier, entries[:1], True, 1, [16]))
     rows = []
     for batch in (1, 8):
-        free = asyncio.run(one_round(tier, entries, False, batch, max_tokens))
-        bound = asyncio.run(one_round(tier, entries, True, batch, max_tokens))
+        bound = asyncio.run(one_round(tier, entries, True, batch, [max_tokens] * len(entries)))
+        lengths = [n if n > 1 else max_tokens for n in bound["lengths"]]  # refused: the full length
+        free = asyncio.run(one_round(tier, entries, False, batch, lengths))
         rows.append((f"{tier.name} ({tier.model})", batch, free, bound))
         print(f"  {tier.name} batch {batch} done", flush=True)
     return rows
@@ -198,11 +202,10 @@ def bench_llamacpp(gguf: Path, corpus: list[dict], entries: list[dict], max_toke
     with quiet_stderr():
         compile_ms, failed = gbnf_compile_ms(llm, corpus)
     llamacpp_rate(llm, entries[0], True, 8)  # warm-up
-    rates = {}
-    for constrained in (False, True):
-        runs = [llamacpp_rate(llm, e, constrained, max_tokens) for e in entries]
-        rates[constrained] = statistics.median(r for _, r in runs if r is not None)
-    return {"compile_ms": compile_ms, "failed": failed, "free": rates[False], "bound": rates[True]}
+    bound = [llamacpp_rate(llm, e, True, max_tokens) for e in entries]
+    free = [llamacpp_rate(llm, e, False, max(n, 2)) for e, (n, _) in zip(entries, bound, strict=True)]
+    return {"compile_ms": compile_ms, "failed": failed, "free": statistics.median(r for _, r in free if r),
+            "bound": statistics.median(r for _, r in bound if r)}
 
 
 def bench_vllm(entries: list[dict], max_tokens: int, work: Path, model: str) -> list[tuple] | str:
