@@ -11,7 +11,8 @@ import httpx
 
 from cascade import errors, wire
 from cascade.embedding_identity import identity_of_card
-from edge_agent.upstream import MAX_BODY_BYTES, TOKENIZER_RELIST_S, Upstream
+from edge_agent.upstream import TOKENIZER_RELIST_S, Upstream
+from edge_agent.upstream_reads import MAX_BODY_BYTES
 
 
 class CloudEmbeddings:
@@ -34,6 +35,11 @@ class CloudEmbeddings:
         if model not in self._identities and time.monotonic() - self._listed_at > TOKENIZER_RELIST_S:
             await self._list()
         return self._identities.get(model, "")
+
+    def forget(self, model: str) -> None:
+        """Drop what the cloud's card said of ``model`` (its answer showed another identity)."""
+        self._identities.pop(model, None)
+        self._listed_at = -math.inf
 
     async def _list(self) -> None:
         self._listed_at = time.monotonic()

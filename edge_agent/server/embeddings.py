@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 import httpx
 from fastapi import Request
@@ -101,19 +102,52 @@ class EdgeEmbeddings:
         except httpx.HTTPError as e:
             raise errors.APIError(503, f"The cloud cannot be reached: {e}", "server_error", None,
                                   "upstream_unavailable") from e
-        if status == 200 and req.encoding_format == "float":
+        if status == 200:
             try:
-                for item in answer["data"]:
-                    item["embedding"] = decode_base64(item["embedding"])
-            except (KeyError, TypeError, ValueError) as e:
-                raise errors.APIError(502, f"The cloud's embeddings are malformed: {e}", "server_error", None,
-                                      "bad_upstream") from e
+                answer = checked_cloud_answer(answer, req, served_name(model, local))
+            except errors.APIError as e:
+                if e.status == 409:
+                    self._cloud.forget(model)  # its card is read again before the next one
+                raise
         return JSONResponse(answer, status_code=status, headers={TIER_HEADER: "cloud"})
 
     def close(self) -> None:
         if self._embedder is not None:
             self._embedder.close()
             self._embedder = None
+
+
+def checked_cloud_answer(answer: dict, req: EmbeddingRequest, expected_model: str) -> dict:
+    """The cloud's 200 rebuilt from what was checked: one finite vector per input, each index once, all
+    of one size, from the model it should be (``expected_model``: this device's model id and identity:
+    a cloud that switched weights since its card was read answers another, a 409); a 502 otherwise."""
+    if answer.get("model") != expected_model:
+        raise errors.APIError(409, f"The cloud answered with embeddings of {str(answer.get('model'))[:120]!r}, not "
+                              f"{expected_model!r}: its vectors would not be comparable with this device's.",
+                              "invalid_request_error", "cascade", "embedding_model_mismatch")
+    try:
+        data, n = answer["data"], len(req.inputs())
+        if not isinstance(data, list) or len(data) != n:
+            raise ValueError(f"{n} inputs but {len(data) if isinstance(data, list) else 'no'} vectors")
+        vectors: list = [None] * n
+        for item in data:
+            index = item["index"]
+            if type(index) is not int or not 0 <= index < n or vectors[index] is not None:
+                raise ValueError(f"a bad or repeated index {str(index)[:20]}")
+            vectors[index] = decode_base64(item["embedding"])
+        if len({len(v) for v in vectors}) != 1 or not 0 < len(vectors[0]) <= MAX_DIMENSIONS or not all(
+                math.isfinite(x) for v in vectors for x in v):
+            raise ValueError("vectors of different sizes, empty or not finite")
+        usage = answer.get("usage") or {}
+        tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        tokens = min(max(tokens, 0), 2**31 - 1) if type(tokens) is int else 0
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise errors.APIError(502, f"The cloud's embeddings are malformed: {str(e)[:200]}", "server_error", None,
+                              "bad_upstream") from e
+    return embedding_response(expected_model, vectors, req.encoding_format, tokens)
+
+
+MAX_DIMENSIONS = 1 << 16
 
 
 async def serve(request: Request) -> JSONResponse:
