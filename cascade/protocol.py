@@ -203,6 +203,9 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.messages[-1].role == "assistant" and len(self.messages) == 1:
             raise ValueError("messages must contain at least one non-assistant message")
+        for i, m in enumerate(self.messages):
+            if m.role == "tool" and not m.tool_call_id:
+                raise ValueError(f"messages[{i}] has role 'tool' without the 'tool_call_id' of the call it answers")
         return self
 
     def token_limit(self) -> int | None:

@@ -69,7 +69,11 @@ OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties
 def _closed(node, depth: int = 0):
     """``node`` with every object that names its properties and says nothing of others closed to
     them: the grammar writes only the properties a schema names (any instance is still valid; a
-    small model would otherwise pad its arguments with made-up keys until its token limit)."""
+    small model would otherwise pad its arguments with made-up keys until its token limit). Not
+    where schemas combine into one object (``allOf``, a ``$ref`` beside properties,
+    ``unevaluatedProperties``): closing each part alone would refuse what the whole allows."""
+    if depth == 0 and _combines(node):
+        return node
     if depth > 64:
         return node
     if isinstance(node, list):
@@ -80,6 +84,18 @@ def _closed(node, depth: int = 0):
     if isinstance(node.get("properties"), dict) and not any(k in node for k in OPEN_KEYS):
         out["additionalProperties"] = False
     return out
+
+
+def _combines(node, depth: int = 0) -> bool:
+    if depth > 64:
+        return True
+    if isinstance(node, list):
+        return any(_combines(v, depth + 1) for v in node)
+    if not isinstance(node, dict):
+        return False
+    if "allOf" in node or "unevaluatedProperties" in node or ("$ref" in node and "properties" in node):
+        return True
+    return any(_combines(v, depth + 1) for k, v in node.items() if k not in ("enum", "const", "default", "examples"))
 
 
 def check(grammar: str | None, param: str) -> None:

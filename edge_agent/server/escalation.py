@@ -310,7 +310,8 @@ class Escalator:
         if decision.check_confidence:
             after = (after_router(router, feats, conf, self.upstream.available) if router
                      else after_local(conf, self.policy.confidence, self.upstream.available))
-        if check_answer and (after is None or after.tier != "cloud") and (why := problem(job.contract, _text(held))):
+        if check_answer and (after is None or after.tier != "cloud") and (
+                why := await asyncio.to_thread(problem, job.contract, _text(held))):
             after, info["schema_problem"] = after_check(why, self.upstream.available), why[:300]
         if after is not None and after.tier == "cloud":
             # the cloud verifies the device's low-confidence draft; an answer that broke its contract is none

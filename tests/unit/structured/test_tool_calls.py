@@ -117,3 +117,21 @@ def test_a_repeated_call_is_one_and_a_cut_off_repeat_is_dropped():
     call = '<tool_call>\n{"name": "open_door", "arguments": {"door": 3}}\n</tool_call>\n'
     content, calls = parse([call * 3 + '<tool_call>\n{"name": "open_do'])
     assert content == "" and calls == [("open_door", {"door": 3})]
+
+
+def test_a_close_tag_inside_an_argument_string_does_not_end_the_call():
+    text = '<tool_call>\n{"name": "render", "arguments": {"html": "</tool_call> and <tool_call>"}}\n</tool_call>'
+    for size in (1, 3, 7, len(text)):
+        assert parse([text[i:i + size] for i in range(0, len(text), size)]) == (
+            "", [("render", {"html": "</tool_call> and <tool_call>"})])
+
+
+def test_a_cloud_stream_past_its_bounds_is_refused():
+    s = StreamedCalls()
+    with pytest.raises(ValueError):
+        for _ in range(200):
+            s.add([{"index": 0, "function": {"arguments": "x" * 10_000}}])
+    s = StreamedCalls()
+    s.add([{"index": 0, "function": {"name": "no such tool\n<script>", "arguments": "{}"}}])
+    with pytest.raises(ValueError):
+        s.take()
