@@ -5,6 +5,7 @@ embedding identity (the sha256 of the GGUF it was loaded from, mean pooling, L2)
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 from cascade.embedding_identity import embedding_identity, served_name
@@ -13,7 +14,7 @@ from cloud_tier.engine.async_engine import AsyncLLMEngine
 from cloud_tier.engine.embed import POOLING, batches, embed_tokens
 
 MAX_REQUEST_TOKENS = 65_536  # the most tokens one request embeds (its inputs together, or one whole context)
-BATCH_TOKENS = 2048  # tokens per embedding forward: the engine steps between two of them
+BATCH_TOKENS = 512  # tokens per embedding forward (a longer input goes alone): the engine steps between two
 
 
 class WorkerEmbeddings:
@@ -38,7 +39,10 @@ class WorkerEmbeddings:
                                       eng.max_model_len, max(eng.max_model_len, MAX_REQUEST_TOKENS))
         vectors: list[list[float]] = []
         for group in batches(ids, BATCH_TOKENS):
+            started = time.monotonic()
             vectors += await self.engine.call(lambda e, g=group: embed_tokens(e, g))
+            if eng.has_unfinished_requests():  # generations wait meanwhile: they get at least as long next
+                await asyncio.sleep(time.monotonic() - started)
         identity = await asyncio.to_thread(self.identity)
         return embedding_response(served_name(self.model_id, identity), vectors, req.encoding_format,
                                   sum(len(t) for t in ids))
