@@ -211,15 +211,20 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
+    @field_validator("messages")
+    @classmethod
+    def _tool_answers(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        for i, m in enumerate(messages):
+            if m.role == "tool" and not m.tool_call_id:
+                raise ValueError(f"messages[{i}] has role 'tool' without the 'tool_call_id' of the call it answers")
+        return messages
+
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.messages[-1].role == "assistant" and len(self.messages) == 1:
             raise ValueError("messages must contain at least one non-assistant message")
-        for i, m in enumerate(self.messages):
-            if m.role == "tool" and not m.tool_call_id:
-                raise ValueError(f"messages[{i}] has role 'tool' without the 'tool_call_id' of the call it answers")
         return self
 
     def token_limit(self) -> int | None:

@@ -81,6 +81,16 @@ def wants_tool_calls(req) -> bool:
     return bool(extra.get("tools")) and extra.get("tool_choice") != "none"
 
 
+async def contract_off_loop(req, endpoint: str = "chat") -> OutputContract:
+    """``contract_of`` for a server's event loop: in a thread when the request is costly to check
+    (a schema, tools: jsonschema checks each, which took seconds for 128 tools of long patterns)."""
+    if not req.costly_to_plan():
+        return contract_of(req, endpoint)
+    import asyncio
+
+    return await asyncio.to_thread(contract_of, req, endpoint)
+
+
 def contract_of(req, endpoint: str = "chat") -> OutputContract:
     """The contract of an OpenAI request (its extra fields); a 400 naming the field otherwise
     (``tools`` on any ``endpoint`` but chat too)."""

@@ -13,7 +13,7 @@ import cascade
 from cascade.embeddings import EmbeddingRequest
 from cascade.openai_format import formatter_for
 from cascade.protocol import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList
-from cascade.structured.contract import contract_of
+from cascade.structured.contract import contract_off_loop
 from cascade.web import openai_response, openapi, parse_body, read_json, require_api_key
 from edge_agent.server import embeddings as embeddings_route
 from edge_agent.server.escalation import Escalator, Queued
@@ -111,7 +111,7 @@ async def _serve(request: Request, endpoint: str, schema, make_job, prompt_text)
     svc = service(request)
     body = await read_json(request, request.app.state.config.server.max_body_bytes)
     req = parse_body(schema, body)
-    shape = contract_of(req, endpoint)
+    shape = await contract_off_loop(req, endpoint)
     svc.check_model(req.model)
     routed = await escalator(request).route(req, endpoint, body, lambda: make_job(svc, req, shape), prompt_text(req),
                                             _session(request, req), request.headers.get("idempotency-key"), shape)

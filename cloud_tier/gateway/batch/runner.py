@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from cascade import errors
 from cascade.openai_format import formatter_for
 from cascade.protocol import ChatCompletionRequest, CompletionRequest
-from cascade.structured.contract import contract_of
+from cascade.structured.contract import contract_off_loop
 from cascade.web import parse_body
 from cloud_tier.gateway.batch.jsonl import ENDPOINTS, MAX_LINE_BYTES, file_errors, parse_lines
 from cloud_tier.gateway.batch.state import InvalidTransition, Status, next_status
@@ -79,7 +79,7 @@ async def run_line(svc: GatewayService, key: ApiKey, endpoint: str, body: dict) 
     schema = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
     try:
         req = parse_body(schema, body)
-        contract_of(req, endpoint)
+        await contract_off_loop(req, endpoint)
         svc.check_model(req.model)
         result = await svc.begin(key, endpoint, body, req, None, request_id, "batch")
         return 200, await result.whole(endpoint, formatter_for(endpoint, svc.model_id, req)), request_id

@@ -14,7 +14,7 @@ from cascade import errors
 from cascade.embeddings import EmbeddingRequest
 from cascade.openai_format import formatter_for
 from cascade.protocol import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList
-from cascade.structured.contract import contract_of
+from cascade.structured.contract import contract_off_loop
 from cascade.web import RequestRoute, openapi, parse_body, read_json
 from cascade.web.caller import CallerGone, while_connected
 from cascade.web.requests import bearer_matches
@@ -95,7 +95,7 @@ async def _serve(request: Request, endpoint: str, schema):
     try:
         body = await read_json(request, svc.config.max_body_bytes)
         req = parse_body(schema, body)
-        contract_of(req, endpoint)  # a bad response_format or tools: a 400 here, whichever worker would serve it
+        await contract_off_loop(req, endpoint)  # a bad response_format or tools: a 400 here, whichever worker serves
         svc.check_model(req.model)
         # the class is the gateway's, not the worker's: it leaves the body (a foreign worker gets none)
         klass = priority_class(request.headers.get(PRIORITY_HEADER), body.pop("priority_class", None))
