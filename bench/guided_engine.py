@@ -4,8 +4,9 @@ prompts, and the time the mask itself takes per step (filled by the matchers, ap
 
 The schema asks for at least 40 array items, so no constrained request ends inside the measured steps;
 the unconstrained ones ignore EOS. Runs alternate (plain, guided, plain, guided, ...) and each figure is
-the median over ``--repeats``, so a neighbour's load spreads over both. Goals (issue 41): under 5%
-slower at batch 1, under 10% at batch 8.
+the best of ``--repeats`` (a neighbour's load only ever slows a run down); the mask's share of a guided
+step (its milliseconds over the step's) is the figure a noisy machine changes least. Goals (issue 41):
+under 5% slower at batch 1, under 10% at batch 8.
 
     .venv/bin/python bench/guided_engine.py [--model qwen2.5-coder-1.5b] [--weight-dtype int8] [--steps 24]
 """
@@ -81,7 +82,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=24, help="measured decode steps per run")
-    ap.add_argument("--repeats", type=int, default=3, help="runs of each kind per batch size (alternated)")
+    ap.add_argument("--repeats", type=int, default=5, help="runs of each kind per batch size (alternated)")
     ap.add_argument("--batches", default="1,8")
     args = ap.parse_args()
 
@@ -99,8 +100,9 @@ def main() -> int:
     setup_s = time.perf_counter() - started
     print(f"model {args.model} (weights {args.weight_dtype}, {engine.config.dtype}), vocab "
           f"{engine.model.config['vocab_size']}, {args.threads} threads; llguidance tokenizer + first compile "
-          f"{setup_s:.2f} s; {args.steps} steps a run, median of {args.repeats}")
-    print(f"{'batch':>5} {'plain tok/s':>12} {'guided tok/s':>13} {'overhead':>9} {'mask ms/step':>13} {'goal':>6}")
+          f"{setup_s:.2f} s; {args.steps} steps a run, best of {args.repeats}")
+    print(f"{'batch':>5} {'plain tok/s':>12} {'guided tok/s':>13} {'overhead':>9} {'mask ms/step':>13} "
+          f"{'mask share':>11} {'goal':>6}")
     for batch in (int(b) for b in args.batches.split(",")):
         decode_run(engine, batch, 4, None)  # warm this batch shape
         plain, guided, mask = [], [], []
@@ -110,10 +112,11 @@ def main() -> int:
             guided.append(rate)
             mask.append(timer.take())
             assert running == batch, f"a guided request ended inside the run ({running} of {batch} left)"
-        p, g = statistics.median(plain), statistics.median(guided)
+        p, g, m = max(plain), max(guided), statistics.median(mask)
         overhead = (p - g) / p * 100
         goal = 5 if batch == 1 else 10
-        print(f"{batch:>5} {p:>12.2f} {g:>13.2f} {overhead:>8.1f}% {statistics.median(mask) * 1e3:>13.3f} "
+        share = m / (batch / g) * 100  # the mask's time over a guided step's
+        print(f"{batch:>5} {p:>12.2f} {g:>13.2f} {overhead:>8.1f}% {m * 1e3:>13.3f} {share:>10.1f}% "
               f"{'met' if overhead < goal else 'MISSED':>6}")
     return 0
 

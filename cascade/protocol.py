@@ -24,6 +24,7 @@ INT64 = (-(2**63), 2**63 - 1)
 Count = Annotated[int, Field(ge=1, le=INT32[1])]  # a number of tokens: positive, within 32 bits
 TokenId = Annotated[int, Field(ge=INT32[0], le=INT32[1])]  # checked against the vocabulary where it runs
 MAX_TTL_S = 365 * 24 * 3600.0
+COSTLY_PROMPT_CHARS = 16 << 10  # a prompt past this is planned off the event loop
 
 
 class TextPart(BaseModel):
@@ -187,6 +188,19 @@ class _SamplingFields(BaseModel):
     def stop_list(self) -> list[str]:
         return list(self.stop or [])
 
+    def costly_to_plan(self) -> bool:
+        """Rendering and tokenizing it (and compiling its grammar) may take long enough to plan it off
+        the event loop: a schema or tools, or a long text (a server's other requests must not wait)."""
+        extra = self.model_extra or {}
+        if extra.get("tools") or extra.get("response_format"):
+            return True
+        text = self.prompt if isinstance(getattr(self, "prompt", None), str) else ""
+        for m in getattr(self, "messages", ()):
+            text_len = len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content or ())
+            if text_len > COSTLY_PROMPT_CHARS:
+                return True
+        return len(text) > COSTLY_PROMPT_CHARS or len(getattr(self, "messages", ())) > 64
+
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -203,6 +217,9 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.messages[-1].role == "assistant" and len(self.messages) == 1:
             raise ValueError("messages must contain at least one non-assistant message")
+        for i, m in enumerate(self.messages):
+            if m.role == "tool" and not m.tool_call_id:
+                raise ValueError(f"messages[{i}] has role 'tool' without the 'tool_call_id' of the call it answers")
         return self
 
     def token_limit(self) -> int | None:

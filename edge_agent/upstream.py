@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 ENDPOINTS = {"chat": "/chat/completions", "completions": "/completions"}
 
 
+FINISH_REASONS = ("stop", "length", "tool_calls", "content_filter", "function_call", "cancelled")
+
+
 class UpstreamUnavailable(Exception):
     """The cloud could not take the request (unreachable, 429, 5xx, or it refused this device:
     ``refused``): serve it another way."""
@@ -344,12 +347,16 @@ async def _events(resp: httpx.Response, lines: AsyncIterator[bytes], first: dict
                     calls.add((choice.get("delta") or {}).get("tool_calls"))
                 text = (choice.get("delta") or {}).get("content") if endpoint == "chat" else choice.get("text")
                 lp = ((choice.get("logprobs") or {}).get("content") or [None])[0] if endpoint == "chat" else None
+                for markup in calls.take() if text else ():  # calls the cloud finished before this text
+                    yield TokenEvent(-1, markup, markup.encode(), 0.0, 0.0)
                 if text:
                     yield TokenEvent(-1, text, text.encode(), float(lp["logprob"]) if lp else 0.0, 0.0,
                                      tuple(TopToken(-1, t["token"], float(t["logprob"]), t["token"].encode())
                                            for t in (lp or {}).get("top_logprobs") or []))
                 if choice.get("finish_reason"):
-                    finish_reason = str(choice["finish_reason"])
+                    finish_reason = choice["finish_reason"]
+                    if finish_reason not in FINISH_REASONS:
+                        raise ValueError(f"an unknown finish_reason {str(finish_reason)[:40]!r}")
                     for markup in calls.take():  # the cloud's calls, as the model's markup the agent's formatter reads
                         yield TokenEvent(-1, markup, markup.encode(), 0.0, 0.0)
             try:
@@ -358,6 +365,8 @@ async def _events(resp: httpx.Response, lines: AsyncIterator[bytes], first: dict
                 if finish_reason is None:
                     raise
                 chunk = None  # finished, only the end of the stream was lost
+        for markup in calls.take():  # calls the stream ended without finishing
+            yield TokenEvent(-1, markup, markup.encode(), 0.0, 0.0)
         usage = usage or {}
         yield Finish(finish_reason or "stop", _tokens(usage, "prompt_tokens"), _tokens(usage, "completion_tokens"),
                      draft_offered=draft[0], draft_accepted=draft[1])

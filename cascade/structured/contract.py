@@ -149,6 +149,7 @@ def check_schema(schema: Any, param: str) -> dict:
         raise errors.bad_request(f"'{param}' is not a valid JSON Schema ({where or 'root'}): {e.message[:200]}",
                                  param, "invalid_schema") from None
     _check_enums(schema, param)
+    _check_refs(schema, schema, param)
     if (loop := unbounded_recursion(schema)) is not None:
         raise errors.bad_request(f"'{param}' recurses without bound: {loop} is required inside itself, so no "
                                  "finite JSON value meets it.", param, "invalid_schema")
@@ -166,6 +167,38 @@ def _check_enums(node: Any, param: str, depth: int = 0) -> None:
     elif isinstance(node, list):
         for v in node:
             _check_enums(v, param, depth + 1)
+
+
+def _check_refs(root: dict, node: Any, param: str, depth: int = 0) -> None:
+    """Every ``$ref`` points into the schema itself (``#`` or a JSON pointer that resolves): no
+    schema is fetched, and one that points nowhere is refused here, not found out mid-answer."""
+    if isinstance(node, list):
+        for v in node:
+            _check_refs(root, v, param, depth + 1)
+        return
+    if not isinstance(node, dict):
+        return
+    ref = node.get("$ref")
+    if ref is not None and not _resolves(root, ref):
+        raise errors.bad_request(f"'{param}' has a $ref {str(ref)[:80]!r} that points nowhere in the schema (only "
+                                 "local references, \"#\" or \"#/$defs/...\", are served).", param, "invalid_schema")
+    for key, v in node.items():
+        if key not in ("enum", "const", "default", "examples"):
+            _check_refs(root, v, param, depth + 1)
+
+
+def _resolves(root: dict, ref: Any) -> bool:
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return False
+    node: Any = root
+    for part in [p.replace("~1", "/").replace("~0", "~") for p in ref[1:].split("/")[1:]] if ref != "#" else []:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return False
+    return isinstance(node, (dict, bool))
 
 
 def _tools(value: Any) -> tuple[Tool, ...]:
@@ -193,6 +226,10 @@ def _tools(value: Any) -> tuple[Tool, ...]:
                                      f"tools[{i}].function.description", "invalid_value")
         params = check_schema(fn.get("parameters", {"type": "object", "properties": {}}),
                               f"tools[{i}].function.parameters")
+        if params.get("type", "object") != "object":
+            raise errors.bad_request(f"'tools[{i}].function.parameters' must be a schema of an object (the "
+                                     "arguments are an object of named values).", f"tools[{i}].function.parameters",
+                                     "invalid_schema")
         tools.append(Tool(name, description, params))
     return tuple(tools)
 

@@ -36,7 +36,7 @@ def grammar_of(contract: OutputContract, special_tags: bool = False) -> str | No
         return None
     answer = contract.answer_schema()
     if not contract.calls_tools:
-        return LLMatcher.grammar_from_json_schema(answer, defaults=JSON_STYLE)
+        return LLMatcher.grammar_from_json_schema(_closed(answer), defaults=JSON_STYLE)
     return LLMatcher.grammar_from_lark(_tools_lark(contract, answer, special_tags))
 
 
@@ -60,7 +60,42 @@ def _tools_lark(contract: OutputContract, answer: dict | None, special_tags: boo
 
 
 def _styled(schema: dict) -> dict:
-    return {**schema, "x-guidance": JSON_STYLE}
+    return {**_closed(schema), "x-guidance": JSON_STYLE}
+
+
+OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def _closed(node, depth: int = 0):
+    """``node`` with every object that names its properties and says nothing of others closed to
+    them: the grammar writes only the properties a schema names (any instance is still valid; a
+    small model would otherwise pad its arguments with made-up keys until its token limit). Not
+    where schemas combine into one object (``allOf``, a ``$ref`` beside properties,
+    ``unevaluatedProperties``): closing each part alone would refuse what the whole allows."""
+    if depth == 0 and _combines(node):
+        return node
+    if depth > 64:
+        return node
+    if isinstance(node, list):
+        return [_closed(v, depth + 1) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: (v if k in ("enum", "const", "default", "examples") else _closed(v, depth + 1)) for k, v in node.items()}
+    if isinstance(node.get("properties"), dict) and not any(k in node for k in OPEN_KEYS):
+        out["additionalProperties"] = False
+    return out
+
+
+def _combines(node, depth: int = 0) -> bool:
+    if depth > 64:
+        return True
+    if isinstance(node, list):
+        return any(_combines(v, depth + 1) for v in node)
+    if not isinstance(node, dict):
+        return False
+    if "allOf" in node or "unevaluatedProperties" in node or ("$ref" in node and "properties" in node):
+        return True
+    return any(_combines(v, depth + 1) for k, v in node.items() if k not in ("enum", "const", "default", "examples"))
 
 
 def check(grammar: str | None, param: str) -> None:

@@ -10,6 +10,7 @@ malformed call is never lost, and the cascade can judge it (``validate.py``).
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 
@@ -17,6 +18,8 @@ from cascade import wire
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_CALL_BYTES = 1 << 20
+MAX_STREAMED_CALLS = 128
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # contract.TOOL_NAME: OpenAI's rule for a function's name
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class ToolCallParser:
         self._buf = ""
         self._in_call = False
         self._after_call = False
+        self._seen_close = -1  # the last </tool_call> of the open call's text already tried
         self.calls: list[ToolCall] = []
         self.problems: list[str] = []
 
@@ -63,27 +67,52 @@ class ToolCallParser:
                 content.append(self._buf[:at].rstrip("\n"))
                 self._buf = self._buf[at + len(OPEN):]
                 self._in_call = True
-            end = self._buf.find(CLOSE)
-            if end < 0:
+            end = self._block_end()
+            if end is None:
                 if len(self._buf) > MAX_CALL_BYTES:
                     content.append(OPEN + self._buf)
                     self._buf, self._in_call = "", False
                 break
             block, self._buf = self._buf[:end], self._buf[end + len(CLOSE):]
+            self._seen_close = -1
             self._in_call, self._after_call = False, True
             call = self._call(block)
             if call is None:
                 content.append(f"{OPEN}{block}{CLOSE}")
-            else:
-                calls.append(call)
+            elif not any((c.name, c.arguments) == (call.name, call.arguments) for c in self.calls + calls):
+                calls.append(call)  # the same call twice in one answer is one call (small models loop)
         self.calls.extend(calls)
         return "".join(content), calls
 
+    def _block_end(self) -> int | None:
+        """Where the open call's text ends (its ``</tool_call>``), or None while it may still grow. The
+        call's JSON is read first, so a ``</tool_call>`` inside one of its strings does not end it;
+        tried again only when a new ``</tool_call>`` has come (no re-read per token)."""
+        buf = self._buf
+        at = buf.find(CLOSE, self._seen_close + 1)
+        if at < 0:
+            return None
+        self._seen_close = at
+        start = len(buf) - len(buf.lstrip())
+        try:
+            _, end = _DECODER.raw_decode(buf, start)
+        except json.JSONDecodeError as e:
+            if e.pos >= len(buf) or e.msg.startswith("Unterminated string"):
+                return None  # the JSON goes on past what has come
+            return buf.find(CLOSE)  # not JSON: the block ends at its first close tag
+        gap = len(buf[end:]) - len(buf[end:].lstrip())
+        if buf.startswith(CLOSE, end + gap):
+            return end + gap
+        return buf.find(CLOSE, end) if buf.find(CLOSE, end) >= 0 else None
+
     def flush(self) -> tuple[str, list[ToolCall]]:
-        """The rest: an unclosed call's text is content (it was cut off)."""
+        """The rest: an unclosed call's text (cut off) is content, unless whole calls came before it
+        (a small model that repeats its calls until its token limit: the whole ones are the answer)."""
         rest = (OPEN + self._buf) if self._in_call else self._buf
         if self._in_call:
             self.problems.append("a tool call was cut off before </tool_call>")
+            if self.calls:
+                rest = ""
         self._buf, self._in_call = "", False
         return rest, []
 
@@ -104,6 +133,9 @@ class ToolCallParser:
                 self.problems.append(f"the arguments of {obj['name']!r} are not JSON")
                 return None
         return ToolCall(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+_DECODER = json.JSONDecoder()
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -135,8 +167,10 @@ def tools_system_prompt(tools: list[dict]) -> str:
 
 
 class StreamedCalls:
-    """A chat stream's ``delta.tool_calls``, assembled by index (a call's name, then its arguments
-    in pieces), taken as the model's call markup once the choice finishes."""
+    """A chat stream's ``delta.tool_calls`` (a cloud's: outside data), assembled by index (a call's
+    name, then its arguments in pieces), taken as the model's call markup once the choice finishes.
+    ValueError for a delta that is not a call, a name that is not a function's name, more than
+    ``MAX_STREAMED_CALLS`` calls or more than ``MAX_CALL_BYTES`` of a call's arguments."""
 
     def __init__(self):
         self._calls: dict[int, list[str]] = {}
@@ -145,15 +179,20 @@ class StreamedCalls:
         for d in deltas if isinstance(deltas, list) else []:
             index = d.get("index", 0) if isinstance(d, dict) else None
             fn = d.get("function") if isinstance(d, dict) else None
-            if type(index) is not int or not 0 <= index < 128 or not isinstance(fn, dict):
+            if type(index) is not int or not 0 <= index < MAX_STREAMED_CALLS or not isinstance(fn, dict):
                 raise ValueError("a tool call delta without an index or a function")
             call = self._calls.setdefault(index, ["", ""])
             if isinstance(fn.get("name"), str):
                 call[0] += fn["name"]
             if isinstance(fn.get("arguments"), str):
                 call[1] += fn["arguments"]
+            if len(call[0]) > 64 or len(call[1]) > MAX_CALL_BYTES:
+                raise ValueError("a tool call's name or arguments past their bound")
 
     def take(self) -> list[str]:
+        for name, _ in self._calls.values():
+            if not TOOL_NAME.match(name):
+                raise ValueError(f"a tool call names no function: {name[:64]!r}")
         out = [call_markup(name, args or "{}") for _, (name, args) in sorted(self._calls.items())]
         self._calls.clear()
         return out

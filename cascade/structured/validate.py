@@ -10,6 +10,7 @@ from cascade.structured.contract import OutputContract
 from cascade.structured.tools import ToolCallParser
 
 MAX_ANSWER_BYTES = 4 << 20
+PATTERN_TIMEOUT_S = 0.05  # one pattern against one string; a pattern that needs longer is not held against it
 
 
 def problem(contract: OutputContract, text: str) -> str:
@@ -52,11 +53,49 @@ def _json_problem(text: str, schema: dict, what: str) -> str:
     except wire.WireError as e:
         return f"{what} is not JSON ({e.reason})"
     from jsonschema import FormatChecker
-    from jsonschema.validators import validator_for
+    from referencing.exceptions import Unresolvable
 
-    validator = validator_for(schema)(schema, format_checker=FormatChecker())
-    error = next(iter(validator.iter_errors(value)), None)
+    try:
+        validator = _checker(schema)(schema, format_checker=FormatChecker())
+        error = next(iter(validator.iter_errors(value)), None)
+    except (Unresolvable, RecursionError) as e:
+        return f"{what} cannot be checked against its schema: {str(e)[:200]}"
     if error is None:
         return ""
     where = "/".join(str(p) for p in error.absolute_path) or "root"
     return f"{what} does not meet its schema at {where}: {error.message[:200]}"
+
+
+def _checker(schema: dict):
+    """The schema's validator class with ``pattern`` and ``patternProperties`` matched by the
+    ``regex`` module under a time limit: Python's ``re`` backtracks exponentially on some patterns
+    (an app's schema is outside data), and reads POSIX classes (``[[:alpha:]]``) as llguidance does not."""
+    from jsonschema.validators import extend, validator_for
+
+    return extend(validator_for(schema), {"pattern": _pattern, "patternProperties": _pattern_properties})
+
+
+def _search(pattern: str, text: str) -> bool | None:
+    """Whether ``pattern`` matches in ``text``; None when it cannot be told in time (or compiled)."""
+    import regex
+
+    try:
+        return regex.search(pattern, text, timeout=PATTERN_TIMEOUT_S) is not None
+    except (TimeoutError, regex.error):
+        return None
+
+
+def _pattern(validator, pattern, instance, schema):
+    from jsonschema.exceptions import ValidationError
+
+    if validator.is_type(instance, "string") and _search(pattern, instance) is False:
+        yield ValidationError(f"{instance[:80]!r} does not match {pattern[:80]!r}")
+
+
+def _pattern_properties(validator, patterns, instance, schema):
+    if not validator.is_type(instance, "object"):
+        return
+    for pattern, subschema in patterns.items():
+        for key, value in instance.items():
+            if _search(pattern, key):
+                yield from validator.descend(value, subschema, path=key, schema_path=pattern)

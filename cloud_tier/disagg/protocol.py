@@ -99,3 +99,6 @@ class ServedModel(_Body):
     # same may send its draft tokens to verify (cascade.draft); "" if not told (no drafts)
     tokenizer_identity: str = Field(default="", max_length=128)
     vocab_size: int = Field(default=0, ge=0, le=1 << 24)  # ids the model can produce (past the tokenizer)
+    # cascade.embedding_identity of its embeddings (the weights' sha256, pooling, normalisation): the
+    # gateway's card states it, so a device embeds in the cloud only with the same model ("" if not told)
+    embedding_identity: str = Field(default="", max_length=256)

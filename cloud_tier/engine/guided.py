@@ -10,6 +10,7 @@ those rows alone (the other rows are the model's logits untouched), then each sa
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 
@@ -17,6 +18,8 @@ import numpy as np
 import torch
 
 from cascade.structured.matcher import GrammarCache, Matcher
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,13 +41,27 @@ class Guides:
 
     @property
     def cache(self) -> GrammarCache:
+        """The grammar cache, built on first use (ValueError if llguidance cannot read this tokenizer)."""
         with self._lock:
             if self._cache is None:
                 from llguidance.hf import from_tokenizer
 
-                lltok = from_tokenizer(self.tokenizer, n_vocab=self.n_vocab, eos_token=self.eos_token_ids)
+                try:
+                    lltok = from_tokenizer(self.tokenizer, n_vocab=self.n_vocab, eos_token=self.eos_token_ids)
+                except Exception as e:  # a slow (Python) tokenizer, an unreadable one: no guided decoding here
+                    raise ValueError(f"guided decoding is unavailable with this model's tokenizer: {e}") from e
                 self._cache = GrammarCache(lltok, self.n_vocab)
             return self._cache
+
+    def warm(self) -> None:
+        """Build the cache now (a worker does at start, off its event loop, so that its first guided
+        request does not wait for it); a tokenizer llguidance cannot read is logged, not raised."""
+        try:
+            cache = self.cache
+        except ValueError as e:
+            log.warning("%s", e)
+            return
+        log.debug("guided decoding ready: %d tokens", cache.n_vocab)
 
     @property
     def compiles(self) -> int:
@@ -98,14 +115,14 @@ def mask_rows(logits: torch.Tensor, requests: list) -> tuple[torch.Tensor, Guide
         if i in guided.errors or not bits[k].any():
             bits[k] = -1  # placeholder: the row is reported, and the batch is sampled as usual
             guided.errors.setdefault(i, "its grammar allows no next token")
-    allowed = np.unpackbits(bits.view(np.uint8), axis=1, count=vocab, bitorder="little")
-    blocked = torch.from_numpy(allowed).to(logits.device) == 0
-    masked = logits.clone()
+    # the inverted bits unpacked are the blocked tokens, one byte each (0 or 1): a bool array as it is
+    blocked = np.unpackbits((~bits).view(np.uint8), axis=1, count=vocab, bitorder="little").view(np.bool_)
+    blocked = torch.from_numpy(blocked).to(logits.device)
     if len(guided.rows) == len(requests):
-        masked.masked_fill_(blocked, float("-inf"))
-    else:
-        idx = torch.tensor(guided.rows, device=logits.device)
-        masked[idx] = masked[idx].masked_fill(blocked, float("-inf"))
+        return logits.masked_fill(blocked, float("-inf")), guided
+    idx = torch.tensor(guided.rows, device=logits.device)
+    masked = logits.clone()
+    masked[idx] = logits[idx].masked_fill(blocked, float("-inf"))
     return masked, guided
 
 
@@ -117,5 +134,8 @@ def advance_rows(token_ids: list[int], requests: list, guided: GuidedRows, error
         if i in errors:
             continue
         guide: Matcher = requests[i].guide
-        if not guide.accept(token_ids[i]):
-            errors[i] = f"its grammar refused the sampled token {token_ids[i]}: {guide.error}"
+        try:
+            if not guide.accept(token_ids[i]):
+                errors[i] = f"its grammar refused the sampled token {token_ids[i]}: {guide.error}"
+        except Exception as e:  # a matcher's bug fails its request, not the batch
+            errors[i] = f"its grammar could not take the sampled token {token_ids[i]}: {e!r}"

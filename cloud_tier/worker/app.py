@@ -27,6 +27,8 @@ def build_app(config: CloudConfig) -> FastAPI:
         engine = await asyncio.to_thread(LLMEngine, config.engine)
         await asyncio.to_thread(engine.calibrate)  # the scheduler's TTFT/TPOT estimates start from this machine
         async_engine = AsyncLLMEngine(engine)
+        # llguidance's view of the tokenizer (about a second for 150k tokens), off the event loop
+        warm_guides = asyncio.create_task(asyncio.to_thread(engine.guides.warm))
         name, aliases = served_names(config.engine.model)
         role = config.worker.role
         client = httpx.AsyncClient(timeout=httpx.Timeout(config.worker.prefill_timeout_s, connect=5.0),
@@ -41,6 +43,7 @@ def build_app(config: CloudConfig) -> FastAPI:
         try:
             yield
         finally:
+            await warm_guides
             if decode is not None:
                 await decode.close()
             await client.aclose()

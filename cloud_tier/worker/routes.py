@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 import cascade
 from cascade import errors
+from cascade.embeddings import EmbeddingRequest
 from cascade.generation import event_to_wire
 from cascade.openai_format import formatter_for
 from cascade.protocol import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList
@@ -61,9 +62,11 @@ async def _card(request: Request) -> dict:
     svc = service(request)
     engine = request.app.state.config.engine
     tokenizer = svc.tokenizer_identity()
+    embedding = await asyncio.to_thread(svc.embeddings.identity)  # hashed once (a sidecar file keeps it)
     card = ModelCard(id=svc.model_id, created=request.app.state.started,
                      meta={"max_model_len": svc.max_model_len, "dtype": svc.engine.engine.config.dtype,
-                           "kv_cache_dtype": engine.kv_cache_dtype, "tokenizer": tokenizer})
+                           "kv_cache_dtype": engine.kv_cache_dtype, "tokenizer": tokenizer,
+                           **({"embedding": embedding} if embedding else {})})
     # ModelCard has no ``tokenizer`` field (cascade/protocol.py): added to its JSON here
     return {**card.model_dump(mode="json"), "tokenizer": tokenizer}
 
@@ -101,6 +104,22 @@ async def completions(request: Request):
     fmt = formatter_for("completions", svc.model_id, req)
     return await openai_response(request, svc.run(job), fmt, req.stream, req.include_usage_in_stream(),
                                  _counter(svc, "completions"))
+
+
+@v1.post("/embeddings", openapi_extra=openapi.body(EmbeddingRequest),
+         responses=openapi.errors(400, 401, 404, 413, 500, 503))
+async def embeddings(request: Request):
+    """OpenAI's embeddings: the model's pooled final hidden state, computed between the engine's steps."""
+    svc = service(request)
+    body = await read_json(request, request.app.state.config.server.max_body_bytes)
+    req = parse_body(EmbeddingRequest, body)
+    svc.check_model(req.model)
+    try:
+        answer = await svc.embeddings.serve(req)
+    except EngineDeadError as e:
+        raise errors.APIError(503, str(e), "server_error", code="engine_unavailable") from e
+    svc.metrics.requests.labels(endpoint="embeddings", status="200").inc()
+    return JSONResponse(answer)
 
 
 def _counter(svc: WorkerService, endpoint: str):

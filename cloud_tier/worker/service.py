@@ -22,6 +22,7 @@ from cloud_tier.engine.outputs import RequestOutput
 from cloud_tier.engine.request import Request, ServiceLevel
 from cloud_tier.engine.scheduling.admission import SLOMissError
 from cloud_tier.request_builder import RequestBuilder, RequestPlan, with_headers
+from cloud_tier.worker.embeddings import WorkerEmbeddings
 from cloud_tier.worker.metrics import WorkerMetrics
 from cloud_tier.worker.protocol import DecodeStats, EngineStats, PrefillStats, WorkerStats
 
@@ -51,6 +52,7 @@ class WorkerService:
         self.prefill = prefill
         self.decode = decode
         self._served: ServedModel | None = None
+        self.embeddings = WorkerEmbeddings(engine, model_name)
 
     def tokenizer_identity(self) -> str:
         """This model's tokenizer identity (``model_distribution.artifacts.tokenizer_identity``):
@@ -64,6 +66,7 @@ class WorkerService:
                                        max_model_len=self.max_model_len,
                                        model_identity=self.engine.engine.model_identity,
                                        tokenizer_identity=self._tokenizer_identity,
+                                       embedding_identity=self.embeddings.identity(),
                                        vocab_size=self.builder.draft_vocab,
                                        tokenizer_files=tokenizer_files.dump(self.engine.tokenizer))
         return self._served

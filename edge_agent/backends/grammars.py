@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 
 from cascade.structured.matcher import GrammarCache
 from cascade.structured.tools import CLOSE, OPEN
@@ -28,7 +29,9 @@ class ModelGrammars:
             from llguidance.llamacpp import lltokenizer_from_vocab
 
             eog = [t for t in range(self._n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t)]
-            tok = lltokenizer_from_vocab(self._vocab, n_vocab=self._n_vocab, eos_token=eog)
+            with warnings.catch_warnings():  # it calls llama_token_get_attr (deprecated) once per token
+                warnings.simplefilter("ignore", DeprecationWarning)
+                tok = lltokenizer_from_vocab(self._vocab, n_vocab=self._n_vocab, eos_token=eog)
             self.special_tags = all(len(ids := tok.tokenize_str(tag)) == 1 and tok.is_special_token(ids[0])
                                     for tag in (OPEN, CLOSE))
             self._cache = GrammarCache(tok, self._n_vocab)

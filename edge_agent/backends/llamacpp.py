@@ -348,8 +348,10 @@ def _log_softmax_entropy(logits: np.ndarray, masked: bool = False) -> tuple[np.n
     exp = np.exp(shifted)
     total = exp.sum()
     logprobs = shifted - np.log(total)
-    terms = exp / total * logprobs
     if masked:  # masked tokens: 0 * -inf is 0 here, not NaN
-        terms = np.where(exp > 0, terms, 0.0)
+        with np.errstate(invalid="ignore"):
+            terms = np.where(exp > 0, exp / total * logprobs, 0.0)
+    else:
+        terms = exp / total * logprobs
     entropy = float(-terms.sum())
     return logprobs, entropy

@@ -23,6 +23,7 @@ from edge_agent.backends import load_slots
 from edge_agent.backends.base import Backend
 from edge_agent.config import EdgeConfig
 from edge_agent.server.drain import Drain
+from edge_agent.server.embeddings import EdgeEmbeddings
 from edge_agent.server.escalation import Escalator
 from edge_agent.server.metrics import EdgeMetrics
 from edge_agent.server.outbox import Outbox
@@ -185,6 +186,7 @@ def build_app(config: EdgeConfig, catalog: Catalog | None = None, source: Config
         outbox.start()
         app.state.service = svc
         app.state.escalator = Escalator(config.cascade, svc, upstream, outbox)
+        app.state.embeddings = EdgeEmbeddings(config)  # opens its context at the first embedding request
         link = device_link(config)  # in a fleet: one connection, the device's identity
         publisher, spool = start_telemetry(config, svc, outbox, link)
         follower = None
@@ -216,6 +218,7 @@ def build_app(config: EdgeConfig, catalog: Catalog | None = None, source: Config
             await outbox.close()
             if app.state.escalator.upstream is not None:  # the one a reload swapped in, if any
                 await app.state.escalator.upstream.close()
+            await asyncio.to_thread(app.state.embeddings.close)
             svc.close()
 
     from edge_agent.server.status_count import CountAnswers  # every /v1 answer counted once, by status

@@ -209,7 +209,8 @@ class Escalator:
         self.outbox.check_callback(req.cascade.callback_url if req.cascade else None)
         if app_key is not None and (earlier := await self.outbox.earlier(body, app_key)) is not None:
             return Queued(earlier.id, earlier.reason)  # the app's retry of a request queued under its key
-        job, too_long_locally, unservable, n_prompt = self._job(make_job)
+        job, too_long_locally, unservable, n_prompt = (await asyncio.to_thread(self._job, make_job)
+                                                       if req.costly_to_plan() else self._job(make_job))
         feats = prompt_features(prompt_text) if self.router is not None else None
         signals = self.signals(req, job, prompt_text, n_prompt, feats, unservable)
         if session and goes_behind_backlog(True, signals.offline):  # the rule could apply: ask the queue
@@ -310,7 +311,8 @@ class Escalator:
         if decision.check_confidence:
             after = (after_router(router, feats, conf, self.upstream.available) if router
                      else after_local(conf, self.policy.confidence, self.upstream.available))
-        if check_answer and (after is None or after.tier != "cloud") and (why := problem(job.contract, _text(held))):
+        if check_answer and (after is None or after.tier != "cloud") and (
+                why := await asyncio.to_thread(problem, job.contract, _text(held))):
             after, info["schema_problem"] = after_check(why, self.upstream.available), why[:300]
         if after is not None and after.tier == "cloud":
             # the cloud verifies the device's low-confidence draft; an answer that broke its contract is none

@@ -10,10 +10,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import cascade
+from cascade.embeddings import EmbeddingRequest
 from cascade.openai_format import formatter_for
 from cascade.protocol import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList
 from cascade.structured.contract import contract_of
 from cascade.web import openai_response, openapi, parse_body, read_json, require_api_key
+from edge_agent.server import embeddings as embeddings_route
 from edge_agent.server.escalation import Escalator, Queued
 from edge_agent.server.service import EdgeService
 from edge_agent.server.status_count import settle
@@ -59,24 +61,33 @@ async def metrics(request: Request):
                              media_type=CONTENT_TYPE_LATEST)
 
 
-def _model_card(request: Request) -> ModelCard:
+async def _model_card(request: Request) -> ModelCard:
     svc = service(request)
     d = svc.description
+    embedding = await request.app.state.embeddings.identity(d)  # hashed once per file (a sidecar keeps it)
     return ModelCard(id=svc.model_id, created=request.app.state.started,
                      meta={"format": d.format, "quantization": d.quantization, "n_ctx": d.n_ctx,
                            "architecture": d.architecture, "chat_template": d.chat_template,
-                           **({"tokenizer": d.tokenizer} if d.tokenizer else {})})
+                           **({"tokenizer": d.tokenizer} if d.tokenizer else {}),
+                           **({"embedding": embedding} if embedding else {})})
 
 
 @v1.get("/models", responses=openapi.errors(401, 500))
 async def list_models(request: Request) -> ModelList:
-    return ModelList(data=[_model_card(request)])
+    return ModelList(data=[await _model_card(request)])
 
 
 @v1.get("/models/{model:path}", responses=openapi.errors(401, 404, 500))
 async def get_model(request: Request, model: str) -> ModelCard:
     service(request).check_model(model)
-    return _model_card(request)
+    return await _model_card(request)
+
+
+@v1.post("/embeddings", openapi_extra=openapi.body(EmbeddingRequest),
+         responses=openapi.errors(400, 401, 404, 409, 413, 500, 503))
+async def embeddings(request: Request):
+    """OpenAI's embeddings, on this device's model or (asked, same model) in the cloud."""
+    return await embeddings_route.serve(request)
 
 
 @v1.post("/chat/completions", openapi_extra=openapi.body(ChatCompletionRequest),

@@ -13,7 +13,8 @@ from fastapi import Request
 
 # the ``endpoint`` label: what the routes have always used for the generation endpoints, a
 # fixed name for the others, and one name for any other /v1 path (its 404), so the series stay few
-_EXACT = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/models": "models"}
+_EXACT = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/models": "models",
+          "/v1/embeddings": "embeddings"}
 _PREFIXES = (("/v1/models/", "models"), ("/v1/requests/", "requests"))
 _SCOPE_KEY = "cascade.answer"
 

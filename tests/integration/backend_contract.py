@@ -112,3 +112,26 @@ class BackendContract:
     def test_prompt_longer_than_the_context_is_refused(self, backend):
         with pytest.raises(ValueError):
             list(backend.generate([1] * (backend.description.n_ctx + 1), GREEDY))
+
+    def test_a_grammar_holds_the_answer_to_its_schema(self, backend):
+        import json
+
+        import jsonschema
+
+        from cascade.protocol import ChatCompletionRequest
+        from cascade.structured.contract import contract_of
+        from cascade.structured.grammar import grammar_of
+
+        schema = {"type": "object", "properties": {"size": {"enum": ["S", "M", "L"]},
+                                                   "count": {"type": "integer", "minimum": 1, "maximum": 9}},
+                  "required": ["size", "count"]}
+        fmt = {"type": "json_schema", "json_schema": {"name": "o", "schema": schema}}
+        req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "An order."}], response_format=fmt)
+        grammar = grammar_of(contract_of(req), backend.special_tool_tags)
+        prompt = backend.chat_prompt_tokens(backend.apply_chat_template([{"role": "user", "content": "An order."}]))
+        for options in (GenerationOptions(max_tokens=40, temperature=0.0, grammar=grammar),
+                        GenerationOptions(max_tokens=40, temperature=1.0, seed=3, grammar=grammar)):
+            tokens, finish = run(backend, prompt, options)
+            assert finish.finish_reason == "stop"
+            jsonschema.validate(json.loads(text_of(tokens, finish)), schema)
+            assert all(math.isfinite(t.logprob) and math.isfinite(t.entropy) for t in tokens)

@@ -152,3 +152,24 @@ def test_a_guided_request_answers_within_its_grammar_and_an_uncompilable_one_is_
     assert total(worker.url, "cascade_worker_grammar_compiles") >= 1
     bad = _generate(worker, prompt, {"max_tokens": 4, "guided": "start: missing_rule"})
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_schema", bad.text
+
+
+def test_response_format_json_schema_through_the_workers_own_chat_completions(client):
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "country": {"enum": ["France", "Spain", "Italy"]},
+                                               "landmarks": {"type": "array", "items": {"type": "string",
+                                                                                        "maxLength": 20},
+                                                             "minItems": 1, "maxItems": 2}},
+              "required": ["city", "country", "landmarks"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "capital", "schema": schema, "strict": True}}
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=80, temperature=0,
+                                       response_format=fmt)
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=80, temperature=0,
+                                            response_format=fmt, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == r.choices[0].message.content

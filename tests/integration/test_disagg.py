@@ -201,3 +201,23 @@ def test_a_float_decode_worker_refuses_int8_kv_before_its_payload(int8_engine, d
     ack = _send(int8_engine, req, handoff, PARAMS[0], never, decode_engine.model_identity, "tcp")
     assert not ack.ok and ack.code == "model_mismatch" and "int8" in ack.message
     assert int8_engine.kv.num_free_blocks == int8_engine.kv.num_blocks
+
+
+def test_a_guided_request_handed_over_continues_its_grammar_like_one_engine(smollm2_engine, decode_engine):
+    """The grammar travels in the record; the prefill engine samples the first token under its mask, the
+    decode engine's matcher takes that token before its first step, and the answer is the co-located one."""
+    import json
+
+    from llguidance import LLMatcher
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "rank": {"enum": [1, 2, 3]}},
+              "required": ["city", "rank"], "additionalProperties": False}
+    grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=40, guided=grammar)
+    ref = smollm2_engine.generate([PROMPTS[0]], params)[0]
+    final = _run_to_end(decode_engine, _handoff(smollm2_engine, decode_engine, PROMPTS[0], params, "tcp"))
+    assert final.token_ids == ref.token_ids and final.finish_reason == ref.finish_reason == "stop"
+    answer = json.loads(final.text)
+    assert set(answer) == {"city", "rank"} and answer["rank"] in (1, 2, 3)
+    assert decode_engine.kv.num_free_blocks == decode_engine.kv.num_blocks

@@ -282,3 +282,32 @@ def test_a_forged_kv_header_is_refused_before_anything_is_allocated(ready, smoll
     wait_idle(*cloud.workers)
 
 
+
+
+def test_a_json_schema_answer_is_prefilled_and_decoded_within_its_grammar(ready):
+    """response_format through the gateway: the prefill worker samples the first token under the mask and
+    the decode worker goes on within the grammar; a grammar the decode worker cannot compile is its 400
+    before any prefill worker is asked."""
+    import json
+
+    cloud = ready
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                               "country": {"enum": ["France", "Spain"]}},
+              "required": ["city", "country"], "additionalProperties": False}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Which city is the capital of France?"}],
+            "max_tokens": 40, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}}}
+    before = counters(cloud)
+    r = loopback.post(f"{cloud.gateways['tcp'].url}/v1/chat/completions", headers=tenant_key(cloud, "guided-pd"),
+                      json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    answer = json.loads(r.json()["choices"][0]["message"]["content"])
+    assert set(answer) == {"city", "country"} and answer["country"] in ("France", "Spain")
+    assert changes(before, counters(cloud))["adopted"] == 1
+    record = {"request_id": "", "prompt_token_ids": prompt(20, 3), "sampling": {"max_tokens": 4,
+                                                                                 "guided": "start: missing_rule"}}
+    bad = loopback.post(f"{cloud.decode.url}/internal/generate", timeout=60,
+                        json={"record": record, "prefill_url": cloud.prefill.url})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_schema", bad.text
+    assert changes(before, counters(cloud))["transfers_ok"] == 1  # the refused one never reached the prefill
+    wait_idle(*cloud.workers)

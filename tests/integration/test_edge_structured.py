@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from enum import Enum
+from enum import StrEnum
 
 import httpx
 import jsonschema
@@ -28,7 +28,7 @@ TOOLS = [
 ASK = [{"role": "user", "content": "Open door 3 and look up order AB1234."}]
 
 
-class Size(str, Enum):
+class Size(StrEnum):
     small = "small"
     large = "large"
 
@@ -49,8 +49,8 @@ class Order(BaseModel):
 
 
 def test_parse_with_a_pydantic_model_gives_a_valid_instance(client):
-    r = client.beta.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "A pizza order, please."}],
-                                           response_format=Order, temperature=0, max_tokens=200)
+    r = client.beta.chat.completions.parse(model=MODEL, response_format=Order, temperature=0, max_tokens=200,
+                                           messages=[{"role": "user", "content": "A pizza order, please."}])
     assert r.choices[0].finish_reason == "stop"
     order = r.choices[0].message.parsed
     assert isinstance(order, Order) and isinstance(order.address, Address)
@@ -117,7 +117,8 @@ def test_a_streamed_call_is_assembled_by_the_client_as_the_whole_answer(client):
 
 def test_a_tool_result_sent_back_is_answered(client):
     history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "lookup_order", "arguments": '{"order_id": "AB1234"}'}}]},
+        {"id": "call_1", "type": "function",
+         "function": {"name": "lookup_order", "arguments": '{"order_id": "AB1234"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"status": "shipped"}'}]
     r = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, temperature=0, max_tokens=40)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
@@ -142,7 +143,8 @@ SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type":
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "object"}}},
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}}, "response_format.json_schema.schema"),
+        "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}},
+     "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "enum": [f"v{i}" for i in range(10_000)]}}}}, "response_format.json_schema.schema"),
     ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name"),

@@ -34,6 +34,7 @@ CONFORMANCE = [status_code_conformance, content_type_conformance, response_schem
 # 5xx that are a designed answer, not a failure: the edge agent has no cloud to escalate to here
 # (`cascade.offline: "fail"` is a 503), and the internal API was given a bogus prefill_url
 DESIGNED_5XX = {("edge", "POST /v1/chat/completions"): {503}, ("edge", "POST /v1/completions"): {503},
+                ("edge", "POST /v1/embeddings"): {503},  # `cascade.mode` "cloud" with no cloud configured
                 ("worker", "POST /internal/generate"): {502, 503}}
 # what each server's generation endpoints can answer besides 200 (the worker has no queue to be full)
 ERRORS = {"edge": {"400", "401", "404", "413", "429", "503"},

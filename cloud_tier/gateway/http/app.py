@@ -81,8 +81,10 @@ async def _service(config: CloudConfig, pool: WorkerPool, stores, client: httpx.
         builder = RequestBuilder(tokenizer, pool.max_model_len or model.max_model_len,
                                  tokenizer_identity=model.tokenizer_identity, model_vocab_size=model.vocab_size)
         model_id, aliases, max_model_len = model.model, set(model.aliases), builder.max_model_len
-    return GatewayService(g, pool, stores, builder, model_id, aliases, client, config.server.api_key,
-                          max_model_len)
+    svc = GatewayService(g, pool, stores, builder, model_id, aliases, client, config.server.api_key,
+                         max_model_len)
+    svc.embedding_identity = "" if pool.foreign else model.embedding_identity
+    return svc
 
 
 def _runner_config(g: GatewayConfig) -> RunnerConfig:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 from fastapi import APIRouter, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
 import cascade
 from cascade import errors
+from cascade.embeddings import EmbeddingRequest
 from cascade.openai_format import formatter_for
 from cascade.protocol import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList
 from cascade.structured.contract import contract_of
@@ -18,6 +19,7 @@ from cascade.web import RequestRoute, openapi, parse_body, read_json
 from cascade.web.caller import CallerGone, while_connected
 from cascade.web.requests import bearer_matches
 from cloud_tier.gateway.http.render import respond
+from cloud_tier.gateway.pipeline import embeddings as embeddings_pipeline
 from cloud_tier.gateway.pipeline.service import GatewayService
 from cloud_tier.gateway.tenants.keys import ApiKey
 from cloud_tier.gateway.tenants.priority import HEADER as PRIORITY_HEADER
@@ -69,6 +71,8 @@ def _card(request: Request) -> ModelCard:
     identity = svc.own.builder.tokenizer_identity if svc.own.builder is not None else ""
     if identity:  # a device whose model has the same tokenizer may send its draft tokens (cascade.draft)
         meta["tokenizer"] = identity
+    if svc.embedding_identity:  # a device embeds here only when its model's embeddings are these
+        meta["embedding"] = svc.embedding_identity
     return ModelCard(id=svc.model_id, created=request.app.state.started, meta=meta)
 
 
@@ -119,6 +123,21 @@ async def chat_completions(request: Request):
                  responses={**openapi.generation(Completion, "text_completion"), **_GENERATION_ERRORS})
 async def completions(request: Request):
     return await _serve(request, "completions", CompletionRequest)
+
+
+@v1.post("/embeddings", openapi_extra=openapi.body(EmbeddingRequest),
+         responses=openapi.errors(400, 401, 403, 404, 413, 429, 500, 502, 503))
+async def embeddings(request: Request) -> JSONResponse:
+    """OpenAI's embeddings on one of the workers (ours, or a foreign one's passed through)."""
+    svc = service(request)
+    key = _key(request)
+    try:
+        body = await read_json(request, svc.config.max_body_bytes)
+    except errors.APIError:
+        svc.count(key.tenant, "embeddings", "4xx")
+        raise
+    status, answer = await embeddings_pipeline.serve(svc, key, body)
+    return JSONResponse(answer, status_code=status)
 
 
 # -- admin (scope "admin"; a key manages its own tenant) --------------------------------------

@@ -35,7 +35,7 @@ class ForeignWorkers:
     max_model_len: int | None  # the shortest the workers state (None: none does)
 
     def prepare(self, flight: Flight, endpoint: str, body: dict, req, priority: int,
-                request_id: str | None) -> ForeignJob:
+                request_id: str | None, plan=None) -> ForeignJob:
         if "cascade" in body:  # our own extension (a device's draft, its tier options): no foreign worker's
             body = {k: v for k, v in body.items() if k != "cascade"}
         flight.openai = "chunks" if body.get("stream") else "body"

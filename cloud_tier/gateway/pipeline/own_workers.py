@@ -32,15 +32,17 @@ class OwnWorkers:
         self.cache_keys = cache_keys
 
     def prepare(self, flight: Flight, endpoint: str, body: dict, req, priority: int,
-                request_id: str | None) -> OwnJob:
+                request_id: str | None, plan: RequestPlan | None = None) -> OwnJob:
+        """``plan``: the request's plan when the caller made it already (off the event loop)."""
         # a body this tenant sent before has the same plan, so the same cache key: a hit is
         # looked up without rendering and tokenizing the prompt again (the digest of the body's
         # repr: the same for the same JSON object, at a third of request_hash's cost)
         seen = (flight.tenant, endpoint, hashlib.sha256(repr(body).encode()).digest())
         flight.cache_key = self.cache_keys.get(seen)
         job = OwnJob(self, flight, endpoint, req, priority)
+        job.plan = plan
         if flight.cache_key is None:
-            job.plan = self.plan(endpoint, req, priority)
+            job.plan = plan or self.plan(endpoint, req, priority)
             # a sampled answer verified against a draft is drawn another way than the same seed's without
             # one (greedy ones are equal): it is not the seed's answer to keep or to take
             sampled_draft = job.plan.draft is not None and job.plan.params.temperature != 0

@@ -91,6 +91,7 @@ class GatewayService:
         self.own = OwnWorkers(builder, model_id, pool, workers, cache_keys)
         self.foreign = _foreign_workers(config, pool, client, self.admission, worker_api_key, max_model_len)
         self.routing = self.foreign.routing  # the foreign workers' load, as /metrics and the batch runner read it
+        self.embedding_identity = ""  # our workers' ServedModel.embedding_identity (the app sets it): card meta
 
     # -- auth ----------------------------------------------------------------------------
 
@@ -132,7 +133,10 @@ class GatewayService:
         steps: WorkerSteps = self.foreign if self.pool.foreign else self.own
         try:
             priority = request_priority(key, (req.model_extra or {}).get("priority"))
-            job = steps.prepare(flight, endpoint, body, req, priority, request_id)
+            # a schema, tools or a long prompt: rendered, tokenized and compiled off the event loop
+            plan = (await asyncio.to_thread(self.own.plan, endpoint, req, priority)
+                    if steps is self.own and req.costly_to_plan() else None)
+            job = steps.prepare(flight, endpoint, body, req, priority, request_id, plan)
             hit = self.cache.get(flight.cache_key) if flight.cache_key else None
             self.metrics.cache_lookup(hit is not None)
             if hit is not None:

@@ -45,5 +45,5 @@ class Job(Protocol):
 
 class WorkerSteps(Protocol):
     def prepare(self, flight: Flight, endpoint: str, body: dict, req, priority: int,
-                request_id: str | None) -> Job:
+                request_id: str | None, plan=None) -> Job:
         """The request read for this kind of worker; sets ``flight.cache_key`` (None: not cacheable)."""

@@ -16,6 +16,7 @@ from cascade.structured.contract import contract_of
 from cascade.structured.grammar import grammar_of
 from cascade.structured.matcher import GrammarRefused
 from cloud_tier.engine import LLMEngine, SamplingParams
+from cloud_tier.engine.draft import Draft
 from cloud_tier.engine.request import Request
 from cloud_tier.engine.sampler import Sampler
 from cloud_tier.sampling import MAX_GUIDED_BYTES
@@ -171,11 +172,36 @@ def test_a_sampler_masks_only_guided_rows_and_reports_the_raw_logprobs():
     assert out.logprobs[0].top[0][0] == ord("x")  # the model's own distribution, before the mask
 
 
+def test_a_matcher_that_fails_ends_its_row_alone():
+    refusing, broken, raising = (_FixedGuide(allowed={ord("{")}) for _ in range(3))
+    refusing.accept = lambda token: False  # the grammar took the token back: should not happen
+    broken.bitmask_into = lambda row: 1 / 0
+    raising.accept = lambda token: 1 / 0
+    reqs = [Request(r, [1], SamplingParams(temperature=0.0)) for r in "abcd"]
+    reqs[0].guide, reqs[1].guide, reqs[2].guide = refusing, broken, raising
+    out = Sampler()(torch.zeros(4, VOCAB), reqs)
+    assert sorted(out.errors) == [0, 1, 2] and "refused the sampled token" in out.errors[0]
+    assert "ZeroDivisionError" in out.errors[1] and "ZeroDivisionError" in out.errors[2]
+
+
+def test_a_guided_request_takes_no_draft_and_no_ngram_proposal(tiny):
+    engine = LLMEngine.from_model(tiny, num_kv_blocks=32, speculative="ngram", **SMALL)
+    params = SamplingParams(temperature=0.0, max_tokens=40, guided=grammar(TINY_SCHEMA))
+    req = engine.make_request([1, 2, 3], params, draft=Draft.of(list(b'{"id": 1')))
+    assert req.spec.skipped == "guided" and not req.spec.token_ids
+    engine.add(req)
+    while engine.has_unfinished_requests():
+        engine.step()
+    st = engine.stats()
+    assert st["spec_drafts_refused"] == 1 and st["spec_ngram_tokens_proposed"] == 0
+    assert_meets(engine.tokenizer.decode(req.output_token_ids), TINY_SCHEMA)
+
+
 class _FixedGuide:
     """A matcher that allows a fixed set of tokens (the sampler's view of one)."""
 
     def __init__(self, allowed: set[int]):
-        self.allowed_ids, self.accepted, self.failed, self.done = allowed, [], False, False
+        self.allowed_ids, self.accepted, self.failed, self.done, self.error = allowed, [], False, False, "refused"
 
     def bitmask_into(self, row) -> None:
         for t in self.allowed_ids:

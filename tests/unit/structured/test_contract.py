@@ -58,8 +58,9 @@ def test_tool_choice_none_keeps_the_tools_out_of_the_answer():
 
 RECURSIVE = {"$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}},
                                 "required": ["next"]}}, "$ref": "#/$defs/node"}
-TREE = {"$defs": {"node": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
-                           "required": ["kids"]}}, "$ref": "#/$defs/node"}  # ends: an empty list of kids
+TREE = {"$defs": {"node": {"type": "object", "required": ["kids"],
+                           "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}},
+        "$ref": "#/$defs/node"}  # ends: an empty list of kids
 
 
 @pytest.mark.parametrize("extra, param", [
@@ -76,6 +77,10 @@ TREE = {"$defs": {"node": {"type": "object", "properties": {"kids": {"type": "ar
     ({"response_format": schema_format({"type": "array", "uniqueItems": True})}, "response_format.json_schema.schema"),
     ({"response_format": schema_format({"type": "object", "description": "x" * 70_000})},
      "response_format.json_schema.schema"),
+    ({"response_format": schema_format({"$ref": "#/$defs/nope", "$defs": {}})}, "response_format.json_schema.schema"),
+    ({"response_format": schema_format({"$ref": "https://example.com/s.json"})}, "response_format.json_schema.schema"),
+    ({"tools": [{"type": "function", "function": {"name": "say", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters"),
     ({"tools": [TOOL, TOOL]}, "tools[1].function.name"),
     ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
     ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
@@ -108,6 +113,32 @@ def test_tools_are_served_on_chat_only():
 
 def test_a_recursive_schema_that_can_end_is_served():
     check(grammar_of(contract_of(chat(response_format=schema_format(TREE)))), "x")
+
+
+def test_combined_schemas_are_served_as_they_are():
+    both = {"type": "object", "properties": {"a": {"type": "integer"}},
+            "allOf": [{"properties": {"b": {"type": "integer"}}, "required": ["b"]}]}
+    based = {"$defs": {"base": {"type": "object", "properties": {"id": {"type": "string"}}}},
+             "$ref": "#/$defs/base", "properties": {"name": {"type": "string"}}}
+    for schema in (both, based):
+        check(grammar_of(contract_of(chat(response_format=schema_format(schema)))), "x")
+
+
+def test_a_pattern_that_backtracks_is_checked_in_bounded_time():
+    from cascade.structured.validate import problem
+
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^(a|a|a|a)*b$"}}}
+    contract = contract_of(chat(response_format=schema_format(schema)))
+    started = time.perf_counter()
+    problem(contract, '{"s": "' + "a" * 40 + 'c"}')
+    assert time.perf_counter() - started < 1.0
+    assert problem(contract, '{"s": "aab"}') == ""
+    assert "does not match" in problem(contract, '{"s": "x"}')
+
+
+def test_a_tool_answer_needs_the_call_it_answers():
+    with pytest.raises(ValueError, match="tool_call_id"):
+        ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}])
 
 
 def test_an_enum_at_the_bound_is_served():

@@ -31,7 +31,7 @@ def parse(pieces) -> tuple[str, list]:
 @given(cuts=st.lists(st.integers(0, len(ANSWER)), max_size=12))
 def test_any_split_of_the_text_gives_the_same_calls(cuts):
     bounds = [0, *sorted(cuts), len(ANSWER)]
-    pieces = [ANSWER[a:b] for a, b in zip(bounds, bounds[1:])]
+    pieces = [ANSWER[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
     assert parse(pieces) == parse([ANSWER]) == ("Sure.", [("open_door", {"door": 3}), ("lookup", {"id": "AB12"})])
 
 
@@ -111,3 +111,27 @@ TOOLS = [{"type": "function", "function": {"name": "open_door", "parameters": {
 def test_an_answer_is_checked_against_its_contract(extra, text, ok):
     contract = contract_of(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], **extra))
     assert (problem(contract, text) == "") is ok
+
+
+def test_a_repeated_call_is_one_and_a_cut_off_repeat_is_dropped():
+    call = '<tool_call>\n{"name": "open_door", "arguments": {"door": 3}}\n</tool_call>\n'
+    content, calls = parse([call * 3 + '<tool_call>\n{"name": "open_do'])
+    assert content == "" and calls == [("open_door", {"door": 3})]
+
+
+def test_a_close_tag_inside_an_argument_string_does_not_end_the_call():
+    text = '<tool_call>\n{"name": "render", "arguments": {"html": "</tool_call> and <tool_call>"}}\n</tool_call>'
+    for size in (1, 3, 7, len(text)):
+        assert parse([text[i:i + size] for i in range(0, len(text), size)]) == (
+            "", [("render", {"html": "</tool_call> and <tool_call>"})])
+
+
+def test_a_cloud_stream_past_its_bounds_is_refused():
+    s = StreamedCalls()
+    with pytest.raises(ValueError):
+        for _ in range(200):
+            s.add([{"index": 0, "function": {"arguments": "x" * 10_000}}])
+    s = StreamedCalls()
+    s.add([{"index": 0, "function": {"name": "no such tool\n<script>", "arguments": "{}"}}])
+    with pytest.raises(ValueError):
+        s.take()
