@@ -44,6 +44,8 @@ from edge_agent.server.service import EdgeService, LocalJob, LocalRun
 from edge_agent.upstream import Upstream, UpstreamRefused, UpstreamUnavailable
 
 log = logging.getLogger(__name__)
+# the job's refusals of a contract the device cannot enforce (a cloud may: the request goes up)
+UNSERVABLE = ("schema_unsupported", "unsupported_schema_keyword", "invalid_schema")
 
 
 def policy_config(c: CascadeConfig) -> PolicyConfig:
@@ -262,9 +264,9 @@ class Escalator:
             job = make_job()
             return job, None, False, len(job.prompt_tokens)
         except errors.APIError as e:
-            if e.code not in ("context_length_exceeded", "schema_unsupported") or self.upstream is None:
+            if e.code not in ("context_length_exceeded", *UNSERVABLE) or self.upstream is None:
                 raise
-            unservable = e.code == "schema_unsupported"
+            unservable = e.code in UNSERVABLE
             return None, e, unservable, 0 if unservable else self.service.description.n_ctx
 
     async def _cloud(self, endpoint: str, body: dict, reason: str, draft: dict | None = None,

@@ -127,8 +127,9 @@ class EdgeService:
 
     def _grammar(self, contract: OutputContract) -> str | None:
         """The grammar the device holds ``contract``'s answer to (None: free text, or the agent's
-        ``constrain`` is off); a 400 coded ``schema_unsupported`` when the device cannot enforce it
-        (the cascade escalates such a request when it has a cloud)."""
+        ``constrain`` is off); a 400 when the device cannot enforce it: coded as the gateway codes it
+        (``unsupported_schema_keyword``, ``invalid_schema``), or ``schema_unsupported`` when it cannot be
+        compiled here within the bounds. The cascade escalates these when it has a cloud."""
         if not contract.structured or not self.config.cascade.constrain:
             return None
         backend = self.backends[0]
@@ -137,8 +138,6 @@ class EdgeService:
             grammar = grammar_of(contract, backend.special_tool_tags)
             check(grammar, param)
             backend.grammars().matcher(grammar)  # compiled once here, cached for the generation
-        except errors.APIError as e:
-            raise errors.bad_request(e.message, param, "schema_unsupported") from e
         except (GrammarRefused, NotImplementedError) as e:
             raise errors.bad_request(f"The device cannot enforce '{param}': {e}", param, "schema_unsupported") from e
         return grammar
