@@ -15,7 +15,8 @@ from cascade import errors
 from cascade.chat_template import ChatTemplate, ChatTemplateError, chat_messages
 from cascade.protocol import INT32, PRIORITY_CLASSES, ChatCompletionRequest, CompletionRequest
 from cascade.structured.contract import TEXT, OutputContract, contract_of
-from cascade.structured.grammar import CALL_CLOSE, CALL_OPEN, check, contract_param, grammar_of
+from cascade.structured.grammar import check, contract_param, grammar_of
+from cascade.structured.tools import CLOSE, OPEN
 from cloud_tier.draft import Draft, DraftError, draft_of
 from cloud_tier.sampling import SamplingParams
 
@@ -61,7 +62,7 @@ class RequestBuilder:
         self._vocab = len(tokenizer)
         self.draft_vocab = max(self._vocab, model_vocab_size)
         added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
-        self.special_tool_tags = CALL_OPEN in added and CALL_CLOSE in added  # Qwen's: named as tokens in a grammar
+        self.special_tool_tags = OPEN in added and CLOSE in added  # Qwen's: named as tokens in a grammar
 
     def chat(self, req: ChatCompletionRequest) -> RequestPlan:
         contract = contract_of(req, "chat")

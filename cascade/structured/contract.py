@@ -26,6 +26,7 @@ MAX_TOOLS = 128
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
 FORMATS = ("text", "json_object", "json_schema")
 CHOICES = ("none", "auto", "required")
+LITERAL_KEYS = ("enum", "const", "default", "examples")  # their values are data, not schemas: never walked
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,7 @@ def _check_refs(root: dict, node: Any, param: str, depth: int = 0) -> None:
         raise errors.bad_request(f"'{param}' has a $ref {str(ref)[:80]!r} that points nowhere in the schema (only "
                                  "local references, \"#\" or \"#/$defs/...\", are served).", param, "invalid_schema")
     for key, v in node.items():
-        if key not in ("enum", "const", "default", "examples"):
+        if key not in LITERAL_KEYS:
             _check_refs(root, v, param, depth + 1)
 
 

@@ -20,10 +20,11 @@ from __future__ import annotations
 import json
 
 from cascade import errors
-from cascade.structured.contract import OutputContract
+from cascade.structured.contract import LITERAL_KEYS, OutputContract
+from cascade.structured.tools import CLOSE as CALL_CLOSE
+from cascade.structured.tools import OPEN as CALL_OPEN
 
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 
 def grammar_of(contract: OutputContract, special_tags: bool = False) -> str | None:
@@ -80,7 +81,7 @@ def _closed(node, depth: int = 0):
         return [_closed(v, depth + 1) for v in node]
     if not isinstance(node, dict):
         return node
-    out = {k: (v if k in ("enum", "const", "default", "examples") else _closed(v, depth + 1)) for k, v in node.items()}
+    out = {k: (v if k in LITERAL_KEYS else _closed(v, depth + 1)) for k, v in node.items()}
     if isinstance(node.get("properties"), dict) and not any(k in node for k in OPEN_KEYS):
         out["additionalProperties"] = False
     return out
@@ -95,7 +96,7 @@ def _combines(node, depth: int = 0) -> bool:
         return False
     if "allOf" in node or "unevaluatedProperties" in node or ("$ref" in node and "properties" in node):
         return True
-    return any(_combines(v, depth + 1) for k, v in node.items() if k not in ("enum", "const", "default", "examples"))
+    return any(_combines(v, depth + 1) for k, v in node.items() if k not in LITERAL_KEYS)
 
 
 def check(grammar: str | None, param: str) -> None:

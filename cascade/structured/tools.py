@@ -10,16 +10,15 @@ malformed call is never lost, and the cascade can judge it (``validate.py``).
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 
 from cascade import wire
+from cascade.structured.contract import TOOL_NAME
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_CALL_BYTES = 1 << 20
 MAX_STREAMED_CALLS = 128
-TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # contract.TOOL_NAME: OpenAI's rule for a function's name
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,8 @@ first problem, "" when the answer keeps the contract."""
 
 from __future__ import annotations
 
+import functools
+
 from cascade import wire
 from cascade.structured.contract import OutputContract
 from cascade.structured.tools import ToolCallParser
@@ -70,9 +72,16 @@ def _checker(schema: dict):
     """The schema's validator class with ``pattern`` and ``patternProperties`` matched by the
     ``regex`` module under a time limit: Python's ``re`` backtracks exponentially on some patterns
     (an app's schema is outside data), and reads POSIX classes (``[[:alpha:]]``) as llguidance does not."""
-    from jsonschema.validators import extend, validator_for
+    from jsonschema.validators import validator_for
 
-    return extend(validator_for(schema), {"pattern": _pattern, "patternProperties": _pattern_properties})
+    return _bounded(validator_for(schema))
+
+
+@functools.cache
+def _bounded(base):
+    from jsonschema.validators import extend
+
+    return extend(base, {"pattern": _pattern, "patternProperties": _pattern_properties})
 
 
 def _search(pattern: str, text: str) -> bool | None:

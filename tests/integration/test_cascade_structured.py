@@ -14,6 +14,7 @@ import pytest
 from tests import loopback
 from tests.conftest import Agent, create_key
 from tests.faults import Proxy
+from tests.integration.test_cascade import agent_env as cascade_env
 from tests.integration.test_offline import wait_done
 
 MODEL = "smollm2-135m"
@@ -28,12 +29,10 @@ TOOLS = [{"type": "function", "function": {"name": "open_door", "description": "
                                                "required": ["door_id"]}}}]
 
 
-def agent_env(url: str, key: str, **cascade) -> dict:
-    env = {"CASCADE_EDGE_UPSTREAM_URL": url, "CASCADE_EDGE_UPSTREAM_API_KEY": key,
-           "CASCADE_EDGE_UPSTREAM_TIMEOUT_S": "60", "CASCADE_EDGE_SYNC_BASE_BACKOFF_S": "0.2",
-           "CASCADE_EDGE_SYNC_MAX_BACKOFF_S": "1", "CASCADE_EDGE_SYNC_POLL_S": "0.5"}
-    env.update({f"CASCADE_EDGE_CASCADE_{k.upper()}": str(v) for k, v in cascade.items()})
-    return env
+def agent_env(upstream, key: str, **cascade) -> dict:
+    """test_cascade's agent environment, with a delivery loop that retries quickly (the queue test)."""
+    return {**cascade_env(upstream, key, **cascade), "CASCADE_EDGE_SYNC_BASE_BACKOFF_S": "0.2",
+            "CASCADE_EDGE_SYNC_MAX_BACKOFF_S": "1", "CASCADE_EDGE_SYNC_POLL_S": "0.5"}
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +40,7 @@ def free_edge(engine_home, cloud_both):
     """An agent that generates freely (``constrain = false``): the cascade checks its answers."""
     key = create_key(engine_home, "--tenant", "structured", "--device", "kiosk-s1")
     a = Agent(engine_home, "--n-ctx", "512", "--threads", "1",
-              env=agent_env(cloud_both.url, key, device="kiosk-s1", constrain="false")).wait_healthy()
+              env=agent_env(cloud_both, key, device="kiosk-s1", constrain="false")).wait_healthy()
     yield a
     a.stop()
 
@@ -50,7 +49,7 @@ def free_edge(engine_home, cloud_both):
 def edge(engine_home, cloud_both):
     key = create_key(engine_home, "--tenant", "structured", "--device", "kiosk-s2")
     a = Agent(engine_home, "--n-ctx", "512", "--threads", "1",
-              env=agent_env(cloud_both.url, key, device="kiosk-s2")).wait_healthy()
+              env=agent_env(cloud_both, key, device="kiosk-s2")).wait_healthy()
     yield a
     a.stop()
 
@@ -109,7 +108,7 @@ def test_a_queued_request_with_tools_is_replayed_with_them(tmp_path, engine_home
     proxy = Proxy(cloud_both.port)  # down: the cloud cannot be reached
     key = create_key(engine_home, "--tenant", "structured-q", "--device", "kiosk-s3")
     agent = Agent(tmp_path, "--n-ctx", "512", "--threads", "1",
-                  env={**agent_env(proxy.url, key, device="kiosk-s3", offline="queue"),
+                  env={**agent_env(proxy, key, device="kiosk-s3", offline="queue"),
                        "CASCADE_EDGE_UPSTREAM_MAX_BACKOFF_S": "1"}).wait_healthy()
     try:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Open door 3."}], "max_tokens": 40,
