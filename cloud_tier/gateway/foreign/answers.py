@@ -51,10 +51,11 @@ def usage_of(obj: dict) -> tuple[object, object] | None:
     return u.get("prompt_tokens"), u.get("completion_tokens")
 
 
-def answer_chars(obj: dict) -> int:
+def text_and_finish(obj: dict) -> tuple[int, str | None]:
     """The characters of answer text in a chunk (a delta's or a choice's text) or a body (its
-    messages), for an estimate of the tokens when the worker gives no usage."""
-    n = 0
+    messages), for an estimate of the tokens when the worker gives no usage; and the last
+    finish_reason it names (None: none). One walk."""
+    n, reason = 0, None
     for c in obj.get("choices") or ():
         if not isinstance(c, dict):
             continue
@@ -63,7 +64,9 @@ def answer_chars(obj: dict) -> int:
                 n += sum(len(v) for k in ("content", "reasoning_content") if isinstance(v := part.get(k), str))
         if isinstance(c.get("text"), str):
             n += len(c["text"])
-    return n
+        if isinstance(r := c.get("finish_reason"), str):
+            reason = r
+    return n, reason
 
 
 def is_deterministic(body: dict) -> bool:

@@ -140,6 +140,7 @@ def build_app(config: CloudConfig, worker_urls: list[str], stopping: Callable[[]
             if watcher is not None:
                 watcher.cancel()
             await pool.close()
+            await app.state.service.aclose()
             await client.aclose()
             stores.close()
 

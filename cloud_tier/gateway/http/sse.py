@@ -8,6 +8,8 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import orjson
+
 from cascade import errors
 
 log = logging.getLogger(__name__)
@@ -55,24 +57,33 @@ async def pull_first(events, is_disconnected: Callable[[], Awaitable[bool]], pol
         raise
 
 
-async def relay_sse(chunks, include_usage: bool) -> AsyncIterator[str]:
-    """OpenAI chunks as SSE, unchanged but for the usage the gateway asked for on the client's
-    behalf (its chunk and ``usage: null`` fields are left out for a client that did not); a
-    failure after the first byte goes in-band, and the stream always ends with [DONE]."""
+async def relay_sse(chunks, include_usage: bool) -> AsyncIterator[bytes]:
+    """OpenAI chunks as SSE: a worker's chunk (chunk, its bytes) as the bytes it came in, unless
+    the usage the gateway asked for on the client's behalf is to be left out (its chunk, and a
+    ``usage`` field, for a client that did not ask) or the chunk was changed (a dict: written
+    again); a failure after the first byte goes in-band, and the stream always ends with [DONE]."""
     try:
-        async for chunk in chunks:
+        async for item in chunks:
+            if type(item) is tuple:
+                chunk, raw = item
+                if include_usage or "usage" not in chunk:
+                    yield b"data: " + raw + b"\n\n"
+                    continue
+            else:
+                chunk = item
             if not include_usage and "usage" in chunk:
                 if not chunk.get("choices"):
                     continue
                 chunk = {k: v for k, v in chunk.items() if k != "usage"}
-            yield f"data: {json.dumps(chunk, separators=(',', ':'), ensure_ascii=False)}\n\n"
+            yield b"data: " + dumps(chunk) + b"\n\n"
     except asyncio.CancelledError:
         raise
     except errors.APIError as e:
-        yield e.sse()
+        yield e.sse().encode()
     except Exception as e:
         log.exception("relaying a worker's stream failed")
-        yield errors.APIError(502, f"relaying the stream failed: {e}", "server_error", code="worker_failed").sse()
+        yield errors.APIError(502, f"relaying the stream failed: {e}", "server_error", code="worker_failed"
+                              ).sse().encode()
     finally:
         aclose = getattr(chunks, "aclose", None)
         if aclose is not None:
@@ -80,4 +91,13 @@ async def relay_sse(chunks, include_usage: bool) -> AsyncIterator[str]:
                 await aclose()
             except Exception:  # settling is exception-safe on its own; the stream still ends
                 log.exception("closing a worker's stream failed")
-    yield "data: [DONE]\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+def dumps(chunk: dict) -> bytes:
+    """A chunk as compact JSON (orjson; ``json`` for what orjson does not write: an integer past 64
+    bits, which a worker may send and the strict decoder keeps)."""
+    try:
+        return orjson.dumps(chunk)
+    except TypeError:
+        return json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode()

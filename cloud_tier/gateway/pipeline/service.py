@@ -18,6 +18,7 @@ import httpx
 
 from cascade import errors
 from cloud_tier.config import GatewayConfig, parse_class_slos
+from cloud_tier.gateway.foreign.http import WorkerHTTP
 from cloud_tier.gateway.foreign.proxy import OpenAIProxy, ProxyConfig
 from cloud_tier.gateway.foreign.routing import ForeignRouting
 from cloud_tier.gateway.pipeline.flight import Flight
@@ -92,6 +93,10 @@ class GatewayService:
         self.foreign = _foreign_workers(config, pool, client, self.admission, worker_api_key, max_model_len)
         self.routing = self.foreign.routing  # the foreign workers' load, as /metrics and the batch runner read it
         self.embedding_identity = ""  # our workers' ServedModel.embedding_identity (the app sets it): card meta
+
+    async def aclose(self) -> None:
+        """Close what the service opened itself (the foreign workers' HTTP client)."""
+        await self.foreign.proxy.http.close()
 
     # -- auth ----------------------------------------------------------------------------
 
@@ -223,7 +228,7 @@ def _foreign_workers(config: GatewayConfig, pool: WorkerPool, client: httpx.Asyn
         max_waiting=config.worker_max_waiting, kv_high_watermark=config.kv_high_watermark,
         stale_after_s=config.stale_after_s, shed_step=config.shed_step, prefix_weight=config.route_prefix_weight,
         queue_weight=config.route_queue_weight, kv_weight=config.route_kv_weight)
-    proxy = OpenAIProxy(pool, client, ProxyConfig(
+    proxy = OpenAIProxy(pool, WorkerHTTP(config.connect_timeout_s, config.request_timeout_s), ProxyConfig(
         retries=config.retries, retry_backoff_s=config.retry_backoff_s,
         first_token_timeout_s=config.first_token_timeout_s, answer_timeout_s=config.request_timeout_s,
         max_event_bytes=config.worker_max_event_bytes, max_body_bytes=config.worker_max_body_bytes,
