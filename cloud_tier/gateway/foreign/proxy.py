@@ -38,11 +38,11 @@ import aiohttp
 import orjson
 
 from cascade import errors
-from cloud_tier.gateway.foreign.http import Unreachable, WorkerBroke, WorkerHTTP, end_of_body, read_some
 from cloud_tier.gateway.foreign.shape import body_problem, chunk_problem, worker_is_unwell
 from cloud_tier.gateway.tenants.priority import with_vllm_priority
 from cloud_tier.gateway.workers import stream as worker_stream
 from cloud_tier.gateway.workers.admission import Ticket
+from cloud_tier.gateway.workers.http_client import Unreachable, WorkerBroke, WorkerHTTP, end_of_body, read_some
 from cloud_tier.gateway.workers.pool import Worker, WorkerPool
 
 log = logging.getLogger(__name__)

@@ -109,7 +109,7 @@ def test_a_prefill_refusal_counts_on_the_prefill_workers_breaker_only_when_it_is
     import httpx
     from aiohttp import web
 
-    from cloud_tier.gateway.foreign.http import WorkerHTTP
+    from cloud_tier.gateway.workers.http_client import WorkerHTTP
     from cloud_tier.gateway.foreign.proxy import Attempt, OpenAIProxy, ProxyConfig
     from cloud_tier.gateway.workers.pool import WorkerPool
 

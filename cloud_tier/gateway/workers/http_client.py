@@ -1,6 +1,8 @@
-"""The gateway's HTTP client to OpenAI-compatible workers (vLLM, SGLang, any): aiohttp, whose C
-HTTP parser reads a stream's chunked body at a fraction of what httpx + httpcore + h11 (pure
-Python) spent per token (py-spy under `vllm bench serve`: ~16% of the gateway's CPU).
+"""The gateway's HTTP client for its hot and frequent calls to workers: relaying an OpenAI-
+compatible worker's answer (vLLM, SGLang, any) and polling every worker's health and load.
+aiohttp, whose C HTTP parser reads a stream's chunked body at a fraction of what httpx + httpcore
++ h11 (pure Python) spent per token (py-spy under `vllm bench serve`: ~16% of the gateway's CPU,
+and most of each poll's).
 
 ``WorkerHTTP.send`` gives the worker's response once its headers are in; its failures are ours:
 ``Unreachable`` (no connection: the worker is down), ``WorkerBroke`` (the connection failed after
@@ -87,3 +89,24 @@ async def end_of_body(resp: aiohttp.ClientResponse, wait_s: float = 0.05, most: 
                 seen += len(data)
     except (TimeoutError, aiohttp.ClientError):
         pass
+
+
+async def get_bounded(http: WorkerHTTP, url: str, headers: dict, timeout_s: float, limit: int,
+                      too_large: type[Exception]) -> tuple[int, bytes]:
+    """(status, body) of ``GET url``, the whole answer within ``timeout_s`` (TimeoutError past it: a
+    worker that drips its body never holds a poll), the body refused (``too_large("too_large", why)``)
+    as soon as it passes ``limit`` bytes, never read whole."""
+    async with asyncio.timeout(timeout_s):
+        resp = await http.send("GET", url, None, headers)
+        try:
+            declared = resp.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > limit:
+                raise too_large("too_large", f"{url}: a body of {declared} bytes (over {limit})")
+            body = bytearray()
+            while data := await read_some(resp):
+                body += data
+                if len(body) > limit:
+                    raise too_large("too_large", f"{url}: a body over {limit} bytes")
+            return resp.status, bytes(body)
+        finally:
+            resp.release()
