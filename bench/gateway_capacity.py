@@ -33,8 +33,21 @@ MODEL = "smollm2-135m"
 
 
 def cpu_seconds(pid: int) -> float:
+    return sum(cpu_split(pid))
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of ``pid`` so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / os.sysconf("SC_CLK_TCK"), int(fields[12]) / os.sysconf("SC_CLK_TCK")
+
+
+def switches(pid: int) -> int:
+    """Voluntary context switches of ``pid`` so far: each one an event-loop sleep and wake."""
+    for line in Path(f"/proc/{pid}/status").read_text().split("\n"):
+        if line.startswith("voluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    return 0
 
 
 async def load(url: str, key: str, body: dict, n: int, concurrency: int) -> tuple[int, int]:
@@ -59,11 +72,14 @@ async def load(url: str, key: str, body: dict, n: int, concurrency: int) -> tupl
 
 
 def phase(pid: int, idle_per_s: float, work) -> tuple[float, float]:
-    """(the gateway's CPU seconds for ``work`` less its idle rate over the time it took, seconds)."""
-    c0, t0 = cpu_seconds(pid), time.monotonic()
+    """(the gateway's CPU seconds for ``work`` less its idle rate over the time it took, seconds);
+    prints its user/system split and its event loop's wakes."""
+    (u0, s0), w0, t0 = cpu_split(pid), switches(pid), time.monotonic()
     work()
     wall = time.monotonic() - t0
-    return cpu_seconds(pid) - c0 - idle_per_s * wall, wall
+    (u1, s1), w1 = cpu_split(pid), switches(pid)
+    print(f"    user {u1 - u0:.2f} s, system {s1 - s0:.2f} s, {w1 - w0} wakes", flush=True)
+    return u1 + s1 - u0 - s0 - idle_per_s * wall, wall
 
 
 def main() -> int:
@@ -103,7 +119,7 @@ def main() -> int:
         print(f"idle: {1000 * idle:.2f} ms CPU per second (one worker's health and /metrics polling)", flush=True)
         result = {"idle_cpu_ms_per_s_one_worker": 1000 * idle, "streams": {}}
         spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(gateway.pid),
-                                "--rate", "200", "--format", "raw", "--output", args.profile, "--nonblocking"],
+                                "--rate", "200", "--format", "raw", "--output", args.profile, *(["--native"] if os.environ.get("SPY_NATIVE") else ["--nonblocking"])],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if args.profile else None
         base = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the sea."}], "stream": True,
                 "stream_options": {"include_usage": True}, "temperature": 0.7}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -134,6 +135,7 @@ def build_app(config: CloudConfig, worker_urls: list[str], stopping: Callable[[]
         app.state.batches = BatchStore(batch_db_path(g), limits=FileLimits(
             g.batch_tenant_max_bytes, g.batch_tenant_max_files, g.batch_file_ttl_s))
         runner = asyncio.create_task(BatchRunner(app.state.service, app.state.batches, _runner_config(g)).run())
+        quiet_gc()
         try:
             yield
         finally:
@@ -153,6 +155,16 @@ def build_app(config: CloudConfig, worker_urls: list[str], stopping: Callable[[]
     app.add_middleware(BodyLimit, limit=g.max_body_bytes,
                        routes={("POST", "/v1/files"): g.batch_max_file_bytes + UPLOAD_FORM_OVERHEAD})
     return app
+
+
+def quiet_gc() -> None:
+    """What the started gateway holds (modules, the tokenizer, the pool) is moved out of the
+    collector's sight, and its young generation collected every 20,000 allocations instead of 700:
+    a relayed chunk allocates a few dicts that reference counting frees, and the collector's runs
+    over everything else were ~5% of the relay's CPU (py-spy --native)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)
 
 
 async def _collect(idem: IdempotencyRecords, every_s: float = 600.0) -> None:
