@@ -92,13 +92,14 @@ def main() -> int:
     p.add_argument("--redis", default="")
     p.add_argument("--db", default="")
     p.add_argument("--out")
+    p.add_argument("--bare", action="store_true", help="also the same streams through bench/bare_relay.py (the peer)")
     p.add_argument("--profile", help="py-spy the gateway through the streamed phases; collapsed stacks here")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gateway-capacity-"))
     wport, gport = free_port(), free_port()
     worker = spawn([sys.executable, str(REPO / "bench/synthetic_worker.py"), "--port", str(wport), "--tpot-ms",
                     str(args.tpot_ms)], log=work / "worker.log", cwd=REPO)
-    gateway = None
+    gateway = bare = None
     try:
         wait_healthy(f"http://127.0.0.1:{wport}", worker, 60, "synthetic worker", path="/health")
         env = {"CASCADE_HOME": str(work), "CASCADE_CLOUD_GATEWAY_DB": args.db or str(work / "gateway.db"),
@@ -112,6 +113,12 @@ def main() -> int:
                         env=env, log=work / "gateway.log", cwd=REPO)
         url = f"http://127.0.0.1:{gport}"
         wait_healthy(url, gateway, 120, "gateway", log=work / "gateway.log")
+        if args.bare:
+            bport = free_port()
+            bare = spawn([sys.executable, str(REPO / "bench/bare_relay.py"), "--port", str(bport), "--worker",
+                          f"http://127.0.0.1:{wport}"], log=work / "bare.log", cwd=REPO)
+            bare_url = f"http://127.0.0.1:{bport}"
+            wait_healthy(bare_url, bare, 60, "bare relay", path="/health")
         time.sleep(2.0)
         c0 = cpu_seconds(gateway.pid)
         time.sleep(args.idle_s)
@@ -119,7 +126,7 @@ def main() -> int:
         print(f"idle: {1000 * idle:.2f} ms CPU per second (one worker's health and /metrics polling)", flush=True)
         result = {"idle_cpu_ms_per_s_one_worker": 1000 * idle, "streams": {}}
         spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(gateway.pid),
-                                "--rate", "200", "--format", "raw", "--output", args.profile, *(["--native"] if os.environ.get("SPY_NATIVE") else ["--nonblocking"])],
+                                "--rate", "200", "--format", "raw", "--output", args.profile, "--nonblocking"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if args.profile else None
         base = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the sea."}], "stream": True,
                 "stream_options": {"include_usage": True}, "temperature": 0.7}
@@ -136,6 +143,12 @@ def main() -> int:
             print(f"{n:>4} tokens streamed: {out['ok']} ok in {wall:.1f} s, gateway CPU {per:.2f} ms per request "
                   f"({1000 * per / max(n, 1):.1f} us per token)", flush=True)
             result["streams"][n] = {"ok": out["ok"], "cpu_ms_per_request": per, "wall_s": wall}
+            if bare is not None:  # the peer: the same streams through a relay that only moves bytes
+                cpu, wall = phase(bare.pid, 0.0, lambda b=body: asyncio.run(
+                    load(bare_url, key, b, args.requests, args.concurrency)))
+                result["streams"][n]["bare_cpu_ms_per_request"] = bare_per = 1000 * cpu / args.requests
+                print(f"      bare relay (bench/bare_relay.py): {bare_per:.2f} ms per request; the gateway "
+                      f"{per / bare_per:.2f}x", flush=True)
         lengths = sorted(result["streams"])
         if len(lengths) >= 2:
             lo, hi = lengths[0], lengths[-1]
@@ -160,8 +173,9 @@ def main() -> int:
         print(f"cache hits: {out['ok']} in {wall:.1f} s, gateway CPU {result['cache_hit_cpu_ms']:.3f} ms per hit",
               flush=True)
     finally:
-        if gateway is not None:
-            stop(gateway)
+        for proc in (gateway, bare):
+            if proc is not None:
+                stop(proc)
         stop(worker)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
