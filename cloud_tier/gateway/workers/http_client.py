@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import yarl
 
 from cloud_tier.gateway.workers.http_pool import KEEPALIVE_EXPIRY_S
 
@@ -36,6 +37,15 @@ class WorkerHTTP:
         self.read_timeout_s = read_timeout_s  # the longest wait for the worker's next bytes (TimeoutError)
         self.max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        self._urls: dict[str, yarl.URL] = {}  # parsed once: a worker's few endpoints, not a URL a request
+
+    def _url(self, url: str) -> yarl.URL:
+        parsed = self._urls.get(url)
+        if parsed is None:
+            if len(self._urls) >= 4096:  # workers come and go (discovery): never grows without bound
+                self._urls.clear()
+            parsed = self._urls[url] = yarl.URL(url)
+        return parsed
 
     def _live(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -53,7 +63,8 @@ class WorkerHTTP:
                    ) -> aiohttp.ClientResponse:
         """The response (its headers read; close it with ``release()``)."""
         try:
-            return await self._live().request(method, url, data=body, headers=headers, allow_redirects=False)
+            return await self._live().request(method, self._url(url), data=body, headers=headers,
+                                              allow_redirects=False)
         except TimeoutError:  # aiohttp's read timeout is one too
             raise
         except aiohttp.ClientConnectorError as e:
