@@ -205,7 +205,7 @@ def _resolves(root: dict, ref: Any) -> bool:
     for part in [p.replace("~1", "/").replace("~0", "~") for p in ref[1:].split("/")[1:]] if ref != "#" else []:
         if isinstance(node, dict) and part in node:
             node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+        elif isinstance(node, list) and part.isascii() and part.isdigit() and int(part) < len(node):
             node = node[int(part)]
         else:
             return False

@@ -56,7 +56,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     """The request body's bytes, bounded while they arrive: 413 past ``limit`` (a declared
     Content-Length over it is refused before a byte is read)."""
     declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
+    if declared and declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
     body = bytearray()
     async for chunk in request.stream():

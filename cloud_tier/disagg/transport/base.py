@@ -119,7 +119,7 @@ async def _checksum(view: memoryview) -> str:
 
 def _split_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
+    if not sep or not host or not (port.isascii() and port.isdigit()):
         raise ValueError(f"address must be 'host:port', got {address!r}")
     return host.strip("[]"), int(port)
 

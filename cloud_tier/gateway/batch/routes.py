@@ -93,7 +93,7 @@ def _expires_after(form) -> int | None:
     anchor, seconds = form.get("expires_after[anchor]"), form.get("expires_after[seconds]")
     if anchor is None and seconds is None:
         return None
-    if anchor != "created_at" or not isinstance(seconds, str) or not seconds.isdigit() or not (
+    if anchor != "created_at" or not isinstance(seconds, str) or not (seconds.isascii() and seconds.isdigit()) or not (
             _EXPIRES[0] <= int(seconds) <= _EXPIRES[1]):
         raise errors.bad_request(f"expires_after must be {{anchor: 'created_at', seconds: {_EXPIRES[0]} to "
                                  f"{_EXPIRES[1]}}}.", "expires_after", "invalid_value")

@@ -67,7 +67,7 @@ def text_and_finish(obj: dict) -> tuple[int, str | None]:
                 v = part.get("content")
                 if type(v) is str:
                     n += len(v)
-                v = part.get("reasoning_content")
+                v = part.get("reasoning_content") or part.get("reasoning")  # vLLM's older name, and 0.32's
                 if type(v) is str:
                     n += len(v)
         v = c.get("text")

@@ -174,9 +174,10 @@ class OpenAIProxy:
                 if not yielded:
                     raise _Retryable(e) from None
             raise
-        except Unreachable as e:
+        except Unreachable as e:  # the client's message names no worker (its address is internal): the log does
+            log.warning("worker %s could not be reached: %s", w.url, e)
             failed(str(e), down=True)
-            raise _Retryable(errors.APIError(502, f"The cloud worker could not be reached: {e}", "server_error",
+            raise _Retryable(errors.APIError(502, "The cloud worker could not be reached.", "server_error",
                                              code="worker_unreachable")) from e
         except TimeoutError as e:
             if a.deadline is not None and time.perf_counter() >= a.deadline:
@@ -186,8 +187,10 @@ class OpenAIProxy:
             raise errors.APIError(504, "The cloud worker did not answer in time.", "server_error",
                                   code="worker_timeout") from e
         except WorkerBroke as e:
+            log.warning("worker %s failed: %s", w.url, e)
             failed(str(e))
-            raise errors.APIError(502, f"The cloud worker failed: {e}", "server_error", code="worker_failed") from e
+            raise errors.APIError(502, "The cloud worker's connection broke.", "server_error",
+                                  code="worker_failed") from e
         finally:
             if resp is not None:
                 resp.release()  # back to the pool when its body was read to the end, else closed
@@ -220,7 +223,7 @@ class OpenAIProxy:
                 raise _bad_answer(f"The cloud worker answered something that is not a completion: {why}.",
                                   "worker_bad_response")
             return first, None
-        reader = worker_stream.ChunkReader(lambda: read_some(resp), cfg.max_event_bytes)
+        reader = worker_stream.ChunkReader(lambda: read_some(resp), cfg.max_event_bytes, cfg.answer_timeout_s)
         first = await reader.next()
         if first is None:
             raise _bad_answer("The cloud worker's stream ended with no chunk.", "worker_empty_stream")

@@ -128,8 +128,11 @@ def build_app(config: CloudConfig, worker_urls: list[str], stopping: Callable[[]
                                    transport=ShardedTransport(httpx.Limits(
                                        max_connections=1024, max_keepalive_connections=128,
                                        keepalive_expiry=KEEPALIVE_EXPIRY_S)))
-        http = WorkerHTTP(g.connect_timeout_s, g.request_timeout_s)  # the relay's and the polls' (aiohttp)
-        pool, watcher = await until_stopped(_open_pool(config, worker_urls, client, http), stopping)
+        # aiohttp sessions: the relay's (no cap on connections: admission bounds the requests in flight), and
+        # the polls' own, so that no number of open streams keeps a health check from a connection
+        http, polls = WorkerHTTP(g.connect_timeout_s, g.request_timeout_s, max_connections=0), WorkerHTTP(
+            g.connect_timeout_s, max_connections=64)
+        pool, watcher = await until_stopped(_open_pool(config, worker_urls, client, polls), stopping)
         app.state.service = await until_stopped(_service(config, pool, stores, client, http), stopping)
         collector = asyncio.create_task(_collect(stores.idempotency))
         app.state.batches = BatchStore(batch_db_path(g), limits=FileLimits(
@@ -147,6 +150,7 @@ def build_app(config: CloudConfig, worker_urls: list[str], stopping: Callable[[]
                 watcher.cancel()
             await pool.close()
             await http.close()
+            await polls.close()
             await client.aclose()
             stores.close()
 

@@ -71,16 +71,17 @@ async def relay_sse(chunks, include_usage: bool) -> AsyncIterator[bytes]:
         async for item in chunks:
             if type(item) is tuple:
                 chunk, raw = item
-                if include_usage or "usage" not in chunk:
+                if b"\r" not in raw and b'"usage"' not in raw:
                     out = b"data: " + raw + b"\n\n"
-                else:
-                    out = _without_usage(chunk)
+                else:  # written again: see _as_sent
+                    out = _as_sent(chunk, include_usage)
             else:
                 chunk = item
-                out = _without_usage(chunk) if not include_usage and "usage" in chunk else (
-                    b"data: " + dumps(chunk) + b"\n\n")
-            if _carries_nothing(chunk):
-                held += out
+                out = _as_sent(chunk, include_usage)
+            if _carries_nothing(chunk):  # held for the next write; at most one at a time
+                if held:
+                    yield held
+                held = out
                 continue
             yield held + out
             held = b""
@@ -107,22 +108,33 @@ class Last(bytes):
 
 
 def _carries_nothing(chunk: dict) -> bool:
-    """No text and no finish in it: a role-only chunk, a usage chunk (a client waits for neither)."""
+    """A chunk a client waits for nothing in: a usage chunk (no choices), or a role-only one (each
+    choice's delta holds a role and an empty content, nothing else: any other field, a reasoning
+    one of whatever name included, is something)."""
     for c in chunk.get("choices") or ():
-        if type(c) is not dict or c.get("finish_reason") is not None or c.get("text"):
+        if type(c) is not dict or c.keys() - _ROLE_ONLY_CHOICE or c.get("finish_reason") is not None \
+                or c.get("logprobs") is not None:
             return False
         delta = c.get("delta")
-        if type(delta) is dict and (delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content")
-                                    or delta.get("refusal")):
+        if type(delta) is not dict or delta.keys() - _ROLE_ONLY_DELTA or delta.get("content"):
             return False
     return True
 
 
-def _without_usage(chunk: dict) -> bytes:
-    """The chunk for a client that did not ask for usage: none (a usage-only chunk), or it without its ``usage``."""
-    if not chunk.get("choices"):
-        return b""
-    return b"data: " + dumps({k: v for k, v in chunk.items() if k != "usage"}) + b"\n\n"
+_ROLE_ONLY_CHOICE = {"index", "delta", "logprobs", "finish_reason"}
+_ROLE_ONLY_DELTA = {"role", "content"}
+
+
+def _as_sent(chunk: dict, include_usage: bool) -> bytes:
+    """A chunk written again: the usage left out for a client that did not ask (a usage-only chunk
+    is then nothing), else as decoded. Written again, too: a chunk whose bytes hold a CR (JSON
+    whitespace, but a line end to an SSE client) and one that names ``usage`` (what it holds is
+    what was charged: a key given twice reads differently in different parsers)."""
+    if not include_usage and "usage" in chunk:
+        if not chunk.get("choices"):
+            return b""
+        chunk = {k: v for k, v in chunk.items() if k != "usage"}
+    return b"data: " + dumps(chunk) + b"\n\n"
 
 
 class RelayResponse(StreamingResponse):

@@ -15,6 +15,8 @@ from cloud_tier.gateway.tenants.keys import ApiKey
 from cloud_tier.gateway.workers.admission import Ticket
 from cloud_tier.gateway.workers.usage import UNBOUNDED, UsageBounds, checked
 
+KEEP_BYTES = 8 << 20  # a foreign answer kept for the result cache and Idempotency-Key replays: at most this
+
 
 @dataclass
 class Flight:
@@ -45,6 +47,12 @@ class Flight:
     openai: str | None = None  # an OpenAI-compatible worker's answer: "chunks" (a stream) or "body"
     model: str = ""  # the model asked for, when the pool serves several
     finish_reason: str | None = None  # an OpenAI-compatible worker's: the last one its chunks named
+    kept_bytes: int = 0  # ... and the bytes of its chunks so far (past KEEP_BYTES none is kept: ``kept``)
+
+    @property
+    def kept(self) -> bool:
+        """Its answer is whole in ``events`` (to cache, to replay): not one past ``KEEP_BYTES``."""
+        return self.kept_bytes <= KEEP_BYTES
     priority_class: str = "interactive"  # cascade.protocol.PRIORITY_CLASSES
     deadline_s: float | None = None  # X-Cascade-Deadline: seconds left at arrival
 
@@ -75,8 +83,15 @@ def observe_chunk(f: Flight, item):
     flight, says how many. A usage refused or clamped (``workers.usage``) is replaced by the
     numbers charged: the chunk is then passed on as a dict, to be written again; otherwise the
     item as it came (a chunk's bytes relayed unchanged)."""
-    chunk = item[0] if type(item) is tuple else item
-    f.events.append(chunk)
+    if type(item) is tuple:
+        chunk, raw = item
+        f.kept_bytes += len(raw)
+    else:
+        chunk = item
+    if f.kept_bytes <= KEEP_BYTES:
+        f.events.append(chunk)
+    elif f.events:  # past what is kept for the cache and replays: none of it is (the answer is relayed all the same)
+        f.events.clear()
     chars, reason = text_and_finish(chunk)
     if chars:
         f.answer_chars += chars

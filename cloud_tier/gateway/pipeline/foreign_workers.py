@@ -40,7 +40,9 @@ class ForeignWorkers:
             body = {k: v for k, v in body.items() if k != "cascade"}
         flight.openai = "chunks" if body.get("stream") else "body"
         flight.model = str(body.get("model", ""))  # a foreign pool may serve several: priced by the one asked
-        flight.cache_key = answers.cache_key(flight.tenant, endpoint, body)
+        # an answer a deadline may have cut (X-Cascade-Deadline, the body's timeout) is no answer to keep
+        deadline = flight.deadline_s is not None or body.get("timeout") is not None
+        flight.cache_key = None if deadline else answers.cache_key(flight.tenant, endpoint, body)
         return ForeignJob(self, flight, endpoint, body, priority, request_id or uuid.uuid4().hex)
 
 

@@ -87,10 +87,10 @@ class GatewayService:
         self.budgets = stores.budgets
         self.admission = Admission.of(pool, config)
         self.settlement = Settlement(config, stores, self.admission, self.metrics, model_id)
-        workers = _worker_client(config, pool, client, self.admission, worker_api_key)
+        http = http or WorkerHTTP(config.connect_timeout_s, config.request_timeout_s)
+        workers = _worker_client(config, pool, http, self.admission, worker_api_key)
         cache_keys = ResultCache(config.result_cache_entries, ttl_s=config.result_cache_ttl_s)
         self.own = OwnWorkers(builder, model_id, pool, workers, cache_keys)
-        http = http or WorkerHTTP(config.connect_timeout_s, config.request_timeout_s)
         self.foreign = _foreign_workers(config, pool, http, self.admission, worker_api_key, max_model_len)
         self.routing = self.foreign.routing  # the foreign workers' load, as /metrics and the batch runner read it
         self.embedding_identity = ""  # our workers' ServedModel.embedding_identity (the app sets it): card meta
@@ -206,14 +206,14 @@ class GatewayService:
         self.settlement.count(tenant, endpoint, outcome, priority_class)
 
 
-def _worker_client(config: GatewayConfig, pool: WorkerPool, client: httpx.AsyncClient, admission: Admission,
+def _worker_client(config: GatewayConfig, pool: WorkerPool, http: WorkerHTTP, admission: Admission,
                    worker_api_key: str) -> WorkerClient:
     router_config = RouterConfig(
         alpha=config.route_alpha, beta=config.route_beta, prefill_ms_per_token=config.prefill_ms_per_token,
         overload_percentile=config.overload_percentile, overload_min_tokens=config.overload_min_tokens,
         block_size=pool.block_size)
     index = PrefixIndex(pool.block_size, router_config.index_blocks_per_worker)
-    return WorkerClient(pool, client, admission, index, router_config, config.kv_transport, config.ttft_slo_s,
+    return WorkerClient(pool, http, admission, index, router_config, config.kv_transport, config.ttft_slo_s,
                         worker_api_key, parse_class_slos(config.class_slos), config.worker_max_event_bytes,
                         config.worker_max_body_bytes)
 

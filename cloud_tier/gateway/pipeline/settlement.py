@@ -71,7 +71,8 @@ class Settlement:
         if fin is None:
             outcome = outcome_of(f.error) if f.error is not None else "499"  # no error: the client left
         else:
-            outcome, stored = "ok", {"events": f.events, **({"openai": f.openai} if f.openai else {})}
+            outcome = "ok"  # an answer too large to keep whole is served, not stored (cache, replays)
+            stored = {"events": f.events, **({"openai": f.openai} if f.openai else {})} if f.kept else None
         try:
             _each(lambda: f.ticket is not None and self.admission.release(f.ticket),
                   lambda: self._charge(f),
@@ -92,10 +93,11 @@ class Settlement:
     def _keep(self, f: Flight, fin: Finish, stored: dict) -> None:
         """A finished flight's result into the cache, its tokens and times into the metrics."""
         try:
-            if f.cache_key and not fin.truncated:  # an answer cut at its deadline is not the answer to keep
+            if f.cache_key and stored is not None and not fin.truncated:  # nor one cut at its deadline
                 if fin.draft_offered:  # what came of this request's draft is no other request's
                     stored = {**stored, "events": [{k: v for k, v in e.items() if k != "draft"} for e in f.events]}
-                self.cache.put(f.cache_key, stored, sum(len(json.dumps(e)) for e in f.events), owner=f.tenant)
+                size = f.kept_bytes or sum(len(json.dumps(e)) for e in f.events)  # a relayed stream's: its bytes
+                self.cache.put(f.cache_key, stored, size, owner=f.tenant)
         finally:
             m, t = self.metrics, f.tenant
             m.of(m.tokens_in, t).inc(fin.prompt_tokens)

@@ -32,7 +32,7 @@ class WorkerBroke(Exception):
 
 class WorkerHTTP:
     def __init__(self, connect_timeout_s: float = 2.0, read_timeout_s: float | None = None,
-                 max_connections: int = 1024):
+                 max_connections: int = 1024):  # 0: no cap
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s  # the longest wait for the worker's next bytes (TimeoutError)
         self.max_connections = max_connections
@@ -111,7 +111,7 @@ async def get_bounded(http: WorkerHTTP, url: str, headers: dict, timeout_s: floa
         resp = await http.send("GET", url, None, headers)
         try:
             declared = resp.headers.get("content-length", "")
-            if declared.isdigit() and int(declared) > limit:
+            if declared.isascii() and declared.isdigit() and int(declared) > limit:
                 raise too_large("too_large", f"{url}: a body of {declared} bytes (over {limit})")
             body = bytearray()
             while data := await read_some(resp):

@@ -94,7 +94,7 @@ async def get_bounded(client: httpx.AsyncClient, url: str, headers: dict, timeou
     async with asyncio.timeout(timeout_s):
         async with client.stream("GET", url, headers=headers, timeout=timeout_s) as r:
             declared = r.headers.get("content-length", "")
-            if declared.isdigit() and int(declared) > limit:
+            if declared.isascii() and declared.isdigit() and int(declared) > limit:
                 raise LoadRefused("too_large", f"{url}: a body of {declared} bytes (over {limit})")
             body = bytearray()
             async for data in r.aiter_bytes():

@@ -240,22 +240,40 @@ class WorkerPool:
         if w.kind in ("vllm", "sglang"):
             status, body = await self._get(w, "/metrics", 3.0)
             _raise_for(status, w.url, "/metrics")
-            w.foreign = parse_load(w.kind, body.decode("utf-8", "replace"))
+            text = body.decode("utf-8", "replace")
+            # a vLLM scrape is ~50 KB; a larger one (up to MAX_SCRAPE_BYTES) is parsed off the event loop
+            w.foreign = parse_load(w.kind, text) if len(body) <= 256 << 10 else await asyncio.to_thread(
+                parse_load, w.kind, text)
         else:
             w.foreign = ForeignLoad()
         if w.role == "unknown":
             w.role = "both"
 
     async def _loop(self) -> None:
-        while True:
-            every = self.poll_interval()
-            for w in self.workers.values():
-                w.poll_every_s = every
-            await asyncio.sleep(every)
-            try:
-                await self.poll()
-            except Exception:  # never let the health loop die
-                log.exception("worker poll failed")
+        """Each worker polled on its own every ``poll_interval()``: one that hangs (its poll runs to
+        its timeout) delays no other's, so the others' numbers never go stale for it."""
+        polling: dict[str, asyncio.Task] = {}
+        try:
+            while True:
+                every = self.poll_interval()
+                await asyncio.sleep(every)
+                for w in list(self.workers.values()):
+                    w.poll_every_s = every
+                    task = polling.get(w.url)
+                    if task is None or task.done():  # one poll of a worker at a time
+                        polling[w.url] = asyncio.create_task(self._poll_logged(w))
+                for url in [u for u, t in polling.items() if t.done() and u not in self.workers]:
+                    del polling[url]  # a worker discovery dropped
+        finally:
+            for task in polling.values():
+                task.cancel()
+            await asyncio.gather(*polling.values(), return_exceptions=True)
+
+    async def _poll_logged(self, w: Worker) -> None:
+        try:
+            await self._poll_one(w)
+        except Exception:  # never let a poll's bug end the polling
+            log.exception("worker poll of %s failed", w.url)
 
 
 def _raise_for(status: int, url: str, path: str) -> None:

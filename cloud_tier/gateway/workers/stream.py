@@ -6,6 +6,7 @@ worker's refusal becomes the gateway's answer in ``error_of`` (both kinds of wor
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
@@ -61,42 +62,65 @@ def _checked_chunk(data: bytes, limit: int) -> dict:
     return chunk
 
 
-class ChunkReader:
-    """The chunks of an OpenAI SSE stream whose bytes come from ``read`` (b"" at the end), each as
-    (the chunk, its data's bytes as the worker wrote them: what is relayed when nothing in it
-    changes). Lines split on b"\n" only and bounded as ``lines``; ``next()`` is None at [DONE]
-    and a 502 as ``next_sse_chunk`` says. One object, no generator per line: the relay's hot loop."""
+class LineReader:
+    """The lines of a byte stream whose bytes come from ``read`` (b"" at the end): split on b"\\n"
+    only and bounded as ``lines`` (a 502 as soon as one passes ``max_line_bytes``), the last one
+    even without its b"\\n"; ``line()`` is None at the end. One object, no generator per line:
+    the relay's hot loop (our workers' NDJSON events; a foreign worker's SSE in ``ChunkReader``)."""
 
-    def __init__(self, read: Callable[[], Awaitable[bytes]], max_event_bytes: int):
+    def __init__(self, read: Callable[[], Awaitable[bytes]], max_line_bytes: int):
         self._read = read
-        self._limit = max_event_bytes
-        self._buf = b""
-        self._pos = 0
+        self._limit = max_line_bytes
+        self._buf = bytearray()
+        self._pos = 0  # where the next line starts
+        self._scan = 0  # where to look for its end: the bytes before hold none (a dripped line is searched once)
         self._eof = False
 
-    async def _line(self) -> bytes | None:
+    async def line(self) -> bytes | None:
+        buf = self._buf
         while True:
-            end = self._buf.find(b"\n", self._pos)
+            end = buf.find(b"\n", self._scan)
             if end >= 0:
-                line = self._buf[self._pos:end]
-                self._pos = end + 1
+                line = bytes(buf[self._pos:end])
+                self._pos = self._scan = end + 1
                 if len(line) > self._limit:
                     raise _too_large(self._limit)
                 return line[:-1] if line.endswith(b"\r") else line
-            if len(self._buf) - self._pos > self._limit:
+            if len(buf) - self._pos > self._limit:
                 raise _too_large(self._limit)
             if self._eof:
-                rest, self._buf, self._pos = self._buf[self._pos:], b"", 0
+                rest = bytes(buf[self._pos:])
+                buf.clear()
+                self._pos = self._scan = 0
                 return rest or None
+            if self._pos:  # the lines read are dropped (a bytearray drops its front in place)
+                del buf[:self._pos]
+                self._pos = 0
+            self._scan = len(buf)
             data = await self._read()
-            self._buf = self._buf[self._pos:] + data if self._pos < len(self._buf) else data
-            self._pos = 0
+            buf += data
             self._eof = not data
 
+
+class ChunkReader(LineReader):
+    """The chunks of an OpenAI SSE stream, each as (the chunk, its data's bytes as the worker
+    wrote them: what is relayed when nothing in it changes); ``next()`` is None at [DONE] and a
+    502 as ``next_sse_chunk`` says. Lines that are no chunk (comments, other fields, blank ones)
+    keep a stream open only ``idle_s`` past its last chunk (TimeoutError): a worker's pings alone
+    never hold a stream forever."""
+
+    def __init__(self, read: Callable[[], Awaitable[bytes]], max_event_bytes: int, idle_s: float | None = None):
+        super().__init__(read, max_event_bytes)
+        self._idle_s = idle_s
+        self._last = time.monotonic()
+
     async def next(self) -> tuple[dict, bytes] | None:
-        while (line := await self._line()) is not None:
+        while (line := await self.line()) is not None:
             if not line.startswith(b"data:"):
+                if self._idle_s is not None and time.monotonic() - self._last > self._idle_s:
+                    raise TimeoutError(f"no chunk for {self._idle_s:g} s, only lines that are none")
                 continue
+            self._last = time.monotonic()
             data = line[5:].strip()
             if data == b"[DONE]":
                 return None
@@ -112,7 +136,7 @@ async def read_body(resp: httpx.Response, limit: int) -> bytes:
 async def read_all(headers, read: Callable[[], Awaitable[bytes]], limit: int) -> bytes:
     """A whole body from ``read`` (b"" or StopAsyncIteration at its end), refused (502) as soon as it
     passes ``limit`` bytes, or at once when its Content-Length says it will."""
-    if (declared := headers.get("content-length", "")).isdigit() and int(declared) > limit:
+    if (declared := headers.get("content-length", "")).isascii() and declared.isdigit() and int(declared) > limit:
         raise _bad(f"The cloud worker's answer is over {limit} bytes.", "worker_answer_too_large")
     body = bytearray()
     while True:
@@ -157,4 +181,4 @@ def _retry_after(status: int, headers: httpx.Headers | dict) -> dict[str, str]:
     if status not in (429, 503):
         return {}
     given = headers.get("retry-after", "")
-    return {"Retry-After": given if given.isdigit() and 0 < int(given) <= 3600 else "1"}
+    return {"Retry-After": given if given.isascii() and given.isdigit() and 0 < int(given) <= 3600 else "1"}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -97,8 +98,36 @@ def test_the_relay_writes_the_workers_bytes_joins_what_carries_nothing_and_ends_
     body = b"".join(parts)
     events = [e[len(b"data: "):] for e in body.split(b"\n\n") if e]
     assert events[-1] == b"[DONE]"
-    expected = STREAM if include_usage else STREAM[:-1]
-    assert events[:-1] == [raw for c, raw in items if c in expected]  # the worker's own bytes, spacing and all
+    # the worker's own bytes, spacing and all; the usage chunk written again (what it says is what was charged)
+    assert events[:3] == [raw for _, raw in items[:3]]
+    assert [json.loads(e) for e in events[3:-1]] == ([USAGE] if include_usage else [])
+
+
+def test_a_bare_cr_in_a_chunk_never_reaches_the_client():
+    raw = b'{"id":"c1",\r"choices":[{"index":0,"delta":{"content":"a"},\r"finish_reason":null}]}'
+    body = b"".join(relay([(json.loads(raw), raw)], True))
+    assert b"\r" not in body and json.loads(body.split(b"\n\n")[0][6:]) == json.loads(raw)
+
+
+def test_a_usage_given_twice_goes_out_once_as_charged():
+    raw = b'{"choices":[],"usage":{"prompt_tokens":1000000000000},"usage":{"prompt_tokens":3,"completion_tokens":2}}'
+    body = b"".join(relay([(json.loads(raw), raw)], True))
+    assert body.count(b'"usage"') == 1 and json.loads(body.split(b"\n\n")[0][6:])["usage"]["prompt_tokens"] == 3
+
+
+def test_chunks_that_carry_nothing_are_held_one_at_a_time():
+    role = chunk(0, role=True)
+    parts = relay([(role, json.dumps(role).encode())] * 2000 + [(chunk(1, "x"), json.dumps(chunk(1, "x")).encode())],
+                  True)
+    assert len(parts) == 2001 and max(len(p) for p in parts) < 1000  # never a growing buffer
+
+
+@pytest.mark.parametrize("delta", [{"reasoning": "thinking"}, {"reasoning_content": "thinking"},
+                                   {"role": "assistant", "content": "", "reasoning": "hm"}, {"tool_calls": []}])
+def test_a_chunk_with_anything_but_a_role_goes_out_at_once(delta):
+    c = {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+    parts = relay([(c, json.dumps(c).encode()), (chunk(1, "x"), json.dumps(chunk(1, "x")).encode())], True)
+    assert json.loads(parts[0][6:].split(b"\n\n")[0]) == c and len(parts) == 3
 
 
 def test_a_chunk_the_gateway_changed_or_with_usage_inside_is_written_again_without_it():
@@ -119,3 +148,57 @@ def test_a_failure_after_the_first_byte_goes_in_band_and_the_stream_still_ends()
     body = b"".join(asyncio.run(run()))
     events = [e for e in body.split(b"\n\n") if e]
     assert json.loads(events[1][6:])["error"]["code"] == "worker_bad_stream" and events[-1] == b"data: [DONE]"
+
+
+@pytest.mark.parametrize("value", ["²", "١", "٣٠", "1²", "-1", "0", "99999"])
+def test_a_workers_retry_after_or_length_in_other_digits_is_no_500(value):
+    from cloud_tier.gateway.workers.stream import error_of, read_all
+
+    for status in (429, 503):
+        err = error_of(b'{"error": {"message": "busy"}}', status, {"retry-after": value})
+        assert err.status == status and err.headers["Retry-After"] == "1"
+
+    async def empty() -> bytes:
+        return b""
+
+    assert asyncio.run(read_all({"content-length": value}, empty, 1 << 20)) == b""
+
+
+def test_pings_alone_hold_a_stream_only_until_its_idle_bound():
+    sent = iter([b"data: " + json.dumps(chunk(1, "a")).encode() + b"\n\n"] + [b": ping\n\n"] * 1000)
+
+    async def read() -> bytes:
+        await asyncio.sleep(0.01)
+        return next(sent, b"")
+
+    async def run():
+        reader = ChunkReader(read, 1 << 16, idle_s=0.3)
+        assert (await reader.next())[0] == chunk(1, "a")
+        await reader.next()
+
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        asyncio.run(run())
+    assert time.monotonic() - started < 3.0  # not the 10 s the pings would last
+
+
+def test_a_long_line_dripped_in_small_reads_is_read_in_linear_time():
+    line = b"data: " + json.dumps(chunk(1, "x" * (1 << 20))).encode() + b"\n\ndata: [DONE]\n\n"
+    t0 = time.process_time()
+    got = read_all(line, list(range(100, len(line), 100)), limit=2 << 20)
+    assert got[0][0]["choices"][0]["delta"]["content"] == "x" * (1 << 20)
+    assert time.process_time() - t0 < 5.0  # ~10,000 reads: quadratic copying took minutes
+
+
+def test_a_stream_past_what_is_kept_is_relayed_but_not_stored():
+    from cloud_tier.gateway.pipeline.flight import KEEP_BYTES, Flight, observe_chunk
+    from cloud_tier.gateway.tenants.keys import ApiKey
+
+    key = ApiKey(key_id="k0000001", tenant="t", device=None, scopes=frozenset({"infer"}), rps=0, tpm=0, created_at=0)
+    f = Flight("t", key, "chat", 0.0)
+    f.openai = "chunks"
+    big = chunk(1, "y" * (1 << 20))
+    raw = json.dumps(big).encode()
+    for _ in range(KEEP_BYTES // len(raw) + 2):
+        assert observe_chunk(f, (big, raw)) == (big, raw)
+    assert not f.kept and f.events == [] and f.answer_chars > KEEP_BYTES
