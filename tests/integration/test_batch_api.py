@@ -320,11 +320,17 @@ def test_online_load_preempts_a_running_batch_and_every_line_is_still_answered_o
         assert done.status == "completed" and done.request_counts.completed == 8 and done.error_file_id is None
         out = {o["custom_id"]: o for o in results(c, done.output_file_id)}
         assert sorted(out) == sorted(ln["custom_id"] for ln in lines)  # each line once
-        for ln in lines:  # resumed (recomputed or swapped back in) exactly where it was
+
+        def asked_online(ln: dict):
             body = {k: v for k, v in ln["body"].items() if k != "ignore_eos"}
-            again = online.chat.completions.create(**body, extra_body={"ignore_eos": True})
+            return online.chat.completions.create(**body, extra_body={"ignore_eos": True})
+
+        # four side by side (as the batch ran them: four fit the 40 blocks with room), not eight runs in turn
+        with ThreadPoolExecutor(4) as pool:
+            again = list(pool.map(asked_online, lines))
+        for ln, a in zip(lines, again, strict=True):  # resumed (recomputed or swapped back in) exactly where it was
             assert out[ln["custom_id"]]["response"]["body"]["choices"][0]["message"]["content"] == \
-                again.choices[0].message.content
+                a.choices[0].message.content, ln["custom_id"]
     finally:
         for it in (g, proxy, w):
             if it is not None:

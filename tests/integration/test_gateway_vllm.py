@@ -118,16 +118,22 @@ def test_a_mixed_pool_sends_a_shared_prefix_to_the_worker_that_holds_it_unless_i
     # now load the holder directly (not through the gateway) until its own numbers show it overloaded
     target = vllm_worker.url if holder == "vllm" else cloud_worker.url
     busy = openai.OpenAI(base_url=f"{target}/v1", api_key="x", max_retries=0, timeout=300)
+    # streamed, so the load ends when the check is done: the client hangs up and the holder drops the
+    # rest (waiting for 6 x 200 tokens to finish cost 34-131 s of this test and checked nothing more)
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         load = [pool.submit(busy.chat.completions.create, model="smollm2-135m", messages=CHAT, max_tokens=200,
-                            extra_body={"ignore_eos": True}) for _ in range(6)]
+                            stream=True, extra_body={"ignore_eos": True}) for _ in range(6)]
         time.sleep(2.5)  # two scrapes
         before = len(proxies[other].bodies)
         c.chat.completions.create(model="smollm2-135m", messages=[system, {"role": "user", "content": "Hi?"}],
                                   max_tokens=2, temperature=0)
         assert len(proxies[other].bodies) == before + 1  # the holder is overloaded: affinity gave way
-        for f in load:
-            f.result()
+        streams = [f.result() for f in load]
+    for s in streams:
+        assert next(iter(s)).choices  # each load request was being served
+        s.close()
+    if holder == "vllm":
+        vllm_worker.wait_idle()  # the later tests want it free; our worker is checked after every test
 
 
 # the gateway-only install: neither torch nor transformers can be imported

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from cloud_tier.engine import LLMEngine, SamplingParams
 from tests.conftest import REPO, Server
+from tests.handoff import hand_over
 
 MODEL = "smollm2-135m"
 SMALL = dict(dtype="float32", max_model_len=512, num_kv_blocks=128, enable_prefix_caching=False, threads=2)
@@ -103,18 +104,7 @@ def test_engine_paths_on_int8_weights_equal_the_plain_run(engines, engine_home):
     assert decode.model_identity == plain.model_identity != engines["auto"].model_identity
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     for prompt, expected in zip(PROMPTS, alone[3:], strict=True):
-        req = plain.make_request(prompt, params)
-        req.kv_transfer = True
-        plain.add(req)
-        while plain.has_unfinished_requests():
-            plain.step()
-        handoff = plain.export_kv(req.request_id)
-        new = decode.make_request(prompt, params, req.request_id)
-        new.append_token(req.output_token_ids[0])
-        final = decode.adopt(new, handoff.kv.clone(), None, handoff.sampler_state)
-        plain.release_kv(req.request_id)
-        while decode.has_unfinished_requests():
-            final = next(iter(decode.step()), final)
+        _, final = hand_over(plain, decode, plain.make_request(prompt, params))
         assert final.token_ids == expected
 
 

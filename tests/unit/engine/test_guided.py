@@ -20,6 +20,7 @@ from cloud_tier.engine.draft import Draft
 from cloud_tier.engine.request import Request
 from cloud_tier.engine.sampler import Sampler
 from cloud_tier.sampling import MAX_GUIDED_BYTES
+from tests.handoff import hand_over
 from tests.tiny_qwen2 import VOCAB, make_tiny_qwen2
 
 SCHEMA = {
@@ -216,20 +217,9 @@ def test_a_guided_request_handed_over_continues_its_grammar_on_the_decode_engine
     prefill = LLMEngine.from_model(tiny, num_kv_blocks=32, **SMALL)
     decode = LLMEngine.from_model(tiny, num_kv_blocks=32, **SMALL)
     params = SamplingParams(temperature=0.0, max_tokens=80, guided=grammar(TINY_SCHEMA))
-    prompt = list(b"Answer: ")
-    req = prefill.make_request(prompt, params)
-    req.kv_transfer = True
-    prefill.add(req)
-    while prefill.has_unfinished_requests():
-        prefill.step()
-    assert req.output_token_ids == [ord("{")]  # the prefill worker sampled under the mask
-    handoff = prefill.export_kv(req.request_id)
-    new = decode.make_request(prompt, params, req.request_id)
-    new.append_token(req.output_token_ids[0])
-    final = decode.adopt(new, handoff.kv.clone(), None, handoff.sampler_state)
-    prefill.release_kv(req.request_id)
-    while decode.has_unfinished_requests():
-        final = next((o for o in decode.step() if o.finished), final)
+    req = prefill.make_request(list(b"Answer: "), params)
+    first, final = hand_over(prefill, decode, req)
+    assert first.token_ids == req.output_token_ids == [ord("{")]  # the prefill worker sampled under the mask
     assert final.finish_reason == "stop"
     assert_meets(final.text, TINY_SCHEMA)
     assert_idle(decode)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from cloud_tier.engine import LLMEngine, SamplingParams
+from tests.handoff import hand_over
 from tests.tiny_qwen2 import engine_greedy, hf_greedy, make_tiny_qwen2
 
 NEW_TOKENS = 24
@@ -142,20 +143,7 @@ def test_prefill_decode_handoff_gives_transformers_tokens(tiny):
     decode = LLMEngine.from_model(str(tiny[0]), num_kv_blocks=64, **SMALL)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     for prompt, (expected, _) in zip(PROMPTS, reference(tiny), strict=True):
-        req = prefill.make_request(prompt, params)
-        req.kv_transfer = True
-        prefill.add(req)
-        while prefill.has_unfinished_requests():
-            prefill.step()
-        handoff = prefill.export_kv(req.request_id)
-        new = decode.make_request(prompt, params, req.request_id)
-        new.append_token(req.output_token_ids[0])
-        final = decode.adopt(new, handoff.kv.clone(), None, handoff.sampler_state)
-        prefill.release_kv(req.request_id)
-        while decode.has_unfinished_requests():
-            for out in decode.step():
-                final = out
-            decode.check_integrity()
+        _, final = hand_over(prefill, decode, prefill.make_request(prompt, params), check_integrity=True)
         assert final.token_ids == expected
     assert decode.kv.num_free_blocks == decode.kv.num_blocks
     assert prefill.kv.num_free_blocks == prefill.kv.num_blocks

@@ -11,6 +11,7 @@ import pytest
 
 from cloud_tier.engine import LLMEngine, SamplingParams
 from cloud_tier.engine.draft import Draft
+from tests.handoff import hand_over
 from tests.unit.engine.spec_models import SMALL, make_tiny, plain_greedy, run
 
 PROMPT = list(b"def fibonacci(n):")  # 17 tokens: blocks of 4 end mid-draft
@@ -95,19 +96,9 @@ def test_a_prefill_for_a_handoff_refuses_its_draft_and_the_decode_side_finishes_
     base = answer(plain, PROMPT)
     prefill = LLMEngine.from_model(str(path), **SMALL)
     decode = LLMEngine.from_model(str(path), **SMALL)
-    req = prefill.make_request(PROMPT, GREEDY, draft=Draft.of(base[:8]))
-    req.kv_transfer = True
-    (first,) = run(prefill, [req])
+    first, final = hand_over(prefill, decode, prefill.make_request(PROMPT, GREEDY, draft=Draft.of(base[:8])),
+                             check_integrity=True)
     assert first.token_ids == base[:1] and first.finish_reason == "transfer"
     assert (first.draft_offered, first.draft_accepted, first.draft_skipped) == (8, 0, "kv_transfer")
-    handoff = prefill.export_kv(req.request_id)
-    new = decode.make_request(PROMPT, GREEDY, req.request_id)
-    new.append_token(req.output_token_ids[0])
-    final = decode.adopt(new, handoff.kv.clone(), None, handoff.sampler_state)
-    prefill.release_kv(req.request_id)
-    while decode.has_unfinished_requests():
-        for out in decode.step():
-            final = out
-        decode.check_integrity()
     assert final.token_ids == base
     assert prefill.speculation.counts.drafts_refused == 1
