@@ -38,7 +38,7 @@ def _choice_problem(ch: object, chat: bool, part: str) -> str:
         return ""  # a chunk with only a finish_reason
     if not isinstance(msg, dict):
         return f"a {part} that is not an object"
-    for name in ("content", "role", "reasoning_content", "refusal"):
+    for name in ("content", "role", "reasoning_content", "reasoning", "refusal"):
         if not _opt(msg.get(name), str):
             return f"a {part}'s {name} that is not a string"
     if not _opt(msg.get("tool_calls"), list):

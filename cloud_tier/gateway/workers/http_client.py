@@ -30,6 +30,24 @@ class WorkerBroke(Exception):
     """The connection to the worker failed after it opened (reset, closed, a malformed answer)."""
 
 
+class _CheckedConnector(aiohttp.TCPConnector):
+    """aiohttp's connector, but an idle connection that received bytes since its last answer ended
+    (``should_close``: a worker that wrote after its answer) is closed instead of reused: reused,
+    those bytes would be read as the next request's answer, another tenant's maybe. aiohttp
+    checks only that the connection is open (httpx/httpcore checked that it was not readable).
+    Relies on the connector's idle deque (``_conns``: (protocol, when) per key), aiohttp 3.9-3.x."""
+
+    async def _get(self, key, traces):
+        idle = getattr(self, "_conns", {}).get(key)
+        if idle:
+            for entry in [e for e in idle if e[0].should_close]:
+                idle.remove(entry)
+                entry[0].close()
+            if not idle:
+                del self._conns[key]
+        return await super()._get(key, traces)
+
+
 class WorkerHTTP:
     def __init__(self, connect_timeout_s: float = 2.0, read_timeout_s: float | None = None,
                  max_connections: int = 1024):  # 0: no cap
@@ -49,8 +67,7 @@ class WorkerHTTP:
 
     def _live(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=KEEPALIVE_EXPIRY_S,
-                                             enable_cleanup_closed=True)
+            connector = _CheckedConnector(limit=self.max_connections, keepalive_timeout=KEEPALIVE_EXPIRY_S)
             # no total limit here: the caller's asyncio.timeout bounds a request; no Accept-Encoding: the
             # worker answers uncompressed, the bytes relayed as it wrote them
             self._session = aiohttp.ClientSession(

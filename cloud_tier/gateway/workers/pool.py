@@ -29,6 +29,7 @@ from cloud_tier.gateway.workers.metrics_scrape import KINDS, ForeignLoad, detect
 from cloud_tier.gateway.workers.placement import WorkerLoad
 
 log = logging.getLogger(__name__)
+POLL_CPU_SHARE = 0.05  # the most of a core that reading the workers' /metrics may take
 
 
 @dataclass
@@ -61,6 +62,8 @@ class Worker:
         return self.healthy and (self.breaker is None or self.breaker.available)
 
     poll_every_s: float = 0.0  # how often the pool polls it now (``WorkerPool.poll_interval``)
+    parse_s: float = 0.0  # what reading its last /metrics took (seconds of the gateway's CPU)
+    poll_started: float = 0.0  # monotonic time its last poll began
 
     def stale(self, now: float, stale_after_s: float) -> bool:
         """Its numbers are older than ``stale_after_s``, or than three polls where polls are rarer."""
@@ -191,7 +194,10 @@ class WorkerPool:
         """Seconds between two polls of a worker: the configured interval, longer when the workers
         are so many that the pool's GETs (two a vLLM or SGLang worker: /health and /metrics; one
         for others) would pass ``max_polls_per_s``, so that polling costs a bounded share of a core
-        whatever the number of workers (its staleness bound grows alike: ``Worker.stale``)."""
+        whatever the number of workers (its staleness bound grows alike: ``Worker.stale``). A
+        worker whose /metrics costs more to read than its share of ``POLL_CPU_SHARE`` of a core is
+        polled less often still, on its own (``_every``): read less often, not refused, and no
+        other worker's polls slowed for it."""
         base = self.metrics_interval_s if self.foreign else self.interval_s
         gets = sum(2 if w.kind in ("vllm", "sglang") else 1 for w in self.workers.values())
         return max(base, gets / self.max_polls_per_s)
@@ -240,10 +246,12 @@ class WorkerPool:
         if w.kind in ("vllm", "sglang"):
             status, body = await self._get(w, "/metrics", 3.0)
             _raise_for(status, w.url, "/metrics")
+            started = time.perf_counter()
             text = body.decode("utf-8", "replace")
             # a vLLM scrape is ~50 KB; a larger one (up to MAX_SCRAPE_BYTES) is parsed off the event loop
             w.foreign = parse_load(w.kind, text) if len(body) <= 256 << 10 else await asyncio.to_thread(
                 parse_load, w.kind, text)
+            w.parse_s = time.perf_counter() - started  # what reading it costs: poll_interval keeps the sum bounded
         else:
             w.foreign = ForeignLoad()
         if w.role == "unknown":
@@ -257,10 +265,13 @@ class WorkerPool:
             while True:
                 every = self.poll_interval()
                 await asyncio.sleep(every)
+                now = time.monotonic()
                 for w in list(self.workers.values()):
-                    w.poll_every_s = every
+                    w.poll_every_s = self._every(w, every)
                     task = polling.get(w.url)
-                    if task is None or task.done():  # one poll of a worker at a time
+                    # one poll of a worker at a time, and none before its own interval is over
+                    if (task is None or task.done()) and now - w.poll_started >= 0.99 * w.poll_every_s:
+                        w.poll_started = now
                         polling[w.url] = asyncio.create_task(self._poll_logged(w))
                 for url in [u for u, t in polling.items() if t.done() and u not in self.workers]:
                     del polling[url]  # a worker discovery dropped
@@ -268,6 +279,11 @@ class WorkerPool:
             for task in polling.values():
                 task.cancel()
             await asyncio.gather(*polling.values(), return_exceptions=True)
+
+    def _every(self, w: Worker, every: float) -> float:
+        """``every``, or longer for a worker whose /metrics takes more than its share of
+        ``POLL_CPU_SHARE`` of a core to read at that pace."""
+        return max(every, w.parse_s * len(self.workers) / POLL_CPU_SHARE)
 
     async def _poll_logged(self, w: Worker) -> None:
         try:

@@ -75,6 +75,8 @@ class LineReader:
         self._pos = 0  # where the next line starts
         self._scan = 0  # where to look for its end: the bytes before hold none (a dripped line is searched once)
         self._eof = False
+        self._idle_s: float | None = None  # a ChunkReader's bound on the time between chunks
+        self._last = time.monotonic()
 
     async def line(self) -> bytes | None:
         buf = self._buf
@@ -93,6 +95,8 @@ class LineReader:
                 buf.clear()
                 self._pos = self._scan = 0
                 return rest or None
+            if self._idle_s is not None and time.monotonic() - self._last > self._idle_s:
+                raise TimeoutError(f"no whole chunk for {self._idle_s:g} s")  # bytes dripped into one line
             if self._pos:  # the lines read are dropped (a bytearray drops its front in place)
                 del buf[:self._pos]
                 self._pos = 0
@@ -105,14 +109,13 @@ class LineReader:
 class ChunkReader(LineReader):
     """The chunks of an OpenAI SSE stream, each as (the chunk, its data's bytes as the worker
     wrote them: what is relayed when nothing in it changes); ``next()`` is None at [DONE] and a
-    502 as ``next_sse_chunk`` says. Lines that are no chunk (comments, other fields, blank ones)
-    keep a stream open only ``idle_s`` past its last chunk (TimeoutError): a worker's pings alone
-    never hold a stream forever."""
+    502 as ``next_sse_chunk`` says. Lines that are no chunk (comments, other fields, blank ones),
+    or a line dripped a byte at a time, keep a stream open only ``idle_s`` past its last chunk
+    (TimeoutError): a worker's pings alone never hold a stream forever."""
 
     def __init__(self, read: Callable[[], Awaitable[bytes]], max_event_bytes: int, idle_s: float | None = None):
         super().__init__(read, max_event_bytes)
         self._idle_s = idle_s
-        self._last = time.monotonic()
 
     async def next(self) -> tuple[dict, bytes] | None:
         while (line := await self.line()) is not None:

@@ -69,3 +69,14 @@ def test_an_idle_batch_runner_waits_for_a_batch_instead_of_polling(tmp_path):
         await asyncio.gather(task, return_exceptions=True)
 
     asyncio.run(run())
+
+
+def test_a_worker_whose_metrics_cost_much_to_read_is_polled_less_often():
+    pool = WorkerPool(["http://w0", "http://w1"], httpx.AsyncClient(), kind="vllm", metrics_interval_s=1.0)
+    pool.decide_mode()
+    assert pool.poll_interval() == pytest.approx(1.0)
+    pool.workers["http://w0"].parse_s = 0.4  # a 4 MiB /metrics
+    every = pool.poll_interval()
+    assert every == pytest.approx(1.0)  # the others' polls are not slowed for it
+    assert pool._every(pool.workers["http://w0"], every) == pytest.approx(0.4 * 2 / 0.05)  # its share of 5% of a core
+    assert pool._every(pool.workers["http://w1"], every) == pytest.approx(1.0)

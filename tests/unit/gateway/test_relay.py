@@ -202,3 +202,65 @@ def test_a_stream_past_what_is_kept_is_relayed_but_not_stored():
     for _ in range(KEEP_BYTES // len(raw) + 2):
         assert observe_chunk(f, (big, raw)) == (big, raw)
     assert not f.kept and f.events == [] and f.answer_chars > KEEP_BYTES
+
+
+def test_bytes_a_worker_writes_after_its_answer_never_reach_the_next_request():
+    """A kept-alive connection to a worker that wrote more after its answer ended is not reused."""
+    from cloud_tier.gateway.workers.http_client import WorkerHTTP, read_some
+
+    def answer(text: str) -> bytes:
+        body = f"data: {text}\n\ndata: [DONE]\n\n".encode()
+        return (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                + b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n")
+
+    async def run() -> list[bytes]:
+        served = 0
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal served
+            while await reader.readuntil(b"\r\n\r\n"):
+                served += 1
+                writer.write(answer(f"honest-{served}"))
+                await writer.drain()
+                await asyncio.sleep(0.05)
+                writer.write(answer("INJECTED"))  # after the answer ended, on the idle connection
+                await writer.drain()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/x"
+        http, got = WorkerHTTP(), []
+        try:
+            for _ in range(3):
+                resp = await http.send("GET", url, None, {})
+                body = b""
+                while data := await read_some(resp):
+                    body += data
+                resp.release()
+                got.append(body)
+                await asyncio.sleep(0.2)  # the injected answer has arrived on the idle connection
+        finally:
+            await http.close()
+            server.close()
+        return got
+
+    got = asyncio.run(run())
+    assert all(b"INJECTED" not in body for body in got), got
+    assert [b"honest" in body for body in got] == [True, True, True]
+
+
+def test_a_data_line_dripped_a_byte_at_a_time_holds_a_stream_only_until_its_idle_bound():
+    drip = iter([b"data: " + json.dumps(chunk(1, "a")).encode() + b"\n\ndata: {"] + [b" "] * 1000)
+
+    async def read() -> bytes:
+        await asyncio.sleep(0.01)
+        return next(drip, b"")
+
+    async def run():
+        reader = ChunkReader(read, 1 << 16, idle_s=0.3)
+        await reader.next()
+        await reader.next()
+
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        asyncio.run(run())
+    assert time.monotonic() - started < 3.0
