@@ -141,7 +141,7 @@ def build_app(config: CloudConfig, worker_urls: list[str], stopping: Callable[[]
                 watcher.cancel()
             await pool.close()
             await client.aclose()
-            stores.close()
+            await stores.aclose()
 
     app = build_openai_app("cascade cloud gateway", lifespan, config, "cloud", generation, ops, v1, admin,
                            batch_api)

@@ -6,8 +6,12 @@ bounded by count (``tenant_entries``) and bytes (``tenant_bytes``): a sorted set
 keys by when each was stored, and a hash of their sizes, trimmed in the same Lua call that stores
 (its own oldest entries go first, expired ones before them), so one tenant writing many entries
 evicts only its own and never gives Redis' ``maxmemory`` policy a reason to evict another's (size
-maxmemory for tenants x tenant_bytes). The script names value keys it was not passed: a standalone
-Redis (or one cluster slot), as quotas_redis' scripts need too.
+maxmemory for tenants x tenant_bytes). Every key of a tenant's entries carries its hash tag
+(``cascade:cache:{tenant}:...``, the same tag as its quota buckets), so the store script, which
+names value keys it was not passed, touches one Redis Cluster slot, and the gateway's request path
+(``pipeline.state_redis``) looks an answer up in the same script call that admits it against the
+tenant's quotas. (Entries written under the untagged keys of earlier versions are not read: they
+expire with their ttl.)
 
 A cache is an optimisation: when Redis fails a lookup or a store, the request runs as a miss
 (logged) rather than failing."""
@@ -59,6 +63,8 @@ return 1
 
 
 class RedisResultCache:
+    put_script = _PUT
+
     def __init__(self, url: str, max_bytes: int = 64 << 20, ttl_s: float = 600.0, prefix: str = "cascade:cache:",
                  tenant_entries: int = 1024, tenant_bytes: int = 16 << 20):
         if max_bytes < 1 or ttl_s <= 0 or tenant_entries < 1 or tenant_bytes < 1:
@@ -74,13 +80,21 @@ class RedisResultCache:
         # not decoded again, and keeps what was rendered from it (pipeline.results.render_stored)
         self._decoded = ResultCache(1024, min(max_bytes, 16 << 20), ttl_s)
 
-    def get(self, key: str) -> Any | None:
+    def value_key(self, key: str, owner: str) -> str:
+        """The Redis key of ``owner``'s (the tenant's) entry ``key``."""
+        return f"{self._prefix}{{{owner}}}:{key}"
+
+    def get(self, key: str, owner: str = "") -> Any | None:
         """The value, or None if absent or expired."""
         try:
-            raw = self._redis.get(self._prefix + key)
+            raw = self._redis.get(self.value_key(key, owner))
         except redis.RedisError as e:
             log.warning("result cache lookup failed (a miss): %s", e)
             raw = None
+        return self.decoded(key, raw)
+
+    def decoded(self, key: str, raw: bytes | None) -> Any | None:
+        """The value of what Redis gave for ``key`` (None: a miss), counted as a hit or a miss."""
         if raw is None:
             self.stats.misses += 1
             return None
@@ -104,17 +118,24 @@ class RedisResultCache:
         larger than max_bytes or the tenant's bytes is not stored (and removes the old one)."""
         if size_bytes < 0:
             raise ValueError(f"size_bytes must be >= 0, got {size_bytes}")
-        payload = json.dumps(value, separators=(",", ":"))
+        call = self.put_call(key, value, size_bytes, owner)
         try:
-            if max(size_bytes, len(payload)) > min(self.max_bytes, self.tenant_bytes):
-                self._redis.delete(self._prefix + key)
+            if call is None:
+                self._redis.delete(self.value_key(key, owner))
             else:
-                tenant = self._prefix + "tenant:" + owner
-                self._put(keys=[self._prefix + key, tenant + ":keys", tenant + ":sizes"],
-                          args=[key, payload, max(1, int(self.ttl_s * 1000)), self.tenant_entries,
-                                self.tenant_bytes, self._prefix])
+                self._put(keys=call[0], args=call[1])
         except redis.RedisError as e:
             log.warning("result cache store failed: %s", e)
+
+    def put_call(self, key: str, value: Any, size_bytes: int, owner: str) -> tuple[list, list] | None:
+        """The store script's (keys, args) that ``put`` runs; None when the value is too large to
+        store (its old one is deleted instead)."""
+        payload = json.dumps(value, separators=(",", ":"))
+        if max(size_bytes, len(payload)) > min(self.max_bytes, self.tenant_bytes):
+            return None
+        tenant = f"{self._prefix}{{{owner}}}:"
+        return ([self.value_key(key, owner), tenant + "keys", tenant + "sizes"],
+                [key, payload, max(1, int(self.ttl_s * 1000)), self.tenant_entries, self.tenant_bytes, tenant])
 
     def close(self) -> None:
         self._redis.close()
