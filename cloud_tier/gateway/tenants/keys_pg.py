@@ -8,8 +8,8 @@ its own, drops what it cached of the change as the notification arrives. While i
 cached entry is trusted for ``listened_ttl_s`` (a backstop: a notification is never the only
 way a change arrives); while it does not (not started, or its connection broke), for
 ``cache_ttl_s`` (a lost connection cuts what is cached down to that), and on every (re)connection
-the whole cache is dropped, since notifications may have been missed meanwhile. A payload it cannot read is ignored and counted
-(``notifications_ignored``)."""
+the whole cache is dropped, since notifications may have been missed meanwhile. A payload it
+cannot read is ignored and counted (``notifications_ignored``)."""
 
 from __future__ import annotations
 
