@@ -1,10 +1,12 @@
 """``state.RequestState`` on Redis, shared by gateway replicas: each call is ONE round trip on an
 asyncio client (a non-transactional pipeline), so a slow Redis stalls only the requests waiting on
-it, never the event loop. ``lookup``: one script call that GETs the cached answer and, on a hit,
-admits it against the tenant's and the key's buckets (``quotas_redis``' script: every key it names
-carries the tenant's hash tag, one Cluster slot), plus an MGET of the spend counters when a
-budget is active. ``admit`` (a miss): the script and the MGET. ``settle``: the quota's true-up,
-the spend increments and the cache's store script.
+it, never the event loop. ``lookup``: one script call that GETs the cached answer (and its time
+to live) and, on a hit, admits it against the tenant's and the key's buckets (``quotas_redis``'
+script: every key it names carries the tenant's hash tag, one Cluster slot), plus an MGET of the
+spend counters when a budget is active; no round trip at all for a hit this replica read less
+than ``near_s`` ago when neither a quota nor a budget applies (``result_cache_redis``' near
+cache). ``admit`` (a miss): the script and the MGET. ``settle``: the quota's true-up, the spend
+increments and the cache's store script.
 
 Failures keep today's meaning: a lookup that fails is a miss (logged) when no bucket applies, and
 fails the request otherwise (the quota cannot be decided); a store that fails is logged."""
@@ -32,7 +34,8 @@ class RedisState:
         self.spend = spend  # None: spend is counted in the key store (never with a Redis: stores.open_spend)
         self._redis = redis.asyncio.Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=5.0,
                                                    health_check_interval=30)
-        self._scripts = {"quota": (quotas.script, None), "put": (cache.put_script, None)}
+        self._scripts = {"quota": (quotas.script, None), "put": (cache.put_script, None),
+                         "get": (cache.get_script, None)}
 
     async def _sha(self, name: str) -> str:
         source, sha = self._scripts[name]
@@ -56,6 +59,15 @@ class RedisState:
         return replies
 
     async def _pipeline(self, commands: list[tuple]) -> list:
+        if len(commands) == 1:  # one command needs no pipeline (a cache hit of a tenant without limits)
+            method, *args = commands[0]
+            try:
+                if method == "script":
+                    name, keys, argv = args
+                    return [await self._redis.evalsha(await self._sha(name), len(keys), *keys, *argv)]
+                return [await getattr(self._redis, method)(*args)]
+            except (redis.exceptions.ResponseError, redis.exceptions.NoScriptError) as e:
+                return [e]  # as a pipeline gives it: the command's own error
         pipe = self._redis.pipeline(transaction=False)
         for method, *args in commands:
             if method == "script":
@@ -79,9 +91,12 @@ class RedisState:
         checks = self.quotas.checks(q.tenant, q.key_id, q.tenant_limits, q.key_limits, 0)
         commands = self._spend_read(counters)
         if cache_key:
+            if not commands and not checks and (near := self.cache.near(cache_key, q.tenant)) is not None:
+                return Lookup(near, QuotaDecision(True))  # nothing to decide in Redis: no round trip
             value_key = self.cache.value_key(cache_key, q.tenant)
             commands.insert(0, ("script", "quota", [value_key, *(c[2] for c in checks)],
-                                ["lookup", *self.quotas.admit_args(checks)]) if checks else ("get", value_key))
+                                ["lookup", *self.quotas.admit_args(checks)]) if checks
+                            else ("script", "get", [value_key], []))
         if not commands:
             return Lookup(None, None)
         try:
@@ -95,13 +110,13 @@ class RedisState:
         if not cache_key:
             return Lookup(None, None, self._spent(counters, replies))
         if checks:
-            raw = first[3] if first[0] != 2 and len(first) > 3 else None
+            raw, ttl_ms = (first[3], first[4]) if first[0] != 2 and len(first) > 4 else (None, None)
             decision = decision_of(checks, first) if raw is not None else None
         else:
-            raw, decision = first, QuotaDecision(True)
+            (raw, ttl_ms), decision = first, QuotaDecision(True)
         # an entry that does not decode is a miss (logged), though its lookup took a request from the rps
         # buckets: such a request is counted twice there (garbage in the cache is not expected)
-        hit = self.cache.decoded(cache_key, raw)
+        hit = self.cache.decoded(cache_key, raw, q.tenant, ttl_ms)
         return Lookup(hit, decision if hit is not None else None, self._spent(counters, replies))
 
     async def admit(self, q: Quota, tokens: int, counters: Counters) -> tuple[QuotaDecision, list]:

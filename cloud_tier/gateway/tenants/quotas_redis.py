@@ -21,7 +21,8 @@ from cloud_tier.gateway.tenants.quotas import _EPS, Limits, QuotaDecision
 # KEYS: the buckets (for "lookup": the cached answer's key first). ARGV[1]: "admit", "lookup" or
 # "reconcile"; ARGV[2]: idle seconds kept after a full refill; admit and lookup: then (rate, capacity,
 # amount) per bucket and the float slack last (lookup: on a miss nothing is taken and {2, '0', 0} comes
-# back; on a hit the buckets are admitted as given and the answer comes fourth); reconcile: then the
+# back; on a hit the buckets are admitted as given and the answer comes fourth, its ms to live fifth);
+# reconcile: then the
 # tokens to add per bucket (a refund > 0, capped at the capacity; a charge < 0, which may go into debt,
 # down to -capacity as in quotas.TokenBucket).
 _SCRIPT = """
@@ -66,12 +67,14 @@ for k = first, #KEYS do
     wait = (amount - level) / rate end
   if wait > worst then worst, worst_i = wait, i end
 end
-if worst_i > 0 then return {0, tostring(worst), worst_i, answer} end
+local ttl = false
+if answer then ttl = redis.call('PTTL', KEYS[1]) end
+if worst_i > 0 then return {0, tostring(worst), worst_i, answer, ttl} end
 for k = first, #KEYS do
   local i = k - first + 1
   store(KEYS[k], levels[i] - tonumber(ARGV[3 * i + 2]), tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1]))
 end
-return {1, '0', 0, answer}
+return {1, '0', 0, answer, ttl}
 """
 
 

@@ -241,3 +241,37 @@ def test_a_redis_that_is_down_is_a_cache_miss_without_quotas_and_an_error_with_t
         s.spend.close()
     assert (found.hit, found.decision) == (None, None)
     assert json.dumps(ANSWER)
+
+
+def test_a_hit_just_read_is_answered_from_memory_when_nothing_is_to_be_decided(redis_url):
+    """The near cache: a tenant with no quota and no budget gets a hit read less than ``near_s``
+    ago without a round trip, never past the entry's time to live in Redis; a tenant with a quota
+    always goes to Redis (its buckets decide)."""
+    s = redis_state(redis_url)
+    s.cache.near_s = 0.5
+    trips = []
+    real = s._pipeline
+
+    async def counted(commands):
+        trips.append(len(commands))
+        return await real(commands)
+
+    s._pipeline = counted
+    r = redis.Redis.from_url(redis_url)
+
+    async def run():
+        await s.settle(q("acme"), 0, 0, [], Keep("c1", ANSWER, 20))
+        await s.settle(q("lim"), 0, 0, [], Keep("c1", ANSWER, 20))
+        r.pexpire(s.cache.value_key("c1", "acme"), 200)  # dies in Redis before near_s is over
+        trips.clear()
+        found = [await s.lookup(q("acme"), "c1", []) for _ in range(3)]
+        assert trips == [1] and all(f.hit == ANSWER for f in found)  # one read, then memory
+        await asyncio.sleep(0.3)
+        assert (await s.lookup(q("acme"), "c1", [])).hit is None  # gone from Redis: gone here too
+        trips.clear()
+        limited = [await s.lookup(q("lim", rps=100), "c1", []) for _ in range(3)]
+        assert trips == [1, 1, 1] and all(f.hit == ANSWER for f in limited)
+        await s.aclose()
+
+    asyncio.run(run())
+    r.close()
