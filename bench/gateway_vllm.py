@@ -143,6 +143,25 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def profile(pid: int, out: str) -> subprocess.Popen:
+    """py-spy sampling ``pid`` (100 Hz, idle frames left out) until SIGINT; collapsed stacks to ``out``."""
+    spy = str(Path(sys.executable).parent / "py-spy")
+    return subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "100", "--format", "raw", "--output", out,
+                             "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def cpu_mark(pid: int):
+    """An ``on_result`` that gives each run the gateway's CPU seconds used while it ran (the client
+    prints a result as each run ends; the first run is measured from this call)."""
+    last = [cpu_seconds(pid)]
+
+    def mark(r: dict) -> None:
+        now = cpu_seconds(pid)
+        r["gateway_cpu_s"], last[0] = now - last[0], now
+
+    return mark
+
+
 def paired_median_added_ms(direct: dict, gateway: dict) -> float:
     """The median over prompts of gateway TTFT - direct TTFT (the same prompt, the same arrival
     slot), less noisy than a difference of medians; NaN without per-request times."""
@@ -190,6 +209,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-python", default=str(Path.home() / ".cache/cascade/vllm-venv/bin/python"))
     p.add_argument("--out", help="write every run's numbers (and per-request TTFTs) here as JSON")
+    p.add_argument("--profile", help="py-spy the gateway during the client's runs; its collapsed stacks here")
     args = p.parse_args()
     rates = [r.strip() for r in args.rates.split(",") if r.strip()]
     if not Path(args.vllm_python).exists():
@@ -214,8 +234,12 @@ def main() -> int:
             order = ("direct", "gateway") if i % 2 == 0 else ("gateway", "direct")
             runs += [{"path": path, "url": paths[path], "rate": rate, "key": key} for path in order]
         gateway_cpu = cpu_seconds(gateway.pid)
-        results = run_client(args, client_args(args, model_dir, dataset), runs, work)
+        spy = profile(gateway.pid, args.profile) if args.profile else None
+        results = run_client(args, client_args(args, model_dir, dataset), runs, work, on_result=cpu_mark(gateway.pid))
         gateway_cpu = cpu_seconds(gateway.pid) - gateway_cpu
+        if spy is not None:
+            spy.send_signal(2)
+            spy.wait(60)
     finally:
         if gateway is not None:
             stop(gateway)
@@ -226,6 +250,10 @@ def main() -> int:
     print_table(results, rates)
     # on a machine this small the gateway's CPU is taken from vLLM's: its cost per request says how much
     sent = sum(r["completed"] + r["failed"] + 2 for r in results if r["path"] == "gateway")  # + ready check, warm-up
+    for r in results:
+        n = r["completed"] + r["failed"]
+        print(f"rate {r['rate']:>4} {r['path']:<8} gateway CPU {r['gateway_cpu_s']:.2f} s over the run "
+              f"({1000 * r['gateway_cpu_s'] / max(n, 1):.2f} ms per request of this run)")
     print(f"gateway process CPU: {gateway_cpu:.1f} s for {sent} requests ({1000 * gateway_cpu / max(sent, 1):.1f} "
           f"ms per request, its /metrics and /health polling of vLLM included)")
     if args.out:

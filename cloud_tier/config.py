@@ -74,6 +74,9 @@ class GatewayConfig:
     # foreign workers' health, failures and load (see cloud_tier/gateway/foreign/routing.py, proxy.py)
     metrics_interval_s: float = 1.0  # scrape of a foreign worker's /metrics and /health
     stale_after_s: float = 3.0  # load numbers older than this: the worker counts as saturated
+    # the most health/load GETs a second to all workers together (polls are spread further apart beyond
+    # it, so polling costs a bounded share of a core whatever the number of workers: docs/scale.md)
+    max_polls_per_s: float = 20.0
     worker_max_waiting: int = 8  # a foreign worker with this many requests waiting is saturated
     shed_step: float = 0.1  # priority p > 0 is shed from pressure 1 - shed_step * p (floor 0.5)
     connect_timeout_s: float = 2.0
@@ -203,6 +206,8 @@ class GatewayConfig:
             raise ValueError(f"tenant_kv_window_s must be a number of seconds >= 0, got {self.tenant_kv_window_s}")
         if not 0 < self.kv_high_watermark <= 1:
             raise ValueError("kv_high_watermark must be in (0, 1]")
+        if not 0.1 <= self.max_polls_per_s <= 10000:
+            raise ValueError(f"max_polls_per_s must be in [0.1, 10000], got {self.max_polls_per_s}")
         if not (0 <= self.min_ttft_slo_s < math.inf and 0 <= self.min_tpot_slo_s < math.inf):
             raise ValueError("min_ttft_slo_s and min_tpot_slo_s must be numbers of seconds >= 0 (0: no floor)")
         if not 0 < self.idempotency_lease_s <= self.idempotency_ttl_s:

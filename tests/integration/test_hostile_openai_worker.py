@@ -47,6 +47,12 @@ def script(case: str, stream: bool) -> Mode:
         "nan_usage": dict(script=[*chunks[:-2], 'data: {"choices":[],"usage":{"prompt_tokens":NaN}}\n\n', chunks[-1]]
                           if stream else [body.replace('"prompt_tokens": 9', '"prompt_tokens": NaN')]),
         "in_band_error": dict(script=sse({"error": {"message": "boom", "type": "server_error"}}, "[DONE]")),
+        # issue 42's relay: chunks without "data:" are no chunks (an empty stream); SSE comments and other
+        # fields between honest chunks are skipped, the chunks relayed as they came
+        "no_data_prefix": dict(script=[json.dumps(c) + "\n\n" for c in honest_chunks()] + ["data: [DONE]\n\n"]
+                               if stream else [json.dumps(honest_body()) + "\n\n" + json.dumps(honest_body())]),
+        "sse_comments": dict(script=[": ping\n\n", "event: completion\nid: 7\n", *chunks[:1], "retry: 10\n\n",
+                                     *chunks[1:]] if stream else [body]),
         "choices_not_a_list": dict(script=sse({"choices": 5}, "[DONE]") if stream else ['{"choices": 5}']),
         # item 2: shapes that once passed, were cached, and broke the other shape's replay (a 500)
         "string_delta": dict(script=sse({"choices": [{"index": 0, "delta": "stringdelta"}]}, "[DONE]") if stream
@@ -65,8 +71,10 @@ def script(case: str, stream: bool) -> Mode:
 
 SHAPES = ["string_delta", "choice_not_a_dict", "bad_mid_stream"]
 CASES = [*LIES, "empty", "only_done", "giant_chunk", "malformed", "nan_usage", "in_band_error", "choices_not_a_list",
+         "no_data_prefix", "sse_comments",
          *SHAPES, "stall_before_headers", "stall_after_headers", "stall_mid_stream", "stall_before_done"]
 FAILS = {"empty", "only_done", "giant_chunk", "malformed", "nan_usage", "in_band_error", "choices_not_a_list",
+         "no_data_prefix",
          *SHAPES, "stall_before_headers", "stall_after_headers", "stall_mid_stream", "stall_before_done"}
 # streamed: after the first chunk
 MID_STREAM = {"malformed", "nan_usage", "bad_mid_stream", "stall_mid_stream", "stall_before_done"}

@@ -202,6 +202,7 @@ async def create_batch(request: Request):
         raise _storage_full(e, "input_file_id") from e
     except TooManyBatches as e:
         raise _too_many(str(e)) from e
+    store.created.set()
     if batch_id is None:  # deleted meanwhile
         raise _not_found("File", new.input_file_id)
     return await _batch(store, await _call(store.batch, batch_id))

@@ -53,7 +53,8 @@ class RunnerConfig:
     kv_share: float = 0.5  # start lines only while some worker's KV use is under this share
     online_busy: int = 0  # ... and while fewer online requests than this are in flight (0: no such limit)
     max_lines: int = 50_000
-    interval_s: float = 0.2  # between looks at the batches
+    interval_s: float = 0.2  # between looks at the batches while some are open
+    idle_interval_s: float = 5.0  # ... and while none is (a batch created through this gateway wakes it at once)
     backoff_s: float = 1.0  # after a passing refusal, no new line of its tenant for this long, doubling ...
     backoff_max_s: float = 60.0  # ... up to this
     max_refusals: int = 10  # a line refused this often ends with the refusal as its answer
@@ -113,19 +114,27 @@ class BatchRunner:
             log.info("%d batch lines left running by the last gateway run again (or end, if cancelled)", requeued)
         try:
             while True:
+                self.store.created.clear()  # before the look: a batch created during it wakes the wait below
+                busy = True
                 try:
-                    await self.step()
+                    busy = await self.step()
                 except Exception:  # never let the runner die: the batches wait for the next look
                     log.exception("batch runner step failed")
-                await asyncio.sleep(self.config.interval_s)
+                if busy or self.in_flight:
+                    await asyncio.sleep(self.config.interval_s)
+                else:  # nothing open: no look (a thread and a query) five times a second for nothing
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.store.created.wait(), self.config.idle_interval_s)
         finally:
             for _, task in self.in_flight.values():
                 task.cancel()  # each puts its line back (the store's state is what the next start reads)
             await asyncio.gather(*(task for _, task in self.in_flight.values()), return_exceptions=True)
 
-    async def step(self) -> None:
+    async def step(self) -> bool:
+        """One look at the open batches; whether there were any."""
         ready = []
-        for row in await asyncio.to_thread(self.store.open_batches):
+        rows = await asyncio.to_thread(self.store.open_batches)
+        for row in rows:
             status = Status(row["status"])
             if status is Status.VALIDATING:
                 await self._validate(row)
@@ -148,6 +157,7 @@ class BatchRunner:
             swept = await asyncio.to_thread(self.store.sweep_expired)
             if swept:
                 log.info("deleted %d expired batch files", swept)
+        return bool(rows)
 
     async def _validate(self, row: dict) -> None:
         gone = [{"code": "file_not_found", "message": "The input file was deleted.", "param": "input_file_id",

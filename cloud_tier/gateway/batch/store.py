@@ -17,6 +17,7 @@ the batch stays ``validating`` (its counts zero) until the last of them."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterable
@@ -59,6 +60,7 @@ class TooManyBatches(Exception):
 class BatchStore(FileStore):
     def __init__(self, path: Path | str, clock=time.time, limits: FileLimits = FileLimits()):
         super().__init__(path, clock, limits)
+        self.created = asyncio.Event()  # set by the API when it creates a batch: the idle runner looks at once
         with self._write() as conn:
             for statement in _SCHEMA.split(";"):
                 conn.execute(statement)

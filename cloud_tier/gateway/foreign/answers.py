@@ -51,19 +51,32 @@ def usage_of(obj: dict) -> tuple[object, object] | None:
     return u.get("prompt_tokens"), u.get("completion_tokens")
 
 
-def answer_chars(obj: dict) -> int:
+def text_and_finish(obj: dict) -> tuple[int, str | None]:
     """The characters of answer text in a chunk (a delta's or a choice's text) or a body (its
-    messages), for an estimate of the tokens when the worker gives no usage."""
-    n = 0
-    for c in obj.get("choices") or ():
-        if not isinstance(c, dict):
+    messages), for an estimate of the tokens when the worker gives no usage; and the last
+    finish_reason it names (None: none). One walk, no generator: it runs once per relayed chunk."""
+    n, reason = 0, None
+    choices = obj.get("choices")
+    if not choices:
+        return 0, None
+    for c in choices:
+        if type(c) is not dict:
             continue
         for part in (c.get("delta"), c.get("message")):
-            if isinstance(part, dict):
-                n += sum(len(v) for k in ("content", "reasoning_content") if isinstance(v := part.get(k), str))
-        if isinstance(c.get("text"), str):
-            n += len(c["text"])
-    return n
+            if type(part) is dict:
+                v = part.get("content")
+                if type(v) is str:
+                    n += len(v)
+                v = part.get("reasoning_content")
+                if type(v) is str:
+                    n += len(v)
+        v = c.get("text")
+        if type(v) is str:
+            n += len(v)
+        v = c.get("finish_reason")
+        if type(v) is str:
+            reason = v
+    return n, reason
 
 
 def is_deterministic(body: dict) -> bool:

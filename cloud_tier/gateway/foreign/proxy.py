@@ -28,20 +28,21 @@ falls back to decoding alone."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
+import orjson
 
 from cascade import errors
 from cloud_tier.gateway.foreign.shape import body_problem, chunk_problem, worker_is_unwell
 from cloud_tier.gateway.tenants.priority import with_vllm_priority
 from cloud_tier.gateway.workers import stream as worker_stream
 from cloud_tier.gateway.workers.admission import Ticket
+from cloud_tier.gateway.workers.http_client import Unreachable, WorkerBroke, WorkerHTTP, end_of_body, read_some
 from cloud_tier.gateway.workers.pool import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -84,10 +85,10 @@ class Attempt:
 
 
 class OpenAIProxy:
-    def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, config: ProxyConfig, worker_api_key: str = "",
+    def __init__(self, pool: WorkerPool, http: WorkerHTTP, config: ProxyConfig, worker_api_key: str = "",
                  rng: random.Random | None = None):
         self.pool = pool
-        self.client = client
+        self.http = http
         self.config = config
         self.headers = {"content-type": "application/json"}
         if worker_api_key:
@@ -96,8 +97,8 @@ class OpenAIProxy:
 
     async def run(self, a: Attempt, ticket: Ticket, hit_blocks: int,
                   rechoose: Callable[[frozenset[str]], Ticket], on_ticket: Callable[[Ticket], None]
-                  ) -> AsyncIterator[dict]:
-        """The worker's chunks (stream) or its one body (not streamed), as dicts. ``rechoose``
+                  ) -> AsyncIterator[dict | tuple[dict, bytes]]:
+        """The worker's chunks (stream: each as (the chunk, its bytes)) or its one body (a dict). ``rechoose``
         gives a ticket on another worker for a retry (the old one is released by ``on_ticket``)."""
         tried: set[str] = set()
         body = dict(a.body)
@@ -129,8 +130,9 @@ class OpenAIProxy:
                 await asyncio.sleep(self.config.retry_backoff_s * (2 ** attempt) * (0.5 + self.rng.random()))
                 hit_blocks = 0
 
-    async def _send(self, w: Worker, a: Attempt, body: dict) -> AsyncIterator[dict]:
-        request = self._request(w, a, body)
+    async def _send(self, w: Worker, a: Attempt, body: dict) -> AsyncIterator[dict | tuple[dict, bytes]]:
+        """The worker's answer: its one body (a dict), or its stream's chunks, each as (the chunk,
+        its bytes as the worker wrote them), relayed unchanged unless the gateway changes it."""
         cfg = self.config
         chat = a.path.endswith("/chat/completions")
         resp = None
@@ -145,78 +147,85 @@ class OpenAIProxy:
         yielded = False
         try:
             async with asyncio.timeout(_within(cfg.first_token_timeout_s if a.stream else cfg.answer_timeout_s, a)):
-                resp = await self.client.send(request, stream=True)  # headers, then the first chunk, in time
-                first, lines = await self._first(resp, w, a, chat, failed)
+                resp = await self.http.send("POST", f"{w.url}{a.path}", orjson.dumps(body), self._headers(a))
+                first, reader = await self._first(resp, w, a, chat, failed)  # headers, then the first chunk, in time
                 self._ok(w)
             yielded = True
             yield first
-            if a.stream:
-                while True:
-                    async with asyncio.timeout(_within(None, a)):
-                        item = await worker_stream.next_sse_chunk(lines, cfg.max_event_bytes)
-                    if item is None:
-                        break
-                    _check_chunk(item, chat)
-                    yield item
+            if reader is not None:
+                if a.deadline is None:
+                    while (item := await reader.next()) is not None:
+                        _check_chunk(item[0], chat)
+                        yield item
+                else:
+                    while True:
+                        async with asyncio.timeout(_within(None, a)):
+                            item = await reader.next()
+                        if item is None:
+                            break
+                        _check_chunk(item[0], chat)
+                        yield item
+                await end_of_body(resp)
         except errors.APIError as e:
             # the worker's 200 that is not an OpenAI answer: its own failure (retried elsewhere before
             # the first byte); an OpenAI error event in its stream is the request's, as a 500 is
-            if resp is not None and resp.status_code == 200 and e.code in _UNWELL_CODES:
+            if resp is not None and resp.status == 200 and e.code in _UNWELL_CODES:
                 failed(e.message)
                 if not yielded:
                     raise _Retryable(e) from None
             raise
-        except httpx.ConnectError as e:
-            failed(repr(e), down=True)
-            raise _Retryable(errors.APIError(502, f"The cloud worker could not be reached: {e!r}", "server_error",
+        except Unreachable as e:
+            failed(str(e), down=True)
+            raise _Retryable(errors.APIError(502, f"The cloud worker could not be reached: {e}", "server_error",
                                              code="worker_unreachable")) from e
-        except (TimeoutError, httpx.TimeoutException) as e:
+        except TimeoutError as e:
             if a.deadline is not None and time.perf_counter() >= a.deadline:
                 raise errors.APIError(504, "The request's deadline passed before the cloud worker's answer was "
                                       "whole.", "server_error", code="deadline_exceeded") from e
-            failed("no first token in time" if isinstance(e, TimeoutError) else repr(e))
+            failed("no first token in time" if not yielded else "no answer in time")
             raise errors.APIError(504, "The cloud worker did not answer in time.", "server_error",
                                   code="worker_timeout") from e
-        except httpx.HTTPError as e:
-            failed(repr(e))
-            raise errors.APIError(502, f"The cloud worker failed: {e!r}", "server_error", code="worker_failed") from e
+        except WorkerBroke as e:
+            failed(str(e))
+            raise errors.APIError(502, f"The cloud worker failed: {e}", "server_error", code="worker_failed") from e
         finally:
             if resp is not None:
-                await resp.aclose()
+                resp.release()  # back to the pool when its body was read to the end, else closed
 
-    def _request(self, w: Worker, a: Attempt, body: dict) -> httpx.Request:
+    def _headers(self, a: Attempt) -> dict[str, str]:
         headers = {**self.headers, "x-request-id": a.request_id}
         if (left := a.time_left()) is not None:
             headers["x-cascade-deadline"] = f"{left:.3f}"
-        return self.client.build_request("POST", f"{w.url}{a.path}", content=json.dumps(body), headers=headers)
+        return headers
 
-    async def _first(self, resp: httpx.Response, w: Worker, a: Attempt, chat: bool,
-                     failed: Callable[[str], None]) -> tuple[dict, AsyncIterator[bytes] | None]:
-        """The answer's first part: the whole body, or a stream's first chunk and the stream's lines
-        to read on. A refusal raises, as ``_Retryable`` where another worker may answer it."""
+    async def _first(self, resp: aiohttp.ClientResponse, w: Worker, a: Attempt, chat: bool,
+                     failed: Callable[[str], None]) -> tuple[object, worker_stream.ChunkReader | None]:
+        """The answer's first part: the whole body, or a stream's first chunk and the reader of the
+        rest. A refusal raises, as ``_Retryable`` where another worker may answer it."""
         cfg = self.config
-        if resp.status_code != 200:
-            content = await worker_stream.read_body(resp, cfg.max_body_bytes)
-            err = worker_stream.error_of(content, resp.status_code, resp.headers)
-            if resp.status_code in _RETRY_STATUS or resp.status_code >= 500:
-                if worker_is_unwell(resp.status_code, content):
-                    failed(f"answered {resp.status_code}")
+        if resp.status != 200:
+            content = await worker_stream.read_all(resp.headers, lambda: read_some(resp), cfg.max_body_bytes)
+            err = worker_stream.error_of(content, resp.status, resp.headers)
+            if resp.status in _RETRY_STATUS or resp.status >= 500:
+                if worker_is_unwell(resp.status, content):
+                    failed(f"answered {resp.status}")
                 raise _Retryable(err)
             self._ok(w)
             raise err
         if not a.stream:
-            first = worker_stream.decode(await worker_stream.read_body(resp, cfg.max_body_bytes),
-                                         cfg.max_body_bytes, "an answer")
+            first = worker_stream.decode(
+                await worker_stream.read_all(resp.headers, lambda: read_some(resp), cfg.max_body_bytes),
+                cfg.max_body_bytes, "an answer")
             if why := body_problem(first, chat):
                 raise _bad_answer(f"The cloud worker answered something that is not a completion: {why}.",
                                   "worker_bad_response")
             return first, None
-        lines = worker_stream.lines(resp.aiter_bytes(), cfg.max_event_bytes)
-        first = await worker_stream.next_sse_chunk(lines, cfg.max_event_bytes)
+        reader = worker_stream.ChunkReader(lambda: read_some(resp), cfg.max_event_bytes)
+        first = await reader.next()
         if first is None:
             raise _bad_answer("The cloud worker's stream ended with no chunk.", "worker_empty_stream")
-        _check_chunk(first, chat)
-        return first, lines
+        _check_chunk(first[0], chat)
+        return first, reader
 
     async def _with_prefill(self, a: Attempt, body: dict, decode: Worker, hit_blocks: int) -> dict:
         """The body for the decode worker, after the prefill step of a vLLM P/D pair (if any)."""
@@ -236,22 +245,21 @@ class OpenAIProxy:
         p.in_flight += 1
         try:
             limit = self.config.max_body_bytes
-            r = await self.client.send(self.client.build_request(
-                "POST", f"{p.url}{a.path}", content=json.dumps(req),
-                headers={**self.headers, "x-request-id": a.request_id},
-                timeout=httpx.Timeout(self.config.first_token_timeout_s, connect=2.0)), stream=True)
-            try:
-                content = await worker_stream.read_body(r, limit)
-                if r.status_code != 200:
-                    raise _Refused(r.status_code, worker_is_unwell(r.status_code, content))
-                answer = worker_stream.decode(content, limit, "a prefill answer")
-            finally:
-                await r.aclose()
+            async with asyncio.timeout(self.config.first_token_timeout_s):
+                r = await self.http.send("POST", f"{p.url}{a.path}", orjson.dumps(req),
+                                         {**self.headers, "x-request-id": a.request_id})
+                try:
+                    content = await worker_stream.read_all(r.headers, lambda: read_some(r), limit)
+                    if r.status != 200:
+                        raise _Refused(r.status, worker_is_unwell(r.status, content))
+                    answer = worker_stream.decode(content, limit, "a prefill answer")
+                finally:
+                    r.close()
             params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
             self._ok(p)
-        except (httpx.HTTPError, ValueError, errors.APIError) as e:
+        except (Unreachable, WorkerBroke, TimeoutError, ValueError, errors.APIError) as e:
             if not isinstance(e, _Refused) or e.unwell:  # a refusal of this request's content is not the worker's
-                self._failed(p, repr(e), down=isinstance(e, httpx.ConnectError))
+                self._failed(p, repr(e), down=isinstance(e, Unreachable))
             log.warning("prefill on %s failed (%r); decoding on %s alone", p.url, e, decode.url)
             return body
         finally:

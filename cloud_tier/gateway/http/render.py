@@ -6,11 +6,11 @@ it gets a 499."""
 from __future__ import annotations
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from cascade.web import openai_response
 from cascade.web.caller import CallerGone, while_connected
-from cloud_tier.gateway.http.sse import pull_first, relay_sse
+from cloud_tier.gateway.http.sse import RelayResponse, pull_first, relay_sse
 from cloud_tier.gateway.pipeline.results import (
     CachedAnswer,
     CachedForeignAnswer,
@@ -63,7 +63,7 @@ def _cached_foreign(result: CachedForeignAnswer, endpoint: str, req) -> Response
     """A foreign worker's stored answer, in the shape this request wants."""
     if not req.stream:
         return JSONResponse(result.body(endpoint), headers=result.headers)
-    return StreamingResponse(relay_sse(result.chunks(endpoint), req.include_usage_in_stream()),
+    return RelayResponse(relay_sse(result.chunks(endpoint), req.include_usage_in_stream()),
                              media_type="text/event-stream", headers={"Cache-Control": "no-cache", **result.headers})
 
 
@@ -78,5 +78,5 @@ async def _foreign_stream(request: Request, result: ForeignStream, req) -> Respo
     events = await pull_first(result.events, request.is_disconnected)
     if events is None:
         return Response(status_code=499)  # the client left before the first chunk
-    return StreamingResponse(relay_sse(events, req.include_usage_in_stream()), media_type="text/event-stream",
+    return RelayResponse(relay_sse(events, req.include_usage_in_stream()), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", **result.headers})

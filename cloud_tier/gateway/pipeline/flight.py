@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from cascade.generation import Finish, TokenEvent, event_to_wire
-from cloud_tier.gateway.foreign.answers import CHARS_PER_TOKEN, answer_chars, usage_of
+from cloud_tier.gateway.foreign.answers import CHARS_PER_TOKEN, text_and_finish, usage_of
 from cloud_tier.gateway.tenants.keys import ApiKey
 from cloud_tier.gateway.workers.admission import Ticket
 from cloud_tier.gateway.workers.usage import UNBOUNDED, UsageBounds, checked
@@ -44,6 +44,7 @@ class Flight:
     ended: bool = False  # its event stream ran to its end
     openai: str | None = None  # an OpenAI-compatible worker's answer: "chunks" (a stream) or "body"
     model: str = ""  # the model asked for, when the pool serves several
+    finish_reason: str | None = None  # an OpenAI-compatible worker's: the last one its chunks named
     priority_class: str = "interactive"  # cascade.protocol.PRIORITY_CLASSES
     deadline_s: float | None = None  # X-Cascade-Deadline: seconds left at arrival
 
@@ -68,32 +69,36 @@ def observe_event(f: Flight, ev):
     return ev
 
 
-def observe_chunk(f: Flight, chunk: dict) -> dict:
-    """What an OpenAI-compatible worker's chunks (or its one body) tell a flight: a chunk with
-    text counts as a token until the worker's usage, which ends the flight, says how many. A usage
-    refused or clamped (``workers.usage``) is replaced in the chunk by the numbers charged."""
+def observe_chunk(f: Flight, item):
+    """What an OpenAI-compatible worker's chunks (each (chunk, its bytes)) or its one body (a dict)
+    tell a flight: a chunk with text counts as a token until the worker's usage, which ends the
+    flight, says how many. A usage refused or clamped (``workers.usage``) is replaced by the
+    numbers charged: the chunk is then passed on as a dict, to be written again; otherwise the
+    item as it came (a chunk's bytes relayed unchanged)."""
+    chunk = item[0] if type(item) is tuple else item
     f.events.append(chunk)
-    chars = answer_chars(chunk)
+    chars, reason = text_and_finish(chunk)
     if chars:
         f.answer_chars += chars
         f.generated_tokens += 1
         f.last_token_at = time.perf_counter()
         if f.first_token_at is None:
             f.first_token_at = f.last_token_at
+    if reason is not None:
+        f.finish_reason = reason
     usage = usage_of(chunk)
     if usage is None and f.openai == "body":  # a whole answer without usage: ours, estimated, in its place
         usage = estimated_usage(f)
         chunk["usage"] = {"prompt_tokens": usage[0], "completion_tokens": usage[1], "total_tokens": sum(usage)}
     if usage is not None:
-        reasons = [ch.get("finish_reason") for ev in f.events for ch in (ev.get("choices") or ())
-                   if isinstance(ch, dict) and isinstance(ch.get("finish_reason"), str)]
         checked_usage, f.usage_problem = checked(*usage, f.bounds)
         prompt, completion = checked_usage or estimated_usage(f)
         if f.usage_problem:
             chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
                               "total_tokens": prompt + completion}
-        f.finish = Finish(reasons[-1] if reasons else "stop", prompt, completion)
-    return chunk
+            item = chunk
+        f.finish = Finish(f.finish_reason or "stop", prompt, completion)
+    return item
 
 
 def estimated_usage(f: Flight) -> tuple[int, int]:

@@ -36,6 +36,7 @@ from cloud_tier.gateway.tenants.budgets import Spend
 from cloud_tier.gateway.tenants.keys import ApiKey, check_priority
 from cloud_tier.gateway.tenants.quotas import Limits, QuotaDecision
 from cloud_tier.gateway.workers.admission import Admission
+from cloud_tier.gateway.workers.http_client import WorkerHTTP
 from cloud_tier.gateway.workers.placement import PrefixIndex, RouterConfig
 from cloud_tier.gateway.workers.pool import WorkerPool
 from cloud_tier.request_builder import RequestBuilder, check_slo_floors
@@ -81,7 +82,7 @@ class GatewayService:
 
     def __init__(self, config: GatewayConfig, pool: WorkerPool, stores: Stores, builder: RequestBuilder | None,
                  model_id: str, aliases: set[str], client: httpx.AsyncClient, worker_api_key: str = "",
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, http: WorkerHTTP | None = None):
         self.config = config
         self.pool = pool
         self.keys = stores.keys
@@ -99,7 +100,8 @@ class GatewayService:
         workers = _worker_client(config, pool, client, self.admission, worker_api_key)
         cache_keys = ResultCache(config.result_cache_entries, ttl_s=config.result_cache_ttl_s)
         self.own = OwnWorkers(builder, model_id, pool, workers, cache_keys)
-        self.foreign = _foreign_workers(config, pool, client, self.admission, worker_api_key, max_model_len)
+        http = http or WorkerHTTP(config.connect_timeout_s, config.request_timeout_s)
+        self.foreign = _foreign_workers(config, pool, http, self.admission, worker_api_key, max_model_len)
         self.routing = self.foreign.routing  # the foreign workers' load, as /metrics and the batch runner read it
         self.embedding_identity = ""  # our workers' ServedModel.embedding_identity (the app sets it): card meta
 
@@ -274,14 +276,14 @@ def _worker_client(config: GatewayConfig, pool: WorkerPool, client: httpx.AsyncC
                         config.worker_max_body_bytes)
 
 
-def _foreign_workers(config: GatewayConfig, pool: WorkerPool, client: httpx.AsyncClient, admission: Admission,
+def _foreign_workers(config: GatewayConfig, pool: WorkerPool, http: WorkerHTTP, admission: Admission,
                      worker_api_key: str, max_model_len: int | None) -> ForeignWorkers:
     """Foreign workers (vLLM, SGLang, any OpenAI-compatible server): no tokenizer, their own load numbers."""
     routing = ForeignRouting(
         max_waiting=config.worker_max_waiting, kv_high_watermark=config.kv_high_watermark,
         stale_after_s=config.stale_after_s, shed_step=config.shed_step, prefix_weight=config.route_prefix_weight,
         queue_weight=config.route_queue_weight, kv_weight=config.route_kv_weight)
-    proxy = OpenAIProxy(pool, client, ProxyConfig(
+    proxy = OpenAIProxy(pool, http, ProxyConfig(
         retries=config.retries, retry_backoff_s=config.retry_backoff_s,
         first_token_timeout_s=config.first_token_timeout_s, answer_timeout_s=config.request_timeout_s,
         max_event_bytes=config.worker_max_event_bytes, max_body_bytes=config.worker_max_body_bytes,

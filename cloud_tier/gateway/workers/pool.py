@@ -22,7 +22,9 @@ import httpx
 
 from cascade.policy.backpressure import CircuitBreaker
 from cloud_tier.disagg.protocol import WorkerLoadReport
-from cloud_tier.gateway.workers.load import LoadRefused, checked_report, get_bounded
+from cloud_tier.gateway.workers.http_client import Unreachable, WorkerBroke, WorkerHTTP
+from cloud_tier.gateway.workers.http_client import get_bounded as http_get
+from cloud_tier.gateway.workers.load import MAX_SCRAPE_BYTES, LoadRefused, checked_report, get_bounded
 from cloud_tier.gateway.workers.metrics_scrape import KINDS, ForeignLoad, detect_kind, parse_load
 from cloud_tier.gateway.workers.placement import WorkerLoad
 
@@ -58,8 +60,11 @@ class Worker:
         """Healthy and its breaker lets a request through."""
         return self.healthy and (self.breaker is None or self.breaker.available)
 
+    poll_every_s: float = 0.0  # how often the pool polls it now (``WorkerPool.poll_interval``)
+
     def stale(self, now: float, stale_after_s: float) -> bool:
-        return self.scraped_at is None or now - self.scraped_at > stale_after_s
+        """Its numbers are older than ``stale_after_s``, or than three polls where polls are rarer."""
+        return self.scraped_at is None or now - self.scraped_at > max(stale_after_s, 3 * self.poll_every_s)
 
     @property
     def kv_address(self) -> str | None:
@@ -82,10 +87,15 @@ class Worker:
 class WorkerPool:
     def __init__(self, urls: list[str], client: httpx.AsyncClient, api_key: str = "",
                  interval_s: float = 0.5, kind: str = "auto", roles: dict[str, str] | None = None,
-                 metrics_interval_s: float = 1.0, breaker_threshold: int = 3, breaker_open_s: float = 5.0):
+                 metrics_interval_s: float = 1.0, breaker_threshold: int = 3, breaker_open_s: float = 5.0,
+                 http: WorkerHTTP | None = None, max_polls_per_s: float = 20.0):
         if kind != "auto" and kind not in KINDS:
             raise ValueError(f"worker type must be auto or one of {', '.join(KINDS)}, got {kind!r}")
+        if not max_polls_per_s > 0:
+            raise ValueError(f"max_polls_per_s must be > 0, got {max_polls_per_s!r}")
         self.client = client
+        self.http = http  # the polls' client (aiohttp); None: httpx's ``client``
+        self.max_polls_per_s = max_polls_per_s
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.interval_s = interval_s
         self.metrics_interval_s = metrics_interval_s
@@ -173,7 +183,18 @@ class WorkerPool:
         self.changed.set()
 
     async def _get(self, w: Worker, path: str, timeout_s: float) -> tuple[int, bytes]:
+        if self.http is not None:
+            return await http_get(self.http, f"{w.url}{path}", self.headers, timeout_s, MAX_SCRAPE_BYTES, LoadRefused)
         return await get_bounded(self.client, f"{w.url}{path}", self.headers, timeout_s)
+
+    def poll_interval(self) -> float:
+        """Seconds between two polls of a worker: the configured interval, longer when the workers
+        are so many that the pool's GETs (two a vLLM or SGLang worker: /health and /metrics; one
+        for others) would pass ``max_polls_per_s``, so that polling costs a bounded share of a core
+        whatever the number of workers (its staleness bound grows alike: ``Worker.stale``)."""
+        base = self.metrics_interval_s if self.foreign else self.interval_s
+        gets = sum(2 if w.kind in ("vllm", "sglang") else 1 for w in self.workers.values())
+        return max(base, gets / self.max_polls_per_s)
 
     async def _poll_one(self, w: Worker) -> None:
         try:
@@ -186,13 +207,13 @@ class WorkerPool:
                 w.role = w.report.role
             else:
                 await self._poll_foreign(w)
-        except (httpx.HTTPError, ValueError, TimeoutError) as e:
+        except (httpx.HTTPError, ValueError, TimeoutError, Unreachable, WorkerBroke) as e:
             # refused: down at once; slow or odd (a loaded host): down when it happens twice in a row
             if isinstance(e, LoadRefused):
                 self.load_refused[e.reason] += 1
                 log.warning("worker %s: its load answer refused (%s): %s", w.url, e.reason, e)
             w.poll_failures += 1
-            if isinstance(e, httpx.ConnectError) or w.poll_failures >= 2:
+            if isinstance(e, httpx.ConnectError | Unreachable) or w.poll_failures >= 2:
                 self.mark_down(w.url, repr(e))
             return
         w.poll_failures = 0
@@ -227,7 +248,10 @@ class WorkerPool:
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self.metrics_interval_s if self.foreign else self.interval_s)
+            every = self.poll_interval()
+            for w in self.workers.values():
+                w.poll_every_s = every
+            await asyncio.sleep(every)
             try:
                 await self.poll()
             except Exception:  # never let the health loop die

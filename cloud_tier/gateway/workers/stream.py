@@ -6,7 +6,7 @@ worker's refusal becomes the gateway's answer in ``error_of`` (both kinds of wor
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 
@@ -45,23 +45,83 @@ async def next_sse_chunk(stream: AsyncIterator[bytes], limit: int) -> dict | Non
         data = line[5:].strip()
         if data == b"[DONE]":
             return None
-        chunk = decode(data, limit, "a chunk")
-        if not isinstance(chunk, dict) or not isinstance(chunk.get("choices", []), list):
-            raise _bad(f"The cloud worker's stream broke: a chunk that is not one: {data[:100]!r}")
-        if "error" in chunk or chunk.get("object") == "error":
-            err = chunk["error"] if "error" in chunk else chunk
-            message = (err.get("message") if isinstance(err, dict) else None) or str(err)[:200]
-            raise _bad(f"The cloud worker's stream broke: {str(message)[:500]}", "worker_error")
-        return chunk
+        return _checked_chunk(data, limit)
     raise _bad("The cloud worker's stream broke: the stream was cut (no [DONE])")
+
+
+def _checked_chunk(data: bytes, limit: int) -> dict:
+    """One event's data as a chunk: a JSON object with a list of choices, not an in-band error."""
+    chunk = decode(data, limit, "a chunk")
+    if not isinstance(chunk, dict) or not isinstance(chunk.get("choices", []), list):
+        raise _bad(f"The cloud worker's stream broke: a chunk that is not one: {data[:100]!r}")
+    if "error" in chunk or chunk.get("object") == "error":
+        err = chunk["error"] if "error" in chunk else chunk
+        message = (err.get("message") if isinstance(err, dict) else None) or str(err)[:200]
+        raise _bad(f"The cloud worker's stream broke: {str(message)[:500]}", "worker_error")
+    return chunk
+
+
+class ChunkReader:
+    """The chunks of an OpenAI SSE stream whose bytes come from ``read`` (b"" at the end), each as
+    (the chunk, its data's bytes as the worker wrote them: what is relayed when nothing in it
+    changes). Lines split on b"\n" only and bounded as ``lines``; ``next()`` is None at [DONE]
+    and a 502 as ``next_sse_chunk`` says. One object, no generator per line: the relay's hot loop."""
+
+    def __init__(self, read: Callable[[], Awaitable[bytes]], max_event_bytes: int):
+        self._read = read
+        self._limit = max_event_bytes
+        self._buf = b""
+        self._pos = 0
+        self._eof = False
+
+    async def _line(self) -> bytes | None:
+        while True:
+            end = self._buf.find(b"\n", self._pos)
+            if end >= 0:
+                line = self._buf[self._pos:end]
+                self._pos = end + 1
+                if len(line) > self._limit:
+                    raise _too_large(self._limit)
+                return line[:-1] if line.endswith(b"\r") else line
+            if len(self._buf) - self._pos > self._limit:
+                raise _too_large(self._limit)
+            if self._eof:
+                rest, self._buf, self._pos = self._buf[self._pos:], b"", 0
+                return rest or None
+            data = await self._read()
+            self._buf = self._buf[self._pos:] + data if self._pos < len(self._buf) else data
+            self._pos = 0
+            self._eof = not data
+
+    async def next(self) -> tuple[dict, bytes] | None:
+        while (line := await self._line()) is not None:
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return None
+            return _checked_chunk(data, self._limit), data
+        raise _bad("The cloud worker's stream broke: the stream was cut (no [DONE])")
 
 
 async def read_body(resp: httpx.Response, limit: int) -> bytes:
     """The whole body of ``resp``, refused (502) as soon as it passes ``limit`` bytes."""
-    if (declared := resp.headers.get("content-length", "")).isdigit() and int(declared) > limit:
+    return await read_all(resp.headers, resp.aiter_bytes().__anext__, limit)
+
+
+async def read_all(headers, read: Callable[[], Awaitable[bytes]], limit: int) -> bytes:
+    """A whole body from ``read`` (b"" or StopAsyncIteration at its end), refused (502) as soon as it
+    passes ``limit`` bytes, or at once when its Content-Length says it will."""
+    if (declared := headers.get("content-length", "")).isdigit() and int(declared) > limit:
         raise _bad(f"The cloud worker's answer is over {limit} bytes.", "worker_answer_too_large")
     body = bytearray()
-    async for data in resp.aiter_bytes():
+    while True:
+        try:
+            data = await read()
+        except StopAsyncIteration:
+            break
+        if not data:
+            break
         body += data
         if len(body) > limit:
             raise _bad(f"The cloud worker's answer is over {limit} bytes.", "worker_answer_too_large")

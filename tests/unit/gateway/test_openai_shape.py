@@ -107,26 +107,41 @@ def test_a_prefill_refusal_counts_on_the_prefill_workers_breaker_only_when_it_is
     import asyncio
 
     import httpx
+    from aiohttp import web
 
+    from cloud_tier.gateway.workers.http_client import WorkerHTTP
     from cloud_tier.gateway.foreign.proxy import Attempt, OpenAIProxy, ProxyConfig
     from cloud_tier.gateway.workers.pool import WorkerPool
 
     sent = []
 
-    def answer(request: httpx.Request) -> httpx.Response:
-        sent.append(str(request.url))
-        return httpx.Response(status, **({"json": content} if isinstance(content, dict) else {"text": content}))
+    async def answer(request: web.Request) -> web.Response:  # the prefill worker: a real HTTP server
+        sent.append(request.path)
+        if isinstance(content, dict):
+            return web.json_response(content, status=status)
+        return web.Response(text=content, status=status)
 
     async def run() -> int:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
-            pool = WorkerPool(["http://p", "http://d"], client, kind="openai", roles={"http://p": "prefill",
-                                                                                      "http://d": "decode"})
-            pool.decide_mode()
-            for w in pool.workers.values():
-                w.healthy = True
-            proxy = OpenAIProxy(pool, client, ProxyConfig(kv_connector="nixl", pd_min_prompt_chars=1))
-            a = Attempt("/v1/chat/completions", {"messages": []}, False, "r1", prompt_chars=10, hashes_total=1)
-            body = await proxy._with_prefill(a, {"messages": []}, pool.workers["http://d"], 0)
-            assert "kv_transfer_params" not in body and sent == ["http://p/v1/chat/completions"]  # decoded alone
-            return pool.workers["http://p"].breaker.failures
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        http = WorkerHTTP()
+        try:
+            async with httpx.AsyncClient() as client:
+                pool = WorkerPool([url, "http://d"], client, kind="openai", roles={url: "prefill", "http://d": "decode"})
+                pool.decide_mode()
+                for w in pool.workers.values():
+                    w.healthy = True
+                proxy = OpenAIProxy(pool, http, ProxyConfig(kv_connector="nixl", pd_min_prompt_chars=1))
+                a = Attempt("/v1/chat/completions", {"messages": []}, False, "r1", prompt_chars=10, hashes_total=1)
+                body = await proxy._with_prefill(a, {"messages": []}, pool.workers["http://d"], 0)
+                assert "kv_transfer_params" not in body and sent == ["/v1/chat/completions"]  # decoded alone
+                return pool.workers[url].breaker.failures
+        finally:
+            await http.close()
+            await runner.cleanup()
     assert asyncio.run(run()) == counted
