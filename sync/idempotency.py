@@ -6,6 +6,10 @@ for the next claim), and ``renew``s its lease while it runs (``heartbeat``). An 
 row whose lease has run out was left by a crashed gateway and is free too; its old owner's
 ``complete``, ``release`` and ``renew`` are then no-ops, so they never touch the next claim.
 Every row is deleted ``ttl_s`` after it was claimed.
+
+Each operation is written once (``sync.sql_async``): the gateway awaits ``aclaim``, ``acomplete``,
+``arelease``, ``heartbeat`` and ``wait`` (PostgreSQL through its async pool), everything else
+calls ``claim``, ``complete``, ``release`` and ``renew``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from sync.sql_async import SyncBackedSql, run_now
 from sync.sqlite import SQLiteStore
 
 log = logging.getLogger(__name__)
@@ -48,7 +53,7 @@ class Claim:
     owner: str | None = field(default=None, compare=False)  # the claimant's token when state is NEW
 
 
-class IdempotencyRecords:
+class IdempotencyRecords(SyncBackedSql):
     """The store's semantics, over SQL both SQLite and PostgreSQL speak: per-tenant
     Idempotency-Key -> stored response. The first request with a key claims it; a concurrent
     duplicate waits for the first to finish; a replay gets the stored result; expired keys are
@@ -75,22 +80,29 @@ class IdempotencyRecords:
     def claim(self, tenant: str, key: str, request_hash: str) -> Claim:
         """Claim ``key`` for a request whose canonical form hashes to ``request_hash``. A NEW claim
         carries the owner token that ``complete``, ``release`` and ``renew`` need."""
+        return run_now(self._claim(self._stx, tenant, key, request_hash))
+
+    async def aclaim(self, tenant: str, key: str, request_hash: str) -> Claim:
+        """``claim``, awaited."""
+        return await self._claim(self._atx, tenant, key, request_hash)
+
+    async def _claim(self, transaction, tenant: str, key: str, request_hash: str) -> Claim:
         if not 0 < len(key) <= MAX_KEY_LEN:
             raise ValueError(f"an idempotency key is 1-{MAX_KEY_LEN} characters")
         now, owner = self._clock(), secrets.token_hex(16)
-        with self._write() as tx:
+        async with transaction() as tx:
             # the insert is the atomic claim of a new key: of two racing claimants one inserts, the
             # other waits for its commit and then finds the row
-            if tx.execute(
+            if (await tx.execute(
                     "INSERT INTO idempotency (tenant, key, request_hash, state, result, created_at, updated_at, "
                     "owner) VALUES (?, ?, ?, ?, NULL, ?, ?, ?) ON CONFLICT (tenant, key) DO NOTHING",
-                    (tenant, key, request_hash, _Row.IN_PROGRESS.value, now, now, owner)).rowcount > 0:
+                    (tenant, key, request_hash, _Row.IN_PROGRESS.value, now, now, owner))).rowcount > 0:
                 return Claim(ClaimState.NEW, owner=owner)
-            row = tx.execute(
+            row = (await tx.execute(
                 "SELECT request_hash, state, result, created_at, updated_at FROM idempotency "
-                "WHERE tenant = ? AND key = ?" + self._FOR_UPDATE, (tenant, key)).fetchone()
+                "WHERE tenant = ? AND key = ?" + self._FOR_UPDATE, (tenant, key))).fetchone()
             if self._is_free(row[1], row[3], row[4], now):
-                tx.execute(
+                await tx.execute(
                     "UPDATE idempotency SET request_hash = ?, state = ?, result = NULL, created_at = ?, "
                     "updated_at = ?, owner = ? WHERE tenant = ? AND key = ?",
                     (request_hash, _Row.IN_PROGRESS.value, now, now, owner, tenant, key))
@@ -105,8 +117,16 @@ class IdempotencyRecords:
     def complete(self, tenant: str, key: str, result: Any, *, owner: str) -> bool:
         """Store the claimed request's JSON-serialisable ``result`` for replays. False (nothing
         stored) when ``owner`` no longer holds the claim."""
+        return run_now(self._complete(self._stx, tenant, key, result, owner))
+
+    async def acomplete(self, tenant: str, key: str, result: Any, *, owner: str) -> bool:
+        """``complete``, awaited."""
+        return await self._complete(self._atx, tenant, key, result, owner)
+
+    async def _complete(self, transaction, tenant: str, key: str, result: Any, owner: str) -> bool:
         payload = json.dumps(result, separators=(",", ":"))  # fails before anything is written
-        stored = self._update_held(tenant, key, owner, "state = ?, result = ?", (_Row.DONE.value, payload))
+        stored = await self._update_held(transaction, tenant, key, owner, "state = ?, result = ?",
+                                         (_Row.DONE.value, payload))
         if not stored:
             log.warning("idempotency key %r of tenant %r is not held by this request; result not stored",
                         key, tenant)
@@ -115,20 +135,29 @@ class IdempotencyRecords:
     def release(self, tenant: str, key: str, *, owner: str) -> bool:
         """The claimed request failed: the next claim of ``key`` is new. False (a no-op) when
         ``owner`` no longer holds the claim."""
-        return self._update_held(tenant, key, owner, "state = ?", (_Row.RELEASED.value,))
+        return run_now(self._update_held(self._stx, tenant, key, owner, "state = ?", (_Row.RELEASED.value,)))
+
+    async def arelease(self, tenant: str, key: str, *, owner: str) -> bool:
+        """``release``, awaited."""
+        return await self._update_held(self._atx, tenant, key, owner, "state = ?", (_Row.RELEASED.value,))
 
     def renew(self, tenant: str, key: str, *, owner: str) -> bool:
         """Extend the lease of a claim still running; False when ``owner`` no longer holds it
         (finished, or its lease ran out and someone else claimed it)."""
-        return self._update_held(tenant, key, owner, "request_hash = request_hash", ())
+        return run_now(self._update_held(self._stx, tenant, key, owner, "request_hash = request_hash", ()))
 
-    def _update_held(self, tenant: str, key: str, owner: str, assignments: str, values: tuple) -> bool:
+    async def arenew(self, tenant: str, key: str, *, owner: str) -> bool:
+        """``renew``, awaited."""
+        return await self._update_held(self._atx, tenant, key, owner, "request_hash = request_hash", ())
+
+    async def _update_held(self, transaction, tenant: str, key: str, owner: str, assignments: str,
+                           values: tuple) -> bool:
         # the owner token alone decides: a claim taken over after its lease has another owner
-        with self._write() as tx:
-            return tx.execute(
+        async with transaction() as tx:
+            return (await tx.execute(
                 f"UPDATE idempotency SET {assignments}, updated_at = ? "
                 "WHERE tenant = ? AND key = ? AND owner = ? AND state = ?",
-                (*values, self._clock(), tenant, key, owner, _Row.IN_PROGRESS.value)).rowcount > 0
+                (*values, self._clock(), tenant, key, owner, _Row.IN_PROGRESS.value))).rowcount > 0
 
     async def heartbeat(self, tenant: str, key: str, owner: str, every_s: float | None = None) -> None:
         """Renew the claim every ``every_s`` (default: a third of the lease) while its request runs;
@@ -136,7 +165,12 @@ class IdempotencyRecords:
         every_s = self.lease_s / 3 if every_s is None else every_s
         while True:
             await asyncio.sleep(every_s)
-            if not await asyncio.to_thread(self.renew, tenant, key, owner=owner):
+            try:
+                held = await self.arenew(tenant, key, owner=owner)
+            except ConnectionError as e:  # the database is away: the next beat tries again
+                log.warning("idempotency key %r of tenant %r: the lease was not renewed: %s", key, tenant, e)
+                continue
+            if not held:
                 log.warning("idempotency key %r of tenant %r: the claim was lost while running", key, tenant)
                 return
 
@@ -150,12 +184,13 @@ class IdempotencyRecords:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         if request_hash is None:
-            rows = self._read("SELECT request_hash FROM idempotency WHERE tenant = ? AND key = ?", (tenant, key))
+            rows = await self._aread("SELECT request_hash FROM idempotency WHERE tenant = ? AND key = ?",
+                                     (tenant, key))
             if not rows:
                 raise LookupError(f"no claim of idempotency key {key!r} to wait for")
             request_hash = rows[0]["request_hash"]
         while True:
-            claim = self.claim(tenant, key, request_hash)
+            claim = await self.aclaim(tenant, key, request_hash)
             remaining = deadline - loop.time()
             if claim.state != ClaimState.IN_PROGRESS or remaining <= 0:
                 return claim

@@ -23,8 +23,8 @@ def cache(redis_url):
         c.close()
 
 
-def live_keys(c: RedisResultCache, keys) -> int:
-    return sum(c._redis.exists(c._prefix + k) for k in keys)
+def live_keys(c: RedisResultCache, keys, owner: str = "P") -> int:
+    return sum(c._redis.exists(c.value_key(k, owner)) for k in keys)
 
 
 def test_a_tenant_writing_ten_times_its_bound_evicts_only_its_own_oldest(cache):
@@ -35,9 +35,9 @@ def test_a_tenant_writing_ten_times_its_bound_evicts_only_its_own_oldest(cache):
     p_keys = [f"p{i}" for i in range(80)]
     for k in p_keys:
         c.put(k, {"text": k}, 20, owner="P")
-    assert all(c.get(k) == {"text": k} for k in q_keys)
-    assert live_keys(c, p_keys) == 8 and all(c.get(k) is not None for k in p_keys[-8:])  # P's newest kept
-    assert c.get("p0") is None
+    assert all(c.get(k, "Q") == {"text": k} for k in q_keys)
+    assert live_keys(c, p_keys) == 8 and all(c.get(k, "P") is not None for k in p_keys[-8:])  # P's newest kept
+    assert c.get("p0", "P") is None
 
 
 def test_a_tenant_past_its_bytes_evicts_its_own_and_nothing_over_the_bound_is_stored(cache):
@@ -45,10 +45,10 @@ def test_a_tenant_past_its_bytes_evicts_its_own_and_nothing_over_the_bound_is_st
     c.put("q", {"text": "q" * 100}, 100, owner="Q")
     for i in range(40):
         c.put(f"p{i}", {"text": "p" * 1000}, 1000, owner="P")
-    assert c.get("q") == {"text": "q" * 100}
+    assert c.get("q", "Q") == {"text": "q" * 100}
     assert 8 <= live_keys(c, [f"p{i}" for i in range(40)]) <= 10
     c.put("huge", {"text": "h" * 20_000}, 20_000, owner="P")  # over the tenant's bound: not stored
-    assert c.get("huge") is None and c.get("p39") is not None
+    assert c.get("huge", "P") is None and c.get("p39", "P") is not None
 
 
 def test_replacing_a_key_counts_it_once(cache):
@@ -57,4 +57,4 @@ def test_replacing_a_key_counts_it_once(cache):
         c.put("same", {"v": 1}, 10, owner="P")
     c.put("a", {"v": 2}, 10, owner="P")
     c.put("b", {"v": 3}, 10, owner="P")
-    assert c.get("same") == {"v": 1} and c.get("a") and c.get("b")
+    assert c.get("same", "P") == {"v": 1} and c.get("a", "P") and c.get("b", "P")

@@ -136,13 +136,19 @@ def test_the_gateway_passes_a_foreign_workers_body_and_answer_through():
     reconciled, counted = [], []
     worker = types.SimpleNamespace(url="http://vllm:8000", is_foreign=True, available=lambda: True)
 
+    async def no_quota_check(flight, n):
+        pass
+
+    async def reconcile(q, predicted, used):
+        reconciled.append((q.tenant, q.key_id, predicted, used))
+
     async def run():
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
             svc = types.SimpleNamespace(
                 pool=types.SimpleNamespace(workers={"w": worker}, foreign=True, client=client, headers={}),
                 config=types.SimpleNamespace(worker_max_body_bytes=1 << 20, request_timeout_s=5.0),
-                check_model=lambda m: None, _check_quota=lambda flight, n: None,
-                quotas=types.SimpleNamespace(reconcile=lambda *a: reconciled.append(a)),
+                check_model=lambda m: None, _check_quota=no_quota_check,
+                state=types.SimpleNamespace(reconcile=reconcile),
                 count=lambda *a: counted.append(a))
             key = types.SimpleNamespace(tenant="t", key_id="k")
             return await pipeline.serve(svc, key, {"model": "vllm-model", "input": "hello there"})

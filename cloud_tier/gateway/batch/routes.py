@@ -42,9 +42,9 @@ class NewBatch(BaseModel):
     metadata: dict[str, str] | None = Field(None, max_length=16)
 
 
-def _parts(request: Request) -> tuple[GatewayService, BatchStore, ApiKey]:
+async def _parts(request: Request) -> tuple[GatewayService, BatchStore, ApiKey]:
     svc: GatewayService = request.app.state.service
-    return svc, request.app.state.batches, svc.authenticate(request.headers.get("authorization", ""))
+    return svc, request.app.state.batches, await svc.authenticate(request.headers.get("authorization", ""))
 
 
 async def _call(fn, *args):
@@ -102,7 +102,7 @@ def _expires_after(form) -> int | None:
 
 @batch_api.post("/files", openapi_extra=_UPLOAD, responses=_ERRORS)
 async def upload_file(request: Request):
-    svc, store, key = _parts(request)
+    svc, store, key = await _parts(request)
     limit = svc.config.batch_max_file_bytes
     try:
         form = await request.form(max_files=1, max_fields=8)
@@ -134,13 +134,13 @@ async def upload_file(request: Request):
 @batch_api.get("/files", responses=_ERRORS)
 async def list_files(request: Request, purpose: str | None = None, after: str | None = None,
                      limit: int = Query(10000, ge=1, le=10000)):
-    _, store, key = _parts(request)
+    _, store, key = await _parts(request)
     return _page(*await _call(store.list_files, key.tenant, purpose, after, limit))
 
 
 @batch_api.get("/files/{file_id}", responses=_ERRORS)
 async def get_file(request: Request, file_id: str):
-    _, store, key = _parts(request)
+    _, store, key = await _parts(request)
     found = await _call(store.get_file, key.tenant, file_id)
     if found is None:
         raise _not_found("File", file_id)
@@ -149,7 +149,7 @@ async def get_file(request: Request, file_id: str):
 
 @batch_api.get("/files/{file_id}/content", responses={**_JSONL, **_ERRORS})
 async def file_content(request: Request, file_id: str):
-    _, store, key = _parts(request)
+    _, store, key = await _parts(request)
     found = await _call(store.get_file, key.tenant, file_id)
     if found is None:
         raise _not_found("File", file_id)
@@ -164,7 +164,7 @@ async def file_content(request: Request, file_id: str):
 
 @batch_api.delete("/files/{file_id}", responses=_ERRORS)
 async def delete_file(request: Request, file_id: str):
-    _, store, key = _parts(request)
+    _, store, key = await _parts(request)
     if not await _call(store.delete_file, key.tenant, file_id):
         raise _not_found("File", file_id)
     return {"id": file_id, "object": "file", "deleted": True}
@@ -172,7 +172,7 @@ async def delete_file(request: Request, file_id: str):
 
 @batch_api.post("/batches", openapi_extra=openapi.body(NewBatch), responses=_ERRORS)
 async def create_batch(request: Request):
-    svc, store, key = _parts(request)
+    svc, store, key = await _parts(request)
     new = parse_body(NewBatch, await read_json(request, svc.config.max_body_bytes))
     if new.endpoint not in ENDPOINTS:
         raise errors.bad_request(f"Invalid value for 'endpoint': {new.endpoint!r}; expected one of "
@@ -215,14 +215,14 @@ def _count(store: BatchStore, tenant: str, file_id: str, max_line_bytes: int) ->
 
 @batch_api.get("/batches", responses=_ERRORS)
 async def list_batches(request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100)):
-    _, store, key = _parts(request)
+    _, store, key = await _parts(request)
     rows, more = await _call(store.list_batches, key.tenant, after, limit)
     return _page([await _batch(store, r) for r in rows], more)
 
 
 @batch_api.get("/batches/{batch_id}", responses=_ERRORS)
 async def get_batch(request: Request, batch_id: str):
-    _, store, key = _parts(request)
+    _, store, key = await _parts(request)
     row = await _call(store.batch, batch_id, key.tenant)
     if row is None:
         raise _not_found("Batch", batch_id)
@@ -231,7 +231,7 @@ async def get_batch(request: Request, batch_id: str):
 
 @batch_api.post("/batches/{batch_id}/cancel", responses=_ERRORS)
 async def cancel_batch(request: Request, batch_id: str):
-    _, store, key = _parts(request)
+    _, store, key = await _parts(request)
     row = await _call(store.batch, batch_id, key.tenant)
     if row is None:
         raise _not_found("Batch", batch_id)

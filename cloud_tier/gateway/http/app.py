@@ -152,7 +152,7 @@ def build_app(config: CloudConfig, worker_urls: list[str], stopping: Callable[[]
             await http.close()
             await polls.close()
             await client.aclose()
-            stores.close()
+            await stores.aclose()
 
     app = build_openai_app("cascade cloud gateway", lifespan, config, "cloud", generation, ops, v1, admin,
                            batch_api)

@@ -31,8 +31,8 @@ def service(request: Request) -> GatewayService:
     return request.app.state.service
 
 
-def _key(request: Request, scope: str = "infer") -> ApiKey:
-    return service(request).authenticate(request.headers.get("authorization", ""), scope)
+async def _key(request: Request, scope: str = "infer") -> ApiKey:
+    return await service(request).authenticate(request.headers.get("authorization", ""), scope)
 
 
 ops = APIRouter()  # health and metrics
@@ -78,20 +78,20 @@ def _card(request: Request) -> ModelCard:
 
 @v1.get("/models", responses=openapi.errors(401, 403, 500))
 async def list_models(request: Request) -> ModelList:
-    _key(request)
+    await _key(request)
     return ModelList(data=[_card(request)])
 
 
 @v1.get("/models/{model:path}", responses=openapi.errors(401, 403, 404, 500))
 async def get_model(request: Request, model: str) -> ModelCard:
-    _key(request)
+    await _key(request)
     service(request).check_model(model)
     return _card(request)
 
 
 async def _serve(request: Request, endpoint: str, schema):
     svc = service(request)
-    key = _key(request)
+    key = await _key(request)
     try:
         body = await read_json(request, svc.config.max_body_bytes)
         req = parse_body(schema, body)
@@ -130,7 +130,7 @@ async def completions(request: Request):
 async def embeddings(request: Request) -> JSONResponse:
     """OpenAI's embeddings on one of the workers (ours, or a foreign one's passed through)."""
     svc = service(request)
-    key = _key(request)
+    key = await _key(request)
     try:
         body = await read_json(request, svc.config.max_body_bytes)
     except errors.APIError:
@@ -158,13 +158,13 @@ def _key_json(k: ApiKey) -> dict:
 
 @admin.get("/keys", responses=_ADMIN_ERRORS)
 async def list_keys(request: Request):
-    key = _key(request, "admin")
+    key = await _key(request, "admin")
     return {"object": "list", "data": [_key_json(k) for k in service(request).keys.list(key.tenant)]}
 
 
 @admin.post("/keys", openapi_extra=openapi.body(NewKey), responses=openapi.errors(400, 401, 403, 413, 500))
 async def create_key(request: Request):
-    key = _key(request, "admin")
+    key = await _key(request, "admin")
     svc = service(request)
     new = parse_body(NewKey, await read_json(request, svc.config.max_body_bytes))
     priority = key.priority if new.priority is None else new.priority
@@ -180,7 +180,7 @@ async def create_key(request: Request):
 
 @admin.get("/workers", responses=_ADMIN_ERRORS)
 async def workers(request: Request):
-    _key(request, "admin")
+    await _key(request, "admin")
     svc = service(request)
     return {"object": "list", "data": [
         {"url": w.url, "role": w.role, "type": w.kind, "healthy": w.healthy, "committed_blocks": w.committed_blocks,

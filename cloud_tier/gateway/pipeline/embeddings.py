@@ -15,7 +15,9 @@ from cascade.embeddings import EmbeddingRequest
 from cascade.web import parse_body
 from cloud_tier.gateway.pipeline.flight import Flight
 from cloud_tier.gateway.pipeline.settlement import outcome_of
+from cloud_tier.gateway.pipeline.state import Quota
 from cloud_tier.gateway.tenants.keys import ApiKey
+from cloud_tier.gateway.tenants.quotas import Limits
 
 RETRIED = (502, 503, 504)  # a worker that cannot answer now: the next one is asked (embedding twice is harmless)
 
@@ -32,7 +34,7 @@ async def serve(svc, key: ApiKey, body: dict) -> tuple[int, dict]:
         req = parse_body(EmbeddingRequest, body)
         svc.check_model(req.model)
         predicted = predicted_tokens(req)
-        svc._check_quota(Flight(key.tenant, key, "embeddings", time.perf_counter()), predicted)  # noqa: SLF001
+        await svc._check_quota(Flight(key.tenant, key, "embeddings", time.perf_counter()), predicted)  # noqa: SLF001
     except errors.APIError as e:
         svc.count(key.tenant, "embeddings", outcome_of(e))
         raise
@@ -43,7 +45,7 @@ async def serve(svc, key: ApiKey, body: dict) -> tuple[int, dict]:
             used = _prompt_tokens(answer)
         return status, answer
     finally:
-        svc.quotas.reconcile(key.tenant, key.key_id, predicted, used)
+        await svc.state.reconcile(Quota(key.tenant, key.key_id, Limits(), Limits()), predicted, used)
         svc.count(key.tenant, "embeddings", "ok" if status == 200 else f"{status // 100}xx")
 
 

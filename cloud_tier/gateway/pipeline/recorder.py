@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from cloud_tier.gateway.pipeline.flight import Flight, observe_event
 
@@ -14,7 +14,7 @@ class Recorder:
     (``observe``: our workers' events or OpenAI chunks), and settles the flight when closed (read
     to the end, failed, or abandoned by the client)."""
 
-    def __init__(self, events: AsyncIterator, flight: Flight, settle: Callable[[Flight], None],
+    def __init__(self, events: AsyncIterator, flight: Flight, settle: Callable[[Flight], Awaitable[None]],
                  observe: Callable[[Flight, object], object] = observe_event):
         self._events = events
         self.flight = flight
@@ -48,7 +48,8 @@ class Recorder:
         finally:
             if not self.flight.settled:
                 self.flight.settled = True
-                self._settle(self.flight)
+                # shielded: a close cancelled midway (its client gone) still settles the flight to its end
+                await asyncio.shield(asyncio.ensure_future(self._settle(self.flight)))
 
 
 _END = object()

@@ -28,11 +28,13 @@ from cloud_tier.gateway.pipeline.recorder import Recorder, RunToEnd
 from cloud_tier.gateway.pipeline.result_cache import ResultCache
 from cloud_tier.gateway.pipeline.results import Result, stored
 from cloud_tier.gateway.pipeline.settlement import Settlement, outcome_of
+from cloud_tier.gateway.pipeline.state import Quota
 from cloud_tier.gateway.pipeline.steps import WorkerSteps
 from cloud_tier.gateway.pipeline.stores import Stores
 from cloud_tier.gateway.pipeline.worker_client import WorkerClient
+from cloud_tier.gateway.tenants.budgets import Spend
 from cloud_tier.gateway.tenants.keys import ApiKey, check_priority
-from cloud_tier.gateway.tenants.quotas import Limits
+from cloud_tier.gateway.tenants.quotas import Limits, QuotaDecision
 from cloud_tier.gateway.workers.admission import Admission
 from cloud_tier.gateway.workers.http_client import WorkerHTTP
 from cloud_tier.gateway.workers.placement import PrefixIndex, RouterConfig
@@ -41,6 +43,13 @@ from cloud_tier.request_builder import RequestBuilder, check_slo_floors
 from sync.idempotency import ClaimState
 
 log = logging.getLogger(__name__)
+
+def state_unavailable(what: str, error: BaseException) -> errors.APIError:
+    """The 503 of a request that needed a store that cannot be reached now."""
+    log.warning("the gateway's %s is unreachable: %s", what, error)
+    return errors.APIError(503, f"The gateway's {what} is unreachable; retry shortly.", "server_error",
+                           code="state_unavailable", headers={"Retry-After": "1"})
+
 
 def request_hash(endpoint: str, body: dict) -> str:
     """What an Idempotency-Key is bound to: the request minus how it is delivered."""
@@ -85,6 +94,7 @@ class GatewayService:
         self.quotas = stores.quotas
         self.cache = stores.cache
         self.budgets = stores.budgets
+        self.state = stores.state
         self.admission = Admission.of(pool, config)
         self.settlement = Settlement(config, stores, self.admission, self.metrics, model_id)
         http = http or WorkerHTTP(config.connect_timeout_s, config.request_timeout_s)
@@ -97,9 +107,12 @@ class GatewayService:
 
     # -- auth ----------------------------------------------------------------------------
 
-    def authenticate(self, authorization: str, scope: str = "infer") -> ApiKey:
+    async def authenticate(self, authorization: str, scope: str = "infer") -> ApiKey:
         scheme, _, token = authorization.partition(" ")
-        key = self.keys.verify(token.strip()) if scheme.lower() == "bearer" else None
+        try:
+            key = await self.keys.verify_async(token.strip()) if scheme.lower() == "bearer" else None
+        except ConnectionError as e:
+            raise state_unavailable("key store", e) from e
         if key is None:
             raise errors.unauthorized()
         if scope not in key.scopes:
@@ -122,7 +135,7 @@ class GatewayService:
         flight = Flight(key.tenant, key, endpoint, time.perf_counter(), idem_key=idem_key,
                         priority_class=priority_class, deadline_s=deadline_s)
         try:  # what the tenant may ask of the engines, before anything is claimed
-            check_slo_floors(req.model_extra or {}, *self.keys.tenant_limits(key.tenant).slo_floors(
+            check_slo_floors(req.model_extra or {}, *(await self._tenant_limits(key.tenant)).slo_floors(
                 self.config.min_ttft_slo_s, self.config.min_tpot_slo_s))
         except errors.APIError as e:
             self.settlement.count_flight(flight, outcome_of(e))
@@ -139,21 +152,20 @@ class GatewayService:
             plan = (await asyncio.to_thread(self.own.plan, endpoint, req, priority)
                     if steps is self.own and req.costly_to_plan() else None)
             job = steps.prepare(flight, endpoint, body, req, priority, request_id, plan)
-            hit = self.cache.get(flight.cache_key) if flight.cache_key else None
+            hit, looked_up = await self._lookup(flight)  # the cache, a hit's quota and the spend: one round trip
             self.metrics.cache_lookup(hit is not None)
             if hit is not None:
-                self._check_quota(flight, 0)
-                self.settlement.end_claim(flight, hit)
+                await self.settlement.end_claim(flight, hit)
                 self.settlement.count_flight(flight, "cache_hit")
                 return stored(hit, {**job.headers, "X-Cascade-Cache": "hit"})
             estimate = job.estimate()
-            self._check_quota(flight, estimate.predicted_tokens)
+            await self._check_quota(flight, estimate.predicted_tokens, looked_up)
             flight.predicted_tokens = estimate.predicted_tokens
             flight.prompt_tokens = estimate.prompt_tokens
             flight.bounds = estimate.bounds
             await job.admit()
         except BaseException as e:
-            self.settlement.settle_early(flight, e)
+            await self.settlement.settle_early(flight, e)
             raise
         events = Recorder(job.events(), flight, self.settlement.settle, job.observe)
         return job.answer(RunToEnd(events) if idem_key else events)
@@ -162,11 +174,13 @@ class GatewayService:
         t, k = flight.tenant, flight.idem_key
         rhash = request_hash(flight.endpoint, body)
         try:
-            claim = self.idempotency.claim(t, k, rhash)
+            claim = await self.idempotency.aclaim(t, k, rhash)
             if claim.state == ClaimState.IN_PROGRESS:  # a duplicate in flight: wait for its result
                 claim = await self.idempotency.wait(t, k, self.config.request_timeout_s, request_hash=rhash)
         except ValueError as e:
             raise errors.bad_request(str(e), "Idempotency-Key", "invalid_idempotency_key") from e
+        except ConnectionError as e:
+            raise state_unavailable("idempotency store", e) from e
         if claim.state == ClaimState.NEW:  # ours: keep the lease while the request runs
             flight.idem_owner = claim.owner
             flight.heartbeat = asyncio.get_running_loop().create_task(self.idempotency.heartbeat(t, k, claim.owner))
@@ -182,17 +196,61 @@ class GatewayService:
                                   {"Retry-After": "1"})
         return None
 
-    def _check_quota(self, flight: Flight, predicted_tokens: int) -> None:
+    async def _tenant_limits(self, tenant: str):
+        try:
+            return await self.keys.tenant_limits_async(tenant)
+        except ConnectionError as e:
+            raise state_unavailable("key store", e) from e
+
+    async def _quota_of(self, flight: Flight) -> tuple[Quota, list[Spend]]:
+        """Who asks (their limits), and the active budgets their request must fit."""
         key = flight.key
-        tl = self.keys.tenant_limits(key.tenant)
-        d = self.quotas.admit(key.tenant, key.key_id, Limits(tl.rps, tl.tpm), Limits(key.rps, key.tpm),
-                              predicted_tokens)
+        tl = await self._tenant_limits(key.tenant)
+        try:
+            due = await self.budgets.due(key)
+        except ConnectionError as e:
+            raise state_unavailable("key store", e) from e
+        return Quota(key.tenant, key.key_id, Limits(tl.rps, tl.tpm), Limits(key.rps, key.tpm)), due
+
+    async def _lookup(self, flight: Flight) -> tuple[object | None, tuple | None]:
+        """The cached answer (None: a miss), already admitted against the quota and the budgets
+        when a hit (a 429 when they refuse it); on a miss, what ``_check_quota`` needs of the same
+        round trip (None: nothing was looked up)."""
+        if not flight.cache_key:
+            return None, None
+        q, due = await self._quota_of(flight)
+        try:
+            found = await self.state.lookup(q, flight.cache_key, [(s.scope, s.name, s.period_id) for s in due])
+        except ConnectionError as e:
+            raise state_unavailable("spend counters", e) from e
+        if found.hit is not None:
+            self._decide(found.decision, 0)
+            await self._check_budgets(q, due, 0, found.spent)
+        return found.hit, (q, due, found.spent)
+
+    async def _check_quota(self, flight: Flight, predicted_tokens: int, looked_up: tuple | None = None) -> None:
+        """Take the request and ``predicted_tokens`` from its quota (429 when it refuses), then
+        check its budgets (their spend read in the same round trip, or by the lookup before)."""
+        q, due, spent = looked_up or (*(await self._quota_of(flight)), None)
+        try:
+            d, read = await self.state.admit(
+                q, predicted_tokens, [(s.scope, s.name, s.period_id) for s in due] if spent is None else [])
+        except ConnectionError as e:
+            raise state_unavailable("spend counters", e) from e
+        self._decide(d, predicted_tokens)
+        await self._check_budgets(q, due, predicted_tokens, read if spent is None else spent)
+
+    async def _check_budgets(self, q: Quota, due: list[Spend], predicted_tokens: int, spent: list) -> None:
+        # after the quota, so that a request it refuses is refused for its quota, as before
+        try:
+            self.budgets.refuse_spent(due, spent)
+        except errors.APIError:
+            await self.state.reconcile(q, predicted_tokens, 0)  # its tokens back
+            raise
+
+    @staticmethod
+    def _decide(d: QuotaDecision, predicted_tokens: int) -> None:
         if d.allowed:
-            try:
-                self.budgets.check(key)  # after the quota, so that a request it refuses costs no spend lookup
-            except errors.APIError:
-                self.quotas.reconcile(key.tenant, key.key_id, predicted_tokens, 0)  # its tokens back
-                raise
             return
         if d.reason == "tpm_never":
             raise errors.APIError(429, f"This request may use {predicted_tokens} tokens, more than the "

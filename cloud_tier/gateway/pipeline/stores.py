@@ -2,7 +2,11 @@
 budgets and idempotency records in SQLite files and quotas and the result cache in this process
 (the embedded default); for several replicas, keys, budgets and idempotency in PostgreSQL (a
 ``postgresql://`` DSN) and quotas, the cache and spend counters in Redis (LiteLLM's split). Spend
-is counted in Redis when there is one, else in the key store's database."""
+is counted in Redis when there is one, else in the key store's database.
+
+The request path reaches them through ``Stores.state`` (``pipeline.state``: the cache, the quotas
+and the spend, one Redis round trip per step when on Redis) and the keys' and idempotency
+records' awaited methods (PostgreSQL's async pool); close them with ``aclose()``."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from pathlib import Path
 from cascade.config import cascade_home
 from cloud_tier.config import CloudConfig, parse_model_prices
 from cloud_tier.gateway.pipeline.result_cache import ResultCache
+from cloud_tier.gateway.pipeline.state import LocalState, RequestState
 from cloud_tier.gateway.tenants.budgets import Budgets, SpendCounters
 from cloud_tier.gateway.tenants.keys import KeyRecords
 from cloud_tier.gateway.tenants.keys_sqlite import KeyStore
@@ -72,12 +77,28 @@ class Stores:
     cache: object  # ResultCache | result_cache_redis.RedisResultCache: get(), put(), stats
     budgets: Budgets
     redis_parts: list = field(default_factory=list)  # what holds a Redis client, closed with the rest
+    state: RequestState | None = None  # what the request path awaits of the cache, quotas and spend
+
+    def __post_init__(self):
+        if self.state is None:
+            self.state = LocalState(self.quotas, self.cache, self.budgets.spend)
 
     def close(self) -> None:
         for part in self.redis_parts:
             part.close()
         self.idempotency.close()
         self.keys.close()
+
+    async def aclose(self) -> None:
+        """``close``, and first what was opened in the event loop (the async Redis client, the
+        PostgreSQL pools, the key store's listener)."""
+        try:
+            await self.state.aclose()
+            for part in (self.idempotency, self.keys):
+                if hasattr(part, "aclose"):
+                    await part.aclose()
+        finally:
+            self.close()
 
 
 def open_stores(config: CloudConfig) -> Stores:
@@ -113,5 +134,10 @@ def open_stores(config: CloudConfig) -> Stores:
         for part in opened:
             part.close()
         raise
+    state = None
+    if g.redis:
+        from cloud_tier.gateway.pipeline.state_redis import RedisState
+
+        state = RedisState(g.redis, quotas, cache, spend if spend is not keys else None)
     return Stores(keys, idem, quotas, cache, Budgets(keys, spend, parse_model_prices(g.model_prices)),
-                  redis_parts=opened[2:])
+                  redis_parts=opened[2:], state=state)

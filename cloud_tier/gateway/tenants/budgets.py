@@ -9,6 +9,7 @@ when a budget runs out still finish and are charged: a budget may be overshot by
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 import time
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from cascade import errors
 from cloud_tier.gateway.tenants.keys import Budget
+from sync.sql_async import run_now
 
 if TYPE_CHECKING:
     from cloud_tier.gateway.tenants.keys import ApiKey, KeyRecords
@@ -109,30 +111,77 @@ class Budgets:
         own budget or whose tenant's budget is spent."""
         now = self._clock()
         for s in self.status(key.tenant, key.key_id, active_only=True, now=now):
-            if s.exceeded:
-                raise errors.too_many_requests(
-                    f"The {s.scope} {s.name!r} has used up its {s.describe()}; it resets at {iso_utc(s.resets_at)}.",
-                    s.resets_at - now, "budget_exceeded")
+            refuse_if_spent(s, now)
 
-    def charge(self, key: ApiKey, model: str, prompt_tokens: int, completion_tokens: int) -> None:
-        """Count a finished request's tokens and price against its tenant and its key, in the
-        period of each one's budget (monthly where none is set, so listings show spend). A charge
-        lost to an outage of the counters' store is logged, not raised: the answer was served."""
+    # -- the request path: budgets read without blocking the loop, spend read and counted in the
+    # same round trip as the quota (pipeline.state)
+
+    async def due(self, key: ApiKey) -> list[Spend]:
+        """The active budgets a request of ``key`` must fit (its tenant's, then its own), with
+        nothing spent yet: ``spent_from`` fills in the counters' values."""
+        now = self._clock()
+        out = []
+        for scope, name in (("tenant", key.tenant), ("key", key.key_id)):
+            b = await self.keys.budget_async(scope, name)
+            if b.active:
+                pid, resets = period_of(b.period, now)
+                out.append(Spend(scope, name, b, pid, resets, 0.0, 0.0))
+        return out
+
+    def refuse_spent(self, due: list[Spend], spent: list[tuple[float, float]]) -> None:
+        """``check`` on what was read: 429 ``budget_exceeded`` when a budget of ``due`` is spent."""
+        now = self._clock()
+        for s, (tokens, usd) in zip(due, spent, strict=True):
+            refuse_if_spent(dataclasses.replace(s, tokens=tokens, usd=usd), now)
+
+    async def charges(self, key: ApiKey, model: str, prompt_tokens: int,
+                      completion_tokens: int) -> list[tuple[str, str, str, float, float, float]]:
+        """What ``charge`` adds to the counters for a finished request (none for no tokens)."""
+        return await self._charges(key, model, prompt_tokens, completion_tokens, self.keys.budget_async)
+
+    async def _charges(self, key: ApiKey, model: str, prompt_tokens: int, completion_tokens: int,
+                       budget_of: Callable) -> list[tuple[str, str, str, float, float, float]]:
         tokens = prompt_tokens + completion_tokens
         if tokens <= 0:
-            return
+            return []
         prompt_price, completion_price = self.prices.get(model) or self.prices.get("*", (0.0, 0.0))
         usd = (prompt_tokens * prompt_price + completion_tokens * completion_price) / 1e6
         now = self._clock()
         charges = []
         for scope, name in (("tenant", key.tenant), ("key", key.key_id)):
-            period_id, resets = period_of(self.keys.budget(scope, name).period, now)
+            period_id, resets = period_of((await budget_of(scope, name)).period, now)
             charges.append((scope, name, period_id, float(tokens), usd, resets - now + RETAIN_S))
+        return charges
+
+    def charge(self, key: ApiKey, model: str, prompt_tokens: int, completion_tokens: int) -> None:
+        """Count a finished request's tokens and price against its tenant and its key, in the
+        period of each one's budget (monthly where none is set, so listings show spend). A charge
+        lost to an outage of the counters' store is logged, not raised: the answer was served."""
+
+        async def budget_of(scope: str, name: str) -> Budget:
+            return self.keys.budget(scope, name)
+
+        charges = run_now(self._charges(key, model, prompt_tokens, completion_tokens, budget_of))
+        if not charges:
+            return
         try:
             self.spend.add_spend(charges)
         except Exception:
             log.exception("spend of key %s (tenant %s) not counted: %d tokens, $%.6g", key.key_id, key.tenant,
-                          tokens, usd)
+                          charges[0][3], charges[0][4])
+
+
+def refuse_if_spent(s: Spend, now: float) -> None:
+    if s.exceeded:
+        raise errors.too_many_requests(
+            f"The {s.scope} {s.name!r} has used up its {s.describe()}; it resets at {iso_utc(s.resets_at)}.",
+            s.resets_at - now, "budget_exceeded")
+
+
+def spent_of(values: Sequence) -> list[tuple[float, float]]:
+    """(tokens, usd) per counter from MGET's reply over ``RedisSpend.counter_keys``."""
+    floats = [float(v) if v is not None else 0.0 for v in values]
+    return list(zip(floats[0::2], floats[1::2], strict=True))
 
 
 class RedisSpend:
@@ -150,17 +199,23 @@ class RedisSpend:
 
     def add_spend(self, charges: Sequence[tuple[str, str, str, float, float, float]]) -> None:
         pipe = self._redis.pipeline(transaction=False)
+        self.queue_add(pipe, charges)
+        pipe.execute()
+
+    def spent(self, counters: Sequence[tuple[str, str, str]]) -> list[tuple[float, float]]:
+        return spent_of(self._redis.mget(self.counter_keys(counters)))
+
+    def counter_keys(self, counters: Sequence[tuple[str, str, str]]) -> list[str]:
+        """The keys of each (scope, name, period id)'s counters: tokens, then usd."""
+        return [self._key(scope, name, pid, unit) for scope, name, pid in counters for unit in ("tokens", "usd")]
+
+    def queue_add(self, pipe, charges: Sequence[tuple[str, str, str, float, float, float]]) -> None:
+        """``add_spend``'s commands, onto a pipeline."""
         for scope, name, period_id, tokens, usd, ttl_s in charges:
             for unit, amount in (("tokens", tokens), ("usd", usd)):
                 key = self._key(scope, name, period_id, unit)
                 pipe.incrbyfloat(key, amount)
                 pipe.expire(key, max(1, int(ttl_s)))
-        pipe.execute()
-
-    def spent(self, counters: Sequence[tuple[str, str, str]]) -> list[tuple[float, float]]:
-        keys = [self._key(scope, name, pid, unit) for scope, name, pid in counters for unit in ("tokens", "usd")]
-        values = [float(v) if v is not None else 0.0 for v in self._redis.mget(keys)]
-        return list(zip(values[0::2], values[1::2], strict=True))
 
     def close(self) -> None:
         self._redis.close()

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from cascade.protocol import INT32
+from sync.sql_async import SyncBackedSql, run_now
 
 SCOPES = ("infer", "admin")
 PERIODS = ("day", "month")  # budgets run per UTC calendar day or month
@@ -129,19 +130,22 @@ def _row_to_key(row: dict) -> ApiKey:
                   created_at=row["created_at"], revoked=bool(row["revoked"]), priority=row["priority"])
 
 
-class KeyRecords:
+class KeyRecords(SyncBackedSql):
     """The key store's semantics over SQL that SQLite and PostgreSQL both speak. A backend gives
-    ``_write()`` (a transaction whose ``execute`` returns a cursor) and ``_read()`` (rows as dicts)
-    and creates the tables.
+    ``_write()`` (a transaction whose ``execute`` returns a cursor) and ``_read()`` (rows as dicts),
+    their awaitable twins ``_atx()`` / ``_aread()`` (``sync.sql_async``), and creates the tables.
 
-    verify(), tenant_limits() and budget() answer from a per-process cache for up to
-    ``cache_ttl_s``, so a revocation or a change of limits or budgets made elsewhere (another
-    process, another replica) takes effect within that time (at once in the process that made it).
+    verify(), tenant_limits() and budget() (and their awaited ``*_async`` twins, which the gateway's
+    request path uses) answer from a per-process cache for up to ``_ttl()``, so a revocation or a
+    change of limits or budgets made elsewhere (another process, another replica) takes effect
+    within that time (at once in the process that made it), or as soon as the backend pushes it
+    (``invalidate``: PostgreSQL's NOTIFY, ``keys_pg``).
     """
 
     def __init__(self, cache_ttl_s: float, clock: Callable[[], float]):
         self.cache_ttl_s = cache_ttl_s
         self._clock = clock
+        self._epoch = 0  # bumped by every invalidation: a load that began before one is not cached
         # key_id -> (sha256 hex, key, expires at); only live keys, so its size is bounded by them
         self._keys: dict[str, tuple[str, ApiKey, float]] = {}
         # ("limits", tenant) | ("budget", scope, name) -> (value, expires at)
@@ -175,32 +179,65 @@ class KeyRecords:
 
     def verify(self, presented: str) -> ApiKey | None:
         """The live key ``presented`` is, or None (unknown, revoked or malformed)."""
+        return run_now(self._verify(self._sread, presented))
+
+    async def verify_async(self, presented: str) -> ApiKey | None:
+        """``verify``, awaited: a cache miss reads the database without blocking the event loop."""
+        return await self._verify(self._aread, presented)
+
+    async def _verify(self, read, presented: str) -> ApiKey | None:
         m = _KEY_RE.fullmatch(presented) if isinstance(presented, str) else None
         if m is None:
             return None
-        key_id, digest, now = m.group(1), _hash(presented), self._clock()
+        key_id, now = m.group(1), self._clock()
         hit = self._keys.get(key_id)
         if hit is None or hit[2] <= now:
-            hit = self._load(key_id, now)
-            if hit is None:
+            epoch = self._epoch
+            rows = await read("SELECT * FROM api_keys WHERE key_id = ?", [key_id])
+            if not rows or rows[0]["revoked"]:
+                self._keys.pop(key_id, None)
                 return None
+            hit = (rows[0]["key_hash"], _row_to_key(rows[0]), now + self._ttl())
+            if epoch == self._epoch:  # else an invalidation came in while it was read: use it, keep nothing
+                self._keys[key_id] = hit
         stored, key, _ = hit
-        return key if hmac.compare_digest(stored, digest) else None
+        return key if hmac.compare_digest(stored, _hash(presented)) else None
 
-    def _load(self, key_id: str, now: float) -> tuple[str, ApiKey, float] | None:
-        rows = self._read("SELECT * FROM api_keys WHERE key_id = ?", [key_id])
-        if not rows or rows[0]["revoked"]:
+    def _ttl(self) -> float:
+        """How long a cached key, limit or budget is trusted."""
+        return self.cache_ttl_s
+
+    def invalidate(self, key_id: str | None = None, limits: str | None = None,
+                   budget: tuple[str, str] | None = None) -> None:
+        """Forget what this process cached of a key, a tenant's limits or a budget (a change made
+        elsewhere); nothing named: forget everything."""
+        self._epoch += 1
+        if key_id is None and limits is None and budget is None:
+            self._keys.clear()
+            self._settings.clear()
+            return
+        if key_id is not None:
             self._keys.pop(key_id, None)
-            return None
-        hit = (rows[0]["key_hash"], _row_to_key(rows[0]), now + self.cache_ttl_s)
-        self._keys[key_id] = hit
-        return hit
+        if limits is not None:
+            self._settings.pop(("limits", limits), None)
+        if budget is not None:
+            self._settings.pop(("budget", *budget), None)
+
+    def shorten(self, until: float) -> None:
+        """Trust nothing cached past ``until``."""
+        self._keys = {k: (h, key, min(exp, until)) for k, (h, key, exp) in self._keys.items()}
+        self._settings = {w: (v, min(exp, until)) for w, (v, exp) in self._settings.items()}
+
+    def _notify(self, tx, **change) -> None:
+        """Tell the other processes sharing the database of a change, inside its transaction
+        (``keys_pg``: NOTIFY); here, nothing (they find out when their cache expires)."""
 
     def revoke(self, key_id: str) -> bool:
         """Revoke a key (already revoked: still True). False when no key has this id."""
         with self._write() as tx:
             found = tx.execute("UPDATE api_keys SET revoked = 1 WHERE key_id = ?", (key_id,)).rowcount > 0
-        self._keys.pop(key_id, None)
+            self._notify(tx, key=key_id)
+        self.invalidate(key_id=key_id)
         return found
 
     def list(self, tenant: str | None = None) -> list[ApiKey]:
@@ -219,17 +256,19 @@ class KeyRecords:
             tx.execute("UPDATE tenants SET rps = coalesce(?, rps), tpm = coalesce(?, tpm), "
                        "min_ttft_slo_s = coalesce(?, min_ttft_slo_s), min_tpot_slo_s = coalesce(?, min_tpot_slo_s) "
                        "WHERE name = ?", (rps, tpm, min_ttft_slo_s, min_tpot_slo_s, tenant))
+            self._notify(tx, limits=tenant)
         return self._refresh(("limits", tenant), lambda: self._read_limits(tenant))
 
     def tenant_limits(self, tenant: str) -> TenantLimits:
         """A tenant's limits (an unknown tenant has none), cached like verify()."""
-        return self._cached(("limits", tenant), lambda: self._read_limits(tenant))
+        return run_now(self._cached(("limits", tenant), self._sread))
+
+    async def tenant_limits_async(self, tenant: str) -> TenantLimits:
+        """``tenant_limits``, awaited."""
+        return await self._cached(("limits", tenant), self._aread)
 
     def _read_limits(self, tenant: str) -> TenantLimits:
-        _check_tenant(tenant)
-        rows = self._read("SELECT rps, tpm, min_ttft_slo_s, min_tpot_slo_s FROM tenants WHERE name = ?", [tenant])
-        return TenantLimits(tenant, **{k: rows[0][k] for k in ("rps", "tpm", "min_ttft_slo_s", "min_tpot_slo_s")}
-                            ) if rows else TenantLimits(tenant)
+        return run_now(self._load(("limits", tenant), self._sread))
 
     # -- budgets (tenants/budgets.py spends them) ---------------------------------------------
 
@@ -244,47 +283,79 @@ class KeyRecords:
                        "ON CONFLICT (scope, name) DO NOTHING", (scope, name))
             tx.execute("UPDATE budgets SET tokens = coalesce(?, tokens), usd = coalesce(?, usd), "
                        "period = coalesce(?, period) WHERE scope = ? AND name = ?", (tokens, usd, period, scope, name))
+            self._notify(tx, budget=[scope, name])
         return self._refresh(("budget", scope, name), lambda: self._read_budget(scope, name))
 
     def budget(self, scope: str, name: str) -> Budget:
         """The budget of a tenant or a key (none set: no cap, monthly), cached like verify()."""
-        return self._cached(("budget", scope, name), lambda: self._read_budget(scope, name))
+        return run_now(self._cached(("budget", scope, name), self._sread))
+
+    async def budget_async(self, scope: str, name: str) -> Budget:
+        """``budget``, awaited."""
+        return await self._cached(("budget", scope, name), self._aread)
 
     def _read_budget(self, scope: str, name: str) -> Budget:
+        return run_now(self._load(("budget", scope, name), self._sread))
+
+    async def _load(self, what: tuple, read) -> TenantLimits | Budget:
+        """A tenant's limits (``("limits", tenant)``) or a budget (``("budget", scope, name)``) as
+        the database holds them."""
+        if what[0] == "limits":
+            tenant = what[1]
+            _check_tenant(tenant)
+            rows = await read("SELECT rps, tpm, min_ttft_slo_s, min_tpot_slo_s FROM tenants WHERE name = ?", [tenant])
+            return TenantLimits(tenant, **{k: rows[0][k] for k in ("rps", "tpm", "min_ttft_slo_s", "min_tpot_slo_s")}
+                                ) if rows else TenantLimits(tenant)
+        _, scope, name = what
         _check_budget_scope(scope, name)
-        rows = self._read("SELECT tokens, usd, period FROM budgets WHERE scope = ? AND name = ?", [scope, name])
+        rows = await read("SELECT tokens, usd, period FROM budgets WHERE scope = ? AND name = ?", [scope, name])
         return Budget(rows[0]["tokens"], rows[0]["usd"], rows[0]["period"]) if rows else Budget()
 
     def add_spend(self, charges: Sequence[tuple[str, str, str, float, float, float]]) -> None:
         """Add (scope, name, period id, tokens, usd, ttl_s) to the spend counters, in one
         transaction (ttl_s is for Redis' counters: a period's row here is kept)."""
-        with self._write() as tx:
+        run_now(self._add_spend(self._stx, charges))
+
+    async def add_spend_async(self, charges: Sequence[tuple[str, str, str, float, float, float]]) -> None:
+        await self._add_spend(self._atx, charges)
+
+    async def _add_spend(self, transaction, charges) -> None:
+        async with transaction() as tx:
             for scope, name, period_id, tokens, usd, _ in charges:
-                tx.execute("INSERT INTO spend (scope, name, period, tokens, usd) VALUES (?, ?, ?, ?, ?) "
-                           "ON CONFLICT (scope, name, period) DO UPDATE SET tokens = spend.tokens + excluded.tokens, "
-                           "usd = spend.usd + excluded.usd", (scope, name, period_id, tokens, usd))
+                await tx.execute(
+                    "INSERT INTO spend (scope, name, period, tokens, usd) VALUES (?, ?, ?, ?, ?) "
+                    "ON CONFLICT (scope, name, period) DO UPDATE SET tokens = spend.tokens + excluded.tokens, "
+                    "usd = spend.usd + excluded.usd", (scope, name, period_id, tokens, usd))
 
     def spent(self, counters: Sequence[tuple[str, str, str]]) -> list[tuple[float, float]]:
         """(tokens, usd) spent by each (scope, name, period id); (0, 0) for none."""
+        return run_now(self._spent(self._sread, counters))
+
+    async def spent_async(self, counters: Sequence[tuple[str, str, str]]) -> list[tuple[float, float]]:
+        return await self._spent(self._aread, counters)
+
+    async def _spent(self, read, counters) -> list[tuple[float, float]]:
         out = []
         for scope, name, period_id in counters:
-            rows = self._read("SELECT tokens, usd FROM spend WHERE scope = ? AND name = ? AND period = ?",
+            rows = await read("SELECT tokens, usd FROM spend WHERE scope = ? AND name = ? AND period = ?",
                               [scope, name, period_id])
             out.append((rows[0]["tokens"], rows[0]["usd"]) if rows else (0.0, 0.0))
         return out
 
-    def _cached(self, what: tuple, load: Callable):
+    async def _cached(self, what: tuple, read):
         now = self._clock()
         hit = self._settings.get(what)
         if hit is not None and hit[1] > now:
             return hit[0]
-        value = load()
-        self._settings[what] = (value, now + self.cache_ttl_s)
+        epoch = self._epoch
+        value = await self._load(what, read)
+        if epoch == self._epoch:
+            self._settings[what] = (value, now + self._ttl())
         return value
 
     def _refresh(self, what: tuple, load: Callable):
         value = load()
-        self._settings[what] = (value, self._clock() + self.cache_ttl_s)
+        self._settings[what] = (value, self._clock() + self._ttl())
         return value
 
 

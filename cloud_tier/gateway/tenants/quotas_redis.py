@@ -3,7 +3,12 @@ limit is the limit across all of them. ``RedisQuotas`` has ``quotas.Quotas``' in
 decisions (every applicable bucket or none, the longest wait, ``tpm_never``); each call is ONE
 Lua script, atomic across replicas, with Redis' own TIME as the clock (so the replicas' clocks do
 not matter). A bucket is a hash {level, at, rate, cap}; a missing one is full, and one expires
-once it would have refilled and then sat idle for ``idle_s``."""
+once it would have refilled and then sat idle for ``idle_s``.
+
+The gateway's request path awaits the same script through ``pipeline.state_redis``, where a
+``lookup`` call also GETs the request's cached answer and, on a hit, admits it (one request, no
+tokens) in the same call: one round trip for the cache and the quota. Every key one call names
+carries the tenant's hash tag (``{tenant}``), so a call touches one Redis Cluster slot."""
 
 from __future__ import annotations
 
@@ -13,10 +18,13 @@ import redis
 
 from cloud_tier.gateway.tenants.quotas import _EPS, Limits, QuotaDecision
 
-# KEYS: the buckets. ARGV[1]: "admit" or "reconcile"; ARGV[2]: idle seconds kept after a full refill;
-# admit: then (rate, capacity, amount) per bucket; reconcile: then the tokens to add per bucket
-# (a refund > 0, capped at the capacity; a charge < 0, which may go into debt, down to -capacity as in
-# quotas.TokenBucket).
+# KEYS: the buckets (for "lookup": the cached answer's key first). ARGV[1]: "admit", "lookup" or
+# "reconcile"; ARGV[2]: idle seconds kept after a full refill; admit and lookup: then (rate, capacity,
+# amount) per bucket and the float slack last (lookup: on a miss nothing is taken and {2, '0', 0} comes
+# back; on a hit the buckets are admitted as given and the answer comes fourth, its ms to live fifth);
+# reconcile: then the
+# tokens to add per bucket (a refund > 0, capped at the capacity; a charge < 0, which may go into debt,
+# down to -capacity as in quotas.TokenBucket).
 _SCRIPT = """
 if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
@@ -40,10 +48,17 @@ if ARGV[1] == 'reconcile' then
   end
   return 1
 end
+local first, answer = 1, false
+if ARGV[1] == 'lookup' then
+  answer = redis.call('GET', KEYS[1])
+  if not answer then return {2, '0', 0} end
+  first = 2
+end
 local levels, worst, worst_i = {}, 0, 0
-for i, key in ipairs(KEYS) do
+for k = first, #KEYS do
+  local i = k - first + 1
   local rate, cap, amount = tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1]), tonumber(ARGV[3 * i + 2])
-  local b = redis.call('HMGET', key, 'level', 'at', 'rate', 'cap')
+  local b = redis.call('HMGET', KEYS[k], 'level', 'at', 'rate', 'cap')
   local level = cap  -- new, or its limits changed: a full bucket
   if b[1] and tonumber(b[3]) == rate and tonumber(b[4]) == cap then level = level_of(b, rate, cap) end
   levels[i] = level
@@ -52,11 +67,14 @@ for i, key in ipairs(KEYS) do
     wait = (amount - level) / rate end
   if wait > worst then worst, worst_i = wait, i end
 end
-if worst_i > 0 then return {0, tostring(worst), worst_i} end
-for i, key in ipairs(KEYS) do
-  store(key, levels[i] - tonumber(ARGV[3 * i + 2]), tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1]))
+local ttl = false
+if answer then ttl = redis.call('PTTL', KEYS[1]) end
+if worst_i > 0 then return {0, tostring(worst), worst_i, answer, ttl} end
+for k = first, #KEYS do
+  local i = k - first + 1
+  store(KEYS[k], levels[i] - tonumber(ARGV[3 * i + 2]), tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1]))
 end
-return {1, '0', 0}
+return {1, '0', 0, answer, ttl}
 """
 
 
@@ -66,7 +84,19 @@ def connect(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=5.0, health_check_interval=30)
 
 
+def decision_of(checks: list, reply) -> QuotaDecision:
+    """The decision the script's reply ``[allowed, wait, index, ...]`` gives for ``checks``."""
+    allowed, wait, index = reply[:3]
+    if allowed:
+        return QuotaDecision(True)
+    scope, kind = checks[index - 1][:2]
+    wait = float(wait)
+    return QuotaDecision(False, wait, "tpm_never" if math.isinf(wait) else kind, scope)
+
+
 class RedisQuotas:
+    script = _SCRIPT
+
     def __init__(self, url: str, prefix: str = "cascade:quota:", idle_s: float = 600.0):
         self._redis = connect(url)
         self._script = self._redis.register_script(_SCRIPT)
@@ -84,29 +114,35 @@ class RedisQuotas:
         if limits.tpm > 0:
             yield scope, "tpm", self._key(tenant, scope, ident, "tpm"), (limits.tpm / 60.0, limits.tpm, tokens)
 
+    def checks(self, tenant: str, key_id: str, tenant_limits: Limits, key_limits: Limits, tokens: int) -> list:
+        """The buckets a request of ``key_id`` must pass: (scope, kind, key, (rate, capacity, amount))."""
+        return [*self._applicable(tenant, "tenant", tenant, tenant_limits, tokens),
+                *self._applicable(tenant, "key", key_id, key_limits, tokens)]
+
+    def admit_args(self, checks: list) -> list:
+        return [self.idle_s, *(repr(float(x)) for *_, bucket in checks for x in bucket), repr(_EPS)]
+
+    def reconcile_call(self, tenant: str, key_id: str, diff: int) -> tuple[list, list]:
+        """The script's (keys, args) that settle the tpm buckets by ``diff`` tokens."""
+        return ([self._key(tenant, "tenant", tenant, "tpm"), self._key(tenant, "key", key_id, "tpm")],
+                ["reconcile", self.idle_s, diff, diff])
+
     def admit(self, tenant: str, key_id: str, tenant_limits: Limits, key_limits: Limits,
               predicted_tokens: int) -> QuotaDecision:
         """Take one request and predicted_tokens from every applicable bucket, or refuse with the
         longest wait among the buckets that refused (tpm_never wins: no wait is enough)."""
-        checks = [*self._applicable(tenant, "tenant", tenant, tenant_limits, predicted_tokens),
-                  *self._applicable(tenant, "key", key_id, key_limits, predicted_tokens)]
+        checks = self.checks(tenant, key_id, tenant_limits, key_limits, predicted_tokens)
         if not checks:
             return QuotaDecision(True)
-        args = ["admit", self.idle_s, *(repr(float(x)) for *_, bucket in checks for x in bucket), repr(_EPS)]
-        allowed, wait, index = self._script(keys=[c[2] for c in checks], args=args)
-        if allowed:
-            return QuotaDecision(True)
-        scope, kind = checks[index - 1][:2]
-        wait = float(wait)
-        return QuotaDecision(False, wait, "tpm_never" if math.isinf(wait) else kind, scope)
+        return decision_of(checks, self._script(keys=[c[2] for c in checks], args=["admit", *self.admit_args(checks)]))
 
     def reconcile(self, tenant: str, key_id: str, predicted_tokens: int, actual_tokens: int) -> None:
         """Settle the tpm buckets once the real token count is known: refund predicted - actual,
         or charge the difference when actual > predicted."""
         diff = predicted_tokens - actual_tokens
         if diff:
-            self._script(keys=[self._key(tenant, "tenant", tenant, "tpm"), self._key(tenant, "key", key_id, "tpm")],
-                         args=["reconcile", self.idle_s, diff, diff])
+            keys, args = self.reconcile_call(tenant, key_id, diff)
+            self._script(keys=keys, args=args)
 
     def close(self) -> None:
         self._redis.close()

@@ -44,7 +44,7 @@ def test_a_value_put_on_one_replica_is_a_hit_on_another(cache):
 def test_a_value_lives_ttl_s(cache, redis_url, prefix):
     c = cache(ttl_s=0.3)
     c.put("k", VALUE, 100)
-    assert 0 < redis.Redis.from_url(redis_url).pttl(f"{prefix}k") <= 300
+    assert 0 < redis.Redis.from_url(redis_url).pttl(f"{prefix}{{}}:k") <= 300  # owner "": the tag {}
     assert c.get("k") == VALUE
     time.sleep(0.4)
     assert c.get("k") is None

@@ -216,9 +216,9 @@ def test_a_value_redis_gives_again_is_the_one_decoded_before_until_it_changes(re
         first = cache.get("k")
         first["json_template"] = "{}"  # what render_stored keeps on it
         assert cache.get("k") is first
-        other_replica.set(prefix + "k", json.dumps({"events": [{"t": 2}]}))  # another answer stored
+        other_replica.set(cache.value_key("k", ""), json.dumps({"events": [{"t": 2}]}))  # another answer stored
         assert cache.get("k") == {"events": [{"t": 2}]}
-        other_replica.delete(prefix + "k")
+        other_replica.delete(cache.value_key("k", ""))
         assert cache.get("k") is None
         assert (cache.stats.hits, cache.stats.misses) == (3, 1)
     finally:

@@ -109,8 +109,8 @@ def test_a_prefill_refusal_counts_on_the_prefill_workers_breaker_only_when_it_is
     import httpx
     from aiohttp import web
 
-    from cloud_tier.gateway.workers.http_client import WorkerHTTP
     from cloud_tier.gateway.foreign.proxy import Attempt, OpenAIProxy, ProxyConfig
+    from cloud_tier.gateway.workers.http_client import WorkerHTTP
     from cloud_tier.gateway.workers.pool import WorkerPool
 
     sent = []
@@ -132,7 +132,8 @@ def test_a_prefill_refusal_counts_on_the_prefill_workers_breaker_only_when_it_is
         http = WorkerHTTP()
         try:
             async with httpx.AsyncClient() as client:
-                pool = WorkerPool([url, "http://d"], client, kind="openai", roles={url: "prefill", "http://d": "decode"})
+                pool = WorkerPool([url, "http://d"], client, kind="openai",
+                                  roles={url: "prefill", "http://d": "decode"})
                 pool.decide_mode()
                 for w in pool.workers.values():
                     w.healthy = True

@@ -36,7 +36,11 @@ async def events(*items, delay_s: float = 0.0):
 
 def recorded(source) -> tuple[Recorder, list[Flight]]:
     settled: list[Flight] = []
-    return Recorder(source, flight(), settled.append), settled
+
+    async def settle(f: Flight) -> None:
+        settled.append(f)
+
+    return Recorder(source, flight(), settle), settled
 
 
 async def never_disconnected() -> bool:
