@@ -67,6 +67,9 @@ class ForeignJob:
         self.roles: tuple[str, ...] = ()
         self.hit_blocks = 0
 
+    def estimate_ready(self) -> bool:
+        return True
+
     def estimate(self) -> Estimate:
         return Estimate(self.predicted, answers.estimate_tokens(self.text), foreign_bounds(
             self.endpoint, self.body, self.text, self.max_tokens, self.steps.max_model_len))

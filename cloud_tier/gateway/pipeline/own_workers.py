@@ -69,6 +69,9 @@ class OwnJob:
         self.plan: RequestPlan | None = None  # None until planned (a body seen before is planned on a cache miss only)
         self.need = 0  # KV blocks
 
+    def estimate_ready(self) -> bool:
+        return self.plan is not None
+
     def estimate(self) -> Estimate:
         if self.plan is None:  # seen before, but its answer is no longer cached
             self.plan = self.steps.plan(self.endpoint, self.req, self.priority)

@@ -43,6 +43,7 @@ from cloud_tier.request_builder import RequestBuilder, check_slo_floors
 from sync.idempotency import ClaimState
 
 log = logging.getLogger(__name__)
+_ADMITTED = object()  # a miss admitted by its cache lookup (one round trip): no second admission
 
 def state_unavailable(what: str, error: BaseException) -> errors.APIError:
     """The 503 of a request that needed a store that cannot be reached now."""
@@ -152,14 +153,17 @@ class GatewayService:
             plan = (await asyncio.to_thread(self.own.plan, endpoint, req, priority)
                     if steps is self.own and req.costly_to_plan() else None)
             job = steps.prepare(flight, endpoint, body, req, priority, request_id, plan)
-            hit, looked_up = await self._lookup(flight)  # the cache, a hit's quota and the spend: one round trip
+            estimate = job.estimate() if job.estimate_ready() else None
+            # the cache, the quota (a hit's, or a miss's with its predicted tokens) and the spend: one round trip
+            hit, looked_up = await self._lookup(flight, None if estimate is None else estimate.predicted_tokens)
             self.metrics.cache_lookup(hit is not None)
             if hit is not None:
                 await self.settlement.end_claim(flight, hit)
                 self.settlement.count_flight(flight, "cache_hit")
                 return stored(hit, {**job.headers, "X-Cascade-Cache": "hit"})
-            estimate = job.estimate()
-            await self._check_quota(flight, estimate.predicted_tokens, looked_up)
+            estimate = estimate or job.estimate()
+            if looked_up is not _ADMITTED:
+                await self._check_quota(flight, estimate.predicted_tokens, looked_up)
             flight.predicted_tokens = estimate.predicted_tokens
             flight.prompt_tokens = estimate.prompt_tokens
             flight.bounds = estimate.bounds
@@ -212,20 +216,26 @@ class GatewayService:
             raise state_unavailable("key store", e) from e
         return Quota(key.tenant, key.key_id, Limits(tl.rps, tl.tpm), Limits(key.rps, key.tpm)), due
 
-    async def _lookup(self, flight: Flight) -> tuple[object | None, tuple | None]:
+    async def _lookup(self, flight: Flight, predicted_tokens: int | None) -> tuple[object | None, object]:
         """The cached answer (None: a miss), already admitted against the quota and the budgets
-        when a hit (a 429 when they refuse it); on a miss, what ``_check_quota`` needs of the same
-        round trip (None: nothing was looked up)."""
+        when a hit (a 429 when they refuse it), or on a miss with ``predicted_tokens`` in the same
+        call (``_ADMITTED``); otherwise what ``_check_quota`` needs of that round trip (None:
+        nothing was looked up)."""
         if not flight.cache_key:
             return None, None
         q, due = await self._quota_of(flight)
         try:
-            found = await self.state.lookup(q, flight.cache_key, [(s.scope, s.name, s.period_id) for s in due])
+            found = await self.state.lookup(q, flight.cache_key, [(s.scope, s.name, s.period_id) for s in due],
+                                            miss_tokens=predicted_tokens)
         except ConnectionError as e:
             raise state_unavailable("spend counters", e) from e
         if found.hit is not None:
             self._decide(found.decision, 0)
             await self._check_budgets(q, due, 0, found.spent)
+        elif found.admitted:
+            self._decide(found.decision, predicted_tokens)  # refused: nothing was taken
+            await self._check_budgets(q, due, predicted_tokens, found.spent)  # refused: its tokens back
+            return None, _ADMITTED
         return found.hit, (q, due, found.spent)
 
     async def _check_quota(self, flight: Flight, predicted_tokens: int, looked_up: tuple | None = None) -> None:

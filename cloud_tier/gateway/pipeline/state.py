@@ -38,6 +38,7 @@ class Lookup:
     hit: Any | None  # the cached answer, or None (a miss: nothing was taken from the quota)
     decision: QuotaDecision | None  # on a hit, the quota's decision for it (one request, no tokens)
     spent: list[tuple[float, float]] = field(default_factory=list)  # (tokens, usd) per counter asked
+    admitted: bool = False  # a miss admitted in the same call (``miss_tokens``): ``decision`` is its
 
 
 @dataclass(frozen=True)
@@ -50,9 +51,11 @@ class Keep:
 
 
 class RequestState(Protocol):
-    async def lookup(self, q: Quota, cache_key: str | None, counters: Counters) -> Lookup:
+    async def lookup(self, q: Quota, cache_key: str | None, counters: Counters,
+                     miss_tokens: int | None = None) -> Lookup:
         """The cached answer under ``cache_key`` (None: no lookup, a miss), admitted against the
-        quota when it is a hit, and the ``counters``' spend (read whatever the decision)."""
+        quota when it is a hit, and the ``counters``' spend (read whatever the decision); with
+        ``miss_tokens``, a miss admitted in the same call with that many tokens (``admitted``)."""
 
     async def admit(self, q: Quota, tokens: int, counters: Counters) -> tuple[QuotaDecision, list]:
         """One request and ``tokens`` taken from every applicable bucket or none, and the spend."""
@@ -79,8 +82,12 @@ class LocalState:
     async def _spent(self, counters: Counters) -> list:
         return await self.spend.spent_async(counters) if counters else []
 
-    async def lookup(self, q: Quota, cache_key: str | None, counters: Counters) -> Lookup:
+    async def lookup(self, q: Quota, cache_key: str | None, counters: Counters,
+                     miss_tokens: int | None = None) -> Lookup:
         hit = self.cache.get(cache_key) if cache_key else None
+        if hit is None and miss_tokens is not None:
+            d = self.quotas.admit(q.tenant, q.key_id, q.tenant_limits, q.key_limits, miss_tokens)
+            return Lookup(None, d, await self._spent(counters) if d.allowed else [], admitted=True)
         decision = (self.quotas.admit(q.tenant, q.key_id, q.tenant_limits, q.key_limits, 0)
                     if hit is not None else None)
         return Lookup(hit, decision, await self._spent(counters))

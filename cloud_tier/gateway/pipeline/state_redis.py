@@ -87,15 +87,21 @@ class RedisState:
             raise RuntimeError("spend counters without Redis spend")
         return spent_of(_ok(replies[-1]))
 
-    async def lookup(self, q: Quota, cache_key: str | None, counters: Counters) -> Lookup:
+    async def lookup(self, q: Quota, cache_key: str | None, counters: Counters,
+                     miss_tokens: int | None = None) -> Lookup:
         checks = self.quotas.checks(q.tenant, q.key_id, q.tenant_limits, q.key_limits, 0)
+        admit_miss = miss_tokens is not None and bool(checks)
         commands = self._spend_read(counters)
         if cache_key:
             if not commands and not checks and (near := self.cache.near(cache_key, q.tenant)) is not None:
                 return Lookup(near, QuotaDecision(True))  # nothing to decide in Redis: no round trip
             value_key = self.cache.value_key(cache_key, q.tenant)
-            commands.insert(0, ("script", "quota", [value_key, *(c[2] for c in checks)],
-                                ["lookup", *self.quotas.admit_args(checks)]) if checks
+            if admit_miss:  # a miss is admitted in the same script: one round trip for the cache and the quota
+                miss = self.quotas.checks(q.tenant, q.key_id, q.tenant_limits, q.key_limits, miss_tokens)
+                args = ["lookup_admit", *self.quotas.admit_args(checks), *(repr(float(c[3][2])) for c in miss)]
+            else:
+                args = ["lookup", *self.quotas.admit_args(checks)]
+            commands.insert(0, ("script", "quota", [value_key, *(c[2] for c in checks)], args) if checks
                             else ("script", "get", [value_key], []))
         if not commands:
             return Lookup(None, None)
@@ -111,6 +117,9 @@ class RedisState:
             return Lookup(None, None, self._spent(counters, replies))
         if checks:
             raw, ttl_ms = (first[3], first[4]) if first[0] != 2 and len(first) > 4 else (None, None)
+            raw = raw or None  # a miss's answer comes back as false
+            if raw is None and admit_miss:  # the miss, admitted (or refused) in that same call
+                return Lookup(None, decision_of(checks, first), self._spent(counters, replies), admitted=True)
             decision = decision_of(checks, first) if raw is not None else None
         else:
             (raw, ttl_ms), decision = first, QuotaDecision(True)

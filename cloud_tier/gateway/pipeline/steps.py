@@ -34,6 +34,10 @@ class Job(Protocol):
 
     def estimate(self) -> Estimate: ...
 
+    def estimate_ready(self) -> bool:
+        """``estimate()`` costs next to nothing now (a body our workers' pool saw before is planned,
+        its prompt tokenized, only on a cache miss): then the cache lookup admits a miss at once."""
+
     async def admit(self) -> None:
         """Room on a worker: sets the flight's ticket, or raises (an APIError: no room)."""
 

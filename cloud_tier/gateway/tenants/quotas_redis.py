@@ -18,13 +18,14 @@ import redis
 
 from cloud_tier.gateway.tenants.quotas import _EPS, Limits, QuotaDecision
 
-# KEYS: the buckets (for "lookup": the cached answer's key first). ARGV[1]: "admit", "lookup" or
-# "reconcile"; ARGV[2]: idle seconds kept after a full refill; admit and lookup: then (rate, capacity,
-# amount) per bucket and the float slack last (lookup: on a miss nothing is taken and {2, '0', 0} comes
-# back; on a hit the buckets are admitted as given and the answer comes fourth, its ms to live fifth);
-# reconcile: then the
-# tokens to add per bucket (a refund > 0, capped at the capacity; a charge < 0, which may go into debt,
-# down to -capacity as in quotas.TokenBucket).
+# KEYS: the buckets (for "lookup" and "lookup_admit": the cached answer's key first). ARGV[1]: "admit",
+# "lookup", "lookup_admit" or "reconcile"; ARGV[2]: idle seconds kept after a full refill. admit and
+# lookup: then (rate, capacity, amount) per bucket and the float slack last (lookup: on a miss nothing is
+# taken and {2, '0', 0} comes back; on a hit the buckets are admitted as given and the answer comes
+# fourth, its ms to live fifth). lookup_admit: as lookup, then one more amount per bucket, a miss's: a
+# miss is admitted with those at once (one round trip for the cache and the quota), its answer false.
+# reconcile: then the tokens to add per bucket (a refund > 0, capped at the capacity; a charge < 0,
+# which may go into debt, down to -capacity as in quotas.TokenBucket).
 _SCRIPT = """
 if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
@@ -48,22 +49,28 @@ if ARGV[1] == 'reconcile' then
   end
   return 1
 end
-local first, answer = 1, false
-if ARGV[1] == 'lookup' then
+local first, answer, miss = 1, false, false
+if ARGV[1] == 'lookup' or ARGV[1] == 'lookup_admit' then
   answer = redis.call('GET', KEYS[1])
-  if not answer then return {2, '0', 0} end
   first = 2
+  if not answer then
+    if ARGV[1] == 'lookup' then return {2, '0', 0} end
+    miss = true  -- lookup_admit: a miss is admitted at once, with the amounts given after the slack
+  end
 end
-local levels, worst, worst_i = {}, 0, 0
+local n = #KEYS - first + 1
+local levels, amounts, worst, worst_i = {}, {}, 0, 0
 for k = first, #KEYS do
   local i = k - first + 1
   local rate, cap, amount = tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1]), tonumber(ARGV[3 * i + 2])
+  if miss then amount = tonumber(ARGV[3 * n + 3 + i]) end
+  amounts[i] = amount
   local b = redis.call('HMGET', KEYS[k], 'level', 'at', 'rate', 'cap')
   local level = cap  -- new, or its limits changed: a full bucket
   if b[1] and tonumber(b[3]) == rate and tonumber(b[4]) == cap then level = level_of(b, rate, cap) end
   levels[i] = level
   local wait = 0
-  if amount > cap then wait = math.huge elseif amount - level > tonumber(ARGV[#ARGV]) then
+  if amount > cap then wait = math.huge elseif amount - level > tonumber(ARGV[3 * n + 3]) then
     wait = (amount - level) / rate end
   if wait > worst then worst, worst_i = wait, i end
 end
@@ -72,7 +79,7 @@ if answer then ttl = redis.call('PTTL', KEYS[1]) end
 if worst_i > 0 then return {0, tostring(worst), worst_i, answer, ttl} end
 for k = first, #KEYS do
   local i = k - first + 1
-  store(KEYS[k], levels[i] - tonumber(ARGV[3 * i + 2]), tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1]))
+  store(KEYS[k], levels[i] - amounts[i], tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1]))
 end
 return {1, '0', 0, answer, ttl}
 """

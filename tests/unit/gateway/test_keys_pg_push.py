@@ -168,10 +168,20 @@ def test_a_database_that_stops_fails_the_requests_that_need_it_with_a_503_and_th
     other, _ = direct.create("acme")
     host_port = dsn.split("@", 1)[1].split("/", 1)[0]
     proxy = FaultProxy("127.0.0.1", int(host_port.rsplit(":", 1)[1]))
-    store = PgKeyStore(dsn.replace(host_port, f"127.0.0.1:{proxy.port}"))
+    # a lost listener trusts the cache cache_ttl_s more: 30 s here, so that "cached: still served" below
+    # holds however slowly a loaded machine gets there (5 s, the default, did not under a full suite)
+    store = PgKeyStore(dsn.replace(host_port, f"127.0.0.1:{proxy.port}"), cache_ttl_s=30.0)
     svc = types.SimpleNamespace(keys=store)
 
     async def run():
+        assert await GatewayService.authenticate(svc, f"Bearer {plaintext}") == key
+
+        async def listening():
+            return store.listening
+
+        # the listener's first connection drops what was read meanwhile (it may have missed a change):
+        # the key is cached by a read after it
+        await until(listening, 10.0, "the replica listens")
         assert await GatewayService.authenticate(svc, f"Bearer {plaintext}") == key
         store.timeout_s = 1.0  # how long a request waits for a connection before its 503
         proxy.down()

@@ -275,3 +275,33 @@ def test_a_hit_just_read_is_answered_from_memory_when_nothing_is_to_be_decided(r
 
     asyncio.run(run())
     r.close()
+
+
+def test_a_miss_is_admitted_by_its_lookup_in_one_round_trip(make_state):
+    """Issue 42: one round trip per request for the quota and the cache, a miss included."""
+    s = make_state()
+    trips = []
+    if isinstance(s, RedisState):
+        real = s._pipeline
+
+        async def counted(commands):
+            trips.append(len(commands))
+            return await real(commands)
+
+        s._pipeline = counted
+    tenant = q("acme", rps=100, tpm=100)
+
+    async def run():
+        first = await s.lookup(tenant, "m1", [], miss_tokens=60)  # a miss: admitted, 60 of 100 tokens
+        second = await s.lookup(tenant, "m1", [], miss_tokens=60)  # 40 left: refused, nothing taken
+        third = await s.lookup(tenant, "m1", [], miss_tokens=30)  # 30 of the 40 left
+        never = await s.lookup(tenant, "m1", [], miss_tokens=1000)  # more than the whole quota
+        return first, second, third, never
+
+    first, second, third, never = asyncio.run(run())
+    assert first.admitted and first.hit is None and first.decision.allowed
+    assert second.admitted and not second.decision.allowed and second.decision.reason == "tpm"
+    assert third.admitted and third.decision.allowed
+    assert never.admitted and never.decision.reason == "tpm_never"
+    if trips:
+        assert trips == [1, 1, 1, 1]  # one script call each: the lookup and the admission together
