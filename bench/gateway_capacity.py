@@ -71,6 +71,24 @@ async def load(url: str, key: str, body: dict, n: int, concurrency: int) -> tupl
     return ok, chunks
 
 
+def redis_stats(url: str) -> dict[str, tuple[int, int]]:
+    """Redis' own count of calls and CPU microseconds per command (INFO commandstats)."""
+    import redis
+
+    stats = redis.Redis.from_url(url).info("commandstats")
+    return {k: (v["calls"], v["usec"]) for k, v in stats.items()}
+
+
+def redis_used(url: str, before: dict | None) -> tuple[int, int] | None:
+    """(commands, CPU microseconds) Redis spent since ``before`` (scripts' own calls included)."""
+    if before is None:
+        return None
+    after = redis_stats(url)
+    calls = sum(c for k, (c, _) in after.items()) - sum(c for c, _ in before.values())
+    usec = sum(u for k, (_, u) in after.items()) - sum(u for _, u in before.values())
+    return calls, usec
+
+
 def phase(pid: int, idle_per_s: float, work) -> tuple[float, float]:
     """(the gateway's CPU seconds for ``work`` less its idle rate over the time it took, seconds);
     prints its user/system split and its event loop's wakes."""
@@ -91,10 +109,18 @@ def main() -> int:
     p.add_argument("--idle-s", type=float, default=10.0)
     p.add_argument("--redis", default="")
     p.add_argument("--db", default="")
+    p.add_argument("--pg-redis", action="store_true",
+                   help="start PostgreSQL and Redis here (testkit.devservers) and keep the gateway's state there")
     p.add_argument("--out")
     p.add_argument("--bare", action="store_true", help="also the same streams through bench/bare_relay.py (the peer)")
     p.add_argument("--profile", help="py-spy the gateway through the streamed phases; collapsed stacks here")
     args = p.parse_args()
+    servers = []
+    if args.pg_redis:
+        from testkit.devservers import Postgres, Redis
+
+        servers = [Postgres(), Redis()]
+        args.db, args.redis = servers[0].dsn, servers[1].url
     work = Path(tempfile.mkdtemp(prefix="gateway-capacity-"))
     wport, gport = free_port(), free_port()
     worker = spawn([sys.executable, str(REPO / "bench/synthetic_worker.py"), "--port", str(wport), "--tpot-ms",
@@ -138,11 +164,18 @@ def main() -> int:
             def run(b=body, out=out):
                 out["ok"], out["chunks"] = asyncio.run(load(url, key, b, args.requests, args.concurrency))
 
+            before_redis = redis_stats(args.redis) if args.redis else None
             cpu, wall = phase(gateway.pid, idle, run)
             per = 1000 * cpu / max(out["ok"], 1)
             print(f"{n:>4} tokens streamed: {out['ok']} ok in {wall:.1f} s, gateway CPU {per:.2f} ms per request "
                   f"({1000 * per / max(n, 1):.1f} us per token)", flush=True)
             result["streams"][n] = {"ok": out["ok"], "cpu_ms_per_request": per, "wall_s": wall}
+            if args.redis and (used := redis_used(args.redis, before_redis)):
+                calls, usec = used
+                result["streams"][n]["redis"] = {"calls_per_request": calls / out["ok"],
+                                                 "redis_cpu_us_per_request": usec / out["ok"]}
+                print(f"      Redis: {calls / out['ok']:.1f} commands and {usec / out['ok']:.0f} us of its CPU per "
+                      "request", flush=True)
             if bare is not None:  # the peer: the same streams through a relay that only moves bytes
                 cpu, wall = phase(bare.pid, 0.0, lambda b=body: asyncio.run(
                     load(bare_url, key, b, args.requests, args.concurrency)))
@@ -177,6 +210,8 @@ def main() -> int:
             if proc is not None:
                 stop(proc)
         stop(worker)
+        for server in servers:
+            server.stop()
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
