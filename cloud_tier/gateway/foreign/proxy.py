@@ -153,18 +153,16 @@ class OpenAIProxy:
             yielded = True
             yield first
             if reader is not None:
-                if a.deadline is None:
-                    while (item := await reader.next()) is not None:
-                        _check_chunk(item[0], chat)
-                        yield item
-                else:
-                    while True:
+                while True:
+                    if a.deadline is None:  # no timer a chunk: the read timeout bounds a stall
+                        item = await reader.next()
+                    else:
                         async with asyncio.timeout(_within(None, a)):
                             item = await reader.next()
-                        if item is None:
-                            break
-                        _check_chunk(item[0], chat)
-                        yield item
+                    if item is None:
+                        break
+                    _check_chunk(item[0], chat)
+                    yield item
                 await end_of_body(resp)
         except errors.APIError as e:
             # the worker's 200 that is not an OpenAI answer: its own failure (retried elsewhere before
@@ -175,7 +173,6 @@ class OpenAIProxy:
                     raise _Retryable(e) from None
             raise
         except Unreachable as e:  # the client's message names no worker (its address is internal): the log does
-            log.warning("worker %s could not be reached: %s", w.url, e)
             failed(str(e), down=True)
             raise _Retryable(errors.APIError(502, "The cloud worker could not be reached.", "server_error",
                                              code="worker_unreachable")) from e
@@ -187,7 +184,6 @@ class OpenAIProxy:
             raise errors.APIError(504, "The cloud worker did not answer in time.", "server_error",
                                   code="worker_timeout") from e
         except WorkerBroke as e:
-            log.warning("worker %s failed: %s", w.url, e)
             failed(str(e))
             raise errors.APIError(502, "The cloud worker's connection broke.", "server_error",
                                   code="worker_failed") from e
@@ -274,6 +270,7 @@ class OpenAIProxy:
             w.breaker.success()
 
     def _failed(self, w: Worker, why: str, down: bool = False) -> None:
+        log.warning("worker %s failed: %s", w.url, why)
         w.last_error = why
         if w.breaker is not None:
             w.breaker.failure(why)
