@@ -202,10 +202,12 @@ async def create_batch(request: Request):
         raise _storage_full(e, "input_file_id") from e
     except TooManyBatches as e:
         raise _too_many(str(e)) from e
-    store.created.set()
     if batch_id is None:  # deleted meanwhile
         raise _not_found("File", new.input_file_id)
-    return await _batch(store, await _call(store.batch, batch_id))
+    try:  # the batch as created ("validating"), read before the runner is woken to take it on
+        return await _batch(store, await _call(store.batch, batch_id))
+    finally:
+        store.created.set()
 
 
 def _count(store: BatchStore, tenant: str, file_id: str, max_line_bytes: int) -> int:
