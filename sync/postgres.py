@@ -127,7 +127,8 @@ class PgStore:
         except PoolTimeout as e:
             raise StoreUnavailable(f"PostgreSQL gave no connection within {self.timeout_s:g} s") from e
         except psycopg.OperationalError as e:
-            raise StoreUnavailable(f"PostgreSQL failed: {str(e).strip().splitlines()[0] if str(e) else e!r}") from e
+            why = str(e).strip().partition("\n")[0] or repr(e)
+            raise StoreUnavailable(f"PostgreSQL failed: {why}") from e
 
     @asynccontextmanager
     async def _atx(self) -> AsyncIterator[_AsyncTx]:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import psycopg
 
+from cascade import wire
 from cloud_tier.gateway.tenants.keys import KeyRecords
 from sync.postgres import PgStore
 
@@ -49,10 +50,10 @@ SCHEMA = (
 def parse_change(payload: str) -> dict:
     """The change a NOTIFY payload names, as ``KeyRecords.invalidate``'s keyword arguments; ValueError
     for anything else."""
-    try:
-        change = json.loads(payload)
-    except ValueError as e:
-        raise ValueError(f"not JSON: {e}") from e
+    try:  # PostgreSQL's payloads are at most 8000 bytes; a name here is never a control character
+        change = wire.loads(payload, limit=8000, text_safe=True)
+    except wire.WireError as e:
+        raise ValueError(f"not JSON ({e.reason}): {e}") from e
     if not (isinstance(change, dict) and len(change) == 1):
         raise ValueError("not an object naming one change")
     (what, value), = change.items()

@@ -7,21 +7,15 @@ worker's refusal becomes the gateway's answer in ``error_of`` (both kinds of wor
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import httpx
 
-from cascade import errors, sse, wire
+from cascade import errors, wire
 
 
 def _bad(message: str, code: str = "worker_bad_stream") -> errors.APIError:
     return errors.APIError(502, message, "server_error", code=code)
-
-
-def lines(chunks: AsyncIterator[bytes], max_line_bytes: int) -> AsyncIterator[bytes]:
-    """The lines of a byte stream (``cascade.sse.lines``: split on b"\\n" only, the last one even
-    without it); a line over ``max_line_bytes`` is a 502 as soon as it gets there."""
-    return sse.lines(chunks, max_line_bytes, too_long=_too_large)
 
 
 def _too_large(limit: int) -> errors.APIError:
@@ -35,19 +29,6 @@ def decode(data: bytes, limit: int, what: str) -> object:
         return wire.loads(data, limit=limit, int64=False)
     except wire.WireError as e:
         raise _bad(f"The cloud worker sent {what} that is not JSON ({e.reason}): {str(e)[:120]}") from None
-
-
-async def next_sse_chunk(stream: AsyncIterator[bytes], limit: int) -> dict | None:
-    """The next chunk of an OpenAI stream (``stream``: its ``lines``); None at ``data: [DONE]``; a
-    502 for a chunk that is not a JSON object, an in-band error, or an end without [DONE]."""
-    async for line in stream:
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            return None
-        return _checked_chunk(data, limit)
-    raise _bad("The cloud worker's stream broke: the stream was cut (no [DONE])")
 
 
 def _checked_chunk(data: bytes, limit: int) -> dict:
@@ -64,7 +45,8 @@ def _checked_chunk(data: bytes, limit: int) -> dict:
 
 class LineReader:
     """The lines of a byte stream whose bytes come from ``read`` (b"" at the end): split on b"\\n"
-    only and bounded as ``lines`` (a 502 as soon as one passes ``max_line_bytes``), the last one
+    only (never on the U+2028 or form feed ``str.splitlines`` knows, which may sit raw in a token's
+    text), a "\\r" before it dropped, bounded (a 502 as soon as one passes ``max_line_bytes``), the last one
     even without its b"\\n"; ``line()`` is None at the end. One object, no generator per line:
     the relay's hot loop (our workers' NDJSON events; a foreign worker's SSE in ``ChunkReader``)."""
 
@@ -108,10 +90,11 @@ class LineReader:
 
 class ChunkReader(LineReader):
     """The chunks of an OpenAI SSE stream, each as (the chunk, its data's bytes as the worker
-    wrote them: what is relayed when nothing in it changes); ``next()`` is None at [DONE] and a
-    502 as ``next_sse_chunk`` says. Lines that are no chunk (comments, other fields, blank ones),
-    or a line dripped a byte at a time, keep a stream open only ``idle_s`` past its last chunk
-    (TimeoutError): a worker's pings alone never hold a stream forever."""
+    wrote them: what is relayed when nothing in it changes); ``next()`` is None at [DONE], and a
+    502 for a chunk that is not a JSON object, an in-band error, or an end without [DONE]. Lines
+    that are no chunk (comments, other fields, blank ones), or a line dripped a byte at a time,
+    keep a stream open only ``idle_s`` past its last chunk (TimeoutError): a worker's pings alone
+    never hold a stream forever."""
 
     def __init__(self, read: Callable[[], Awaitable[bytes]], max_event_bytes: int, idle_s: float | None = None):
         super().__init__(read, max_event_bytes)
@@ -129,11 +112,6 @@ class ChunkReader(LineReader):
                 return None
             return _checked_chunk(data, self._limit), data
         raise _bad("The cloud worker's stream broke: the stream was cut (no [DONE])")
-
-
-async def read_body(resp: httpx.Response, limit: int) -> bytes:
-    """The whole body of ``resp``, refused (502) as soon as it passes ``limit`` bytes."""
-    return await read_all(resp.headers, resp.aiter_bytes().__anext__, limit)
 
 
 async def read_all(headers, read: Callable[[], Awaitable[bytes]], limit: int) -> bytes:

@@ -69,6 +69,18 @@ def make_state(request):
             s.spend.close()
 
 
+def counted_trips(s: RedisState) -> list[int]:
+    """The commands of each round trip ``s`` makes from now on, as it makes them."""
+    trips, real = [], s._pipeline
+
+    async def counted(commands):
+        trips.append(len(commands))
+        return await real(commands)
+
+    s._pipeline = counted
+    return trips
+
+
 def q(tenant: str, rps: float = 0.0, tpm: float = 0.0, key_rps: float = 0.0) -> Quota:
     return Quota(tenant, f"k-{tenant}", Limits(rps, tpm), Limits(key_rps, 0.0))
 
@@ -127,14 +139,7 @@ def test_spend_is_read_with_the_lookup_and_counted_with_the_settlement(make_stat
 
 def test_one_round_trip_per_lookup_admission_and_settlement(redis_url):
     s = redis_state(redis_url)
-    trips = []
-    real = s._pipeline
-
-    async def counted(commands):
-        trips.append(len(commands))
-        return await real(commands)
-
-    s._pipeline = counted
+    trips = counted_trips(s)
     tenant, counters = q("acme", rps=100, tpm=10_000, key_rps=100), [("tenant", "acme", "2026-12")]
 
     async def run():
@@ -249,14 +254,7 @@ def test_a_hit_just_read_is_answered_from_memory_when_nothing_is_to_be_decided(r
     always goes to Redis (its buckets decide)."""
     s = redis_state(redis_url)
     s.cache.near_s = 0.5
-    trips = []
-    real = s._pipeline
-
-    async def counted(commands):
-        trips.append(len(commands))
-        return await real(commands)
-
-    s._pipeline = counted
+    trips = counted_trips(s)
     r = redis.Redis.from_url(redis_url)
 
     async def run():
@@ -280,15 +278,7 @@ def test_a_hit_just_read_is_answered_from_memory_when_nothing_is_to_be_decided(r
 def test_a_miss_is_admitted_by_its_lookup_in_one_round_trip(make_state):
     """Issue 42: one round trip per request for the quota and the cache, a miss included."""
     s = make_state()
-    trips = []
-    if isinstance(s, RedisState):
-        real = s._pipeline
-
-        async def counted(commands):
-            trips.append(len(commands))
-            return await real(commands)
-
-        s._pipeline = counted
+    trips = counted_trips(s) if isinstance(s, RedisState) else []
     tenant = q("acme", rps=100, tpm=100)
 
     async def run():

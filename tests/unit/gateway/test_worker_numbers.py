@@ -5,6 +5,7 @@ in bounded lines split on b"\\n" only, and the result cache shared fairly betwee
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -14,7 +15,7 @@ from cloud_tier.gateway.pipeline.flight import Flight, observe_chunk, observe_ev
 from cloud_tier.gateway.pipeline.result_cache import ResultCache
 from cloud_tier.gateway.tenants.keys import ApiKey
 from cloud_tier.gateway.tenants.quotas import Limits, Quotas, TokenBucket
-from cloud_tier.gateway.workers.stream import lines, next_sse_chunk
+from cloud_tier.gateway.workers.stream import ChunkReader, LineReader
 from cloud_tier.gateway.workers.usage import UsageBounds, checked, foreign_bounds
 
 BOUNDS = UsageBounds(prompt=100, completion=16)
@@ -94,11 +95,21 @@ def test_a_bucket_never_owes_more_than_its_capacity():
     assert quotas.admit("q", "kq", Limits(), Limits(tpm=600), 10).allowed  # another tenant's bucket
 
 
+def _reading(parts) -> Callable[[], Awaitable[bytes]]:
+    """A worker's answer read as ``parts`` (then b"": its end)."""
+    it = iter(parts)
+
+    async def read() -> bytes:
+        return next(it, b"")
+
+    return read
+
+
 async def _lines(parts: list[bytes], limit: int = 64) -> list[bytes]:
-    async def source():
-        for p in parts:
-            yield p
-    return [line async for line in lines(source(), limit)]
+    reader, out = LineReader(_reading(parts), limit), []
+    while (line := await reader.line()) is not None:
+        out.append(line)
+    return out
 
 
 def test_lines_split_on_newline_only_and_are_bounded_while_read():
@@ -111,10 +122,8 @@ def test_lines_split_on_newline_only_and_are_bounded_while_read():
 
 def test_a_chunk_is_decoded_strictly():
     async def first(*raw: bytes):
-        async def source():
-            for r in raw:
-                yield r
-        return await next_sse_chunk(lines(source(), 1 << 10), 1 << 10)
+        got = await ChunkReader(_reading(raw), 1 << 10).next()
+        return None if got is None else got[0]
     assert asyncio.run(first(b'data: {"text": "a\xe2\x80\xa8b"}\n\n')) == {"text": "a\u2028b"}
     assert asyncio.run(first(b"data: [DONE]\n\n")) is None
     for bad in (b'data: {"u": NaN}\n\n', b"data: [1]\n\n", b'data: {"error": {"message": "boom"}}\n\n', b""):
